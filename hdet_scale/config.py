@@ -1,0 +1,256 @@
+"""HDET configuration: dataclasses with the paper's defaults, strict loading and validation.
+
+Every field carries the paper's symbol where it has one (arXiv 2604.24708, section 3). A config is loaded
+from a JSON file (``--hdet_config PATH``), a mapping, or built in code; unknown keys are errors, and
+``validate()`` names the field, the allowed range and the value it got.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GRADIENT_MODES = ("global", "local")
+CONTROLLER_MODES = ("scale", "paper")
+
+
+class HDETConfigError(ValueError):
+    """A bad HDET setting: the message names the field, the allowed values and how to fix it."""
+
+
+@dataclass
+class AutoLRConfig:
+    """The auto-LR controller (paper eqs. 4-9)."""
+
+    enabled: bool = True
+    """Move the base values from the replicas' relative losses. Off: spread and averaging only."""
+
+    mode: str = "scale"
+    """``scale``: keep the base schedule's shape and move a multiplicative scale on it (any scheduler).
+    ``paper``: after the warm-up the controller owns the base value and decays it geometrically to
+    OneCycleLR's floor over the remaining syncs (eqs. 7-8, with eq. 8's sign fixed)."""
+
+    warmup_steps: int = 100_000
+    """S_warm: optimizer steps before the controller starts updating (the spread applies from step 0)."""
+
+    beta: float = 0.9
+    """beta: momentum of the velocity (eq. 7), in [0, 1)."""
+
+    sigma: float = 0.1
+    """sigma: softmax temperature on loss differences (eq. 4), > 0. Smaller trusts small differences more."""
+
+    step_size: float = 0.5
+    """lambda: how far one sync moves the base along the velocity (eq. 7), >= 0."""
+
+    scale_min: float = 0.1
+    """Floor of the multiplicative scale in ``scale`` mode (relative to the base schedule), > 0."""
+
+    scale_max: float = 10.0
+    """Ceiling of the multiplicative scale in ``scale`` mode, >= scale_min."""
+
+
+@dataclass
+class WarmInitConfig:
+    """Warm noisy initialization (paper eq. 10)."""
+
+    enabled: bool = False
+    """Add per-replica Gaussian noise to the starting weights before the first fan-out."""
+
+    nu: float = 0.01
+    """nu: noise std relative to the RMS of all parameters, ||theta0|| / sqrt(d), >= 0."""
+
+
+@dataclass
+class HDETConfig:
+    """Everything HDET needs besides the model, optimizer and schedule."""
+
+    alpha: float = 1.0 / 9.0
+    """alpha: spread ratio of the LR multipliers (eq. 1), in [0, 1). 0 is plain data parallel."""
+
+    sync_interval: int = 1000
+    """T: optimizer steps between parameter averages (eq. 3), >= 1."""
+
+    ranks_per_replica: int = 1
+    """Ranks that form one replica (they shard or replicate one model together), >= 1; must divide the
+    world size. 1 is the paper's setting (every rank a replica)."""
+
+    gradient_mode: str = "global"
+    """``global``: gradients averaged over all ranks every step (paper eq. 2). ``local``: averaged only
+    inside a replica; replicas meet only at syncs (local SGD with an LR spread)."""
+
+    seed: int = 0
+    """Seed of HDET's own generators (permutations, warm-init noise); the global RNG is never touched."""
+
+    bucket_mb: float = 25.0
+    """Size in MiB of the flat fp32 buckets used to average parameters, > 0."""
+
+    metrics_path: str | None = None
+    """JSON-lines file written by global rank 0, one line per sync; None disables it."""
+
+    auto_lr: AutoLRConfig = field(default_factory=AutoLRConfig)
+    warm_init: WarmInitConfig = field(default_factory=WarmInitConfig)
+
+    # ----------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> HDETConfig:
+        """Builds and validates a config from a (possibly nested) mapping; unknown keys are errors."""
+        config = _build(cls, values, prefix="")
+        config.validate()
+        return config
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> HDETConfig:
+        """Loads and validates a config from a JSON file."""
+        path = Path(path)
+        if not path.is_file():
+            raise HDETConfigError(f"hdet_config: no such file '{path}'; pass the path of an HDET JSON file")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise HDETConfigError(f"hdet_config: '{path}' is not valid JSON ({error})") from error
+        if not isinstance(values, dict):
+            raise HDETConfigError(f"hdet_config: '{path}' must hold a JSON object of HDET settings")
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable nested dict that ``from_dict`` turns back into an equal config."""
+        return dataclasses.asdict(self)
+
+    # -------------------------------------------------------------------------------------- validation
+    def validate(self, world_size: int | None = None) -> None:
+        """Raises HDETConfigError naming the first bad field; with ``world_size`` also checks the layout."""
+        _check_number("alpha", self.alpha, low=0.0, high=1.0, high_open=True,
+                      hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0")
+        _check_int("sync_interval", self.sync_interval, low=1)
+        _check_int("ranks_per_replica", self.ranks_per_replica, low=1)
+        _check_choice("gradient_mode", self.gradient_mode, GRADIENT_MODES)
+        _check_int("seed", self.seed, low=0)
+        _check_number("bucket_mb", self.bucket_mb, low=0.0, low_open=True)
+        if self.metrics_path is not None and not isinstance(self.metrics_path, str):
+            raise HDETConfigError(f"metrics_path must be a file path string or null, got {self.metrics_path!r}")
+        lr = self.auto_lr
+        _check_bool("auto_lr.enabled", lr.enabled)
+        _check_choice("auto_lr.mode", lr.mode, CONTROLLER_MODES)
+        _check_int("auto_lr.warmup_steps", lr.warmup_steps, low=0)
+        _check_number("auto_lr.beta", lr.beta, low=0.0, high=1.0, high_open=True)
+        _check_number("auto_lr.sigma", lr.sigma, low=0.0, low_open=True)
+        _check_number("auto_lr.step_size", lr.step_size, low=0.0)
+        _check_number("auto_lr.scale_min", lr.scale_min, low=0.0, low_open=True)
+        _check_number("auto_lr.scale_max", lr.scale_max, low=lr.scale_min,
+                      hint="scale_max must be at least auto_lr.scale_min")
+        if not lr.scale_min <= 1.0 <= lr.scale_max:
+            raise HDETConfigError(
+                f"auto_lr.scale_min={lr.scale_min} and auto_lr.scale_max={lr.scale_max} must bracket 1.0 "
+                "(the controller starts at scale 1, the base schedule itself)"
+            )
+        _check_bool("warm_init.enabled", self.warm_init.enabled)
+        _check_number("warm_init.nu", self.warm_init.nu, low=0.0)
+        if world_size is not None:
+            self.validate_world_size(world_size)
+
+    def validate_world_size(self, world_size: int) -> None:
+        """Checks that ``world_size`` ranks split evenly into replicas of ``ranks_per_replica`` ranks."""
+        if world_size < 1 or world_size % self.ranks_per_replica != 0:
+            raise HDETConfigError(
+                f"ranks_per_replica={self.ranks_per_replica} does not divide the world size {world_size}; "
+                "set ranks_per_replica to a divisor of the number of ranks (e.g. the GPUs per node)"
+            )
+
+    def num_replicas(self, world_size: int) -> int:
+        """How many replicas ``world_size`` ranks form under this config."""
+        self.validate_world_size(world_size)
+        return world_size // self.ranks_per_replica
+
+
+def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds ``--hdet_config PATH`` to a user's parser (next to ``deepspeed.add_config_arguments``)."""
+    group = parser.add_argument_group("HDET")
+    group.add_argument("--hdet_config", type=str, default=None, metavar="PATH",
+                       help="JSON file of HDET settings (spread, sync interval, controller, replica layout)")
+    return parser
+
+
+def load_config(source: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | argparse.Namespace | None,
+                *, world_size: int | None = None) -> HDETConfig:
+    """Resolves a config from a config object, a mapping, a JSON path, parsed args or None (defaults).
+
+    With ``world_size`` (or a WORLD_SIZE variable set by the launcher) the replica layout is checked too,
+    so a bad layout fails before any process group exists.
+    """
+    if isinstance(source, argparse.Namespace):
+        source = getattr(source, "hdet_config", None)
+    if source is None:
+        config = HDETConfig()
+    elif isinstance(source, HDETConfig):
+        config = source
+    elif isinstance(source, Mapping):
+        config = HDETConfig.from_dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        config = HDETConfig.from_json(source)
+    else:
+        raise HDETConfigError(
+            f"hdet_config must be an HDETConfig, a dict, a JSON path or None, got {type(source).__name__}"
+        )
+    if world_size is None and "WORLD_SIZE" in os.environ:
+        world_size = int(os.environ["WORLD_SIZE"])
+    config.validate(world_size=world_size)
+    return config
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(values, Mapping):
+        raise HDETConfigError(f"{prefix.rstrip('.') or 'hdet config'} must be a JSON object, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            suggestion = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise HDETConfigError(
+                f"unknown HDET setting '{prefix}{key}'{suggestion} Known settings: {', '.join(sorted(fields))}"
+            )
+        nested = _NESTED.get(key) if cls is HDETConfig else None
+        kwargs[key] = _build(nested, value, prefix=f"{prefix}{key}.") if nested else value
+    return cls(**kwargs)
+
+
+_NESTED: dict[str, type] = {"auto_lr": AutoLRConfig, "warm_init": WarmInitConfig}
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise HDETConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _check_int(name: str, value: Any, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HDETConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    if value < low:
+        raise HDETConfigError(f"{name} must be an integer >= {low}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise HDETConfigError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, *, low: float, high: float | None = None,
+                  low_open: bool = False, high_open: bool = False, hint: str = "") -> None:
+    lo = f"{'(' if low_open else '['}{low}"
+    hi = f"{high}{')' if high_open else ']'}" if high is not None else "inf)"
+    allowed = f"{name} must be a number in {lo}, {hi}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise HDETConfigError(f"{allowed}, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        raise HDETConfigError(f"{allowed}, got {value}" + (f" ({hint})" if hint else ""))

@@ -1,0 +1,125 @@
+"""The auto-LR controller (paper eqs. 4-9): pure, deterministic math with no communication.
+
+It takes the replicas' interval losses and the values they trained with, and returns the new base state.
+Every rank runs it on identical gathered inputs, so every rank computes identical outputs.
+
+Two modes (see ``AutoLRConfig.mode``):
+
+* ``scale``: values are ``schedule(t) * scale * rho``. The hypergradient is taken relative to the current
+  mean value, ``Delta_rel = sum_r w_r (rho_r - 1)``; momentum smooths it; ``scale <- scale * (1 +
+  lambda * v)`` clamped to [scale_min, scale_max]. The base schedule keeps its shape.
+* ``paper``: after the warm-up the controller owns the base value ``b``: ``Delta = b * sum_r w_r (rho_r - 1)``
+  (eqs. 5-6), ``v <- beta v + (1 - beta) Delta`` and ``b <- b (1 - gamma) + lambda v`` (eq. 7), with gamma
+  chosen so that ``(1 - gamma)^K = floor / b`` over the K remaining syncs. Eq. 8 as printed,
+  ``1 - exp(-log(f_div / f_final) / K)``, is negative for OneCycleLR's defaults (it would grow the LR
+  400x); this implements the stated intent, a geometric decay to OneCycleLR's floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hdet_scale.config import AutoLRConfig
+
+
+def softmax_weights(losses: Sequence[float], sigma: float) -> list[float]:
+    """Eq. 4: w_r = softmax((mean L - L_r) / sigma). Non-finite losses get weight 0 (the worst replica)."""
+    finite = [loss for loss in losses if math.isfinite(loss)]
+    if not finite:
+        raise ValueError("every replica's loss is non-finite: the controller has no signal")
+    mean = sum(finite) / len(finite)
+    scores = [(mean - loss) / sigma if math.isfinite(loss) else -math.inf for loss in losses]
+    top = max(scores)
+    exps = [math.exp(s - top) for s in scores]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def relative_hypergradient(weights: Sequence[float], replica_multipliers: Sequence[float]) -> float:
+    """Eqs. 5-6 divided by the mean value: sum_r w_r (rho_r - 1), exactly 0 when alpha = 0.
+
+    Multipliers average to 1, so this equals (weighted mean value - mean value) / mean value.
+    """
+    return math.fsum(w * (rho - 1.0) for w, rho in zip(weights, replica_multipliers, strict=True))
+
+
+def momentum(velocity: float, delta: float, beta: float) -> float:
+    """Eq. 7 (left): v <- beta v + (1 - beta) Delta."""
+    return beta * velocity + (1.0 - beta) * delta
+
+
+def decay_to_floor(current: float, floor: float, num_syncs: int) -> float:
+    """Eq. 8 as intended: the gamma with (1 - gamma)^K = floor / current, i.e. reach ``floor`` in K syncs."""
+    if num_syncs < 1:
+        raise ValueError(f"num_syncs must be >= 1, got {num_syncs}")
+    if current <= 0 or floor <= 0:
+        raise ValueError(f"decay needs positive values, got current={current}, floor={floor}")
+    return 1.0 - (floor / current) ** (1.0 / num_syncs)
+
+
+@dataclass
+class ControllerState:
+    """The controller's state for one explored value."""
+
+    velocity: float = 0.0
+    """v of eq. 7: relative (dimensionless) in ``scale`` mode, in value units in ``paper`` mode."""
+
+    scale: float = 1.0
+    """``scale`` mode: the multiplicative scale on the base schedule."""
+
+    owned_base: float | None = None
+    """``paper`` mode: the base value the controller owns after the warm-up (None before)."""
+
+    gamma: float = 0.0
+    """``paper`` mode: the per-sync decay rate fixed when the controller took over."""
+
+    last_delta: float = 0.0
+    """The last Delta (for metrics): relative in ``scale`` mode, absolute in ``paper`` mode."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PaperDecay:
+    """What ``paper`` mode needs from the base schedule: where it ends and when."""
+
+    total_steps: int
+    floor: float
+
+
+class Controller:
+    """Applies eqs. 5-8 to one explored value's state; stateless itself."""
+
+    def __init__(self, config: AutoLRConfig) -> None:
+        self.config = config
+
+    def update(self, state: ControllerState, *, weights: Sequence[float], replica_multipliers: Sequence[float],
+               scheduled_value: float, step: int, sync_interval: int,
+               paper_decay: PaperDecay | None = None) -> ControllerState:
+        """One sync's update from eq. 4's ``weights``. ``replica_multipliers[r]`` is rho_{pi(r)}, the multiplier
+        replica r trained with; ``scheduled_value`` is the base schedule's value now (``paper`` mode takes
+        over from it at its first update)."""
+        cfg = self.config
+        delta_rel = relative_hypergradient(weights, replica_multipliers)
+        if cfg.mode == "scale":
+            velocity = momentum(state.velocity, delta_rel, cfg.beta)
+            scale = min(max(state.scale * (1.0 + cfg.step_size * velocity), cfg.scale_min), cfg.scale_max)
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel)
+        if paper_decay is None:
+            raise ValueError(
+                "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, or pass "
+                "paper_decay=PaperDecay(total_steps, floor) to the ensemble"
+            )
+        base, gamma = state.owned_base, state.gamma
+        if base is None:
+            base = scheduled_value
+            remaining = max(1, (paper_decay.total_steps - step) // sync_interval)
+            gamma = decay_to_floor(base, paper_decay.floor, remaining) if base > paper_decay.floor else 0.0
+        delta = base * delta_rel
+        velocity = momentum(state.velocity, delta, cfg.beta)
+        new_base = max(base * (1.0 - gamma) + cfg.step_size * velocity, paper_decay.floor)
+        return ControllerState(velocity=velocity, owned_base=new_base, gamma=gamma, last_delta=delta)

@@ -1,0 +1,31 @@
+"""What an engine adapter answers for the engine-agnostic core."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class EngineAdapter(ABC):
+    """The engine-specific half of HDET: where the state lives and how to refresh it."""
+
+    @property
+    @abstractmethod
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer whose ``param_groups`` hold the scheduled LRs (DeepSpeed: the base optimizer)."""
+
+    @abstractmethod
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        """This rank's master copy of its shard: the tensors averaged in place over the cross-replica group.
+
+        The list must have the same shapes in the same order on every rank of a cross-replica group.
+        """
+
+    def after_average(self) -> None:  # noqa: B027 (a default no-op, not an abstract method)
+        """Refreshes derived copies (e.g. low-precision parameters) from the averaged master tensors."""
+
+    def recover_excluded(self) -> None:
+        """Called on a replica that was left out of an average for non-finite values, after it received the
+        mean: drops optimizer state that may hold the non-finite values, so training continues cleanly."""
+        self.optimizer.state.clear()

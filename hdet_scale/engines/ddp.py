@@ -1,0 +1,85 @@
+"""Plain torch.distributed / DistributedDataParallel: every rank (or group of ranks) is a full replica.
+
+``global`` gradient mode wraps the model in DDP over all ranks (the paper's eq. 2: every replica applies
+the same all-reduced gradient with its own LR). ``local`` mode wraps it in DDP over the replica's own
+ranks only, so replicas meet only at syncs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.controller import PaperDecay
+from hdet_scale.engines.base import EngineAdapter
+from hdet_scale.ensemble import HDETEnsemble
+from hdet_scale.topology import ReplicaTopology
+from hdet_scale.warm_init import add_warm_noise
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+class DDPAdapter(EngineAdapter):
+    """Averages the optimizer's parameters (and the module's floating buffers, e.g. BatchNorm statistics).
+
+    Args:
+        optimizer: the torch optimizer over the replica's full parameters.
+        module: optional model (DDP-wrapped or not) whose floating-point buffers are averaged too.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
+        self._optimizer = optimizer
+        self._module = _unwrap(module) if module is not None else None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        tensors = []
+        for group in self._optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    tensors.append(param.data)
+        if self._module is not None:
+            tensors += [buf for buf in self._module.buffers() if buf.is_floating_point() and id(buf) not in seen]
+        return tensors
+
+
+def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
+               **ddp_kwargs: Any) -> DistributedDataParallel:
+    """Wraps ``model`` in DDP over the process group that ``config.gradient_mode`` asks for.
+
+    All replicas start from global rank 0's weights (one broadcast over all ranks), so they agree whatever
+    each rank's seed was; with ``warm_init.enabled`` each replica then gets its own eq. 10 noise.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("wrap_model needs torch.distributed initialized (launch with torchrun)")
+    if "process_group" in ddp_kwargs:
+        raise ValueError("wrap_model chooses the DDP process_group from config.gradient_mode; do not pass one")
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+    group = None if config.gradient_mode == "global" else topology.intra_replica_group
+    wrapped = DistributedDataParallel(model, process_group=group, **ddp_kwargs)
+    if config.warm_init.enabled:  # after DDP's own start-up broadcast, which would undo it
+        add_warm_noise([p.data for p in model.parameters()], nu=config.warm_init.nu, seed=config.seed,
+                       replica_index=topology.replica_index)
+    return wrapped
+
+
+def attach(model: nn.Module | None, optimizer: torch.optim.Optimizer, config: HDETConfig, *,
+           topology: ReplicaTopology | None = None,
+           paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:
+    """Attaches HDET to a DDP training loop; call ``ensemble.step(loss)`` after every ``optimizer.step()``."""
+    return HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology, paper_decay=paper_decay)

@@ -1,0 +1,330 @@
+"""The HDET orchestrator: fan-out between syncs, converge and re-assign at every sync.
+
+Engine-agnostic: an ``EngineAdapter`` says which tensors to average and which optimizer holds the LRs.
+The training loop calls ``step(loss)`` once per optimizer step, after ``optimizer.step()``; every
+``sync_interval`` steps that call averages the replicas, updates the controller and re-assigns the
+multipliers. Between syncs it does no communication.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hdet_scale.comm import average_tensors, gather_rows
+from hdet_scale.config import HDETConfig
+from hdet_scale.controller import Controller, ControllerState, PaperDecay, softmax_weights
+from hdet_scale.engines.base import EngineAdapter
+from hdet_scale.lr_hooks import StepScopedLR
+from hdet_scale.metrics import MetricsWriter
+from hdet_scale.spread import PermutationStream, multipliers
+from hdet_scale.topology import ReplicaTopology
+
+logger = logging.getLogger(__name__)
+
+LossLike = float | torch.Tensor
+
+
+@dataclass
+class ExploredValue:
+    """One explored hyperparameter (here: one param group's LR) with its own permutation and controller."""
+
+    name: str
+    stream: PermutationStream
+    permutation: list[int] = field(default_factory=list)
+    state: ControllerState = field(default_factory=ControllerState)
+
+
+@dataclass
+class SyncReport:
+    """What one sync did; also the metrics line (``as_record``)."""
+
+    step: int
+    replica_losses: list[float | None]
+    excluded_replicas: list[int]
+    weights: list[float] | None
+    controller_updated: bool
+    values: dict[str, dict[str, Any]]
+    sync_seconds: float
+    bytes_averaged: int
+    bytes_gathered: int
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "replica_losses": self.replica_losses,
+            "excluded_replicas": self.excluded_replicas,
+            "weights": self.weights,
+            "controller_updated": self.controller_updated,
+            "values": self.values,
+            "sync_seconds": self.sync_seconds,
+            "bytes_averaged": self.bytes_averaged,
+            "bytes_gathered": self.bytes_gathered,
+        }
+
+
+class HDETEnsemble:
+    """Hyperparameter-Divergent Ensemble Training over any engine.
+
+    Args:
+        config: HDET settings (validated here).
+        adapter: the engine adapter (see ``hdet_scale.engines``).
+        topology: the replica layout; built from the default process group when omitted.
+        paper_decay: per param group, the schedule's floor and length, for ``auto_lr.mode='paper'``.
+    """
+
+    def __init__(self, config: HDETConfig, adapter: EngineAdapter, *, topology: ReplicaTopology | None = None,
+                 paper_decay: Sequence[PaperDecay] | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.adapter = adapter
+        self.topology = topology or ReplicaTopology.build(config)
+        if self.topology.ranks_per_replica != config.ranks_per_replica:
+            raise ValueError(
+                f"the topology has {self.topology.ranks_per_replica} ranks per replica but the config says "
+                f"ranks_per_replica={config.ranks_per_replica}; build both from the same config"
+            )
+        groups = adapter.optimizer.param_groups
+        if paper_decay is not None and len(paper_decay) != len(groups):
+            raise ValueError(f"paper_decay has {len(paper_decay)} entries for {len(groups)} param groups")
+        self._paper_decay = list(paper_decay) if paper_decay is not None else None
+        self._controller = Controller(config.auto_lr)
+        self._multipliers = multipliers(self.topology.num_replicas, config.alpha)
+        self._explored = [
+            ExploredValue(name=name, stream=PermutationStream(name, config.seed)) for name in _lr_names(groups)
+        ]
+        for explored in self._explored:
+            explored.permutation = explored.stream.draw(self.topology.num_replicas)
+        self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
+        self._step = 0
+        self._loss_sum: LossLike = 0.0
+        self._loss_count = 0
+        self._micro_sum: LossLike = 0.0
+        self._micro_count = 0
+        self._warned_no_loss = False
+        self._lr = StepScopedLR(adapter.optimizer, self._lr_for_group)
+
+    # ------------------------------------------------------------------------------------ the loop
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (``step()`` calls)."""
+        return self._step
+
+    def observe(self, loss: LossLike) -> None:
+        """Records one micro-batch loss; the step's loss is the mean of the micro-batches observed."""
+        self._micro_sum = self._micro_sum + _detached(loss)
+        self._micro_count += 1
+
+    def step(self, loss: LossLike | Sequence[LossLike] | None = None) -> SyncReport | None:
+        """Call once per optimizer step, after ``optimizer.step()``.
+
+        ``loss`` is this step's loss (a float or scalar tensor; a sequence is taken as its micro-batch
+        losses), or None when the losses were passed to ``observe`` or are not available. Tensors stay on
+        their device until the next sync, so this adds no host-device synchronization. Returns the sync
+        report on sync steps, else None.
+        """
+        if loss is not None:
+            for item in (loss if isinstance(loss, (list, tuple)) else [loss]):
+                self.observe(item)
+        if self._micro_count:
+            self._loss_sum = self._loss_sum + self._micro_sum / self._micro_count
+            self._loss_count += 1
+            self._micro_sum, self._micro_count = 0.0, 0
+        self._step += 1
+        if self._step % self.config.sync_interval == 0:
+            return self.sync()
+        return None
+
+    def sync(self) -> SyncReport:
+        """Averages the replicas, updates the controller and re-assigns the multipliers (collective)."""
+        started = time.perf_counter()
+        topo, cfg = self.topology, self.config
+        tensors = self.adapter.averaged_tensors()
+        loss_sum = float(self._loss_sum)
+        params_finite = _all_finite(tensors)
+        table = gather_rows([loss_sum, float(self._loss_count), float(params_finite)], world_size=topo.world_size)
+        gathered_bytes = table.numel() * table.element_size()
+        replica_losses, finite = _per_replica(table, topo)
+        contributors = [r for r in range(topo.num_replicas) if finite[r]]
+        if not contributors:
+            raise FloatingPointError(
+                f"HDET sync at step {self._step}: every replica has non-finite loss or parameters "
+                f"(replica losses {replica_losses}); nothing was averaged. Lower the LR or alpha, or resume "
+                "from the last checkpoint"
+            )
+        sent = average_tensors(tensors, topo.cross_replica_group, contribute=finite[topo.replica_index],
+                               num_contributors=len(contributors), bucket_bytes=int(cfg.bucket_mb * 2**20))
+        self.adapter.after_average()
+        excluded = [r for r in range(topo.num_replicas) if not finite[r]]
+        if not finite[topo.replica_index]:
+            self.adapter.recover_excluded()
+        if excluded:
+            logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",
+                           self._step, excluded)
+
+        trained_with = {explored.name: self._replica_values(index) for index, explored in enumerate(self._explored)}
+        weights, updated = self._update_controller(replica_losses)
+        for explored in self._explored:
+            explored.permutation = explored.stream.draw(topo.num_replicas)
+        values = self._value_report(trained_with)
+        self._loss_sum, self._loss_count = 0.0, 0
+
+        report = SyncReport(step=self._step, replica_losses=replica_losses, excluded_replicas=excluded,
+                            weights=weights, controller_updated=updated, values=values,
+                            sync_seconds=time.perf_counter() - started, bytes_averaged=sent,
+                            bytes_gathered=gathered_bytes)
+        self._metrics.write(report.as_record())
+        return report
+
+    # ------------------------------------------------------------------------------- the controller
+    def _update_controller(self, replica_losses: list[float | None]) -> tuple[list[float] | None, bool]:
+        cfg = self.config.auto_lr
+        if not cfg.enabled or self._step < cfg.warmup_steps or self.topology.num_replicas == 1:
+            return None, False
+        if any(loss is None for loss in replica_losses):
+            if not self._warned_no_loss:
+                warnings.warn("HDET: step() got no loss on some replica during a sync interval; the auto-LR "
+                              "controller skips updates until every replica reports losses", stacklevel=3)
+                self._warned_no_loss = True
+            return None, False
+        weights = softmax_weights(replica_losses, cfg.sigma)
+        for index, explored in enumerate(self._explored):
+            explored.state = self._controller.update(
+                explored.state, weights=weights, replica_multipliers=self._replica_multipliers(explored),
+                scheduled_value=self._scheduled_lr(index), step=self._step,
+                sync_interval=self.config.sync_interval,
+                paper_decay=self._paper_decay[index] if self._paper_decay else None,
+            )
+        return weights, True
+
+    def _replica_multipliers(self, explored: ExploredValue) -> list[float]:
+        return [self._multipliers[slot] for slot in explored.permutation]
+
+    def _scheduled_lr(self, group_index: int) -> float:
+        return float(self.adapter.optimizer.param_groups[group_index]["lr"])
+
+    def _base_value(self, explored: ExploredValue, scheduled: float) -> float:
+        state = explored.state
+        return state.owned_base if state.owned_base is not None else scheduled * state.scale
+
+    def _lr_for_group(self, group_index: int, scheduled: float) -> float:
+        explored = self._explored[group_index]
+        rho = self._multipliers[explored.permutation[self.topology.replica_index]]
+        return self._base_value(explored, scheduled) * rho
+
+    # --------------------------------------------------------------------------------- reporting
+    def lr_multiplier(self, group_index: int = 0) -> float:
+        """This replica's multiplier rho_{pi(r)} on param group ``group_index`` for the current interval."""
+        explored = self._explored[group_index]
+        return self._multipliers[explored.permutation[self.topology.replica_index]]
+
+    def current_lrs(self) -> list[float]:
+        """The LR each param group trains with on this replica at the next optimizer step."""
+        return [self._lr_for_group(i, self._scheduled_lr(i)) for i in range(len(self._explored))]
+
+    def _replica_values(self, group_index: int) -> list[float]:
+        explored = self._explored[group_index]
+        base = self._base_value(explored, self._scheduled_lr(group_index))
+        return [base * rho for rho in self._replica_multipliers(explored)]
+
+    def _value_report(self, trained_with: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+        """Per explored value: what the replicas trained with (aligned with the interval's losses), the
+        controller's new state, and what they train with next."""
+        report = {}
+        for index, explored in enumerate(self._explored):
+            report[explored.name] = {
+                "replica_values": trained_with[explored.name],
+                "base": self._base_value(explored, self._scheduled_lr(index)),
+                "scale": explored.state.scale,
+                "delta": explored.state.last_delta,
+                "velocity": explored.state.velocity,
+                "next_replica_values": self._replica_values(index),
+            }
+        return report
+
+    # ------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Controller, generator and interval state. No rank id: a rank's multipliers are re-derived from
+        the topology, so the state loads on any world size. Between syncs it also holds this rank's interval
+        loss accumulator (identical replicas make the state rank-independent at sync points)."""
+        return {
+            "step": self._step,
+            "num_replicas": self.topology.num_replicas,
+            "loss_sum": float(self._loss_sum),
+            "loss_count": self._loss_count,
+            "explored": {
+                explored.name: {
+                    "permutation": list(explored.permutation),
+                    "controller": explored.state.state_dict(),
+                    "stream": explored.stream.state_dict(),
+                }
+                for explored in self._explored
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state_dict()``; with a different replica count the permutations are drawn afresh."""
+        saved = state["explored"]
+        names = [explored.name for explored in self._explored]
+        if sorted(saved) != sorted(names):
+            raise ValueError(f"HDET state explores {sorted(saved)} but this run explores {sorted(names)}; "
+                             "the optimizer's param groups must match the checkpoint's")
+        same_layout = state["num_replicas"] == self.topology.num_replicas
+        for explored in self._explored:
+            entry = saved[explored.name]
+            explored.state = ControllerState(**entry["controller"])
+            explored.stream.load_state_dict(entry["stream"])
+            explored.permutation = (list(entry["permutation"]) if same_layout
+                                    else explored.stream.draw(self.topology.num_replicas))
+        self._step = int(state["step"])
+        self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
+        self._micro_sum, self._micro_count = 0.0, 0
+
+    def close(self) -> None:
+        """Removes the optimizer hooks; the optimizer then trains at the scheduled LRs."""
+        self._lr.remove()
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _lr_names(groups: list[dict[str, Any]]) -> list[str]:
+    names = [f"lr/{group.get('name', index)}" for index, group in enumerate(groups)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"optimizer param group names must be unique, got {names}")
+    return names
+
+
+def _detached(loss: LossLike) -> LossLike:
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"HDET needs a scalar loss, got a tensor of shape {tuple(loss.shape)}")
+        return loss.detach().reshape(()).to(torch.float64)
+    return float(loss)
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    # Per-device flags reduced on the device, one host sync per device. (A norm would overflow on large
+    # but finite weights.)
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        flags.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
+    return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
+
+
+def _per_replica(table: torch.Tensor, topo: ReplicaTopology) -> tuple[list[float | None], list[bool]]:
+    """Replica loss = mean over its ranks of their interval means; finite = finite loss and parameters."""
+    losses: list[float | None] = []
+    finite: list[bool] = []
+    for replica in range(topo.num_replicas):
+        rows = table[topo.replica_ranks(replica)]
+        with_loss = rows[rows[:, 1] > 0]
+        loss = float((with_loss[:, 0] / with_loss[:, 1]).mean()) if len(with_loss) else None
+        losses.append(loss)
+        finite.append(bool(rows[:, 2].all()) and (loss is None or math.isfinite(loss)))
+    return losses, finite

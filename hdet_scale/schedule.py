@@ -1,0 +1,127 @@
+"""HDET on a learning-rate scheduler: the paper's drop-in OneCycleLR, and a wrapper for any scheduler.
+
+Both keep the scheduler's own behaviour for the base schedule (``get_last_lr()`` and ``param_groups``
+always show the base values) and apply each replica's multiplier only inside ``optimizer.step()``, so
+multipliers cannot compound with chainable schedulers. ``step(loss)`` replaces ``step()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
+
+from hdet_scale.config import HDETConfig, load_config
+from hdet_scale.controller import PaperDecay
+from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.topology import ReplicaTopology
+
+ConfigSource = HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+def resolve_config(source: ConfigSource, overrides: Mapping[str, Any]) -> HDETConfig:
+    """A validated config from ``source`` with keyword ``overrides`` (nested sections as dicts) on top."""
+    config = load_config(source)
+    if not overrides:
+        return config
+    merged = config.to_dict()
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return load_config(merged)
+
+
+class HDETScheduler:
+    """Puts HDET on any torch LR scheduler (cosine, LambdaLR, warmup-stable-decay, chained...).
+
+    Call ``step(loss)`` where you called ``scheduler.step()``, after ``optimizer.step()``. ``paper`` mode
+    needs ``paper_decay`` (the schedule's floor and length per param group); ``scale`` mode needs nothing.
+
+    Args:
+        scheduler: the base schedule, already built on its optimizer.
+        hdet_config: an HDETConfig, a dict, a JSON path, or None for defaults.
+        model: optional model whose floating-point buffers are averaged with the parameters.
+        topology: the replica layout; built from the default process group when omitted.
+        paper_decay: per param group, for ``auto_lr.mode='paper'``.
+        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
+    """
+
+    def __init__(self, scheduler: LRScheduler, *, hdet_config: ConfigSource = None, model: nn.Module | None = None,
+                 topology: ReplicaTopology | None = None, paper_decay: list[PaperDecay] | None = None,
+                 **hdet_fields: Any) -> None:
+        config = resolve_config(hdet_config, hdet_fields)
+        self.scheduler = scheduler
+        self.hdet = HDETEnsemble(config, DDPAdapter(scheduler.optimizer, model), topology=topology,
+                                 paper_decay=paper_decay)
+
+    def step(self, loss: LossLike | None = None) -> SyncReport | None:
+        """Advances the base schedule, then HDET (which syncs every ``sync_interval`` calls)."""
+        self.scheduler.step()
+        return self.hdet.step(loss)
+
+    def get_last_lr(self) -> list[float]:
+        """The base schedule's LRs (this replica's are ``hdet.current_lrs()``)."""
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "hdet": self.hdet.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.hdet.load_state_dict(state["hdet"])
+
+
+class HDETOneCycleLR(OneCycleLR):
+    """Drop-in replacement for ``torch.optim.lr_scheduler.OneCycleLR`` with HDET (the paper's interface).
+
+    Same arguments and defaults as OneCycleLR, plus the keyword-only HDET settings. Use
+    ``scheduler.step(loss)`` after ``optimizer.step()``. In one process without a process group there is
+    one replica and the LRs and momenta are exactly OneCycleLR's. Under torch.distributed each replica
+    trains at its own multiple of the schedule and replicas are averaged every ``sync_interval`` steps.
+
+    Keyword-only args:
+        hdet_config: an HDETConfig, a dict, a JSON path, or None for defaults.
+        model: optional model whose floating-point buffers are averaged with the parameters.
+        topology: the replica layout; built from the default process group when omitted.
+        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float | list[float], total_steps: int | None = None,
+                 epochs: int | None = None, steps_per_epoch: int | None = None, pct_start: float = 0.3,
+                 anneal_strategy: str = "cos", cycle_momentum: bool = True,
+                 base_momentum: float | list[float] = 0.85, max_momentum: float | list[float] = 0.95,
+                 div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False,
+                 last_epoch: int = -1, *, hdet_config: ConfigSource = None, model: nn.Module | None = None,
+                 topology: ReplicaTopology | None = None, **hdet_fields: Any) -> None:
+        config = resolve_config(hdet_config, hdet_fields)
+        self.hdet: HDETEnsemble | None = None  # OneCycleLR.__init__ calls step() before HDET exists
+        super().__init__(optimizer, max_lr, total_steps=total_steps, epochs=epochs,
+                         steps_per_epoch=steps_per_epoch, pct_start=pct_start, anneal_strategy=anneal_strategy,
+                         cycle_momentum=cycle_momentum, base_momentum=base_momentum, max_momentum=max_momentum,
+                         div_factor=div_factor, final_div_factor=final_div_factor, three_phase=three_phase,
+                         last_epoch=last_epoch)
+        floors = [PaperDecay(total_steps=self.total_steps, floor=group["min_lr"]) for group in optimizer.param_groups]
+        self.hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology, paper_decay=floors)
+
+    def step(self, loss: LossLike | None = None) -> SyncReport | None:  # type: ignore[override]
+        """Advances OneCycleLR, then HDET (which syncs every ``sync_interval`` calls)."""
+        super().step()
+        return self.hdet.step(loss) if self.hdet is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {key: value for key, value in super().state_dict().items() if key != "hdet"}
+        state["hdet_state"] = self.hdet.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        hdet_state = state.pop("hdet_state")
+        super().load_state_dict(state)
+        self.hdet.load_state_dict(hdet_state)

@@ -1,0 +1,89 @@
+import argparse
+import json
+
+import pytest
+
+from hdet_scale import HDETConfig, HDETConfigError, add_hdet_args, load_config
+
+
+def test_defaults_are_the_papers():
+    config = HDETConfig()
+    assert config.alpha == pytest.approx(1 / 9)
+    assert config.sync_interval == 1000
+    assert config.auto_lr.warmup_steps == 100_000
+    assert (config.auto_lr.beta, config.auto_lr.sigma, config.auto_lr.step_size) == (0.9, 0.1, 0.5)
+    assert config.warm_init.nu == 0.01
+    assert config.gradient_mode == "global" and config.auto_lr.mode == "scale"
+    config.validate(world_size=8)
+
+
+def test_round_trip_through_dict_and_json(tmp_path):
+    config = HDETConfig.from_dict({"alpha": 0.25, "sync_interval": 10, "ranks_per_replica": 2,
+                                   "gradient_mode": "local", "auto_lr": {"mode": "paper", "sigma": 0.05},
+                                   "warm_init": {"enabled": True}})
+    assert config.auto_lr.sigma == 0.05 and config.auto_lr.beta == 0.9 and config.warm_init.enabled
+    path = tmp_path / "hdet.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert HDETConfig.from_json(path) == config
+
+
+def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
+    path = tmp_path / "hdet.json"
+    path.write_text(json.dumps({"alpha": 0.5, "ranks_per_replica": 2}))
+    parser = add_hdet_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--hdet_config", str(path)])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert load_config(args).alpha == 0.5
+    assert load_config(parser.parse_args([])) == HDETConfig()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(HDETConfigError, match="ranks_per_replica=2 does not divide the world size 3"):
+        load_config(args)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"alpha": -0.1}, r"alpha must be a number in \[0.0, 1.0\), got -0.1"),
+        ({"alpha": 1.0}, r"alpha must be a number in \[0.0, 1.0\), got 1.0 \(alpha >= 1 makes the lowest"),
+        ({"sync_interval": 0}, r"sync_interval must be an integer >= 1, got 0"),
+        ({"sync_interval": 2.5}, r"sync_interval must be an integer >= 1, got 2.5"),
+        ({"ranks_per_replica": 0}, r"ranks_per_replica must be an integer >= 1"),
+        ({"gradient_mode": "hybrid"}, r"gradient_mode must be one of 'global', 'local', got 'hybrid'"),
+        ({"bucket_mb": 0}, r"bucket_mb must be a number in \(0.0, inf\)"),
+        ({"auto_lr": {"sigma": 0}}, r"auto_lr.sigma must be a number in \(0.0, inf\), got 0"),
+        ({"auto_lr": {"sigma": -1.0}}, r"auto_lr.sigma must be a number in \(0.0, inf\)"),
+        ({"auto_lr": {"beta": 1.0}}, r"auto_lr.beta must be a number in \[0.0, 1.0\), got 1.0"),
+        ({"auto_lr": {"beta": -0.5}}, r"auto_lr.beta must be a number in \[0.0, 1.0\)"),
+        ({"auto_lr": {"mode": "magic"}}, r"auto_lr.mode must be one of 'scale', 'paper'"),
+        ({"auto_lr": {"warmup_steps": -1}}, r"auto_lr.warmup_steps must be an integer >= 0"),
+        ({"auto_lr": {"scale_min": 2.0}}, r"must bracket 1.0"),
+        ({"auto_lr": {"enabled": "yes"}}, r"auto_lr.enabled must be true or false"),
+        ({"warm_init": {"nu": -0.01}}, r"warm_init.nu must be a number in \[0.0, inf\)"),
+        ({"alpah": 0.1}, r"unknown HDET setting 'alpah'; did you mean 'alpha'\?"),
+        ({"auto_lr": {"lambda": 0.5}}, r"unknown HDET setting 'auto_lr.lambda'"),
+        ({"auto_lr": 3}, r"auto_lr must be a JSON object"),
+    ],
+)
+def test_bad_values_name_the_field(values, message):
+    with pytest.raises(HDETConfigError, match=message):
+        HDETConfig.from_dict(values)
+
+
+def test_world_size_must_divide():
+    config = HDETConfig(ranks_per_replica=4)
+    with pytest.raises(HDETConfigError, match="ranks_per_replica=4 does not divide the world size 6"):
+        config.validate(world_size=6)
+    assert config.num_replicas(8) == 2
+
+
+def test_bad_json_files(tmp_path):
+    with pytest.raises(HDETConfigError, match="no such file"):
+        HDETConfig.from_json(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{alpha: 1")
+    with pytest.raises(HDETConfigError, match="is not valid JSON"):
+        HDETConfig.from_json(broken)
+    listing = tmp_path / "list.json"
+    listing.write_text("[1, 2]")
+    with pytest.raises(HDETConfigError, match="must hold a JSON object"):
+        HDETConfig.from_json(listing)

@@ -1,0 +1,94 @@
+import math
+
+import pytest
+
+from hdet_scale.config import AutoLRConfig
+from hdet_scale.controller import (
+    Controller,
+    ControllerState,
+    PaperDecay,
+    decay_to_floor,
+    momentum,
+    relative_hypergradient,
+    softmax_weights,
+)
+
+
+def test_softmax_weights_by_hand():
+    # mean 2.0; s = (2 - L)/0.5 = [2, 0, -2]
+    weights = softmax_weights([1.0, 2.0, 3.0], sigma=0.5)
+    total = math.exp(2) + 1 + math.exp(-2)
+    assert weights == pytest.approx([math.exp(2) / total, 1 / total, math.exp(-2) / total])
+    assert softmax_weights([5.0, 5.0], sigma=0.1) == [0.5, 0.5]
+
+
+def test_non_finite_loss_gets_zero_weight():
+    weights = softmax_weights([1.0, float("nan"), 1.0, float("inf")], sigma=0.1)
+    assert weights == [0.5, 0.0, 0.5, 0.0]
+    with pytest.raises(ValueError, match="every replica's loss is non-finite"):
+        softmax_weights([float("nan")], sigma=0.1)
+
+
+def test_delta_sign_lower_loss_at_higher_lr_raises_the_base():
+    rho = [0.8, 1.2]
+    high_lr_wins = softmax_weights([2.0, 1.0], sigma=0.1)
+    low_lr_wins = softmax_weights([1.0, 2.0], sigma=0.1)
+    assert relative_hypergradient(high_lr_wins, rho) > 0 > relative_hypergradient(low_lr_wins, rho)
+    # By hand: w = softmax([-5, 5]) -> Delta = w1*0.2 - w0*0.2
+    w1 = 1 / (1 + math.exp(-10))
+    assert relative_hypergradient(high_lr_wins, rho) == pytest.approx(0.2 * w1 - 0.2 * (1 - w1))
+    assert relative_hypergradient([0.25] * 4, [1.0] * 4) == 0.0
+
+
+def test_momentum_by_hand():
+    assert momentum(0.0, 1.0, 0.9) == pytest.approx(0.1)
+    assert momentum(0.1, 1.0, 0.9) == pytest.approx(0.19)
+    assert momentum(0.19, -1.0, 0.5) == pytest.approx(-0.405)
+
+
+def test_gamma_reaches_the_floor_after_k_syncs():
+    gamma = decay_to_floor(current=1e-3, floor=1e-3 / 25 / 1e4, num_syncs=40)
+    value = 1e-3
+    for _ in range(40):
+        value *= 1 - gamma
+    assert 0 < gamma < 1
+    assert value == pytest.approx(1e-3 / 25 / 1e4, rel=1e-9)
+
+
+def test_paper_mode_takes_over_then_decays_with_velocity():
+    controller = Controller(AutoLRConfig(mode="paper", beta=0.5, step_size=0.5))
+    decay = PaperDecay(total_steps=1000, floor=1e-5)
+    equal = [0.5, 0.5]
+    state = controller.update(ControllerState(), weights=equal, replica_multipliers=[0.9, 1.1],
+                              scheduled_value=1e-3, step=200, sync_interval=100, paper_decay=decay)
+    gamma = 1 - (1e-5 / 1e-3) ** (1 / 8)  # K = (1000 - 200) / 100 = 8 remaining syncs
+    assert state.gamma == pytest.approx(gamma)
+    assert state.velocity == pytest.approx(0.0, abs=1e-15)
+    assert state.owned_base == pytest.approx(1e-3 * (1 - gamma))
+    # Now the high-LR replica wins: Delta = b * sum w (rho - 1) = b * (0.25*-0.1 + 0.75*0.1) = 0.05 b
+    base = state.owned_base
+    state = controller.update(state, weights=[0.25, 0.75], replica_multipliers=[0.9, 1.1],
+                              scheduled_value=123.0, step=300, sync_interval=100, paper_decay=decay)
+    assert state.last_delta == pytest.approx(0.05 * base)
+    assert state.velocity == pytest.approx(0.5 * 0.05 * base)
+    assert state.owned_base == pytest.approx(base * (1 - gamma) + 0.5 * 0.5 * 0.05 * base)
+    with pytest.raises(ValueError, match="needs the base schedule's floor"):
+        controller.update(ControllerState(), weights=equal, replica_multipliers=[0.9, 1.1],
+                          scheduled_value=1e-3, step=0, sync_interval=10)
+
+
+def test_scale_mode_moves_relative_to_the_base_and_clamps():
+    controller = Controller(AutoLRConfig(beta=0.9, step_size=0.5, scale_min=0.5, scale_max=2.0))
+    state = controller.update(ControllerState(), weights=[0.0, 1.0], replica_multipliers=[0.5, 1.5],
+                              scheduled_value=3.0, step=10, sync_interval=5)
+    assert state.last_delta == pytest.approx(0.5)  # the 1.5x replica took all the weight
+    assert state.velocity == pytest.approx(0.05)
+    assert state.scale == pytest.approx(1.0 * (1 + 0.5 * 0.05))
+    for _ in range(500):
+        state = controller.update(state, weights=[0.0, 1.0], replica_multipliers=[0.5, 1.5],
+                                  scheduled_value=3.0, step=10, sync_interval=5)
+    assert state.scale == 2.0
+    for _ in range(500):
+        state = controller.update(state, weights=[1.0, 0.0], replica_multipliers=[0.5, 1.5],
+                                  scheduled_value=3.0, step=10, sync_interval=5)
+    assert state.scale == 0.5

@@ -1,0 +1,262 @@
+"""The DDP path on 4 real gloo ranks: fan-out, converge, alpha = 0, resume, non-finite replicas."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+from torch.optim.lr_scheduler import CosineAnnealingLR, OneCycleLR
+
+from distributed import run_ranks
+from hdet_scale import AutoLRConfig, HDETConfig, HDETOneCycleLR, HDETScheduler, ReplicaTopology, multipliers
+from hdet_scale.engines.ddp import attach, wrap_model
+
+WORLD = 4
+
+
+def make_model(seed: int = 1234) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+
+
+def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def gather_rows(vector: torch.Tensor) -> torch.Tensor:
+    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, vector.contiguous())
+    return torch.stack(rows)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return parameters_to_vector(model.parameters()).detach().clone()
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+
+
+# ------------------------------------------------------------------------------- fan-out and converge
+def fanout_and_converge(rank: int, world: int, mode: str, per_replica: int, metrics_path: str) -> dict:
+    config = HDETConfig(alpha=0.5, sync_interval=3, ranks_per_replica=per_replica, gradient_mode=mode,
+                        metrics_path=metrics_path, auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(seed=rank), config, topology)  # different seeds: the wrap must align them
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    hdet = attach(model, optimizer, config, topology=topology)
+    replicas = topology.num_replicas
+    replica_of = torch.arange(world) // per_replica
+    syncs = 0
+    assert torch.equal(gather_rows(flat_params(model)).std(0), torch.zeros_like(flat_params(model)))
+    for step in range(1, 10):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        grads = gather_rows(flat_grads(model))
+        for r in range(replicas):  # inside a replica gradients always agree
+            assert torch.equal(grads[replica_of == r], grads[replica_of == r][:1].expand(per_replica, -1))
+        if mode == "global":
+            assert torch.allclose(grads, grads[:1].expand(world, -1), atol=1e-7)
+        else:
+            assert not torch.allclose(grads[0], grads[-1])
+        # Eq. 1 with a permutation: the replicas hold the multipliers exactly once each, and every rank
+        # knows which replica holds which.
+        expected_lr = hdet.current_lrs()[0]
+        held = gather_rows(torch.tensor([hdet.lr_multiplier()], dtype=torch.float64)).reshape(-1)
+        per_replica_held = held[::per_replica].tolist()
+        assert sorted(per_replica_held) == pytest.approx(multipliers(replicas, 0.5))
+        assert torch.equal(held, held[::per_replica].repeat_interleave(per_replica))
+        before = flat_params(model)
+        grad = flat_grads(model)
+        optimizer.step()
+        # SGD: the update reveals the LR actually used, independently of HDET's bookkeeping.
+        assert torch.allclose(before - flat_params(model), expected_lr * grad, rtol=1e-4, atol=1e-6)
+        assert optimizer.param_groups[0]["lr"] == 0.05  # the scheduled LR is restored after the step
+        pre = gather_rows(flat_params(model))
+        report = hdet.step(loss)
+        post = gather_rows(flat_params(model))
+        if report is None:
+            distinct = [pre[replica_of == r][0] for r in range(replicas)]
+            assert not torch.allclose(distinct[0], distinct[1])  # replicas differ between syncs
+            continue
+        syncs += 1
+        independent_mean = torch.stack([pre[replica_of == r][0] for r in range(replicas)]).double().mean(0)
+        assert torch.allclose(post.double(), independent_mean.expand(world, -1), rtol=1e-6, atol=1e-7)
+        assert torch.equal(post, post[:1].expand(world, -1))  # identical after the sync, bit for bit
+        assert report.bytes_averaged == 4 * before.numel()
+        assert report.controller_updated and report.excluded_replicas == []
+        replica_values = gather_rows(torch.tensor(hdet.current_lrs(), dtype=torch.float64)).reshape(-1)
+        assert replica_values[::per_replica].tolist() == pytest.approx(
+            report.values["lr/0"]["next_replica_values"])
+    return {"syncs": syncs, "replica": topology.replica_index}
+
+
+@pytest.mark.parametrize(("mode", "per_replica"), [("global", 1), ("global", 2), ("local", 2)])
+def test_replicas_fan_out_and_converge(tmp_path, mode, per_replica):
+    metrics = tmp_path / "metrics.jsonl"
+    results = run_ranks(fanout_and_converge, WORLD, mode, per_replica, str(metrics))
+    assert [r["syncs"] for r in results] == [3] * WORLD
+    assert [r["replica"] for r in results] == [rank // per_replica for rank in range(WORLD)]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [3, 6, 9]
+    for line in lines:
+        assert len(line["replica_losses"]) == WORLD // per_replica
+        assert math.fsum(line["weights"]) == pytest.approx(1.0)
+        assert set(line["values"]["lr/0"]) == {"base", "scale", "replica_values", "delta", "velocity",
+                                                   "next_replica_values"}
+        assert line["sync_seconds"] > 0 and line["bytes_averaged"] > 0
+
+
+# ----------------------------------------------------------------------------- alpha = 0 is plain DDP
+def alpha_zero_matches_ddp(rank: int, world: int, per_replica: int) -> None:
+    config = HDETConfig(alpha=0.0, sync_interval=2, ranks_per_replica=per_replica,
+                        auto_lr=AutoLRConfig(warmup_steps=0))
+    topology = ReplicaTopology.build(config)
+    plain = nn.parallel.DistributedDataParallel(make_model())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    plain_sched = OneCycleLR(plain_opt, max_lr=0.02, total_steps=12)
+    hdet_model = wrap_model(make_model(), config, topology)
+    hdet_opt = torch.optim.AdamW(hdet_model.parameters(), lr=0.01)
+    hdet_sched = HDETOneCycleLR(hdet_opt, max_lr=0.02, total_steps=12, hdet_config=config, topology=topology)
+    for step in range(1, 12):
+        losses = []
+        for model, opt in ((plain, plain_opt), (hdet_model, hdet_opt)):
+            opt.zero_grad()
+            loss = loss_of(model, rank, step)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        plain_sched.step()
+        hdet_sched.step(losses[1])
+        assert losses[0] == losses[1], f"step {step}: {losses}"
+        for a, b in zip(plain.parameters(), hdet_model.parameters(), strict=True):
+            assert torch.equal(a, b), f"step {step}"
+        assert plain_opt.param_groups[0]["lr"] == hdet_opt.param_groups[0]["lr"]
+    assert hdet_sched.hdet.global_step == 11
+
+
+@pytest.mark.parametrize("per_replica", [1, 2])
+def test_alpha_zero_reproduces_plain_ddp_exactly(per_replica):
+    run_ranks(alpha_zero_matches_ddp, WORLD, per_replica)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def build_run(config: HDETConfig, topology: ReplicaTopology, seed: int):
+    model = wrap_model(make_model(seed), config, topology)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    scheduler = HDETScheduler(CosineAnnealingLR(optimizer, T_max=20), hdet_config=config, model=model,
+                              topology=topology)
+    return model, optimizer, scheduler
+
+
+def train(model, optimizer, scheduler, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def resume_matches(rank: int, world: int) -> None:
+    config = HDETConfig(alpha=0.5, sync_interval=3, ranks_per_replica=2, gradient_mode="local",
+                        auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
+    topology = ReplicaTopology.build(config)
+    straight = build_run(config, topology, seed=0)
+    straight_losses = train(*straight, rank, range(1, 11))
+
+    first = build_run(config, topology, seed=0)
+    resumed_losses = train(*first, rank, range(1, 6))  # stops between syncs: accumulators are non-zero
+    saved = copy.deepcopy([first[0].module.state_dict(), first[1].state_dict(), first[2].state_dict()])
+    del first
+    second = build_run(config, topology, seed=99)  # different init: everything must come from the state
+    second[0].module.load_state_dict(saved[0])
+    second[1].load_state_dict(saved[1])
+    second[2].load_state_dict(saved[2])
+    resumed_losses += train(*second, rank, range(6, 11))
+
+    assert resumed_losses == straight_losses
+    for a, b in zip(straight[0].parameters(), second[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert plain(straight[2].hdet.state_dict()) == plain(second[2].hdet.state_dict())
+
+
+def plain(state):
+    """A state dict with tensors turned into lists, so states compare with ==."""
+    if isinstance(state, dict):
+        return {key: plain(value) for key, value in state.items()}
+    return state.tolist() if isinstance(state, torch.Tensor) else state
+
+
+def test_resume_continues_exactly():
+    run_ranks(resume_matches, WORLD)
+
+
+# ------------------------------------------------------------------------------- non-finite replicas
+def non_finite_replicas(rank: int, world: int) -> None:
+    config = HDETConfig(alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local",
+                        auto_lr=AutoLRConfig(warmup_steps=0))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(), config, topology)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, config, topology=topology)
+    replica = topology.replica_index
+    first_param = next(model.parameters())
+    for step in range(1, 13):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        reported_loss = loss.item()
+        if step == 4 and replica == 1:
+            with torch.no_grad():
+                first_param[0, 0] = float("nan")  # diverged parameters on replica 1
+        if step == 8 and replica == 0:
+            reported_loss = float("inf")  # a diverged loss on replica 0
+        pre = gather_rows(flat_params(model))
+        report = hdet.step(reported_loss)
+        post = gather_rows(flat_params(model))
+        assert torch.isfinite(post).all(), f"step {step}"
+        if step in (4, 8):
+            survivor = 0 if step == 4 else 1
+            assert report.excluded_replicas == [1 - survivor]
+            assert torch.equal(post, pre[2 * survivor].expand(world, -1))  # the survivors' mean, exactly
+    # Training went on finite everywhere; now every replica diverges: a clear error, nothing written.
+    with torch.no_grad():
+        first_param[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="every replica has non-finite loss or parameters"):
+        hdet.sync()
+
+
+def test_non_finite_replica_is_excluded_and_training_continues():
+    run_ranks(non_finite_replicas, WORLD)
+
+
+# ------------------------------------------------------------------------------------- layout errors
+def bad_layout(rank: int, world: int) -> str:
+    try:
+        ReplicaTopology.build(HDETConfig(ranks_per_replica=3))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_world_size_not_divisible_fails_before_any_group():
+    messages = run_ranks(bad_layout, WORLD)
+    assert all("ranks_per_replica=3 does not divide the world size 4" in m for m in messages)
