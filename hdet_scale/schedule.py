@@ -101,6 +101,7 @@ class HDETOneCycleLR(OneCycleLR):
                  last_epoch: int = -1, *, hdet_config: ConfigSource = None, model: nn.Module | None = None,
                  topology: ReplicaTopology | None = None, **hdet_fields: Any) -> None:
         config = resolve_config(hdet_config, hdet_fields)
+        topology = topology or ReplicaTopology.build(config)  # layout errors before OneCycleLR touches anything
         self.hdet: HDETEnsemble | None = None  # OneCycleLR.__init__ calls step() before HDET exists
         super().__init__(optimizer, max_lr, total_steps=total_steps, epochs=epochs,
                          steps_per_epoch=steps_per_epoch, pct_start=pct_start, anneal_strategy=anneal_strategy,

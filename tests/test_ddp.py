@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,15 @@ from torch.nn.utils import parameters_to_vector
 from torch.optim.lr_scheduler import CosineAnnealingLR, OneCycleLR
 
 from distributed import run_ranks
-from hdet_scale import AutoLRConfig, HDETConfig, HDETOneCycleLR, HDETScheduler, ReplicaTopology, multipliers
+from hdet_scale import (
+    AutoLRConfig,
+    HDETConfig,
+    HDETOneCycleLR,
+    HDETScheduler,
+    ReplicaTopology,
+    WarmInitConfig,
+    multipliers,
+)
 from hdet_scale.engines.ddp import attach, wrap_model
 
 WORLD = 4
@@ -59,7 +68,7 @@ def fanout_and_converge(rank: int, world: int, mode: str, per_replica: int, metr
     hdet = attach(model, optimizer, config, topology=topology)
     replicas = topology.num_replicas
     replica_of = torch.arange(world) // per_replica
-    syncs = 0
+    syncs, interval_losses = 0, []
     assert torch.equal(gather_rows(flat_params(model)).std(0), torch.zeros_like(flat_params(model)))
     for step in range(1, 10):
         optimizer.zero_grad()
@@ -88,11 +97,16 @@ def fanout_and_converge(rank: int, world: int, mode: str, per_replica: int, metr
         pre = gather_rows(flat_params(model))
         report = hdet.step(loss)
         post = gather_rows(flat_params(model))
+        interval_losses.append(loss.item())
         if report is None:
             distinct = [pre[replica_of == r][0] for r in range(replicas)]
             assert not torch.allclose(distinct[0], distinct[1])  # replicas differ between syncs
             continue
         syncs += 1
+        rank_means = gather_rows(torch.tensor([sum(interval_losses) / len(interval_losses)], dtype=torch.float64))
+        expected_losses = [rank_means[replica_of == r].mean().item() for r in range(replicas)]
+        assert report.replica_losses == pytest.approx(expected_losses, rel=1e-12)
+        interval_losses = []
         independent_mean = torch.stack([pre[replica_of == r][0] for r in range(replicas)]).double().mean(0)
         assert torch.allclose(post.double(), independent_mean.expand(world, -1), rtol=1e-6, atol=1e-7)
         assert torch.equal(post, post[:1].expand(world, -1))  # identical after the sync, bit for bit
@@ -104,7 +118,7 @@ def fanout_and_converge(rank: int, world: int, mode: str, per_replica: int, metr
     return {"syncs": syncs, "replica": topology.replica_index}
 
 
-@pytest.mark.parametrize(("mode", "per_replica"), [("global", 1), ("global", 2), ("local", 2)])
+@pytest.mark.parametrize(("mode", "per_replica"), [("global", 1), ("global", 2), ("local", 1), ("local", 2)])
 def test_replicas_fan_out_and_converge(tmp_path, mode, per_replica):
     metrics = tmp_path / "metrics.jsonl"
     results = run_ranks(fanout_and_converge, WORLD, mode, per_replica, str(metrics))
@@ -260,3 +274,85 @@ def bad_layout(rank: int, world: int) -> str:
 def test_world_size_not_divisible_fails_before_any_group():
     messages = run_ranks(bad_layout, WORLD)
     assert all("ranks_per_replica=3 does not divide the world size 4" in m for m in messages)
+
+
+# ----------------------------------------------------------------------------------- paper mode, end to end
+PAPER = {"alpha": 0.2, "sync_interval": 4, "warmup_steps": 12, "total_steps": 40, "max_lr": 0.05,
+         "beta": 0.5, "sigma": 0.05, "step_size": 0.5}
+
+
+def paper_mode_run(rank: int, world: int, metrics_path: str) -> None:
+    config = HDETConfig(alpha=PAPER["alpha"], sync_interval=PAPER["sync_interval"], metrics_path=metrics_path,
+                        auto_lr=AutoLRConfig(mode="paper", warmup_steps=PAPER["warmup_steps"], beta=PAPER["beta"],
+                                             sigma=PAPER["sigma"], step_size=PAPER["step_size"]))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(), config, topology)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = HDETOneCycleLR(optimizer, max_lr=PAPER["max_lr"], total_steps=PAPER["total_steps"],
+                               hdet_config=config, topology=topology, model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no loss before the warm-up is fine: no warning, no crash
+        for step in range(1, PAPER["total_steps"] + 1):
+            optimizer.zero_grad()
+            loss = loss_of(model, rank, step)
+            loss.backward()
+            optimizer.step()
+            scheduler.step(loss if step > 8 else None)
+
+
+def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    run_ranks(paper_mode_run, 2, str(metrics))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(4, 41, 4))
+    assert [r["controller_updated"] for r in records] == [False, False] + [True] * 8
+
+    # Independent recomputation of eqs. 4-8 from the recorded losses and the values each replica used.
+    reference = OneCycleLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01), max_lr=PAPER["max_lr"],
+                           total_steps=PAPER["total_steps"])
+    for _ in range(PAPER["warmup_steps"]):
+        reference.optimizer.step()
+        reference.step()
+    base, velocity = reference.get_last_lr()[0], 0.0
+    floor = PAPER["max_lr"] / 25 / 1e4
+    syncs_left = (PAPER["total_steps"] - PAPER["warmup_steps"]) // PAPER["sync_interval"]
+    gamma = 1 - (floor / base) ** (1 / syncs_left)
+    for record in records[2:]:
+        values = record["values"]["lr/0"]
+        losses = record["replica_losses"]
+        mean = sum(losses) / len(losses)
+        exps = [math.exp((mean - loss) / PAPER["sigma"]) for loss in losses]
+        weights = [e / sum(exps) for e in exps]
+        assert record["weights"] == pytest.approx(weights, rel=1e-9)
+        rhos = [value / base for value in values["replica_values"]]
+        assert sorted(rhos) == pytest.approx(multipliers(2, PAPER["alpha"]))
+        delta = base * sum(w * (rho - 1) for w, rho in zip(weights, rhos, strict=True))
+        velocity = PAPER["beta"] * velocity + (1 - PAPER["beta"]) * delta
+        base = max(base * (1 - gamma) + PAPER["step_size"] * velocity, floor)
+        assert values["delta"] == pytest.approx(delta, rel=1e-6, abs=1e-15)
+        assert values["velocity"] == pytest.approx(velocity, rel=1e-6, abs=1e-15)
+        assert values["base"] == pytest.approx(base, rel=1e-6)
+    # Without the velocity term the base would sit exactly on OneCycleLR's floor after K syncs.
+    assert reference.get_last_lr()[0] * (1 - gamma) ** syncs_left == pytest.approx(floor)
+
+
+# --------------------------------------------------------------------------------- warm noisy init
+def warm_init_run(rank: int, world: int) -> None:
+    config = HDETConfig(ranks_per_replica=2, seed=3, warm_init=WarmInitConfig(enabled=True, nu=0.01))
+    topology = ReplicaTopology.build(config)
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    start = flat_params(model)
+    wrapped = wrap_model(model, config, topology)
+    noise = gather_rows(flat_params(wrapped) - start)
+    expected_std = 0.01 * start.norm().item() / math.sqrt(start.numel())  # eq. 10
+    for row in noise:
+        assert abs(row.std().item() / expected_std - 1) < 0.06
+        assert abs(row.mean().item()) < 4 * expected_std / math.sqrt(start.numel())
+    assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])  # one noise per replica
+    correlation = torch.corrcoef(noise[[0, 2]])[0, 1].item()
+    assert abs(correlation) < 0.1  # independent across replicas
+
+
+def test_warm_init_noise_follows_eq_10():
+    run_ranks(warm_init_run, WORLD)

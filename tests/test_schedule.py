@@ -1,0 +1,131 @@
+"""The drop-in schedulers in one process: exactly OneCycleLR, no compounding, state, replica changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import ExponentialLR, OneCycleLR
+
+from hdet_scale import HDETConfig, HDETEnsemble, HDETOneCycleLR, HDETScheduler, ReplicaTopology
+from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.spread import multipliers
+
+
+def two_group_optimizer(kind: str) -> torch.optim.Optimizer:
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
+    groups = [{"params": [params[0]]}, {"params": [params[1]], "weight_decay": 0.0}]
+    if kind == "adam":
+        return torch.optim.AdamW(groups, lr=1e-3)
+    return torch.optim.SGD(groups, lr=1e-3, momentum=0.9)
+
+
+def train_step(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer.zero_grad()
+    loss = sum((p**2).sum() for p in params)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("kind", "kwargs"),
+    [
+        ("sgd", {"max_lr": 0.1, "total_steps": 60}),
+        ("adam", {"max_lr": [0.1, 0.02], "total_steps": 60, "three_phase": True}),
+        ("adam", {"max_lr": 0.05, "epochs": 3, "steps_per_epoch": 20, "anneal_strategy": "linear"}),
+        ("sgd", {"max_lr": 0.1, "total_steps": 60, "pct_start": 0.5, "div_factor": 10.0, "final_div_factor": 100.0}),
+    ],
+)
+def test_one_process_is_exactly_onecyclelr(kind, kwargs):
+    reference_opt, hdet_opt = two_group_optimizer(kind), two_group_optimizer(kind)
+    reference = OneCycleLR(reference_opt, **kwargs)
+    rng_before = torch.random.get_rng_state()
+    scheduler = HDETOneCycleLR(hdet_opt, **kwargs, alpha=0.5, sync_interval=7, auto_lr={"warmup_steps": 0})
+    momentum_key = "betas" if kind == "adam" else "momentum"
+    for step in range(59):
+        train_step(reference_opt)
+        loss = train_step(hdet_opt)
+        reference.step()
+        scheduler.step(loss if step % 2 else None)  # with and without a loss
+        for ref_group, group in zip(reference_opt.param_groups, hdet_opt.param_groups, strict=True):
+            assert type(group["lr"]) is float
+            assert group["lr"] == ref_group["lr"] and group[momentum_key] == ref_group[momentum_key]
+    for ref_param, param in zip(reference_opt.param_groups[0]["params"], hdet_opt.param_groups[0]["params"],
+                                strict=True):
+        assert torch.equal(ref_param, param)
+    assert scheduler.get_last_lr() == reference.get_last_lr()
+    assert torch.equal(rng_before, torch.random.get_rng_state())  # HDET never touches the global RNG
+
+
+def test_state_dict_resumes_onecycle_and_hdet():
+    def run(steps, scheduler_state=None, optimizer_state=None):
+        optimizer = two_group_optimizer("adam")
+        if optimizer_state:
+            optimizer.load_state_dict(optimizer_state)
+        scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=40, sync_interval=5)
+        if scheduler_state:
+            scheduler.load_state_dict(scheduler_state)
+        lrs = []
+        for _ in range(steps):
+            scheduler.step(train_step(optimizer))
+            lrs.append(scheduler.get_last_lr())
+        return lrs, scheduler, optimizer
+
+    straight, _, _ = run(30)
+    first, scheduler, optimizer = run(13)
+    second, resumed, _ = run(17, scheduler.state_dict(), optimizer.state_dict())
+    assert first + second == straight
+    assert resumed.hdet.global_step == 30
+
+
+def test_multipliers_never_compound_with_a_chainable_scheduler():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
+    scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=replica_one_of_two,
+                              alpha=0.5, sync_interval=1000)
+    used = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    rho = scheduler.hdet.lr_multiplier()
+    assert rho in multipliers(2, 0.5) and rho != 1.0
+    for step in range(20):
+        train_step(optimizer)
+        scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.9 ** (step + 1), rel=1e-12)
+    assert used == pytest.approx([0.1 * 0.9**step * rho for step in range(20)], rel=1e-12)
+
+
+def test_state_loads_into_a_different_number_of_replicas():
+    def ensemble(num_replicas: int) -> HDETEnsemble:
+        optimizer = two_group_optimizer("sgd")
+        topology = ReplicaTopology(rank=0, world_size=num_replicas, ranks_per_replica=1)
+        return HDETEnsemble(HDETConfig(alpha=0.3, sync_interval=100), DDPAdapter(optimizer), topology=topology)
+
+    four = ensemble(4)
+    for _ in range(3):
+        four.step(1.0)
+    state = four.state_dict()
+    state["explored"]["lr/0"]["controller"]["scale"] = 1.5  # as if the controller had moved
+    two = ensemble(2)
+    two.load_state_dict(state)
+    assert two.global_step == 3
+    assert two.lr_multiplier(0) in multipliers(2, 0.3) and two.lr_multiplier(1) in multipliers(2, 0.3)
+    assert two.current_lrs()[0] == pytest.approx(1e-3 * 1.5 * two.lr_multiplier(0))
+    assert "rank" not in str(state)
+
+    one_group = HDETEnsemble(HDETConfig(), DDPAdapter(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)),
+                             topology=ReplicaTopology.single_process())
+    with pytest.raises(ValueError, match="param groups must match the checkpoint"):
+        one_group.load_state_dict(state)
+
+
+def test_bad_settings_fail_before_any_work():
+    optimizer = two_group_optimizer("sgd")
+    with pytest.raises(ValueError, match="sync_interval must be an integer >= 1, got 0"):
+        HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, sync_interval=0)
+    with pytest.raises(ValueError, match="unknown HDET setting 'spread'"):
+        HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, spread=0.1)
+    with pytest.raises(ValueError, match="ranks_per_replica=2 needs torch.distributed"):
+        HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, ranks_per_replica=2)
+    assert "initial_lr" not in optimizer.param_groups[0]  # OneCycleLR never started

@@ -1,0 +1,23 @@
+import pytest
+
+from hdet_scale import HDETConfig, ReplicaTopology
+
+
+def test_replica_major_layout():
+    layout = ReplicaTopology(rank=6, world_size=8, ranks_per_replica=4)
+    assert (layout.num_replicas, layout.replica_index, layout.position) == (2, 1, 2)
+    assert layout.replica_ranks(1) == [4, 5, 6, 7]
+    assert layout.cross_replica_ranks(2) == [2, 6]  # the same shard position in every replica
+    assert [layout.replica_of(rank) for rank in range(8)] == [0] * 4 + [1] * 4
+
+
+def test_every_rank_a_replica_is_the_papers_setting():
+    layout = ReplicaTopology(rank=3, world_size=4, ranks_per_replica=1)
+    assert (layout.num_replicas, layout.replica_index, layout.position) == (4, 3, 0)
+    assert layout.cross_replica_ranks(0) == [0, 1, 2, 3]
+
+
+def test_without_torch_distributed_there_is_one_replica():
+    assert ReplicaTopology.build(HDETConfig()).num_replicas == 1
+    with pytest.raises(ValueError, match="needs torch.distributed to be initialized"):
+        ReplicaTopology.build(HDETConfig(ranks_per_replica=2))
