@@ -26,6 +26,7 @@ from hdet_scale.lr_hooks import StepScopedLR
 from hdet_scale.metrics import MetricsWriter
 from hdet_scale.spread import PermutationStream, multipliers
 from hdet_scale.topology import ReplicaTopology
+from hdet_scale.warm_init import add_warm_noise
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class SyncReport:
 class HDETEnsemble:
     """Hyperparameter-Divergent Ensemble Training over any engine.
 
+    Build it after the engine has wrapped (and broadcast) the model: with ``warm_init.enabled`` it adds each
+    replica's eq. 10 noise to the weights at construction.
+
     Args:
         config: HDET settings (validated here).
         adapter: the engine adapter (see ``hdet_scale.engines``).
@@ -91,6 +95,8 @@ class HDETEnsemble:
                 f"the topology has {self.topology.ranks_per_replica} ranks per replica but the config says "
                 f"ranks_per_replica={config.ranks_per_replica}; build both from the same config"
             )
+        if getattr(adapter.optimizer, "_hdet_attached", False):
+            raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
         groups = adapter.optimizer.param_groups
         if paper_decay is not None and len(paper_decay) != len(groups):
             raise ValueError(f"paper_decay has {len(paper_decay)} entries for {len(groups)} param groups")
@@ -109,7 +115,11 @@ class HDETEnsemble:
         self._micro_sum: LossLike = 0.0
         self._micro_count = 0
         self._warned_no_loss = False
+        if config.warm_init.enabled:
+            add_warm_noise(adapter.warm_init_tensors(), nu=config.warm_init.nu, seed=config.seed,
+                           replica_index=self.topology.replica_index)
         self._lr = StepScopedLR(adapter.optimizer, self._lr_for_group)
+        adapter.optimizer._hdet_attached = True
 
     # ------------------------------------------------------------------------------------ the loop
     @property
@@ -290,6 +300,7 @@ class HDETEnsemble:
     def close(self) -> None:
         """Removes the optimizer hooks; the optimizer then trains at the scheduled LRs."""
         self._lr.remove()
+        self.adapter.optimizer._hdet_attached = False
 
 
 # ------------------------------------------------------------------------------------------- helpers

@@ -344,6 +344,8 @@ def warm_init_run(rank: int, world: int) -> None:
     model = nn.Linear(64, 64)
     start = flat_params(model)
     wrapped = wrap_model(model, config, topology)
+    assert torch.equal(flat_params(wrapped), start)
+    hdet = attach(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), config, topology=topology)
     noise = gather_rows(flat_params(wrapped) - start)
     expected_std = 0.01 * start.norm().item() / math.sqrt(start.numel())  # eq. 10
     for row in noise:
@@ -352,6 +354,9 @@ def warm_init_run(rank: int, world: int) -> None:
     assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])  # one noise per replica
     correlation = torch.corrcoef(noise[[0, 2]])[0, 1].item()
     assert abs(correlation) < 0.1  # independent across replicas
+    with pytest.raises(ValueError, match="already has HDET attached"):
+        attach(wrapped, hdet.adapter.optimizer, config, topology=topology)
+    hdet.close()
 
 
 def test_warm_init_noise_follows_eq_10():

@@ -22,6 +22,11 @@ class EngineAdapter(ABC):
         The list must have the same shapes in the same order on every rank of a cross-replica group.
         """
 
+    def warm_init_tensors(self) -> list[torch.Tensor]:
+        """The full (unsharded) parameters that warm noisy initialization perturbs (eq. 10)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support warm_init yet; set warm_init.enabled "
+                                  "to false")
+
     def after_average(self) -> None:  # noqa: B027 (a default no-op, not an abstract method)
         """Refreshes derived copies (e.g. low-precision parameters) from the averaged master tensors."""
 

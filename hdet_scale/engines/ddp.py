@@ -20,7 +20,6 @@ from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.base import EngineAdapter
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.topology import ReplicaTopology
-from hdet_scale.warm_init import add_warm_noise
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -43,16 +42,20 @@ class DDPAdapter(EngineAdapter):
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
 
-    def averaged_tensors(self) -> list[torch.Tensor]:
+    def warm_init_tensors(self) -> list[torch.Tensor]:
         seen: set[int] = set()
-        tensors = []
+        params = []
         for group in self._optimizer.param_groups:
             for param in group["params"]:
                 if id(param) not in seen:
                     seen.add(id(param))
-                    tensors.append(param.data)
+                    params.append(param.data)
+        return params
+
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        tensors = self.warm_init_tensors()
         if self._module is not None:
-            tensors += [buf for buf in self._module.buffers() if buf.is_floating_point() and id(buf) not in seen]
+            tensors += [buf for buf in self._module.buffers() if buf.is_floating_point()]
         return tensors
 
 
@@ -61,7 +64,8 @@ def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
     """Wraps ``model`` in DDP over the process group that ``config.gradient_mode`` asks for.
 
     All replicas start from global rank 0's weights (one broadcast over all ranks), so they agree whatever
-    each rank's seed was; with ``warm_init.enabled`` each replica then gets its own eq. 10 noise.
+    each rank's seed was. Attach HDET after wrapping: its warm-init noise must come after DDP's own
+    start-up broadcast.
     """
     if not dist.is_initialized():
         raise RuntimeError("wrap_model needs torch.distributed initialized (launch with torchrun)")
@@ -71,11 +75,7 @@ def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
     group = None if config.gradient_mode == "global" else topology.intra_replica_group
-    wrapped = DistributedDataParallel(model, process_group=group, **ddp_kwargs)
-    if config.warm_init.enabled:  # after DDP's own start-up broadcast, which would undo it
-        add_warm_noise([p.data for p in model.parameters()], nu=config.warm_init.nu, seed=config.seed,
-                       replica_index=topology.replica_index)
-    return wrapped
+    return DistributedDataParallel(model, process_group=group, **ddp_kwargs)
 
 
 def attach(model: nn.Module | None, optimizer: torch.optim.Optimizer, config: HDETConfig, *,
