@@ -1,0 +1,50 @@
+"""The orchestrator in one process: step losses, micro-batches, metrics, misuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
+from hdet_scale.engines.ddp import DDPAdapter
+
+
+def ensemble(**fields) -> HDETEnsemble:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    return HDETEnsemble(HDETConfig(**fields), DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+
+
+def test_micro_batch_losses_average_into_one_step(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    hdet = ensemble(sync_interval=3, metrics_path=str(metrics))
+    assert hdet.step([1.0, 3.0]) is None  # a step of two micro-batches: loss 2
+    hdet.observe(torch.tensor(2.0))
+    hdet.observe(torch.tensor(6.0))
+    assert hdet.step() is None  # loss 4, given as tensors
+    report = hdet.step(torch.tensor([9.0]))  # loss 9
+    assert report.replica_losses == [pytest.approx(5.0)]
+    assert report.step == 3 and report.bytes_averaged == 0  # one replica: nothing to average
+    record = json.loads(metrics.read_text())
+    assert record["replica_losses"] == [pytest.approx(5.0)] and record["values"]["lr/0"]["base"] == 0.1
+
+
+def test_steps_without_losses_report_none():
+    hdet = ensemble(sync_interval=2)
+    hdet.step()
+    assert hdet.step().replica_losses == [None]
+
+
+def test_non_scalar_loss_is_an_error():
+    with pytest.raises(ValueError, match="needs a scalar loss"):
+        ensemble().step(torch.ones(3))
+
+
+def test_group_names_must_be_unique():
+    params = [nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))]
+    optimizer = torch.optim.SGD([{"params": [params[0]], "name": "a"}, {"params": [params[1]], "name": "a"}],
+                                lr=0.1)
+    with pytest.raises(ValueError, match="param group names must be unique"):
+        HDETEnsemble(HDETConfig(), DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
