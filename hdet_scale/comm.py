@@ -69,10 +69,9 @@ def _average_kind(tensors: list[torch.Tensor], group: dist.ProcessGroup, *, devi
                   dtype: torch.dtype, contribute: bool, num_contributors: int, bucket_bytes: int) -> int:
     total = sum(t.numel() for t in tensors)
     capacity = min(max(1, bucket_bytes // dtype.itemsize), max(total, 1))
-    # Two buckets: one is packed while the other's all-reduce is in flight.
-    buckets = [_Bucket(capacity, dtype, device), _Bucket(capacity, dtype, device)]
-    current, in_flight = 0, None
-    sent = 0
+    # Up to two buckets: one is packed while the other's all-reduce is in flight.
+    buckets = [_Bucket(capacity, dtype, device)]
+    current, in_flight, packed, sent = 0, None, 0, 0
 
     def launch(bucket: _Bucket) -> None:
         nonlocal sent
@@ -84,12 +83,9 @@ def _average_kind(tensors: list[torch.Tensor], group: dist.ProcessGroup, *, devi
 
     def finish(bucket: _Bucket) -> None:
         bucket.work.wait()
-        payload = bucket.data[: bucket.fill]
-        payload.div_(num_contributors)
-        for seg in bucket.segments:
-            seg.target[seg.target_offset: seg.target_offset + seg.numel].copy_(
-                payload[seg.bucket_offset: seg.bucket_offset + seg.numel]
-            )
+        for seg in bucket.segments:  # divide while unpacking: one pass, the cast to the tensor's dtype included
+            torch.div(bucket.data[seg.bucket_offset: seg.bucket_offset + seg.numel], num_contributors,
+                      out=seg.target[seg.target_offset: seg.target_offset + seg.numel])
         bucket.fill, bucket.segments, bucket.work = 0, [], None
 
     for tensor in tensors:
@@ -102,17 +98,22 @@ def _average_kind(tensors: list[torch.Tensor], group: dist.ProcessGroup, *, devi
             bucket.segments.append(_Segment(flat, offset, bucket.fill, count))
             bucket.fill += count
             offset += count
+            packed += count
             if bucket.fill == capacity:
                 launch(bucket)
                 if in_flight is not None:
                     finish(in_flight)
-                in_flight, current = bucket, 1 - current
+                in_flight = bucket
+                if packed < total:
+                    if len(buckets) == 1:
+                        buckets.append(_Bucket(capacity, dtype, device))
+                    current = 1 - current
     last = buckets[current]
-    if last.fill:
+    if last.fill and last.work is None:  # a partly filled bucket (a full one is already in flight)
         launch(last)
-    if in_flight is not None:
+    if in_flight is not None and in_flight is not last:
         finish(in_flight)
-    if last.fill:
+    if last.work is not None:
         finish(last)
     return sent
 

@@ -110,9 +110,10 @@ class HDETEnsemble:
             explored.permutation = explored.stream.draw(self.topology.num_replicas)
         self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
         self._step = 0
-        self._loss_sum: LossLike = 0.0
+        # Float64 accumulators on the loss's device, updated in place: no host sync, one kernel per loss.
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
         self._loss_count = 0
-        self._micro_sum: LossLike = 0.0
+        self._micro_sum = torch.zeros((), dtype=torch.float64)
         self._micro_count = 0
         self._warned_no_loss = False
         if config.warm_init.enabled:
@@ -129,7 +130,7 @@ class HDETEnsemble:
 
     def observe(self, loss: LossLike) -> None:
         """Records one micro-batch loss; the step's loss is the mean of the micro-batches observed."""
-        self._micro_sum = self._micro_sum + _detached(loss)
+        self._micro_sum = _accumulate(self._micro_sum, loss)
         self._micro_count += 1
 
     def step(self, loss: LossLike | Sequence[LossLike] | None = None) -> SyncReport | None:
@@ -140,13 +141,17 @@ class HDETEnsemble:
         their device until the next sync, so this adds no host-device synchronization. Returns the sync
         report on sync steps, else None.
         """
-        if loss is not None:
-            for item in (loss if isinstance(loss, (list, tuple)) else [loss]):
-                self.observe(item)
-        if self._micro_count:
-            self._loss_sum = self._loss_sum + self._micro_sum / self._micro_count
+        if loss is not None and not isinstance(loss, (list, tuple)) and not self._micro_count:
+            self._loss_sum = _accumulate(self._loss_sum, loss)  # the common case: one loss per step
             self._loss_count += 1
-            self._micro_sum, self._micro_count = 0.0, 0
+        else:
+            for item in [] if loss is None else loss if isinstance(loss, (list, tuple)) else [loss]:
+                self.observe(item)
+            if self._micro_count:
+                self._loss_sum = _accumulate(self._loss_sum, self._micro_sum, scale=1.0 / self._micro_count)
+                self._loss_count += 1
+                self._micro_sum.zero_()
+                self._micro_count = 0
         self._step += 1
         if self._step % self.config.sync_interval == 0:
             return self.sync()
@@ -184,7 +189,8 @@ class HDETEnsemble:
         for explored in self._explored:
             explored.permutation = explored.stream.draw(topo.num_replicas)
         values = self._value_report(trained_with)
-        self._loss_sum, self._loss_count = 0.0, 0
+        self._loss_sum.zero_()
+        self._loss_count = 0
 
         report = SyncReport(step=self._step, replica_losses=replica_losses, excluded_replicas=excluded,
                             weights=weights, controller_updated=updated, values=values,
@@ -294,8 +300,10 @@ class HDETEnsemble:
             explored.permutation = (list(entry["permutation"]) if same_layout
                                     else explored.stream.draw(self.topology.num_replicas))
         self._step = int(state["step"])
-        self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
-        self._micro_sum, self._micro_count = 0.0, 0
+        self._loss_sum.fill_(float(state["loss_sum"]))
+        self._loss_count = int(state["loss_count"])
+        self._micro_sum.zero_()
+        self._micro_count = 0
 
     def close(self) -> None:
         """Removes the optimizer hooks; the optimizer then trains at the scheduled LRs."""
@@ -311,21 +319,27 @@ def _lr_names(groups: list[dict[str, Any]]) -> list[str]:
     return names
 
 
-def _detached(loss: LossLike) -> LossLike:
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise ValueError(f"HDET needs a scalar loss, got a tensor of shape {tuple(loss.shape)}")
-        return loss.detach().reshape(()).to(torch.float64)
-    return float(loss)
+def _accumulate(total: torch.Tensor, loss: LossLike, scale: float = 1.0) -> torch.Tensor:
+    """Adds ``scale * loss`` to the float64 scalar ``total`` in place, moving ``total`` to the loss's device
+    the first time a loss arrives from another device; returns the accumulator to keep."""
+    if not isinstance(loss, torch.Tensor):
+        return total.add_(float(loss) * scale)
+    if loss.numel() != 1:
+        raise ValueError(f"HDET needs a scalar loss, got a tensor of shape {tuple(loss.shape)}")
+    if total.device != loss.device:
+        total = total.to(loss.device)
+    return total.add_(loss.detach().reshape(()), alpha=scale)
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    # Per-device flags reduced on the device, one host sync per device. (A norm would overflow on large
-    # but finite weights.)
-    flags: dict[torch.device, list[torch.Tensor]] = {}
+    # A tensor's min and max are finite exactly when all of it is; aminmax reads it once with no full-size
+    # temporary (isfinite makes several), and the extrema are checked on the device with one host sync per
+    # device. A norm would overflow on large but finite weights.
+    extrema: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors:
-        flags.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
-    return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
+        if tensor.numel():
+            extrema.setdefault(tensor.device, []).append(torch.stack(torch.aminmax(tensor)).float())
+    return all(bool(torch.isfinite(torch.cat(values)).all()) for values in extrema.values())
 
 
 def _per_replica(table: torch.Tensor, topo: ReplicaTopology) -> tuple[list[float | None], list[bool]]:
