@@ -98,6 +98,11 @@ class HDETEnsemble:
         if getattr(adapter.optimizer, "_hdet_attached", False):
             raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
         groups = adapter.optimizer.param_groups
+        if config.auto_lr.enabled and config.auto_lr.mode == "paper" and paper_decay is None:
+            raise ValueError(
+                "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, pass "
+                "paper_decay=[PaperDecay(total_steps, floor), ...] (one per param group), or use mode 'scale'"
+            )
         if paper_decay is not None and len(paper_decay) != len(groups):
             raise ValueError(f"paper_decay has {len(paper_decay)} entries for {len(groups)} param groups")
         self._paper_decay = list(paper_decay) if paper_decay is not None else None

@@ -14,7 +14,8 @@ from hdet_scale.engines.ddp import DDPAdapter
 
 def ensemble(**fields) -> HDETEnsemble:
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
-    return HDETEnsemble(HDETConfig(**fields), DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+    return HDETEnsemble(HDETConfig.from_dict(fields), DDPAdapter(optimizer),
+                        topology=ReplicaTopology.single_process())
 
 
 def test_micro_batch_losses_average_into_one_step(tmp_path):
@@ -48,3 +49,8 @@ def test_group_names_must_be_unique():
                                 lr=0.1)
     with pytest.raises(ValueError, match="param group names must be unique"):
         HDETEnsemble(HDETConfig(), DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+
+
+def test_paper_mode_without_a_floor_fails_at_construction():
+    with pytest.raises(ValueError, match="auto_lr.mode='paper' needs the base schedule's floor"):
+        ensemble(auto_lr={"mode": "paper"})
