@@ -20,23 +20,26 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda path: path.relative_to(root).as_posix())
 
 
-def stdlib_corpus(max_bytes: int | None = None) -> torch.Tensor:
-    """The corpus as a uint8 tensor of byte tokens (vocabulary 256)."""
-    chunks, total = [], 0
-    for path in stdlib_files():
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
+def stdlib_corpus(max_bytes: int | None = None, *, holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) uint8 byte tokens (vocabulary 256) of the stdlib source, up to ``max_bytes`` in all.
+
+    Every ``holdout_every``-th file is held out whole, so the held-out text is spread over the library
+    instead of being one corner of it, and no held-out file is also trained on.
+    """
+    if holdout_every < 2:
+        raise ValueError(f"holdout_every must be >= 2, got {holdout_every}")
+    train, heldout, total = [], [], 0
+    for index, path in enumerate(stdlib_files()):
         if max_bytes is not None and total >= max_bytes:
             break
-    corpus = b"".join(chunks)[:max_bytes]
-    return torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+        data = path.read_bytes()[: None if max_bytes is None else max_bytes - total]
+        (heldout if index % holdout_every == holdout_every - 1 else train).append(data)
+        total += len(data)
+    return _tokens(b"".join(train)), _tokens(b"".join(heldout))
 
 
-def split_holdout(tokens: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out): the held-out part is the corpus' last ``fraction``."""
-    cut = int(len(tokens) * (1.0 - fraction))
-    return tokens[:cut], tokens[cut:]
+def _tokens(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
 def random_windows(tokens: torch.Tensor, *, batch_size: int, seq_len: int,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale import HDETOneCycleLR, ReplicaTopology, add_hdet_args, load_config
-from hdet_scale.data import random_windows, split_holdout, stdlib_corpus
+from hdet_scale.data import random_windows, stdlib_corpus
 from hdet_scale.engines.ddp import wrap_model
 
 DEMO_DEFAULTS = {
@@ -55,7 +55,7 @@ def build_model(seed: int) -> torch.nn.Module:
 def mean_loss(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namespace, device: torch.device) -> float:
     generator = torch.Generator().manual_seed(12345)  # same batches on every rank and every run
     losses = []
-    for _ in range(8):
+    for _ in range(32):
         x, y = random_windows(tokens, batch_size=args.batch_size, seq_len=args.seq_len, generator=generator)
         losses.append(model(input_ids=x.to(device), labels=y.to(device)).loss.item())
     return sum(losses) / len(losses)
@@ -75,7 +75,7 @@ def main() -> None:
     if rank == 0 and config.metrics_path:
         Path(config.metrics_path).unlink(missing_ok=True)  # a fresh run, not appended to the last one
 
-    train_tokens, heldout_tokens = split_holdout(stdlib_corpus(int(args.corpus_mb * 2**20)), 0.05)
+    train_tokens, heldout_tokens = stdlib_corpus(int(args.corpus_mb * 2**20))  # every 20th file held out
     model = wrap_model(build_model(args.seed).to(device), config, topology)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.max_lr, weight_decay=0.01)
     scheduler = HDETOneCycleLR(optimizer, max_lr=args.max_lr, total_steps=args.steps, hdet_config=config,
@@ -94,9 +94,9 @@ def main() -> None:
         report = scheduler.step(loss)
         interval.append(loss.detach())
         if report is not None and rank == 0:
-            scale = report.values["lr/0"]["scale"]
+            lr = report.values["lr/0"]  # the effective base (the schedule times the controller's scale)
             print(f"step {step:5d}  loss {torch.stack(interval).mean().item():.4f}  "
-                  f"base lr {scheduler.get_last_lr()[0]:.2e}  scale {scale:.3f}  "
+                  f"base lr {lr['base']:.2e}  scale {lr['scale']:.3f}  "
                   f"{(time.perf_counter() - started) / step * 1000:.0f} ms/step", flush=True)
             interval = []
     if args.steps % config.sync_interval:

@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from hdet_scale.data import random_windows, stdlib_corpus, stdlib_files
+
+
+def test_corpus_is_the_stdlib_without_its_tests():
+    files = stdlib_files()
+    assert len(files) > 100 and all(path.suffix == ".py" for path in files)
+    assert not any(part in {"test", "tests", "idle_test"} for path in files for part in path.parts[-3:-1])
+
+
+def test_held_out_files_are_spread_and_disjoint():
+    train, heldout = stdlib_corpus(1_000_000, holdout_every=4)
+    assert len(train) + len(heldout) == 1_000_000 and train.dtype == torch.uint8
+    assert 0.1 < len(heldout) / 1_000_000 < 0.45
+    with pytest.raises(ValueError, match="holdout_every must be >= 2"):
+        stdlib_corpus(1000, holdout_every=1)
+
+
+def test_windows_are_next_byte_targets():
+    tokens = torch.arange(100, dtype=torch.uint8)
+    inputs, targets = random_windows(tokens, batch_size=3, seq_len=10, generator=torch.Generator().manual_seed(0))
+    assert inputs.shape == targets.shape == (3, 10)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(targets - inputs, torch.ones(3, 10).long())
+    with pytest.raises(ValueError, match="too short"):
+        random_windows(tokens[:5], batch_size=1, seq_len=10, generator=torch.Generator())
