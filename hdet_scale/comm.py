@@ -41,6 +41,7 @@ class _Bucket:
         self.work: dist.Work | None = None
 
 
+@torch.no_grad()  # adapters may hand over parameters (or views of them) that require grad
 def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, *,
                     contribute: bool, num_contributors: int, bucket_bytes: int) -> int:
     """Replaces every tensor in place by its mean over ``group``; returns the payload bytes all-reduced.

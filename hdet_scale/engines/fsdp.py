@@ -1,0 +1,183 @@
+"""PyTorch FSDP2: a replica is a group of ranks that shards one model with ``fully_shard``.
+
+The ranks form a 2-D mesh ``("replicate", "shard")``: each replica shards the model over its row of the
+mesh, and the rank at shard position ``p`` of every replica holds the same shard, so averaging each rank's
+local shards over the ``"replicate"`` column averages like with like. ``global`` gradient mode adds an
+all-reduce hook that averages the reduce-scattered gradient over the column (what native 2-D HSDP does);
+``local`` mode leaves it out, so replicas meet only at syncs.
+
+    model, hdet = wrap(model, config)                       # under torchrun, after init_process_group
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    hdet.attach(optimizer)                                  # or attach(optimizer, paper_decay=...)
+    ...
+        loss.backward(); optimizer.step(); scheduler.step()
+        hdet.step(loss)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.controller import PaperDecay
+from hdet_scale.engines.base import EngineAdapter
+from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.topology import ReplicaTopology
+
+
+def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh:
+    """The (replicate, shard) mesh for ``config.ranks_per_replica``, on ``device_type`` (default: cuda if
+    available, else cpu). Replica-major: replica r holds ranks [r*S, (r+1)*S)."""
+    if not dist.is_initialized():
+        raise RuntimeError("the FSDP2 adapter needs torch.distributed initialized (launch with torchrun)")
+    world = dist.get_world_size()
+    config.validate_world_size(world)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    shape = (world // config.ranks_per_replica, config.ranks_per_replica)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def topology_from_mesh(mesh: DeviceMesh, config: HDETConfig) -> ReplicaTopology:
+    """The replica topology whose groups are the mesh's columns (cross-replica) and rows (intra-replica)."""
+    if mesh.mesh_dim_names != ("replicate", "shard"):
+        raise ValueError(f"the mesh must have dims ('replicate', 'shard'), got {mesh.mesh_dim_names}")
+    replicas, per_replica = mesh.shape
+    if per_replica != config.ranks_per_replica:
+        raise ValueError(f"the mesh has {per_replica} ranks per replica but the config says ranks_per_replica="
+                         f"{config.ranks_per_replica}; build the mesh with build_mesh(config)")
+    if mesh.mesh.flatten().tolist() != list(range(replicas * per_replica)):
+        raise ValueError("the mesh must be replica-major over ranks 0..world-1 (as build_mesh makes it)")
+    return ReplicaTopology(rank=dist.get_rank(), world_size=dist.get_world_size(), ranks_per_replica=per_replica,
+                           cross_replica_group=mesh.get_group("replicate") if replicas > 1 else None,
+                           intra_replica_group=mesh.get_group("shard"))
+
+
+def transformer_blocks(model: nn.Module, block_classes: Iterable[type[nn.Module]] | None = None) -> list[nn.Module]:
+    """The modules to shard one by one: instances of ``block_classes``, or for transformers models the
+    classes named in ``model._no_split_modules`` (the decoder layers)."""
+    if block_classes is None:
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        return [module for module in model.modules() if type(module).__name__ in names]
+    classes = tuple(block_classes)
+    return [module for module in model.modules() if isinstance(module, classes)]
+
+
+class FSDPAdapter(EngineAdapter):
+    """Averages each rank's local shards of the FSDP2 parameters (fp32 under a bf16 parameter policy)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._model = model
+        self._optimizer = optimizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        # Parameters left unsharded (reshard_after_forward=False) are resharded first: the registered
+        # DTensors must be the shards, or ranks would average different things.
+        for module in self._model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        tensors = [param.to_local() for param in self._model.parameters()]
+        return tensors + [buf for buf in self._model.buffers() if buf.is_floating_point()]
+
+
+class HDETFSDP:
+    """The HDET handle of an FSDP2-wrapped model: ``attach(optimizer)`` once, then ``step(loss)`` after every
+    ``optimizer.step()``. Returned by ``wrap``."""
+
+    def __init__(self, model: nn.Module, config: HDETConfig, topology: ReplicaTopology, mesh: DeviceMesh) -> None:
+        self.model = model
+        self.config = config
+        self.topology = topology
+        self.mesh = mesh
+        self.ensemble: HDETEnsemble | None = None
+
+    def attach(self, optimizer: torch.optim.Optimizer, *,
+               paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:
+        """Attaches HDET to the optimizer built over the wrapped model's parameters."""
+        model_params = {id(p) for p in self.model.parameters()}
+        if not any(id(p) in model_params for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("the optimizer holds none of the wrapped model's parameters: build it from "
+                             "model.parameters() after wrap()")
+        self.ensemble = HDETEnsemble(self.config, FSDPAdapter(self.model, optimizer), topology=self.topology,
+                                     paper_decay=paper_decay)
+        return self.ensemble
+
+    def step(self, loss: LossLike | Sequence[LossLike] | None = None) -> SyncReport | None:
+        """``HDETEnsemble.step``: call after every ``optimizer.step()``."""
+        if self.ensemble is None:
+            raise RuntimeError("call hdet.attach(optimizer) before hdet.step(loss): HDET needs the optimizer "
+                               "built over the wrapped model's parameters")
+        return self.ensemble.step(loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.ensemble is None:
+            raise RuntimeError("call hdet.attach(optimizer) before saving HDET state")
+        return self.ensemble.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.ensemble is None:
+            raise RuntimeError("call hdet.attach(optimizer) before loading HDET state")
+        self.ensemble.load_state_dict(state)
+
+
+def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolicy | None = None,
+         reshard_after_forward: bool = True, offload_policy: OffloadPolicy | None = None,
+         block_classes: Iterable[type[nn.Module]] | None = None, mesh: DeviceMesh | None = None,
+         device_type: str | None = None) -> tuple[nn.Module, HDETFSDP]:
+    """Shards ``model`` with FSDP2 inside each replica and returns it with its HDET handle.
+
+    Args:
+        model: the model, on the device it trains on (or CPU for gloo); identical weights on every rank are
+            not required: global rank 0's are broadcast to all before sharding.
+        config: HDET settings; ``ranks_per_replica`` is the shard-group size.
+        mp_policy, reshard_after_forward, offload_policy: FSDP2's own options, applied to every block and
+            the root.
+        block_classes: module classes to shard one by one; default: the decoder layers of transformers
+            models (``_no_split_modules``), else only the root.
+        mesh: a ("replicate", "shard") mesh; default ``build_mesh(config, device_type)``.
+        device_type: the mesh's device type when building it.
+    """
+    config.validate()
+    if not any(param.requires_grad for param in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no trainable parameters: nothing for HDET to train")
+    if config.warm_init.enabled:
+        raise ValueError("warm_init is not available with FSDP2 yet (it needs the noise drawn over full "
+                         "tensors and sliced per shard); set warm_init.enabled to false")
+    mesh = mesh or build_mesh(config, device_type)
+    topology = topology_from_mesh(mesh, config)
+    with torch.no_grad():  # replicas start identical whatever each rank's seed was
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+    options: dict[str, Any] = {"mesh": mesh["shard"], "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        options["offload_policy"] = offload_policy
+    blocks = transformer_blocks(model, block_classes)
+    if not blocks and block_classes is None:
+        warnings.warn(f"no transformer blocks found in {type(model).__name__}; sharding it as one unit "
+                      "(pass block_classes to shard block by block)", stacklevel=2)
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    if config.gradient_mode == "global" and topology.cross_replica_group is not None:
+        group = topology.cross_replica_group
+
+        def average_across_replicas(gradient: torch.Tensor) -> None:
+            dist.all_reduce(gradient, op=dist.ReduceOp.AVG, group=group)
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(average_across_replicas)
+    return model, HDETFSDP(model, config, topology, mesh)

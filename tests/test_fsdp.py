@@ -1,0 +1,145 @@
+"""The FSDP2 adapter on 4 real gloo ranks = 2 replicas x 2 shards, with a tiny transformers decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from distributed import run_ranks
+from hdet_scale import AutoLRConfig, HDETConfig, multipliers
+from hdet_scale.engines.fsdp import build_mesh, wrap
+
+WORLD, PER_REPLICA = 4, 2
+
+
+def tiny_llama(seed: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(config)
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    tokens = batch(rank, step)
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def full(tensors) -> torch.Tensor:
+    """The full (unsharded) values of DTensors or plain tensors, flattened into one vector."""
+    return torch.cat([(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1) for t in tensors])
+
+
+def gather_rows(vector: torch.Tensor) -> torch.Tensor:
+    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, vector.contiguous())
+    return torch.stack(rows)
+
+
+def fanout(rank: int, world: int, mode: str) -> int:
+    config = HDETConfig(alpha=0.5, sync_interval=3, ranks_per_replica=PER_REPLICA, gradient_mode=mode,
+                        auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
+    model, hdet = wrap(tiny_llama(seed=rank), config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with pytest.raises(RuntimeError, match=r"call hdet.attach\(optimizer\) before hdet.step"):
+        hdet.step(1.0)
+    hdet.attach(optimizer)
+    replica_of = torch.arange(world) // PER_REPLICA
+    syncs = 0
+    for step in range(1, 8):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        grads = gather_rows(full(p.grad for p in model.parameters()))
+        if mode == "global":
+            assert torch.allclose(grads[0], grads[2], atol=1e-7)  # every replica applies the same gradient
+        else:
+            assert not torch.allclose(grads[0], grads[2])
+        held = gather_rows(torch.tensor([hdet.ensemble.lr_multiplier()], dtype=torch.float64)).reshape(-1)
+        assert sorted(held[::PER_REPLICA].tolist()) == pytest.approx(multipliers(2, 0.5))  # eq. 1
+        assert torch.equal(held, held[::PER_REPLICA].repeat_interleave(PER_REPLICA))
+        before, grad = full(model.parameters()), full(p.grad for p in model.parameters())
+        lr = hdet.ensemble.current_lrs()[0]
+        optimizer.step()
+        assert torch.allclose(before - full(model.parameters()), lr * grad, rtol=1e-4, atol=1e-6)
+        pre = gather_rows(full(model.parameters()))
+        report = hdet.step(loss)
+        post = gather_rows(full(model.parameters()))
+        if report is None:
+            assert not torch.allclose(pre[0], pre[2])  # replicas differ between syncs
+            continue
+        syncs += 1
+        mean = torch.stack([pre[replica_of == r][0] for r in range(2)]).double().mean(0)
+        assert torch.allclose(post.double(), mean.expand(world, -1), rtol=1e-6, atol=1e-7)
+        assert torch.equal(post, post[:1].expand(world, -1))
+        local_numel = sum(p.to_local().numel() for p in model.parameters())
+        buffer_numel = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+        assert report.bytes_averaged == 4 * (local_numel + buffer_numel)  # this rank's shards (and buffers)
+    return syncs
+
+
+@pytest.mark.parametrize("mode", ["global", "local"])
+def test_replicas_shard_fan_out_and_converge(mode):
+    assert run_ranks(fanout, WORLD, mode) == [2] * WORLD
+
+
+def alpha_zero(rank: int, world: int) -> None:
+    config = HDETConfig(alpha=0.0, sync_interval=2, ranks_per_replica=PER_REPLICA,
+                        auto_lr=AutoLRConfig(warmup_steps=0))
+    model, hdet = wrap(tiny_llama(seed=0), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hdet.attach(optimizer)
+    ddp = nn.parallel.DistributedDataParallel(tiny_llama(seed=0))
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    flat_mesh = init_device_mesh("cpu", (world,))
+    plain = tiny_llama(seed=0)
+    for layer in plain.model.layers:
+        fully_shard(layer, mesh=flat_mesh)
+    fully_shard(plain, mesh=flat_mesh)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in range(1, 6):
+        losses, grads = [], []
+        for net, opt in ((model, optimizer), (ddp, ddp_opt), (plain, plain_opt)):
+            opt.zero_grad()
+            loss = loss_of(net, rank, step)
+            loss.backward()
+            grads.append(full(p.grad for p in net.parameters()))
+            opt.step()
+            losses.append(loss.item())
+        hdet.step(losses[0])
+        assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)  # global mode = plain data parallel
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5) == pytest.approx(losses[2], rel=1e-5)
+        params = [full(net.parameters()) for net in (model, ddp, plain)]
+        assert torch.allclose(params[0], params[1], atol=1e-6) and torch.allclose(params[0], params[2], atol=1e-6)
+
+
+def test_alpha_zero_is_plain_data_parallel_and_plain_fsdp2():
+    run_ranks(alpha_zero, WORLD)
+
+
+def bad_inputs(rank: int, world: int) -> None:
+    config = HDETConfig(ranks_per_replica=PER_REPLICA)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="has no trainable parameters"):
+        wrap(frozen, config)
+    with pytest.raises(ValueError, match="ranks_per_replica=3 does not divide the world size 4"):
+        wrap(nn.Linear(4, 4), HDETConfig(ranks_per_replica=3))
+    mesh = build_mesh(HDETConfig(ranks_per_replica=4))
+    with pytest.raises(ValueError, match="the mesh has 4 ranks per replica but the config says ranks_per_replica=2"):
+        wrap(nn.Linear(4, 4), config, mesh=mesh)
+    _, hdet = wrap(nn.Linear(4, 4), config, block_classes=[])
+    with pytest.raises(ValueError, match="holds none of the wrapped model's parameters"):
+        hdet.attach(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_bad_inputs_give_clear_errors():
+    run_ranks(bad_inputs, WORLD)
