@@ -351,9 +351,9 @@ def write_markdown(path: Path, info: dict[str, Any], settings: dict[str, Any], r
                      "uniform nor one-hot at this temperature.")
     below = sum(run["heldout_loss"] < run["final_train_loss"] for run in runs)
     lines += [
-        f"- The held-out split is the last 5 % of the demo's corpus (mostly `encodings/` codec tables); its loss "
-        f"is below the train loss in {below} of {len(runs)} runs. The colleague did not say which loss they "
-        "quoted; train loss (random windows of the whole corpus) is the one the verdict uses.",
+        f"- The held-out split is every 20th file of the demo's corpus; its loss is below the train loss in {below} "
+        f"of {len(runs)} runs. The colleague did not say which loss they quoted; train loss (random windows of the "
+        "training files) is the one the verdict uses.",
         "",
         f"Full per-run data (commands, per-sync base LR, wall times): `{RESULTS_STEM.name}.json`.",
     ]
