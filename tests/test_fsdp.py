@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from distributed import run_ranks
 from hdet_scale import AutoLRConfig, HDETConfig, multipliers
@@ -143,3 +143,39 @@ def bad_inputs(rank: int, world: int) -> None:
 
 def test_bad_inputs_give_clear_errors():
     run_ranks(bad_inputs, WORLD)
+
+
+def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str) -> None:
+    config = HDETConfig(alpha=0.5, sync_interval=2, ranks_per_replica=PER_REPLICA,
+                        auto_lr=AutoLRConfig(warmup_steps=0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 1))  # 5 rows split 3 + 2; 1 row: 1 + empty
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model, hdet = wrap(model, config, mp_policy=policy, block_classes=[nn.Linear])
+    shards = [p.to_local() for p in model.parameters()]
+    assert all(shard.dtype == torch.float32 for shard in shards)  # the sharded master stays fp32
+    assert (min(shard.numel() for shard in shards) == 0) == (rank % PER_REPLICA == 1)  # an empty shard
+    kind = {"foreach": {"foreach": True}, "fused": {"fused": True}}[optimizer_kind]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **kind)
+    hdet.attach(optimizer)
+    for step in range(1, 5):
+        optimizer.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        pre = gather_rows(full(model.parameters()))
+        report = hdet.step(loss)
+        post = gather_rows(full(model.parameters()))
+        if report is not None:
+            mean = torch.stack([pre[0], pre[2]]).double().mean(0)  # one rank per replica
+            assert post.dtype == torch.float32
+            assert torch.allclose(post.double(), mean.expand(world, -1), rtol=1e-6, atol=1e-7)
+            assert torch.equal(post, post[:1].expand(world, -1))
+        else:
+            assert not torch.allclose(pre[0], pre[2])
+
+
+@pytest.mark.parametrize("optimizer_kind", ["foreach", "fused"])
+def test_bf16_policy_averages_fp32_shards_even_uneven_and_empty(optimizer_kind):
+    run_ranks(mixed_precision_uneven, WORLD, optimizer_kind)
