@@ -1,0 +1,99 @@
+"""Distributed checkpoints of an FSDP2 HDET run, taken at sync points.
+
+At a sync point every replica holds the same parameters, so the model is saved once (DCP keeps one copy of
+identical shards) and consolidates into one unsharded model. Optimizer states can differ between replicas
+(local gradient mode, or weight decay folded into momentum), and DCP de-duplicates identical keys across
+ranks: saved under shared keys they would come back as a mix of replicas. Each replica's optimizer state is
+therefore saved under its own key. The HDET state is identical on every rank at a sync point; rank 0 writes it
+next to the shards. A checkpoint is written to ``PATH.tmp`` and renamed into place once complete, so a run
+killed mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from hdet_scale.engines.fsdp import HDETFSDP
+
+HDET_STATE_FILE = "hdet_state.pt"
+
+
+def _attached(hdet: HDETFSDP) -> None:
+    if hdet.ensemble is None:
+        raise RuntimeError("call hdet.attach(optimizer) before saving or loading a checkpoint")
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, hdet: HDETFSDP) -> dict[str, Any]:
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, f"optimizer_replica{hdet.topology.replica_index}": optimizer_state}
+
+
+def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
+                    hdet: HDETFSDP) -> None:
+    """Saves model, optimizer and HDET state to the directory ``path`` (collective: every rank calls it)."""
+    _attached(hdet)
+    ensemble = hdet.ensemble
+    if ensemble.global_step % ensemble.config.sync_interval:
+        raise ValueError(
+            f"checkpoints are taken at sync points, where the replicas are identical: step {ensemble.global_step} "
+            f"is not a multiple of sync_interval={ensemble.config.sync_interval}"
+        )
+    final = Path(path)
+    staging = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    dist.barrier()
+    dcp.save(_sharded_state(model, optimizer, hdet), checkpoint_id=staging)
+    if dist.get_rank() == 0:
+        torch.save(ensemble.state_dict(), staging / HDET_STATE_FILE)
+        retired = final.with_name(final.name + ".old")
+        if final.exists():
+            final.rename(retired)
+        staging.rename(final)
+        shutil.rmtree(retired, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
+                    hdet: HDETFSDP) -> None:
+    """Restores a checkpoint written by ``save_checkpoint`` on the same replica layout (collective)."""
+    _attached(hdet)
+    path = Path(path)
+    if not (path / HDET_STATE_FILE).is_file():
+        raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")
+    state = _sharded_state(model, optimizer, hdet)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state[f"optimizer_replica{hdet.topology.replica_index}"])
+    hdet.ensemble.load_state_dict(torch.load(path / HDET_STATE_FILE, weights_only=False))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model on CPU (collective); complete on rank 0, empty elsewhere. Take it at a sync
+    point, where it is the one model of the ensemble."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Writes the consolidated model with transformers' ``save_pretrained`` from rank 0 (collective)."""
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"{type(model).__name__} is not a transformers model; use full_state_dict() instead")
+    state = full_state_dict(model)
+    if dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=state)
+    dist.barrier()

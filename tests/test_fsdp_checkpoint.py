@@ -1,0 +1,84 @@
+"""DCP checkpoints of an FSDP2 HDET run on 4 gloo ranks = 2 replicas x 2 shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_fsdp import PER_REPLICA, WORLD, full, gather_rows, loss_of, tiny_llama
+
+from distributed import run_ranks
+from hdet_scale import AutoLRConfig, HDETConfig
+from hdet_scale.engines.fsdp import wrap
+from hdet_scale.engines.fsdp_checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_pretrained
+
+CONFIG = HDETConfig(alpha=0.5, sync_interval=3, ranks_per_replica=PER_REPLICA, gradient_mode="local",
+                    auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
+
+
+def build(seed: int):
+    model, hdet = wrap(tiny_llama(seed), CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    hdet.attach(optimizer)
+    return model, optimizer, hdet
+
+
+def train(model, optimizer, hdet, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        hdet.step(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def moments(optimizer) -> torch.Tensor:
+    return full(state["exp_avg"] for state in optimizer.state.values())
+
+
+def resume(rank: int, world: int, directory: str) -> None:
+    path = Path(directory) / "ckpt"
+    straight = build(seed=0)
+    straight_losses = train(*straight, rank, range(1, 10))
+
+    first = build(seed=0)
+    losses = train(*first, rank, range(1, 5))
+    with pytest.raises(ValueError, match="checkpoints are taken at sync points"):
+        save_checkpoint(path, *first)
+    assert not path.exists()
+    losses += train(*first, rank, range(5, 7))
+    saved_moments = moments(first[1])
+    replica_moments = gather_rows(saved_moments)
+    assert not torch.equal(replica_moments[0], replica_moments[2])  # local mode: replicas' Adam states differ
+    save_checkpoint(path, *first)
+    save_checkpoint(path, *first)  # overwriting an existing checkpoint keeps exactly one, complete
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]
+
+    second = build(seed=123)
+    load_checkpoint(path, *second)
+    assert torch.equal(moments(second[1]), saved_moments)  # each replica got its own optimizer state back
+    losses += train(*second, rank, range(7, 10))
+    assert losses == straight_losses
+    assert torch.equal(full(straight[0].parameters()), full(second[0].parameters()))
+
+    # The synced model consolidates into one unsharded transformers model.
+    state = full_state_dict(second[0])
+    save_pretrained(second[0], Path(directory) / "export")
+    synced = full(second[0].parameters())
+    if rank == 0:
+        plain = tiny_llama(seed=7)
+        plain.load_state_dict(state)
+        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in plain.parameters()]), synced)
+        from transformers import LlamaForCausalLM
+
+        exported = LlamaForCausalLM.from_pretrained(Path(directory) / "export")
+        tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+        assert torch.allclose(exported(input_ids=tokens).logits, plain(input_ids=tokens).logits)
+
+
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
+    run_ranks(resume, WORLD, str(tmp_path))
