@@ -92,6 +92,12 @@ class HDETConfig:
     bucket_mb: float = 25.0
     """Size in MiB of the flat fp32 buckets used to average parameters, > 0."""
 
+    average_optimizer_state: bool = False
+    """Also average the optimizer's floating-point state (e.g. Adam's moments) at each sync. Off by default,
+    as in the paper: in ``global`` mode the replicas see the same gradients, so Adam's moments agree anyway;
+    in ``local`` mode each replica's moments track its own gradients, and averaging them trades that for
+    replicas that restart each interval from one state."""
+
     metrics_path: str | None = None
     """JSON-lines file written by global rank 0, one line per sync; None disables it."""
 
@@ -134,6 +140,7 @@ class HDETConfig:
         _check_choice("gradient_mode", self.gradient_mode, GRADIENT_MODES)
         _check_int("seed", self.seed, low=0)
         _check_number("bucket_mb", self.bucket_mb, low=0.0, low_open=True)
+        _check_bool("average_optimizer_state", self.average_optimizer_state)
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise HDETConfigError(f"metrics_path must be a file path string or null, got {self.metrics_path!r}")
         lr = self.auto_lr

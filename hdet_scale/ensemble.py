@@ -167,6 +167,8 @@ class HDETEnsemble:
         started = time.perf_counter()
         topo, cfg = self.topology, self.config
         tensors = self.adapter.averaged_tensors()
+        if cfg.average_optimizer_state:
+            tensors += self.adapter.optimizer_state_tensors()
         loss_sum = float(self._loss_sum)
         params_finite = _all_finite(tensors)
         table = gather_rows([loss_sum, float(self._loss_count), float(params_finite)], world_size=topo.world_size)

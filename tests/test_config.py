@@ -59,6 +59,7 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"scale_min": 2.0}}, r"must bracket 1.0"),
         ({"auto_lr": {"enabled": "yes"}}, r"auto_lr.enabled must be true or false"),
         ({"warm_init": {"nu": -0.01}}, r"warm_init.nu must be a number in \[0.0, inf\)"),
+        ({"average_optimizer_state": 1}, r"average_optimizer_state must be true or false"),
         ({"alpah": 0.1}, r"unknown HDET setting 'alpah'; did you mean 'alpha'\?"),
         ({"auto_lr": {"lambda": 0.5}}, r"unknown HDET setting 'auto_lr.lambda'"),
         ({"auto_lr": 3}, r"auto_lr must be a JSON object"),

@@ -47,9 +47,9 @@ def gather_rows(vector: torch.Tensor) -> torch.Tensor:
 
 def fanout(rank: int, world: int, mode: str) -> int:
     config = HDETConfig(alpha=0.5, sync_interval=3, ranks_per_replica=PER_REPLICA, gradient_mode=mode,
-                        auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
+                        average_optimizer_state=True, auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
     model, hdet = wrap(tiny_llama(seed=rank), config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
     with pytest.raises(RuntimeError, match=r"call hdet.attach\(optimizer\) before hdet.step"):
         hdet.step(1.0)
     hdet.attach(optimizer)
@@ -67,23 +67,37 @@ def fanout(rank: int, world: int, mode: str) -> int:
         held = gather_rows(torch.tensor([hdet.ensemble.lr_multiplier()], dtype=torch.float64)).reshape(-1)
         assert sorted(held[::PER_REPLICA].tolist()) == pytest.approx(multipliers(2, 0.5))  # eq. 1
         assert torch.equal(held, held[::PER_REPLICA].repeat_interleave(PER_REPLICA))
-        before, grad = full(model.parameters()), full(p.grad for p in model.parameters())
+        before = full(model.parameters())
+        buffers = full(optimizer.state[p]["momentum_buffer"] for p in model.parameters()) if step > 1 else 0
         lr = hdet.ensemble.current_lrs()[0]
         optimizer.step()
-        assert torch.allclose(before - full(model.parameters()), lr * grad, rtol=1e-4, atol=1e-6)
+        # SGD with momentum: the update reveals the LR used, independently of HDET's bookkeeping.
+        update = full(optimizer.state[p]["momentum_buffer"] for p in model.parameters())
+        assert torch.allclose(before - full(model.parameters()), lr * update, rtol=1e-4, atol=1e-6)
+        assert torch.allclose(update, 0.5 * buffers + full(p.grad for p in model.parameters()), atol=1e-6)
         pre = gather_rows(full(model.parameters()))
+        pre_momentum = gather_rows(update)
         report = hdet.step(loss)
         post = gather_rows(full(model.parameters()))
+        cross_bytes = hdet.gradient_bytes_across_replicas
+        if mode == "global":
+            assert cross_bytes > 0
+        else:
+            assert cross_bytes == 0  # local mode: nothing crosses replicas between syncs
         if report is None:
             assert not torch.allclose(pre[0], pre[2])  # replicas differ between syncs
             continue
+        momentum = gather_rows(full(optimizer.state[p]["momentum_buffer"] for p in model.parameters()))
+        momentum_mean = torch.stack([pre_momentum[0], pre_momentum[2]]).double().mean(0)
+        assert torch.allclose(momentum.double(), momentum_mean.expand(world, -1), rtol=1e-6, atol=1e-7)
         syncs += 1
         mean = torch.stack([pre[replica_of == r][0] for r in range(2)]).double().mean(0)
         assert torch.allclose(post.double(), mean.expand(world, -1), rtol=1e-6, atol=1e-7)
         assert torch.equal(post, post[:1].expand(world, -1))
         local_numel = sum(p.to_local().numel() for p in model.parameters())
         buffer_numel = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-        assert report.bytes_averaged == 4 * (local_numel + buffer_numel)  # this rank's shards (and buffers)
+        # This rank's shards, buffers and momentum shards (average_optimizer_state).
+        assert report.bytes_averaged == 4 * (2 * local_numel + buffer_numel)
     return syncs
 
 

@@ -22,6 +22,19 @@ class EngineAdapter(ABC):
         The list must have the same shapes in the same order on every rank of a cross-replica group.
         """
 
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+        """This rank's floating-point optimizer state (moments; not step counters), in parameter order, as
+        local tensors: averaged with the parameters when ``average_optimizer_state`` is on."""
+        tensors = []
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                for key in sorted(state):
+                    value = state[key]
+                    if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step":
+                        tensors.append(value.to_local() if hasattr(value, "to_local") else value)
+        return tensors
+
     def warm_init_tensors(self) -> list[torch.Tensor]:
         """The full (unsharded) parameters that warm noisy initialization perturbs (eq. 10)."""
         raise NotImplementedError(f"{type(self).__name__} does not support warm_init yet; set warm_init.enabled "

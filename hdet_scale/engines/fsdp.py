@@ -101,6 +101,14 @@ class HDETFSDP:
         self.topology = topology
         self.mesh = mesh
         self.ensemble: HDETEnsemble | None = None
+        self.gradient_bytes_across_replicas = 0
+        """Payload bytes of gradients this rank all-reduced across replicas (``global`` mode's every-step
+        traffic); HDET's own sync traffic is in each ``SyncReport``."""
+
+    def average_gradient_across_replicas(self, gradient: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook in ``global`` mode: the reduce-scattered shard, averaged over replicas."""
+        dist.all_reduce(gradient, op=dist.ReduceOp.AVG, group=self.topology.cross_replica_group)
+        self.gradient_bytes_across_replicas += gradient.numel() * gradient.element_size()
 
     def attach(self, optimizer: torch.optim.Optimizer, *,
                paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:
@@ -171,13 +179,9 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
+    hdet = HDETFSDP(model, config, topology, mesh)
     if config.gradient_mode == "global" and topology.cross_replica_group is not None:
-        group = topology.cross_replica_group
-
-        def average_across_replicas(gradient: torch.Tensor) -> None:
-            dist.all_reduce(gradient, op=dist.ReduceOp.AVG, group=group)
-
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_all_reduce_hook(average_across_replicas)
-    return model, HDETFSDP(model, config, topology, mesh)
+                module.set_all_reduce_hook(hdet.average_gradient_across_replicas)
+    return model, hdet
