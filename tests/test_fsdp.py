@@ -159,13 +159,14 @@ def test_bad_inputs_give_clear_errors():
     run_ranks(bad_inputs, WORLD)
 
 
-def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str) -> None:
+def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str, reshard_after_forward: bool) -> None:
     config = HDETConfig(alpha=0.5, sync_interval=2, ranks_per_replica=PER_REPLICA,
                         auto_lr=AutoLRConfig(warmup_steps=0))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 1))  # 5 rows split 3 + 2; 1 row: 1 + empty
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model, hdet = wrap(model, config, mp_policy=policy, block_classes=[nn.Linear])
+    model, hdet = wrap(model, config, mp_policy=policy, block_classes=[nn.Linear],
+                       reshard_after_forward=reshard_after_forward)
     shards = [p.to_local() for p in model.parameters()]
     assert all(shard.dtype == torch.float32 for shard in shards)  # the sharded master stays fp32
     assert (min(shard.numel() for shard in shards) == 0) == (rank % PER_REPLICA == 1)  # an empty shard
@@ -179,6 +180,8 @@ def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str) -> None:
         loss.backward()
         optimizer.step()
         pre = gather_rows(full(model.parameters()))
+        with torch.no_grad():
+            model(x)  # an evaluation forward: without resharding after it, the parameters stay unsharded
         report = hdet.step(loss)
         post = gather_rows(full(model.parameters()))
         if report is not None:
@@ -190,6 +193,6 @@ def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str) -> None:
             assert not torch.allclose(pre[0], pre[2])
 
 
-@pytest.mark.parametrize("optimizer_kind", ["foreach", "fused"])
-def test_bf16_policy_averages_fp32_shards_even_uneven_and_empty(optimizer_kind):
-    run_ranks(mixed_precision_uneven, WORLD, optimizer_kind)
+@pytest.mark.parametrize(("optimizer_kind", "reshard_after_forward"), [("foreach", True), ("fused", False)])
+def test_bf16_policy_averages_fp32_shards_even_uneven_and_empty(optimizer_kind, reshard_after_forward):
+    run_ranks(mixed_precision_uneven, WORLD, optimizer_kind, reshard_after_forward)
