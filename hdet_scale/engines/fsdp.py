@@ -178,7 +178,9 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
                       "(pass block_classes to shard block by block)", stacklevel=2)
     for block in blocks:
         fully_shard(block, **options)
-    fully_shard(model, **options)
+    # The root's parameters are needed again at once by backward: like fully_shard's own default (None), keep
+    # them unsharded after forward unless the caller asked for no resharding anywhere.
+    fully_shard(model, **{**options, "reshard_after_forward": None if reshard_after_forward else False})
     hdet = HDETFSDP(model, config, topology, mesh)
     if config.gradient_mode == "global" and topology.cross_replica_group is not None:
         for module in model.modules():
