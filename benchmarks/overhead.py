@@ -1,12 +1,17 @@
-"""HDET's cost on a plain DDP training loop: step time, sync time and bytes, measured in one interleaved run.
+"""HDET's cost on a training loop of one engine (plain DDP or FSDP2): step time, sync time and bytes, measured
+in one interleaved run.
 
-    python benchmarks/ddp_overhead.py [--ranks 4] [--steps N] [--quick] [--backend auto|gloo|nccl]
+    python benchmarks/overhead.py [--engine ddp|fsdp] [--ranks 4] [--steps N] [--quick] [--backend auto|gloo|nccl]
 
 The script spawns ``--ranks`` processes (gloo on CPU, or nccl with one rank per GPU when enough GPUs are
-visible; ``--backend`` overrides) and measures, every rank a replica (``ranks_per_replica = 1``):
+visible; ``--backend`` overrides). ``--engine ddp``: every rank a replica (``ranks_per_replica = 1``), the
+baseline plain DDP. ``--engine fsdp``: replicas of ``--shards`` ranks (default 2) on the 2-D mesh
+``("replicate", "shard")``, HDET through ``engines.fsdp.wrap`` in global gradient mode, the baseline native
+2-D HSDP (``fully_shard(block, mesh=mesh)`` on the same mesh: reduce-scatter inside a replica, all-reduce of
+the shard across replicas). Both shard the model block by block. Measured:
 
-1. Step time. Plain DDP training of a residual MLP (~1.2M parameters) against the same training with HDET
-   attached (``engines.ddp.wrap_model`` + ``attach``, ``hdet.step(loss)`` after every ``optimizer.step()``)
+1. Step time. The baseline training of a residual MLP (~1.2M parameters) against the same training with
+   HDET attached (``hdet.step(loss)`` after every ``optimizer.step()``)
    at sync interval T = 10, 100, 1000. Every variant keeps its own model, optimizer and HDET state and
    they run round-robin in blocks of ``--block`` steps, the order rotating every round, so machine noise
    hits all variants alike. The first round is a warm-up and is dropped. A step's time is the mean over
@@ -17,18 +22,20 @@ visible; ``--backend`` overrides) and measures, every rank a replica (``ranks_pe
    The hot path is the measured time of ``hdet.step(loss)`` on non-sync steps plus the cost of HDET's
    step-scoped LR hooks around ``optimizer.step()`` (timed on an optimizer with no gradients, where the
    hooks are most of the work). The auto-LR controller runs at every sync (``warmup_steps = 0``).
-2. Sync time. ``hdet.sync()`` (bucketed averaging of all parameters over the cross-replica group, the
-   tiny loss gather, the finiteness check and the controller) at several ``bucket_mb``, and
-   ``comm.average_tensors`` alone at the default bucket, against one flat ``all_reduce`` of a single fp32
-   tensor of the same number of bytes, interleaved per repetition with a barrier before each operation.
-   A repetition's time is the slowest rank's; the ratio to the flat all-reduce is taken per repetition.
+2. Sync time. ``hdet.sync()`` (bucketed averaging of all parameters, FSDP: of each rank's local shards,
+   over the cross-replica group, the tiny loss gather, the finiteness check and the controller) at several
+   ``bucket_mb``, and ``comm.average_tensors`` alone at the default bucket, against one flat ``all_reduce``
+   of a single fp32 tensor of the same number of bytes over the cross-replica group, interleaved per
+   repetition with a barrier before each operation. A repetition's time is the slowest rank's; the ratio
+   to the flat all-reduce is taken per repetition.
 3. Bytes. ``SyncReport.bytes_averaged`` per sync in ``global`` and ``local`` gradient mode, the gradient
-   bytes DDP all-reduces per step in global mode (counted by a DDP comm hook, next to the estimate
-   "gradient bytes = parameter bytes"), and the resulting cross-replica bytes per step for each T. These
-   are payload bytes; a ring all-reduce moves about 2(n-1)/n times the payload per rank.
+   bytes all-reduced across replicas per step in global mode (counted by a DDP comm hook, FSDP: by the HDET
+   handle's all-reduce hook, next to the estimate "gradient bytes = parameter bytes", FSDP: shard bytes), and
+   the resulting cross-replica bytes per step for each T. These are payload bytes; a ring all-reduce moves
+   about 2(n-1)/n times the payload per rank.
 
 All timings are ratios against a baseline measured in the same run. Rank 0 writes
-``<out>/ddp_overhead_<cpu|gpu>[_quick].json`` and ``.md`` with the machine, the command and the tables.
+``<out>/overhead_<engine>_<cpu|gpu>[_quick].json`` and ``.md`` with the machine, the command and the tables.
 """
 
 # No ``from __future__ import annotations``: DDP checks a comm hook's annotations against the real classes.
@@ -53,11 +60,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology, SyncReport
 from hdet_scale.comm import average_tensors
-from hdet_scale.engines.ddp import attach, wrap_model
+from hdet_scale.engines import ddp, fsdp
 
 MiB = 2**20
 TARGETS = {100: 0.01, 1000: 0.002}  # the project's step-time overhead targets per T (reported, not asserted)
@@ -67,7 +76,9 @@ TARGETS = {100: 0.01, 1000: 0.002}  # the project's step-time overhead targets p
 class Settings:
     """Everything a rank needs to run the benchmark (picklable for the spawned processes)."""
 
+    engine: str
     ranks: int
+    ranks_per_replica: int
     backend: str
     steps: int
     block: int
@@ -86,10 +97,14 @@ class Settings:
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4, help="processes (replicas); one per GPU under nccl")
+    parser.add_argument("--engine", choices=tuple(ENGINES), default="ddp", help="the training engine")
+    parser.add_argument("--ranks", type=int, default=4, help="processes; one per GPU under nccl")
+    parser.add_argument("--shards", type=int, default=2, help="fsdp: ranks per replica (the shard group)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per variant (default 1000, quick 200); T=1000 needs >= ~950 to sync")
-    parser.add_argument("--block", type=int, default=None, help="steps per variant per round (default 50)")
+                        help="timed steps per variant (default ddp 1000, fsdp 250, quick 200); T=1000 needs "
+                             ">= ~950 to sync")
+    parser.add_argument("--block", type=int, default=None, help="steps per variant per round (default 50, "
+                                                                "fsdp 25)")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="auto: nccl when at least --ranks GPUs are visible, else gloo")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (T=1000 then never syncs)")
@@ -102,13 +117,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "gloo"
     if backend == "nccl" and torch.cuda.device_count() < args.ranks:
         parser.error(f"nccl needs one GPU per rank: {args.ranks} ranks, {torch.cuda.device_count()} GPUs")
-    steps = args.steps or (200 if args.quick else 1000)
-    block = args.block or (25 if args.quick else 50)
-    if args.ranks < 2 or steps < block or block < 2:
-        parser.error("need --ranks >= 2 and --steps >= --block >= 2")
+    full = {"ddp": (1000, 50, 40, 3000), "fsdp": (250, 25, 20, 1000)}[args.engine]  # steps, block, reps
+    steps, block, sync_reps, hook_reps = (200, 25, 10, 500) if args.quick else full
+    steps, block = args.steps or steps, args.block or block
+    per_replica = args.shards if args.engine == "fsdp" else 1
+    if args.ranks < 2 * per_replica or args.ranks % per_replica or steps < block or block < 2:
+        parser.error("need --ranks a multiple of --shards, at least 2 replicas, and --steps >= --block >= 2")
     return Settings(
-        ranks=args.ranks, backend=backend, steps=steps, block=block, sync_intervals=(10, 100, 1000),
-        bucket_mbs=(1.0, 4.0, 25.0), sync_reps=10 if args.quick else 40, hook_reps=500 if args.quick else 3000,
+        engine=args.engine, ranks=args.ranks, ranks_per_replica=per_replica, backend=backend, steps=steps,
+        block=block, sync_intervals=(10, 100, 1000), bucket_mbs=(1.0, 4.0, 25.0), sync_reps=sync_reps,
+        hook_reps=hook_reps,
         width=192, depth=4, batch=16, out=args.out, quick=args.quick, note=args.note,
         command=shlex.join(["python", *sys.argv]),
     )
@@ -138,12 +156,107 @@ def build_model(settings: Settings, device: torch.device) -> ResidualMLP:
     return ResidualMLP(settings.width, settings.depth).to(device)
 
 
-def hdet_config(sync_interval: int, *, gradient_mode: str = "global", bucket_mb: float = 25.0) -> HDETConfig:
+def hdet_config(settings: Settings, sync_interval: int, *, gradient_mode: str = "global",
+                bucket_mb: float = 25.0) -> HDETConfig:
     """Paper spread, no metrics file, and the controller updating at every sync (its worst case)."""
-    config = HDETConfig(sync_interval=sync_interval, gradient_mode=gradient_mode, bucket_mb=bucket_mb)
+    config = HDETConfig(sync_interval=sync_interval, gradient_mode=gradient_mode, bucket_mb=bucket_mb,
+                        ranks_per_replica=settings.ranks_per_replica)
     config.auto_lr.warmup_steps = 0
     config.validate()
     return config
+
+
+# ------------------------------------------------------------------------------------------- engines
+Attach = Callable[[torch.optim.Optimizer], HDETEnsemble]
+
+
+def counting_hook(state: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook that counts the gradient bytes it all-reduces."""
+    state[0] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+class DDPEngine:
+    """Every rank a replica; the baseline is plain DDP over all ranks."""
+
+    title = "plain DDP"
+    baseline = "plain DDP"
+    local_mode_note = ("In local mode with one rank per replica DDP's gradient all-reduce stays inside the replica "
+                       "(here a single rank), so the syncs are the only cross-replica traffic.")
+
+    def __init__(self, settings: Settings, device: torch.device) -> None:
+        self.settings = settings
+        self.ddp_kwargs: dict[str, Any] = {"device_ids": [device]} if device.type == "cuda" else {}
+        self.topology = ReplicaTopology.build(hdet_config(settings, settings.sync_intervals[0]))
+
+    def plain(self, model: nn.Module) -> nn.Module:
+        return DistributedDataParallel(model, **self.ddp_kwargs)
+
+    def hdet(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, Attach]:
+        """The model wrapped for HDET and the function that attaches HDET to its optimizer."""
+        model = ddp.wrap_model(model, config, self.topology, **self.ddp_kwargs)
+        return model, lambda optimizer: ddp.attach(model, optimizer, config, topology=self.topology)
+
+    def payload(self, model: nn.Module) -> list[torch.Tensor]:
+        """What a sync averages on this rank."""
+        return [p.data for p in model.parameters()]
+
+    def counting(self, model: nn.Module) -> tuple[nn.Module, Callable[[], int]]:
+        """The model trained in global gradient mode and a function that reads the bytes of gradients this rank
+        has all-reduced across replicas so far."""
+        counted = [0]
+        model = self.plain(model)
+        model.register_comm_hook(counted, counting_hook)
+        return model, lambda: counted[0]
+
+
+class FSDPEngine(DDPEngine):
+    """Replicas of ``ranks_per_replica`` ranks on the 2-D mesh (replicate, shard); the baseline is native 2-D
+    HSDP on the same mesh."""
+
+    title = "FSDP2"
+    baseline = "native 2-D HSDP"
+    local_mode_note = ("In local mode the gradient reduce-scatter stays inside the replica and there is no "
+                       "cross-replica gradient all-reduce, so the syncs are the only cross-replica traffic. "
+                       "Both modes also reduce-scatter the full gradient inside the replica every step.")
+
+    def __init__(self, settings: Settings, device: torch.device) -> None:
+        self.settings = settings
+        shape = (settings.ranks // settings.ranks_per_replica, settings.ranks_per_replica)
+        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        self.topology = fsdp.topology_from_mesh(self.mesh, hdet_config(settings, settings.sync_intervals[0]))
+
+    def plain(self, model: nn.Module) -> nn.Module:
+        for block in model.blocks:
+            fully_shard(block, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        return model
+
+    def wrap(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, fsdp.HDETFSDP]:
+        return fsdp.wrap(model, config, block_classes=(nn.Sequential,), mesh=self.mesh)
+
+    def hdet(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, Attach]:
+        model, handle = self.wrap(model, config)
+        return model, handle.attach
+
+    def payload(self, model: nn.Module) -> list[torch.Tensor]:
+        return [p.to_local() for p in model.parameters()]
+
+    def counting(self, model: nn.Module) -> tuple[nn.Module, Callable[[], int]]:
+        """HDET's global-mode model, whose handle counts what its all-reduce hook sends across replicas."""
+        model, handle = self.wrap(model, hdet_config(self.settings, 10**9))
+        return model, lambda: handle.gradient_bytes_across_replicas
+
+
+ENGINES: dict[str, type[DDPEngine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine}
+
+
+def hdet_trainer(engine: DDPEngine, settings: Settings, device: torch.device,
+                 config: HDETConfig) -> tuple[nn.Module, torch.optim.Optimizer, HDETEnsemble]:
+    """A fresh model wrapped for HDET, its AdamW and the attached ensemble."""
+    model, attach = engine.hdet(build_model(settings, device), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, optimizer, attach(optimizer)
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -210,17 +323,12 @@ class Trainer:
         self.step_seconds.append(self.clock() - start)
 
 
-def make_trainers(settings: Settings, topology: ReplicaTopology, device: torch.device,
-                  clock: Clock) -> list[Trainer]:
-    ddp_kwargs: dict[str, Any] = {"device_ids": [device]} if device.type == "cuda" else {}
-    model = DistributedDataParallel(build_model(settings, device), **ddp_kwargs)
+def make_trainers(settings: Settings, engine: DDPEngine, device: torch.device, clock: Clock) -> list[Trainer]:
+    model = engine.plain(build_model(settings, device))
     trainers = [Trainer("plain", model, torch.optim.AdamW(model.parameters(), lr=1e-3), None, clock)]
     for interval in settings.sync_intervals:
-        config = hdet_config(interval)
-        model = wrap_model(build_model(settings, device), config, topology, **ddp_kwargs)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        hdet = attach(model, optimizer, config, topology=topology)
-        trainers.append(Trainer(f"hdet_T{interval}", model, optimizer, hdet, clock))
+        trainers.append(Trainer(f"hdet_T{interval}",
+                                *hdet_trainer(engine, settings, device, hdet_config(settings, interval)), clock))
     return trainers
 
 
@@ -239,12 +347,11 @@ def run_step_benchmark(settings: Settings, trainers: list[Trainer], device: torc
     return settings.block
 
 
-def hook_overhead(settings: Settings, topology: ReplicaTopology, device: torch.device) -> dict[str, float]:
+def hook_overhead(settings: Settings, engine: DDPEngine, device: torch.device) -> dict[str, float]:
     """Seconds HDET's step-scoped LR hooks add to ``optimizer.step()``: timed on optimizers whose parameters
     have no gradients (the step itself then does almost nothing), alternating with and without HDET."""
-    plain = torch.optim.AdamW(build_model(settings, device).parameters(), lr=1e-3)
-    hooked = torch.optim.AdamW(build_model(settings, device).parameters(), lr=1e-3)
-    hdet = attach(None, hooked, hdet_config(10**9), topology=topology)
+    plain = torch.optim.AdamW(engine.plain(build_model(settings, device)).parameters(), lr=1e-3)
+    _, hooked, hdet = hdet_trainer(engine, settings, device, hdet_config(settings, 10**9))
     samples: dict[str, list[float]] = {"plain": [], "hooked": []}
     for _ in range(settings.hook_reps):
         for name, optimizer in (("plain", plain), ("hooked", hooked)):
@@ -287,17 +394,15 @@ def analyse_steps(settings: Settings, trainers: list[Trainer], warmup: int) -> d
 
 
 # --------------------------------------------------------------------------------- 2. sync time
-def run_sync_benchmark(settings: Settings, topology: ReplicaTopology, device: torch.device,
+def run_sync_benchmark(settings: Settings, engine: DDPEngine, device: torch.device,
                        clock: Clock) -> dict[str, Any]:
     """hdet.sync() per bucket size and average_tensors alone vs one flat all_reduce of the same bytes."""
+    topology = engine.topology
     group = topology.cross_replica_group
-    ensembles: dict[str, HDETEnsemble] = {}
-    for bucket_mb in settings.bucket_mbs:
-        model = build_model(settings, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ensembles[f"hdet.sync bucket_mb={bucket_mb:g}"] = attach(
-            model, optimizer, hdet_config(10**9, bucket_mb=bucket_mb), topology=topology)
-    tensors = [p.data for p in build_model(settings, device).parameters()]
+    ensembles = {f"hdet.sync bucket_mb={bucket_mb:g}": hdet_trainer(
+        engine, settings, device, hdet_config(settings, 10**9, bucket_mb=bucket_mb))[2]
+        for bucket_mb in settings.bucket_mbs}
+    tensors = engine.payload(engine.plain(build_model(settings, device)))
     payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.zeros(payload_bytes // 4, dtype=torch.float32, device=device)
     loss = torch.tensor(1.0, device=device)
@@ -346,27 +451,18 @@ def run_sync_benchmark(settings: Settings, topology: ReplicaTopology, device: to
 
 
 # ------------------------------------------------------------------------------------------ 3. bytes
-def run_bytes(settings: Settings, topology: ReplicaTopology, device: torch.device,
+def run_bytes(settings: Settings, engine: DDPEngine, device: torch.device,
               global_reports: list[SyncReport]) -> dict[str, Any]:
-    """Bytes averaged per sync in both gradient modes and DDP's gradient bytes per step in global mode."""
-    ddp_kwargs: dict[str, Any] = {"device_ids": [device]} if device.type == "cuda" else {}
+    """Bytes averaged per sync in both gradient modes and the cross-replica gradient bytes per step in global
+    mode."""
     generator = torch.Generator().manual_seed(2000 + dist.get_rank())
     x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
     y = torch.randint(0, 16, (settings.batch,), generator=generator).to(device)
 
-    counted = [0]
-
-    def counting_hook(state: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        state[0] += bucket.buffer().numel() * bucket.buffer().element_size()
-        return default_hooks.allreduce_hook(None, bucket)
-
     measured_steps = 3
-    config = hdet_config(2, gradient_mode="local")
-    local_model = wrap_model(build_model(settings, device), config, topology, **ddp_kwargs)
-    local_optimizer = torch.optim.AdamW(local_model.parameters(), lr=1e-3)
-    local_hdet = attach(local_model, local_optimizer, config, topology=topology)
-    global_model = DistributedDataParallel(build_model(settings, device), **ddp_kwargs)
-    global_model.register_comm_hook(counted, counting_hook)
+    local_model, local_optimizer, local_hdet = hdet_trainer(
+        engine, settings, device, hdet_config(settings, 2, gradient_mode="local"))
+    global_model, counted = engine.counting(build_model(settings, device))
     global_optimizer = torch.optim.AdamW(global_model.parameters(), lr=1e-3)
     local_reports = []
     for _ in range(measured_steps):
@@ -380,8 +476,8 @@ def run_bytes(settings: Settings, topology: ReplicaTopology, device: torch.devic
                 if report is not None:
                     local_reports.append(report)
 
-    param_bytes = sum(p.numel() * p.element_size() for p in global_model.parameters())
-    grad_bytes_per_step = counted[0] // measured_steps
+    param_bytes = sum(t.numel() * t.element_size() for t in engine.payload(global_model))
+    grad_bytes_per_step = counted() // measured_steps
     per_sync = {"global": global_reports[0].bytes_averaged, "local": local_reports[0].bytes_averaged}
     per_step = {
         f"T{interval}": {
@@ -436,20 +532,23 @@ def estimates(steps: dict[str, Any], sync: dict[str, Any], hooks: dict[str, floa
 
 def write_markdown(path: Path, data: dict[str, Any]) -> None:
     m, cfg, steps, sync, nbytes = data["machine"], data["settings"], data["step_time"], data["sync_time"], data["bytes"]
+    engine = data["engine"]
     ms = 1e3
+    per_rank = "" if cfg["ranks_per_replica"] == 1 else ", local shards per rank"
     lines = [
-        "# HDET overhead on plain DDP",
+        f"# HDET overhead on {engine['title']}",
         "",
         f"Command: `{cfg['command']}`",
         "",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}), GPU: {m['gpu'] or 'none'}; torch {m['torch']}, "
-        f"backend {m['backend']}, {m['ranks']} ranks, {m['torch_threads_per_rank']} torch thread(s) per rank; "
+        f"backend {m['backend']}, {m['ranks']} ranks ({m['ranks'] // cfg['ranks_per_replica']} replicas x "
+        f"{cfg['ranks_per_replica']} rank(s)), {m['torch_threads_per_rank']} torch thread(s) per rank; "
         f"{m['date_utc']}; load average {data['load_average']['start']} at start, "
         f"{data['load_average']['end']} at end; run took {data['runtime_s']:.0f} s.",
         "",
-        f"Model: residual MLP, {data['model_params']:,} parameters ({data['bytes']['param_bytes'] / MiB:.1f} MiB "
-        f"fp32), batch {cfg['batch']} per rank, AdamW. HDET: alpha 1/9, auto-LR updating at every sync, "
-        "no metrics file.",
+        f"Model: residual MLP, {data['model_params']:,} parameters ({data['bytes']['param_bytes'] / MiB:.2f} MiB "
+        f"fp32{per_rank}), batch {cfg['batch']} per rank, AdamW. Baseline (\"plain\"): {engine['baseline']}. "
+        "HDET: global gradient mode, alpha 1/9, auto-LR updating at every sync, no metrics file.",
         "",
         "**Noise.** " + data["noise_note"] + (f" Context of this run: {cfg['note']}" if cfg["note"] else ""),
         "",
@@ -474,9 +573,11 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
     lines += [
         "",
         "Hot-path ratio: per round, the HDET block's median step over the plain block's median step (a median "
-        "hardly sees the sync steps). Total-time ratio: all timed steps, syncs included; one sync per 1000 "
-        "steps is within its noise. Estimate from components: 1 + (median `hdet.step(loss)` call on non-sync "
-        "steps + LR-hook cost + median `hdet.sync()` at bucket_mb 25 from section 2 / T) / plain median step.",
+        "hardly sees the sync steps). Total-time ratio: all timed steps, syncs included; "
+        + ("one sync per 1000 steps is within its noise. " if steps["hdet_T1000"]["syncs_timed"] else
+           "T=1000 does not sync within the timed steps, so its sync cost enters only the estimate. ")
+        + "Estimate from components: 1 + (median `hdet.step(loss)` call on non-sync steps + LR-hook cost + "
+        "median `hdet.sync()` at bucket_mb 25 from section 2 / T) / plain median step.",
         "",
         "| hot-path component | median µs |",
         "|---|---|",
@@ -491,8 +592,8 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         f"; plain median step {steps['plain']['step_s']['median'] * ms:.1f} ms. These include the rank skew "
         "that a plain step absorbs in the next gradient all-reduce.",
         "",
-        f"## 2. Sync time ({sync['payload_bytes'] / MiB:.2f} MiB of parameters, {cfg['sync_reps']} repetitions, "
-        "slowest rank)",
+        f"## 2. Sync time ({sync['payload_bytes'] / MiB:.2f} MiB of parameters{per_rank}, {cfg['sync_reps']} "
+        "repetitions, slowest rank; the flat all_reduce runs over the cross-replica group)",
         "",
         "| operation | buckets | median ms (IQR) | ratio vs flat all_reduce, paired median (IQR) |",
         "|---|---|---|---|",
@@ -509,8 +610,9 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         "",
         "## 3. Bytes (payload per rank; a ring all-reduce moves about 2(n-1)/n times this per rank)",
         "",
-        f"Parameter bytes {nbytes['param_bytes']:,}; DDP gradient all-reduce per step in global mode: "
-        f"{nbytes['grad_bytes_per_step_measured']:,} measured by a comm hook (estimate = parameter bytes "
+        f"Parameter bytes{per_rank} {nbytes['param_bytes']:,}; cross-replica gradient all-reduce per step in "
+        "global mode: "
+        f"{nbytes['grad_bytes_per_step_measured']:,} measured by a hook (estimate = parameter bytes "
         f"{nbytes['grad_bytes_per_step_estimate']:,}). Loss gather per sync: {nbytes['bytes_gathered_per_sync']} "
         "bytes.",
         "",
@@ -522,8 +624,7 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         per_step = " | ".join(f"{nbytes['cross_replica_bytes_per_step'][f'T{t}'][mode]:,.0f}"
                               for t in cfg["sync_intervals"])
         lines.append(f"| {mode} | {nbytes['bytes_averaged_per_sync'][mode]:,} | {per_step} |")
-    lines += ["", "In local mode with one rank per replica DDP's gradient all-reduce stays inside the replica "
-              "(here a single rank), so the syncs are the only cross-replica traffic.", ""]
+    lines += ["", engine["local_mode_note"], ""]
     path.write_text("\n".join(lines))
 
 
@@ -541,24 +642,25 @@ def worker(rank: int, settings: Settings, store_path: str) -> None:
     dist.init_process_group(settings.backend, init_method=f"file://{store_path}", rank=rank,
                             world_size=settings.ranks, timeout=datetime.timedelta(minutes=10))
     try:
-        config = hdet_config(settings.sync_intervals[0])
-        topology = ReplicaTopology.build(config)
+        engine = ENGINES[settings.engine](settings, device)
         clock = Clock(device)
-        trainers = make_trainers(settings, topology, device, clock)
+        trainers = make_trainers(settings, engine, device, clock)
         warmup = run_step_benchmark(settings, trainers, device)
         progress(started, "step time")
-        hooks = hook_overhead(settings, topology, device)
+        hooks = hook_overhead(settings, engine, device)
         steps = analyse_steps(settings, trainers, warmup)
-        sync = run_sync_benchmark(settings, topology, device, clock)
+        sync = run_sync_benchmark(settings, engine, device, clock)
         progress(started, "sync time")
-        nbytes = run_bytes(settings, topology, device, trainers[1].reports)
+        nbytes = run_bytes(settings, engine, device, trainers[1].reports)
         runtime = max(gather([time.perf_counter() - started]))[0]
         if rank == 0:
             data = {
-                "benchmark": "ddp_overhead",
+                "benchmark": "overhead",
+                "engine": {"name": settings.engine, "title": engine.title, "baseline": engine.baseline,
+                           "local_mode_note": engine.local_mode_note},
                 "machine": machine_info(settings, device),
                 "settings": asdict(settings),
-                "model_params": sum(p.numel() for p in trainers[0].model.parameters()),
+                "model_params": sum(p.numel() for p in build_model(settings, torch.device("cpu")).parameters()),
                 "load_average": {"start": [round(v, 2) for v in load_start],
                                  "end": [round(v, 2) for v in os.getloadavg()]},
                 "runtime_s": runtime,
@@ -572,7 +674,8 @@ def worker(rank: int, settings: Settings, store_path: str) -> None:
             }
             out = Path(settings.out)
             out.mkdir(parents=True, exist_ok=True)
-            stem = f"ddp_overhead_{'gpu' if device.type == 'cuda' else 'cpu'}{'_quick' if settings.quick else ''}"
+            where = "gpu" if device.type == "cuda" else "cpu"
+            stem = f"overhead_{settings.engine}_{where}{'_quick' if settings.quick else ''}"
             (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
             write_markdown(out / f"{stem}.md", data)
             print(f"wrote {out / stem}.json and .md in {runtime:.0f} s")
