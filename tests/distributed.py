@@ -7,7 +7,7 @@ import os
 import queue as queue_module
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -65,3 +65,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if len(outcome) < world_size:
         raise AssertionError(f"distributed run timed out: ranks {sorted(outcome)} of {world_size} reported")
     return [outcome[rank][1] for rank in range(world_size)]
+
+
+def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stepper: Any,
+                loss_of: Callable[[torch.nn.Module, int, int], torch.Tensor], rank: int,
+                steps: Iterable[int]) -> list[float]:
+    """Plain training steps on ``loss_of(model, rank, step)``, calling ``stepper.step(loss)`` (an HDET handle or
+    an HDET scheduler) after each optimizer step; returns the losses."""
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        stepper.step(loss)
+        losses.append(loss.item())
+    return losses

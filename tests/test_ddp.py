@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.optim.lr_scheduler import CosineAnnealingLR, OneCycleLR
 
-from distributed import run_ranks
+from distributed import run_ranks, train_steps
 from hdet_scale import (
     AutoLRConfig,
     HDETConfig,
@@ -177,15 +177,7 @@ def build_run(config: HDETConfig, topology: ReplicaTopology, seed: int):
 
 
 def train(model, optimizer, scheduler, rank: int, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        optimizer.zero_grad()
-        loss = loss_of(model, rank, step)
-        loss.backward()
-        optimizer.step()
-        scheduler.step(loss)
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, optimizer, scheduler, loss_of, rank, steps)
 
 
 def resume_matches(rank: int, world: int) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_fsdp import PER_REPLICA, WORLD, full, gather_rows, loss_of, tiny_llama
 
-from distributed import run_ranks
+from distributed import run_ranks, train_steps
 from hdet_scale import AutoLRConfig, HDETConfig
 from hdet_scale.engines.fsdp import wrap
 from hdet_scale.engines.fsdp_checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_pretrained
@@ -25,15 +25,7 @@ def build(seed: int):
 
 
 def train(model, optimizer, hdet, rank: int, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        optimizer.zero_grad()
-        loss = loss_of(model, rank, step)
-        loss.backward()
-        optimizer.step()
-        hdet.step(loss)
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, optimizer, hdet, loss_of, rank, steps)
 
 
 def moments(optimizer) -> torch.Tensor:
