@@ -119,6 +119,13 @@ def _average_kind(tensors: list[torch.Tensor], group: dist.ProcessGroup, *, devi
     return sent
 
 
+@torch.no_grad()
+def broadcast_from_rank0(module: torch.nn.Module) -> None:
+    """Overwrites every parameter and buffer of ``module`` with global rank 0's, so all replicas start alike."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+
+
 def gather_rows(row: Sequence[float], *, world_size: int) -> torch.Tensor:
     """All ranks' ``row`` values as a (world_size, len(row)) float64 CPU tensor (one small all-reduce)."""
     if world_size == 1 or not dist.is_initialized():

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hdet_scale.comm import broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.base import EngineAdapter
@@ -43,6 +44,16 @@ class DDPAdapter(EngineAdapter):
         return self._optimizer
 
     def warm_init_tensors(self) -> list[torch.Tensor]:
+        return self._parameters()
+
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        tensors = self._parameters()
+        if self._module is not None:
+            tensors += [buf for buf in self._module.buffers() if buf.is_floating_point()]
+        return tensors
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The optimizer's parameters, each once, in param-group order (the same on every rank)."""
         seen: set[int] = set()
         params = []
         for group in self._optimizer.param_groups:
@@ -51,12 +62,6 @@ class DDPAdapter(EngineAdapter):
                     seen.add(id(param))
                     params.append(param.data)
         return params
-
-    def averaged_tensors(self) -> list[torch.Tensor]:
-        tensors = self.warm_init_tensors()
-        if self._module is not None:
-            tensors += [buf for buf in self._module.buffers() if buf.is_floating_point()]
-        return tensors
 
 
 def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
@@ -71,9 +76,7 @@ def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
         raise RuntimeError("wrap_model needs torch.distributed initialized (launch with torchrun)")
     if "process_group" in ddp_kwargs:
         raise ValueError("wrap_model chooses the DDP process_group from config.gradient_mode; do not pass one")
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+    broadcast_from_rank0(model)
     group = None if config.gradient_mode == "global" else topology.intra_replica_group
     return DistributedDataParallel(model, process_group=group, **ddp_kwargs)
 
