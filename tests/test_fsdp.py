@@ -50,7 +50,7 @@ def fanout(rank: int, world: int, mode: str) -> int:
                         average_optimizer_state=True, auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
     model, hdet = wrap(tiny_llama(seed=rank), config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
-    with pytest.raises(RuntimeError, match=r"call hdet.attach\(optimizer\) before hdet.step"):
+    with pytest.raises(RuntimeError, match=r"call hdet.attach\(optimizer\) first"):
         hdet.step(1.0)
     hdet.attach(optimizer)
     replica_of = torch.arange(world) // PER_REPLICA

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from hdet_scale.comm import broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.base import EngineAdapter
@@ -121,23 +122,22 @@ class HDETFSDP:
                                      paper_decay=paper_decay)
         return self.ensemble
 
+    def attached(self) -> HDETEnsemble:
+        """The ensemble made by ``attach``; a clear error if the optimizer was never attached."""
+        if self.ensemble is None:
+            raise RuntimeError("call hdet.attach(optimizer) first: HDET needs the optimizer built over the wrapped "
+                               "model's parameters")
+        return self.ensemble
+
     def step(self, loss: LossLike | Sequence[LossLike] | None = None) -> SyncReport | None:
         """``HDETEnsemble.step``: call after every ``optimizer.step()``."""
-        if self.ensemble is None:
-            raise RuntimeError("call hdet.attach(optimizer) before hdet.step(loss): HDET needs the optimizer "
-                               "built over the wrapped model's parameters")
-        return self.ensemble.step(loss)
+        return self.attached().step(loss)
 
     def state_dict(self) -> dict[str, Any]:
-        if self.ensemble is None:
-            raise RuntimeError("call hdet.attach(optimizer) before saving HDET state")
-        return self.ensemble.state_dict()
+        return self.attached().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.ensemble is None:
-            raise RuntimeError("call hdet.attach(optimizer) before loading HDET state")
-        self.ensemble.load_state_dict(state)
-
+        self.attached().load_state_dict(state)
 
 def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolicy | None = None,
          reshard_after_forward: bool = True, offload_policy: OffloadPolicy | None = None,
@@ -164,9 +164,7 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
                          "tensors and sliced per shard); set warm_init.enabled to false")
     mesh = mesh or build_mesh(config, device_type)
     topology = topology_from_mesh(mesh, config)
-    with torch.no_grad():  # replicas start identical whatever each rank's seed was
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+    broadcast_from_rank0(model)  # replicas start identical whatever each rank's seed was
     options: dict[str, Any] = {"mesh": mesh["shard"], "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy

@@ -32,11 +32,6 @@ from hdet_scale.engines.fsdp import HDETFSDP
 HDET_STATE_FILE = "hdet_state.pt"
 
 
-def _attached(hdet: HDETFSDP) -> None:
-    if hdet.ensemble is None:
-        raise RuntimeError("call hdet.attach(optimizer) before saving or loading a checkpoint")
-
-
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, hdet: HDETFSDP) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, f"optimizer_replica{hdet.topology.replica_index}": optimizer_state}
@@ -45,8 +40,7 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, hdet: HDE
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                     hdet: HDETFSDP) -> None:
     """Saves model, optimizer and HDET state to the directory ``path`` (collective: every rank calls it)."""
-    _attached(hdet)
-    ensemble = hdet.ensemble
+    ensemble = hdet.attached()
     if ensemble.global_step % ensemble.config.sync_interval:
         raise ValueError(
             f"checkpoints are taken at sync points, where the replicas are identical: step {ensemble.global_step} "
@@ -71,7 +65,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                     hdet: HDETFSDP) -> None:
     """Restores a checkpoint written by ``save_checkpoint`` on the same replica layout (collective)."""
-    _attached(hdet)
+    ensemble = hdet.attached()
     path = Path(path)
     if not (path / HDET_STATE_FILE).is_file():
         raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")
@@ -79,7 +73,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state[f"optimizer_replica{hdet.topology.replica_index}"])
-    hdet.ensemble.load_state_dict(torch.load(path / HDET_STATE_FILE, weights_only=False))
+    ensemble.load_state_dict(torch.load(path / HDET_STATE_FILE, weights_only=False))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
