@@ -78,9 +78,11 @@ class HDETConfig:
     sync_interval: int = 1000
     """T: optimizer steps between parameter averages (eq. 3), >= 1."""
 
-    ranks_per_replica: int = 1
-    """Ranks that form one replica (they shard or replicate one model together), >= 1; must divide the
-    world size. 1 is the paper's setting (every rank a replica)."""
+    ranks_per_replica: int | str = "auto"
+    """Ranks that form one replica (they shard or replicate one model together): a number >= 1 that divides
+    the world size, ``"node"`` (the launcher's ranks per node, LOCAL_WORLD_SIZE or LOCAL_SIZE), or ``"auto"``:
+    1 for unsharded engines (DDP, DeepSpeed ZeRO-0: the paper's setting, every rank a replica) and a node
+    for sharded ones (FSDP2, ZeRO-1/2/3)."""
 
     gradient_mode: str = "global"
     """``global``: gradients averaged over all ranks every step (paper eq. 2). ``local``: averaged only
@@ -136,7 +138,9 @@ class HDETConfig:
         _check_number("alpha", self.alpha, low=0.0, high=1.0, high_open=True,
                       hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0")
         _check_int("sync_interval", self.sync_interval, low=1)
-        _check_int("ranks_per_replica", self.ranks_per_replica, low=1)
+        if self.ranks_per_replica not in REPLICA_SIZE_NAMES:
+            _check_int("ranks_per_replica", self.ranks_per_replica, low=1,
+                       also=" or one of " + ", ".join(repr(name) for name in REPLICA_SIZE_NAMES))
         _check_choice("gradient_mode", self.gradient_mode, GRADIENT_MODES)
         _check_int("seed", self.seed, low=0)
         _check_number("bucket_mb", self.bucket_mb, low=0.0, low_open=True)
@@ -163,18 +167,47 @@ class HDETConfig:
         if world_size is not None:
             self.validate_world_size(world_size)
 
-    def validate_world_size(self, world_size: int) -> None:
-        """Checks that ``world_size`` ranks split evenly into replicas of ``ranks_per_replica`` ranks."""
-        if world_size < 1 or world_size % self.ranks_per_replica != 0:
+    def validate_world_size(self, world_size: int, *, auto: str = "rank") -> None:
+        """Checks that ``world_size`` ranks split evenly into replicas (``auto`` as in ``resolved``)."""
+        per_replica = self.resolved(auto=auto).ranks_per_replica
+        if world_size < 1 or world_size % per_replica != 0:
+            source = "" if per_replica == self.ranks_per_replica else f" (from '{self.ranks_per_replica}')"
             raise HDETConfigError(
-                f"ranks_per_replica={self.ranks_per_replica} does not divide the world size {world_size}; "
+                f"ranks_per_replica={per_replica}{source} does not divide the world size {world_size}; "
                 "set ranks_per_replica to a divisor of the number of ranks (e.g. the GPUs per node)"
             )
 
-    def num_replicas(self, world_size: int) -> int:
+    def num_replicas(self, world_size: int, *, auto: str = "rank") -> int:
         """How many replicas ``world_size`` ranks form under this config."""
-        self.validate_world_size(world_size)
-        return world_size // self.ranks_per_replica
+        self.validate_world_size(world_size, auto=auto)
+        return world_size // self.resolved(auto=auto).ranks_per_replica
+
+    def resolved(self, *, auto: str = "rank") -> HDETConfig:
+        """This config with ``ranks_per_replica`` as a number: ``"node"`` read from the launcher's
+        LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (deepspeed), ``"auto"`` as ``auto`` (``"rank"``: 1, or
+        ``"node"``). Engines call this once; the result is what they lay the replicas out by."""
+        value = self.ranks_per_replica
+        if value == "auto":
+            if auto not in ("rank", "node"):
+                raise ValueError(f"auto must be 'rank' or 'node', got {auto!r}")
+            value = 1 if auto == "rank" else "node"
+        if value == "node":
+            value = ranks_per_node()
+        return self if value == self.ranks_per_replica else dataclasses.replace(self, ranks_per_replica=value)
+
+
+REPLICA_SIZE_NAMES = ("auto", "node")
+
+
+def ranks_per_node() -> int:
+    """The launcher's ranks on this node: LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (deepspeed launcher)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit() and int(os.environ[name]) >= 1:
+            return int(os.environ[name])
+    raise HDETConfigError(
+        "ranks_per_replica='node' needs the ranks per node from the launcher (LOCAL_WORLD_SIZE under torchrun, "
+        "LOCAL_SIZE under the deepspeed launcher), and neither is set; set ranks_per_replica to a number"
+    )
 
 
 def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -238,11 +271,11 @@ def _check_bool(name: str, value: Any) -> None:
         raise HDETConfigError(f"{name} must be true or false, got {value!r}")
 
 
-def _check_int(name: str, value: Any, *, low: int) -> None:
+def _check_int(name: str, value: Any, *, low: int, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise HDETConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        raise HDETConfigError(f"{name} must be an integer >= {low}{also}, got {value!r}")
     if value < low:
-        raise HDETConfigError(f"{name} must be an integer >= {low}, got {value}")
+        raise HDETConfigError(f"{name} must be an integer >= {low}{also}, got {value}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,7 @@ class HDETEnsemble:
     def __init__(self, config: HDETConfig, adapter: EngineAdapter, *, topology: ReplicaTopology | None = None,
                  paper_decay: Sequence[PaperDecay] | None = None) -> None:
         config.validate()
+        config = config.resolved()
         self.config = config
         self.adapter = adapter
         self.topology = topology or ReplicaTopology.build(config)
@@ -121,6 +122,7 @@ class HDETEnsemble:
         self._micro_sum = torch.zeros((), dtype=torch.float64)
         self._micro_count = 0
         self._warned_no_loss = False
+        self._pre_sync_hooks: list[Callable[[int], None]] = []
         if config.warm_init.enabled:
             add_warm_noise(adapter.warm_init_tensors(), nu=config.warm_init.nu, seed=config.seed,
                            replica_index=self.topology.replica_index)
@@ -162,8 +164,15 @@ class HDETEnsemble:
             return self.sync()
         return None
 
+    def add_pre_sync_hook(self, hook: Callable[[int], None]) -> None:
+        """Calls ``hook(step)`` at the start of every sync, while the replicas still differ (e.g. to score
+        each replica or to inspect its weights before they are averaged)."""
+        self._pre_sync_hooks.append(hook)
+
     def sync(self) -> SyncReport:
         """Averages the replicas, updates the controller and re-assigns the multipliers (collective)."""
+        for hook in self._pre_sync_hooks:
+            hook(self._step)
         started = time.perf_counter()
         topo, cfg = self.topology, self.config
         tensors = self.adapter.averaged_tensors()

@@ -62,6 +62,7 @@ class ReplicaTopology:
 
         Without an initialized process group this is the single-process topology.
         """
+        config = config.resolved()
         if not (dist.is_available() and dist.is_initialized()):
             if config.ranks_per_replica != 1:
                 raise ValueError(

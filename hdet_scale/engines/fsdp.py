@@ -35,11 +35,12 @@ from hdet_scale.topology import ReplicaTopology
 
 
 def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh:
-    """The (replicate, shard) mesh for ``config.ranks_per_replica``, on ``device_type`` (default: cuda if
-    available, else cpu). Replica-major: replica r holds ranks [r*S, (r+1)*S)."""
+    """The (replicate, shard) mesh for ``config.ranks_per_replica`` (``"auto"``: a node), on ``device_type``
+    (default: cuda if available, else cpu). Replica-major: replica r holds ranks [r*S, (r+1)*S)."""
     if not dist.is_initialized():
         raise RuntimeError("the FSDP2 adapter needs torch.distributed initialized (launch with torchrun)")
     world = dist.get_world_size()
+    config = config.resolved(auto="node")
     config.validate_world_size(world)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = (world // config.ranks_per_replica, config.ranks_per_replica)
@@ -51,6 +52,7 @@ def topology_from_mesh(mesh: DeviceMesh, config: HDETConfig) -> ReplicaTopology:
     if mesh.mesh_dim_names != ("replicate", "shard"):
         raise ValueError(f"the mesh must have dims ('replicate', 'shard'), got {mesh.mesh_dim_names}")
     replicas, per_replica = mesh.shape
+    config = config.resolved(auto="node")
     if per_replica != config.ranks_per_replica:
         raise ValueError(f"the mesh has {per_replica} ranks per replica but the config says ranks_per_replica="
                          f"{config.ranks_per_replica}; build the mesh with build_mesh(config)")
@@ -148,7 +150,7 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
     Args:
         model: the model, on the device it trains on (or CPU for gloo); identical weights on every rank are
             not required: global rank 0's are broadcast to all before sharding.
-        config: HDET settings; ``ranks_per_replica`` is the shard-group size.
+        config: HDET settings; ``ranks_per_replica`` is the shard-group size (``"auto"``: a node).
         mp_policy, reshard_after_forward, offload_policy: FSDP2's own options, applied to every block and
             the root.
         block_classes: module classes to shard one by one; default: the decoder layers of transformers
@@ -157,6 +159,7 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
         device_type: the mesh's device type when building it.
     """
     config.validate()
+    config = config.resolved(auto="node")
     if not any(param.requires_grad for param in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: nothing for HDET to train")
     if config.warm_init.enabled:

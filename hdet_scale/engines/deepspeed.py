@@ -1,0 +1,305 @@
+"""HDET for DeepSpeed: ``initialize`` mirrors ``deepspeed.initialize`` and attaches HDET to the engine.
+
+A replica is a group of ranks (``ranks_per_replica``; default 1 for ZeRO-0, a node for ZeRO-1/2/3) that
+ZeRO shards the model over; replicas differ only in their LR multipliers. The training loop stays
+DeepSpeed's own::
+
+    parser = hdet_scale.engines.deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args()                      # --deepspeed_config ds.json --hdet_config hdet.json
+    engine, optimizer, loader, scheduler = hdet_scale.engines.deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)                       # HDET records the micro-batch loss here
+        engine.step()                               # ... and fans out / syncs here, every T optimizer steps
+    engine.hdet.save_checkpoint("ckpt")             # at a sync point
+
+``engine.get_lr()`` stays the base schedule; ``engine.hdet.current_lrs()`` is what this replica trains with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from hdet_scale.comm import average_tensors, broadcast_from_rank0
+from hdet_scale.config import HDETConfig, HDETConfigError, add_hdet_args, load_config
+from hdet_scale.controller import PaperDecay
+from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version
+from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.topology import ReplicaTopology
+
+DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's own arguments (``deepspeed.add_config_arguments``) plus ``--hdet_config PATH``."""
+    return add_hdet_args(deepspeed.add_config_arguments(parser))
+
+
+class HDETDeepSpeed:
+    """The HDET side of one DeepSpeed engine, reachable as ``engine.hdet`` after ``initialize``.
+
+    It needs no calls in the training loop: ``engine.backward(loss)`` records the loss and every optimizer
+    step (``engine.step()`` at a gradient-accumulation boundary) advances HDET, which syncs every
+    ``sync_interval`` steps. In ``global`` gradient mode the gradients ZeRO reduced inside the replica are
+    averaged across replicas before clipping and the step, so every replica applies the same gradient.
+    """
+
+    def __init__(self, engine: Any, config: HDETConfig, topology: ReplicaTopology, *,
+                 paper_decay: Sequence[PaperDecay] | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.topology = topology
+        self.adapter = ZeroAdapter(engine)
+        self.gradient_bytes_across_replicas = 0
+        """Payload bytes of gradients this rank all-reduced across replicas (``global`` mode, every step)."""
+        self.last_report: SyncReport | None = None
+        """The report of the most recent sync (also written to ``metrics_path``)."""
+        if topology.replica_index > 0:
+            # Checkpoint files are named by the rank inside the replica; replicas are identical at syncs, so
+            # only replica 0 writes, and every replica reads its files back.
+            engine.save_non_zero_checkpoint = False
+            engine.save_zero_checkpoint = False
+        self.ensemble = HDETEnsemble(config, self.adapter, topology=topology, paper_decay=paper_decay)
+        self._install(engine)
+
+    def _install(self, engine: Any) -> None:
+        backward, take_model_step = engine.backward, engine._take_model_step
+
+        def observing_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.ensemble.observe(loss)
+            return backward(loss, *args, **kwargs)
+
+        def hdet_model_step(*args: Any, **kwargs: Any) -> Any:
+            if self.config.gradient_mode == "global":
+                self._average_gradients_across_replicas()
+            result = take_model_step(*args, **kwargs)
+            # Every replica counts every step, skipped (overflow) or not, so syncs stay collective.
+            report = self.ensemble.step()
+            if report is not None:
+                self.last_report = report
+            return result
+
+        engine.backward = observing_backward
+        engine._take_model_step = hdet_model_step
+
+    def _average_gradients_across_replicas(self) -> None:
+        if self.topology.cross_replica_group is None:
+            return
+        self.gradient_bytes_across_replicas += average_tensors(
+            self.adapter.gradient_tensors(), self.topology.cross_replica_group, contribute=True,
+            num_contributors=self.topology.num_replicas, bucket_bytes=int(self.config.bucket_mb * 2**20))
+
+    # ------------------------------------------------------------------------------------ reporting
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps HDET has counted."""
+        return self.ensemble.global_step
+
+    def current_lrs(self) -> list[float]:
+        """The LR of each param group this replica trains with at the next optimizer step."""
+        return self.ensemble.current_lrs()
+
+    def lr_multiplier(self, group_index: int = 0) -> float:
+        """This replica's multiplier on param group ``group_index`` for the current interval."""
+        return self.ensemble.lr_multiplier(group_index)
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return self.ensemble.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ensemble.load_state_dict(state)
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
+        """``engine.save_checkpoint`` with the HDET state, at a sync point (collective: every rank calls it).
+
+        Replicas are identical right after a sync, so replica 0's files are the whole ensemble; they carry
+        ``universal_checkpoint_info`` so DeepSpeed's ``ds_to_universal`` can convert ZeRO-1/2 checkpoints.
+        Returns the tag.
+        """
+        step = self.ensemble.global_step
+        if step % self.config.sync_interval:
+            raise RuntimeError(
+                f"HDET checkpoints are taken at sync points (every {self.config.sync_interval} steps); step {step} "
+                "is between syncs, where replicas differ. Save right after a sync (global_step % sync_interval == 0)"
+            )
+        state = dict(client_state or {})
+        if "hdet" in state:
+            raise ValueError("client_state key 'hdet' is reserved for HDET's own state")
+        state["hdet"] = self.state_dict()
+        state.setdefault("universal_checkpoint_info", {})
+        tag = tag or f"global_step{self.engine.global_steps}"
+        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, **kwargs)
+        return tag
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
+        """``engine.load_checkpoint`` and the HDET state; returns (path, the user's client_state).
+
+        Loads into any number of replicas of the saved size (a different replica size needs DeepSpeed's
+        universal checkpoint: ``ds_to_universal`` and ``"checkpoint": {"load_universal": true}``).
+        """
+        path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint found in '{load_dir}' (tag {tag!r})")
+        client_state = dict(client_state or {})
+        if "hdet" not in client_state:
+            raise ValueError(f"the checkpoint at '{path}' has no HDET state; it was not saved by "
+                             "engine.hdet.save_checkpoint")
+        self.load_state_dict(client_state.pop("hdet"))
+        return path, client_state
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Dataset | None = None, lr_scheduler: Any = None,
+               distributed_port: int = DEFAULT_PORT, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: str | Mapping[str, Any] | None = None,
+               mesh_param: Any = None, config_params: str | Mapping[str, Any] | None = None, *,
+               hdet_config: HDETConfig | Mapping[str, Any] | str | None = None,
+               paper_decay: Sequence[PaperDecay] | None = None) -> tuple[Any, Any, DataLoader | None, Any]:
+    """``deepspeed.initialize`` with HDET attached; same arguments and return values.
+
+    The HDET settings come from ``hdet_config``, ``args.hdet_config`` or an ``"hdet"`` section of the
+    DeepSpeed JSON (exactly one of them; none: the defaults). ``train_batch_size`` in the DeepSpeed JSON
+    keeps its meaning, the batch of one optimizer step over all ranks; each replica takes its share.
+    ``training_data`` is read through a sampler over the global rank, so every rank (and replica) reads
+    different samples. The model's weights are taken from global rank 0, so replicas start identical.
+    ``engine.hdet`` is the ``HDETDeepSpeed`` handle.
+
+    Everything is checked before the process group and the engine are built: a bad HDET field, an
+    ``"hdet"`` section with an unknown key, a replica size that does not divide the world, and DeepSpeed
+    settings HDET cannot support (offload, fp16, hpZ, pipeline or tensor parallelism).
+    """
+    check_version(deepspeed.__version__)
+    if model is None:
+        raise ValueError("initialize requires a model")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("HDET builds DeepSpeed's mpu itself (its data-parallel group is the replica); "
+                         "tensor, pipeline and sequence parallelism are not supported, so pass neither mpu "
+                         "nor mesh_param")
+    ds_config, args = _take_ds_config(args, config if config is not None else config_params)
+    hdet = _hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    hdet = hdet.resolved(auto="rank" if stage == 0 else "node")
+    check_supported(ds_config, hdet, model)
+    if "WORLD_SIZE" in os.environ:
+        _per_replica_batch(ds_config, hdet.num_replicas(int(os.environ["WORLD_SIZE"])))  # checks it early
+
+    deepspeed.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    world_size = dist.get_world_size()
+    hdet.validate_world_size(world_size)
+    ds_config = _per_replica_batch(ds_config, hdet.num_replicas(world_size))
+    topology = ReplicaTopology.build(hdet)
+    replica_mpu = ReplicaMPU(topology)
+    broadcast_from_rank0(model)  # DeepSpeed broadcasts only inside the replica (its data-parallel group)
+    engine, engine_optimizer, _, scheduler = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+        distributed_port=distributed_port, mpu=replica_mpu, dist_init_required=dist_init_required, config=ds_config)
+    engine.hdet = HDETDeepSpeed(engine, hdet, topology, paper_decay=paper_decay)
+    loader = None
+    if training_data is not None:
+        loader = replica_dataloader(training_data, engine.train_micro_batch_size_per_gpu(), collate_fn=collate_fn)
+    return engine, engine_optimizer, loader, scheduler
+
+
+def replica_dataloader(dataset: Dataset, micro_batch_size: int, *, collate_fn: Callable | None = None,
+                       shuffle: bool = True, seed: int = 0, **loader_kwargs: Any) -> DataLoader:
+    """A DataLoader whose sampler splits ``dataset`` over every global rank, so replicas read different data
+    (DeepSpeed's own loader would split it over the ranks of one replica only). Call
+    ``loader.sampler.set_epoch(epoch)`` each epoch to reshuffle."""
+    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
+                                 shuffle=shuffle, seed=seed, drop_last=True)
+    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
+                      drop_last=True, **loader_kwargs)
+
+
+# ------------------------------------------------------------------------------------- validation
+def check_supported(ds_config: Mapping[str, Any], hdet: HDETConfig, model: nn.Module) -> None:
+    """Raises, naming the setting, for DeepSpeed settings HDET cannot run with."""
+    zero = ds_config.get("zero_optimization", {}) or {}
+    for section in ("offload_optimizer", "offload_param"):
+        device = (zero.get(section) or {}).get("device", "none")
+        if str(device).lower() != "none":
+            raise HDETConfigError(
+                f"zero_optimization.{section}.device={device!r}: HDET averages the ZeRO partitions in place on "
+                "the accelerator and does not support offload; remove the offload section or set it to 'none'"
+            )
+    if int(zero.get("zero_hpz_partition_size", 1)) > 1:
+        raise HDETConfigError("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ) is not supported with "
+                              "HDET: a replica already shards inside its own group; remove the setting")
+    if (ds_config.get("fp16") or {}).get("enabled", False):
+        raise HDETConfigError("fp16.enabled: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
+                              "use \"bf16\": {\"enabled\": true}")
+    if hdet.warm_init.enabled:
+        raise HDETConfigError("warm_init is not available with DeepSpeed yet (the noise must be drawn over full "
+                              "tensors and sliced per ZeRO partition); set warm_init.enabled to false")
+    if any(hasattr(param, "ds_id") for param in model.parameters()):
+        raise HDETConfigError("the model was built under deepspeed.zero.Init, which partitions it over every "
+                              "rank; build it normally and let initialize shard it inside each replica")
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise HDETConfigError("pipeline parallelism (PipelineModule) is not supported with HDET")
+
+
+def _take_ds_config(args: Any, config: str | Mapping[str, Any] | None) -> tuple[dict[str, Any], Any]:
+    """The DeepSpeed config as a private dict, and ``args`` without ``deepspeed_config`` (it is passed on
+    as the dict, so DeepSpeed must not read the file a second time)."""
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError("DeepSpeed config given twice: as args.deepspeed_config and as config; pass one")
+    source = config if config is not None else from_args
+    if source is None:
+        raise ValueError("DeepSpeed needs a config: pass --deepspeed_config PATH or config=dict_or_path")
+    if isinstance(source, Mapping):
+        values = copy.deepcopy(dict(source))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"DeepSpeed config '{path}' does not exist")
+        values = json.loads(path.read_text())
+    if from_args is not None:
+        args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})
+    return values, args
+
+
+def _hdet_settings(section: Any, args: Any, explicit: HDETConfig | Mapping[str, Any] | str | None) -> HDETConfig:
+    sources = {name: value for name, value in (("the 'hdet' section of the DeepSpeed config", section),
+                                                ("args.hdet_config", getattr(args, "hdet_config", None)),
+                                                ("hdet_config=", explicit)) if value is not None}
+    if len(sources) > 1:
+        raise HDETConfigError(f"HDET settings given more than once ({', '.join(sources)}); keep exactly one")
+    if not sources:
+        return HDETConfig()
+    (name, value), = sources.items()
+    if name.startswith("the 'hdet'") and not isinstance(value, Mapping):
+        raise HDETConfigError(f"the 'hdet' section of the DeepSpeed config must be a JSON object, got {value!r}")
+    return load_config(value, world_size=None)
+
+
+def _per_replica_batch(ds_config: dict[str, Any], num_replicas: int) -> dict[str, Any]:
+    """A copy of ``ds_config`` whose ``train_batch_size`` (one optimizer step over all ranks) is the batch
+    of one replica, DeepSpeed's data-parallel group under HDET."""
+    if "train_batch_size" not in ds_config:
+        return ds_config
+    total = ds_config["train_batch_size"]
+    if isinstance(total, bool) or not isinstance(total, int) or total % num_replicas:
+        raise HDETConfigError(
+            f"train_batch_size={total!r} must be a multiple of the number of replicas ({num_replicas}): it is the "
+            "batch of one optimizer step over all ranks, and each replica takes an equal share"
+        )
+    return {**ds_config, "train_batch_size": total // num_replicas}

@@ -1,0 +1,205 @@
+"""DeepSpeed ZeRO 0-3 internals HDET relies on: the replica model-parallel unit and the state adapter.
+
+DeepSpeed has no hybrid sharding, so HDET gives ``deepspeed.initialize`` a model-parallel unit (``mpu``)
+whose data-parallel group is the replica: ZeRO then shards and reduces inside a replica only, and HDET
+averages the fp32 master partitions across replicas at syncs. Where each ZeRO flavour keeps its fp32
+master, its reduced gradients and its low-precision copies differs; ``ZeroAdapter`` answers those questions
+for each optimizer DeepSpeed builds. These are DeepSpeed internals: ``check_internals`` fails fast, naming
+the installed version, when one is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+from torch import nn
+
+from hdet_scale.engines.base import EngineAdapter
+from hdet_scale.topology import ReplicaTopology
+
+TESTED_DEEPSPEED = (Version("0.19.8"), Version("0.20"))
+"""The DeepSpeed versions (lower bound included, upper excluded) whose internals HDET was tested against."""
+
+
+class ReplicaMPU:
+    """The model-parallel unit that makes a DeepSpeed data-parallel group out of one replica.
+
+    ZeRO all-reduces gradient norms and overflow flags over the model-parallel group, so that group must be
+    this rank alone; the data-parallel group is the replica's ranks.
+    """
+
+    def __init__(self, topology: ReplicaTopology) -> None:
+        if topology.intra_replica_group is None:
+            raise ValueError("ReplicaMPU needs a topology built over an initialized process group")
+        self._topology = topology
+        self._model_parallel_group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(topology.world_size)])
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self._topology.intra_replica_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._topology.ranks_per_replica
+
+    def get_data_parallel_rank(self) -> int:
+        return self._topology.position
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self._topology.replica_ranks(self._topology.replica_index)
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self._model_parallel_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_src_rank(self) -> int:
+        return self._topology.rank
+
+    # Universal checkpoints and newer DeepSpeed code ask for the tensor-parallel names.
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_src_rank = get_model_parallel_src_rank
+
+
+def check_version(version: str) -> None:
+    """Raises if ``version`` (DeepSpeed's ``__version__``) is outside the range HDET was tested with."""
+    low, high = TESTED_DEEPSPEED
+    if not low <= Version(version) < high:
+        raise RuntimeError(
+            f"hdet_scale's DeepSpeed adapter uses ZeRO internals tested with DeepSpeed >={low},<{high}; "
+            f"DeepSpeed {version} is installed. Install a tested version: pip install 'deepspeed>={low},<{high}'"
+        )
+
+
+class ZeroAdapter(EngineAdapter):
+    """Where a DeepSpeed engine keeps the state HDET averages, whatever the ZeRO stage and precision.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` built with a ``ReplicaMPU``.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._wrapper = engine.optimizer
+        self._kind = _optimizer_kind(engine)
+        check_internals(engine, self._kind)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._engine.basic_optimizer
+
+    @property
+    def module(self) -> nn.Module:
+        return self._engine.module
+
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        buffers = [buf for buf in self.module.buffers() if buf.is_floating_point()]
+        return self.master_tensors() + buffers
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """This rank's fp32 master copy of its shard (the full parameters when nothing is partitioned)."""
+        wrapper = self._wrapper
+        if self._kind == "torch":
+            return [param.data for group in wrapper.param_groups for param in group["params"]]
+        if self._kind == "fp16_optimizer":
+            return list(wrapper.fp32_groups_flat)
+        if self._kind == "bf16_optimizer":
+            return list(wrapper.fp32_groups_flat_partition)
+        if self._kind == "zero12":
+            return list(wrapper.single_partition_of_fp32_groups)
+        return list(wrapper.fp32_partitioned_groups_flat)
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """This rank's gradients after ZeRO reduced them inside the replica, before clipping and the step."""
+        wrapper = self._wrapper
+        if self._kind in ("torch", "fp16_optimizer"):
+            return [param.grad for param in self.module.parameters() if param.grad is not None]
+        if self._kind == "bf16_optimizer":
+            return list(wrapper.fp32_groups_gradient_flat_partition)
+        if self._kind == "zero12":
+            return [grad for grads in wrapper.averaged_gradients.values() if grads is not None for grad in grads]
+        return [wrapper.grad_partitions_flat_buffer]
+
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+        state = self.optimizer.state
+        tensors = []
+        for master in self.master_tensors():
+            entry = state.get(master, {})
+            tensors += [entry[key] for key in sorted(entry)
+                        if isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point() and key != "step"]
+        return tensors
+
+    @torch.no_grad()
+    def after_average(self) -> None:
+        wrapper = self._wrapper
+        if self._kind == "fp16_optimizer":
+            for low, master in zip(wrapper.fp16_groups_flat, wrapper.fp32_groups_flat, strict=True):
+                low.copy_(master)
+        elif self._kind in ("bf16_optimizer", "zero12"):
+            wrapper.update_lp_params()
+        elif self._kind == "zero3":
+            for sub_group in range(len(wrapper.fp16_groups)):
+                wrapper._reassign_or_swap_out_partitioned_parameters(sub_group)
+            # What ZeRO-3's step does after writing the partitions: persistent (never partitioned) parameters
+            # are gathered again and the secondary (hpZ) copies dropped, so the next forward sees the average.
+            if wrapper.persistent_parameters:
+                wrapper.persistent_parameters[0].all_gather(wrapper.persistent_parameters)
+            wrapper.invalidate_secondary_tensor()
+
+    def recover_excluded(self) -> None:
+        self.optimizer.state.clear()
+
+
+def _optimizer_kind(engine: Any) -> str:
+    """Which of DeepSpeed's optimizer wrappers the engine built (they keep their masters in different places)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    wrapper = engine.optimizer
+    if isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
+        return "zero3"
+    if isinstance(wrapper, DeepSpeedZeroOptimizer):
+        return "zero12"
+    if isinstance(wrapper, BF16_Optimizer):
+        return "bf16_optimizer"
+    if isinstance(wrapper, FP16_Optimizer):
+        return "fp16_optimizer"
+    if isinstance(wrapper, torch.optim.Optimizer):
+        return "torch"
+    raise ValueError(f"HDET does not support DeepSpeed's {type(wrapper).__name__} optimizer wrapper; use ZeRO "
+                     "stage 0-3 in fp32 or bf16 without offload")
+
+
+_INTERNALS: dict[str, tuple[str, ...]] = {
+    "torch": (),
+    "fp16_optimizer": ("fp16_groups_flat", "fp32_groups_flat"),
+    "bf16_optimizer": ("fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition", "update_lp_params"),
+    "zero12": ("single_partition_of_fp32_groups", "averaged_gradients", "update_lp_params"),
+    "zero3": ("fp32_partitioned_groups_flat", "grad_partitions_flat_buffer", "fp16_groups",
+              "_reassign_or_swap_out_partitioned_parameters", "persistent_parameters", "invalidate_secondary_tensor"),
+}
+_ENGINE_INTERNALS = ("basic_optimizer", "_take_model_step", "save_non_zero_checkpoint", "save_zero_checkpoint")
+
+
+def check_internals(engine: Any, kind: str) -> None:
+    """Raises, naming the DeepSpeed version, if an internal attribute HDET uses is missing."""
+    import deepspeed
+
+    missing = [f"engine.{name}" for name in _ENGINE_INTERNALS if not hasattr(engine, name)]
+    missing += [f"{type(engine.optimizer).__name__}.{name}" for name in _INTERNALS[kind]
+                if not hasattr(engine.optimizer, name)]
+    if missing:
+        low, high = TESTED_DEEPSPEED
+        raise RuntimeError(
+            f"DeepSpeed {deepspeed.__version__} lacks internals HDET uses ({', '.join(missing)}); install a "
+            f"tested version: pip install 'deepspeed>={low},<{high}'"
+        )
