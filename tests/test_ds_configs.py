@@ -1,0 +1,235 @@
+"""The shipped ds_configs/: every JSON parses and validates, and every DeepSpeed JSON trains with its HDET JSON.
+
+The end-to-end run launches each pair as the README's command does (``--deepspeed_config`` and
+``--hdet_config``) on 4 CPU gloo ranks posing as 2 nodes of 2 ranks, so ``ranks_per_replica: "node"`` gives
+2 replicas of 2 ZeRO shards (and ``hdet_zero0.json`` 4 replicas of 1). Only what a 4-step CPU run must change
+is overridden: the scheduler's length, the sync interval and the metrics path; ``train_batch_size`` is added
+to check how HDET splits it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from deepspeed.runtime import lr_schedules
+from deepspeed.runtime.config import DeepSpeedConfig
+from torch import nn
+from torch.nn import functional
+from torch.utils.data import TensorDataset
+
+from distributed import run_ranks
+from hdet_scale import HDETConfig, load_config, multipliers
+from hdet_scale.engines.deepspeed import add_config_arguments, check_supported, initialize
+
+CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
+MATCHING_HDET = {
+    "zero0_fp32.json": "hdet_zero0.json",
+    "zero1_bf16.json": "hdet_zero.json",
+    "zero2_bf16.json": "hdet_zero.json",
+    "zero3_bf16.json": "hdet_zero.json",
+}
+"""Each DeepSpeed JSON and the HDET JSON the README pairs it with."""
+ZERO_STAGE = {"zero0_fp32.json": 0, "zero1_bf16.json": 1, "zero2_bf16.json": 2, "zero3_bf16.json": 3}
+
+
+def all_json() -> list[str]:
+    return sorted(path.name for path in CONFIGS.glob("*.json"))
+
+
+def read(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+def test_every_json_is_paired_and_documented():
+    names = all_json()
+    ds_names = [name for name in names if not name.startswith("hdet_")]
+    assert sorted(ds_names) == sorted(MATCHING_HDET), "a DeepSpeed JSON without a matching HDET JSON (or gone)"
+    assert set(MATCHING_HDET.values()) <= set(names)
+    readme = (CONFIGS / "README.md").read_text()
+    undocumented = [name for name in names if f"`{name}`" not in readme]
+    assert not undocumented, f"ds_configs/README.md does not describe {undocumented}"
+
+
+@pytest.mark.parametrize("name", sorted(set(MATCHING_HDET.values())))
+def test_hdet_json_loads_and_lays_out_the_readme_cluster(name, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = HDETConfig.from_json(CONFIGS / name)
+    assert load_config(str(CONFIGS / name)) == config
+    assert config.warm_init.enabled is False  # the DeepSpeed adapter rejects warm_init
+    # The README's launch: 4 nodes x 8 GPUs, the deepspeed launcher telling each rank LOCAL_SIZE=8.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    expected_replicas = {"hdet_zero.json": 4, "hdet_zero0.json": 32}[name]
+    assert config.num_replicas(32, auto="node") == expected_replicas
+
+
+@pytest.mark.parametrize("name", sorted(MATCHING_HDET))
+def test_deepspeed_json_passes_deepspeeds_parser_and_hdets_checks(name):
+    values = read(name)
+    parsed = DeepSpeedConfig(str(CONFIGS / name))  # no process group: world size 1
+    assert parsed.zero_optimization_stage == ZERO_STAGE[name]
+    assert parsed.bfloat16_config.enabled == name.endswith("_bf16.json")
+    assert not parsed.float16_config.enabled
+    assert parsed.gradient_clipping == 1.0
+    micro, accumulation = parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps
+    assert parsed.train_batch_size == micro * accumulation  # one rank: DeepSpeed derived it, nothing conflicts
+    # The optimizer section must build torch's AdamW: DeepSpeed's own Adam JIT-compiles FusedAdam.
+    assert parsed.optimizer_name == "adamw" and parsed.optimizer_params["torch_adam"] is True
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=values["optimizer"]["params"]["lr"])
+    scheduler = getattr(lr_schedules, parsed.scheduler_name)(optimizer, **parsed.scheduler_params)
+    assert scheduler.total_num_steps > read(MATCHING_HDET[name])["auto_lr"]["warmup_steps"], (
+        "the schedule ends before HDET's controller starts")
+    check_supported(values, HDETConfig.from_json(CONFIGS / MATCHING_HDET[name]), model)
+
+
+# ------------------------------------------------------------------------------------ end to end
+RANKS_PER_NODE, WORLD, STEPS, SYNC_INTERVAL = 2, 4, 4, 2
+
+
+def optimizer_wrapper(ds_name: str) -> type:
+    """The optimizer wrapper DeepSpeed builds for each shipped config. ZeRO-1 must stay DeepSpeed's ZeRO optimizer:
+    fp32 gradient accumulation would turn it into BF16_Optimizer, which HDET's global mode does not yet clip
+    consistently (ds_configs/README.md)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return {"zero0_fp32.json": torch.optim.AdamW, "zero1_bf16.json": DeepSpeedZeroOptimizer,
+            "zero2_bf16.json": DeepSpeedZeroOptimizer, "zero3_bf16.json": DeepSpeedZeroOptimizer_Stage3}[ds_name]
+
+
+class TinyRegression(nn.Module):
+    """The middle layer (65,536 weights) is above the ZeRO-3 config's stage3_param_persistence_threshold, so
+    ZeRO-3 partitions it; the outer layers stay persistent: both paths of the ZeRO-3 average run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        prediction = self.net(inputs.to(self.net[0].weight.dtype))
+        return functional.mse_loss(prediction.float(), targets)
+
+
+def gather_rows(vector: torch.Tensor) -> torch.Tensor:
+    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, vector.contiguous())
+    return torch.stack(rows)
+
+
+def train_launched(ds_name: str, ds_path: str, hdet_path: str) -> list[float]:
+    """One launch as the README's command makes it, checked at every optimizer step; returns the losses."""
+    args = add_config_arguments(argparse.ArgumentParser()).parse_args(
+        ["--deepspeed_config", ds_path, "--hdet_config", hdet_path])
+    ds_config = json.loads(Path(ds_path).read_text())
+    micro, accumulation = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+    samples = torch.Generator().manual_seed(0)
+    inputs = torch.randn(micro * accumulation * WORLD * STEPS, 16, generator=samples)
+    dataset = TensorDataset(inputs, inputs[:, :1].sin() + 0.1 * torch.randn(len(inputs), 1, generator=samples))
+    model = TinyRegression()
+    engine, _, loader, scheduler = initialize(args=args, model=model, model_parameters=model.parameters(),
+                                              training_data=dataset)
+    hdet, stage = engine.hdet, ZERO_STAGE[ds_name]
+    assert type(engine.basic_optimizer) is torch.optim.AdamW  # the JSON's optimizer, nothing JIT-compiled
+    assert type(engine.optimizer) is optimizer_wrapper(ds_name)
+    assert isinstance(scheduler, lr_schedules.WarmupCosineLR)
+    precision = torch.bfloat16 if ds_name.endswith("_bf16.json") else torch.float32
+    assert all(param.dtype == precision for param in engine.module.parameters())
+    per_replica = 1 if stage == 0 else RANKS_PER_NODE
+    assert hdet.topology.ranks_per_replica == per_replica
+    assert engine.train_batch_size() == ds_config["train_batch_size"] // hdet.topology.num_replicas
+    full_numel = sum(getattr(param, "ds_numel", param.numel()) for param in engine.module.parameters())
+    shard_numel = sum(master.numel() for master in hdet.adapter.master_tensors())
+    assert full_numel / per_replica <= shard_numel < 1.2 * full_numel / per_replica  # sharded inside the replica
+
+    def masters() -> torch.Tensor:
+        return torch.cat([master.detach().float().reshape(-1) for master in hdet.adapter.master_tensors()])
+
+    pre_sync_rows: list[torch.Tensor] = []
+    ensemble_step = hdet.ensemble.step
+
+    def recording_step(*step_args, **step_kwargs):
+        pre_sync_rows.append(gather_rows(masters()))  # after the optimizer step, before any average
+        return ensemble_step(*step_args, **step_kwargs)
+
+    hdet.ensemble.step = recording_step
+    replicas = [hdet.topology.replica_ranks(index) for index in range(hdet.topology.num_replicas)]
+    losses, syncs, diverged_steps = [], 0, 0
+    for inputs_batch, targets in loader:
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary:
+            held = gather_rows(torch.tensor([hdet.lr_multiplier()], dtype=torch.float64))[:, 0]
+            assert sorted(held[[ranks[0] for ranks in replicas]].tolist()) == pytest.approx(
+                multipliers(len(replicas), hdet.config.alpha))  # eq. 1, one multiplier per replica
+            lr_used = hdet.current_lrs()[0]
+            assert lr_used == pytest.approx(engine.get_lr()[0] * hdet.lr_multiplier())
+        loss = engine(inputs_batch, targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if not boundary:
+            continue
+        if stage > 0:  # ZeRO-0 in fp32 keeps no norm
+            norms = gather_rows(torch.tensor([float(engine.get_global_grad_norm())], dtype=torch.float64))
+            # Global mode: one gradient for all replicas, so one norm and one clipping coefficient on every rank.
+            assert torch.allclose(norms, norms[:1].expand_as(norms), rtol=1e-6, atol=0)
+        pre, post = pre_sync_rows[-1], gather_rows(masters())
+        if lr_used > 0:  # DeepSpeed's warm-up schedules train their first step(s) at LR 0
+            diverged_steps += 1
+            for ranks in replicas[1:]:  # the LR spread makes the replicas diverge between syncs
+                assert not torch.allclose(pre[ranks], pre[replicas[0]])
+        if hdet.global_step % SYNC_INTERVAL:
+            assert torch.equal(pre, post)
+            continue
+        syncs += 1
+        mean = torch.stack([pre[ranks].double() for ranks in replicas]).mean(0)  # the same shard positions
+        for ranks in replicas:
+            assert torch.allclose(post[ranks].double(), mean, rtol=1e-6, atol=1e-7)
+        assert hdet.last_report is not None and hdet.last_report.step == hdet.global_step
+    assert engine.global_steps == hdet.global_step == STEPS and syncs == STEPS // SYNC_INTERVAL
+    assert diverged_steps >= 2, "too few steps at a non-zero LR to see the spread"
+    assert hdet.gradient_bytes_across_replicas > 0  # global gradient mode crossed replicas every step
+    return losses
+
+
+def launch_all(rank: int, world: int, launches: list[tuple[str, str, str]]) -> dict[str, list[float]]:
+    # Two "nodes" of two ranks, as the deepspeed launcher would describe them.
+    os.environ.update(LOCAL_WORLD_SIZE=str(RANKS_PER_NODE), LOCAL_RANK=str(rank % RANKS_PER_NODE))
+    return {ds_name: train_launched(ds_name, ds_path, hdet_path) for ds_name, ds_path, hdet_path in launches}
+
+
+def test_every_config_pair_trains_with_hdet_on_cpu(tmp_path):
+    """Every DeepSpeed JSON with its HDET JSON, in one 4-rank launch (the imports dominate its time)."""
+    launches = []
+    for ds_name, hdet_name in MATCHING_HDET.items():
+        ds_config = read(ds_name)
+        # DeepSpeed's meaning, kept by HDET: the batch of one optimizer step over all ranks.
+        ds_config["train_batch_size"] = (ds_config["train_micro_batch_size_per_gpu"]
+                                         * ds_config["gradient_accumulation_steps"] * WORLD)
+        # A schedule as long as this run, so the LR is not still near zero in its warm-up.
+        ds_config["scheduler"]["params"].update(total_num_steps=STEPS, warmup_num_steps=2)
+        hdet_config = {**read(hdet_name), "sync_interval": SYNC_INTERVAL,
+                       "metrics_path": str(tmp_path / f"{Path(ds_name).stem}_metrics.jsonl")}
+        ds_path, hdet_path = tmp_path / ds_name, tmp_path / f"{Path(ds_name).stem}_{hdet_name}"
+        ds_path.write_text(json.dumps(ds_config))
+        hdet_path.write_text(json.dumps(hdet_config))
+        launches.append((ds_name, str(ds_path), str(hdet_path)))
+
+    losses = run_ranks(launch_all, WORLD, launches)
+
+    for ds_name in MATCHING_HDET:
+        micro_steps = STEPS * read(ds_name)["gradient_accumulation_steps"]
+        assert all(len(rank[ds_name]) == micro_steps and all(map(math.isfinite, rank[ds_name])) for rank in losses)
+        metrics = tmp_path / f"{Path(ds_name).stem}_metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [record["step"] for record in records] == [2, 4]
+        replicas = WORLD // (1 if ZERO_STAGE[ds_name] == 0 else RANKS_PER_NODE)
+        assert all(len(record["replica_losses"]) == replicas for record in records)
