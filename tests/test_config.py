@@ -47,7 +47,8 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"alpha": 1.0}, r"alpha must be a number in \[0.0, 1.0\), got 1.0 \(alpha >= 1 makes the lowest"),
         ({"sync_interval": 0}, r"sync_interval must be an integer >= 1, got 0"),
         ({"sync_interval": 2.5}, r"sync_interval must be an integer >= 1, got 2.5"),
-        ({"ranks_per_replica": 0}, r"ranks_per_replica must be an integer >= 1"),
+        ({"ranks_per_replica": 0}, r"ranks_per_replica must be an integer >= 1 or one of 'auto', 'node', got 0"),
+        ({"ranks_per_replica": "gpu"}, r"ranks_per_replica must be an integer >= 1 or one of 'auto', 'node'"),
         ({"gradient_mode": "hybrid"}, r"gradient_mode must be one of 'global', 'local', got 'hybrid'"),
         ({"bucket_mb": 0}, r"bucket_mb must be a number in \(0.0, inf\)"),
         ({"auto_lr": {"sigma": 0}}, r"auto_lr.sigma must be a number in \(0.0, inf\), got 0"),
@@ -75,6 +76,24 @@ def test_world_size_must_divide():
     with pytest.raises(HDETConfigError, match="ranks_per_replica=4 does not divide the world size 6"):
         config.validate(world_size=6)
     assert config.num_replicas(8) == 2
+
+
+def test_replica_size_by_name(monkeypatch):
+    """'node' is the launcher's ranks per node; 'auto' is a rank for unsharded engines and a node for sharded."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "8")  # the deepspeed launcher's name
+    assert HDETConfig(ranks_per_replica="node").resolved().ranks_per_replica == 8
+    assert HDETConfig().resolved(auto="node").ranks_per_replica == 8
+    assert HDETConfig().resolved().ranks_per_replica == 1
+    assert HDETConfig(ranks_per_replica=2).resolved(auto="node").ranks_per_replica == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's name wins where both are set
+    assert HDETConfig(ranks_per_replica="node").num_replicas(16) == 4
+    with pytest.raises(HDETConfigError, match=r"ranks_per_replica=4 \(from 'node'\) does not divide the world size 6"):
+        HDETConfig(ranks_per_replica="node").validate(world_size=6)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_SIZE")
+    with pytest.raises(HDETConfigError, match="ranks_per_replica='node' needs the ranks per node"):
+        HDETConfig().resolved(auto="node")
 
 
 def test_bad_json_files(tmp_path):

@@ -261,8 +261,6 @@ def test_resume_from_a_sync_point_continues_exactly(loaded):
     assert {rank: failures[AVERAGED_MOMENTS] for rank, failures in enumerate(loaded)} == dict.fromkeys(range(WORLD), [])
 
 
-@pytest.mark.xfail(strict=True, reason="adapter gap: replicas other than 0 do not save their ZeRO optimizer "
-                   "state, so with per-replica Adam moments a resumed replica 1 continues from replica 0's")
 def test_resume_restores_every_replicas_own_adam_moments(loaded):
     assert {rank: failures[OWN_MOMENTS] for rank, failures in enumerate(loaded)} == dict.fromkeys(range(WORLD), [])
 

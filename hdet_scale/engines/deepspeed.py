@@ -41,11 +41,19 @@ from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.topology import ReplicaTopology
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
+REPLICA_FOLDER = "hdet_replicas"
+"""Inside a checkpoint tag: the optimizer-state files of replicas other than replica 0."""
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """DeepSpeed's own arguments (``deepspeed.add_config_arguments``) plus ``--hdet_config PATH``."""
-    return add_hdet_args(deepspeed.add_config_arguments(parser))
+    """DeepSpeed's own arguments (``deepspeed.add_config_arguments``), ``--hdet_config PATH``, and the
+    ``--local_rank`` the deepspeed launcher passes to every rank (unless the parser has it already)."""
+    parser = add_hdet_args(deepspeed.add_config_arguments(parser))
+    try:
+        parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    except argparse.ArgumentError:
+        pass  # the user's parser declares it already
+    return parser
 
 
 class HDETDeepSpeed:
@@ -67,11 +75,14 @@ class HDETDeepSpeed:
         """Payload bytes of gradients this rank all-reduced across replicas (``global`` mode, every step)."""
         self.last_report: SyncReport | None = None
         """The report of the most recent sync (also written to ``metrics_path``)."""
+        self._saving = False
         if topology.replica_index > 0:
-            # Checkpoint files are named by the rank inside the replica; replicas are identical at syncs, so
-            # only replica 0 writes, and every replica reads its files back.
+            # DeepSpeed names checkpoint files by the rank inside the replica, so replicas would overwrite each
+            # other. The model is identical at syncs: only replica 0 writes it. Optimizer state may differ
+            # (local mode): every other replica writes its own files next to replica 0's.
             engine.save_non_zero_checkpoint = False
-            engine.save_zero_checkpoint = False
+            shared_name = engine._get_rank_zero_ckpt_name
+            engine._get_rank_zero_ckpt_name = lambda *args, **kwargs: self._replica_file(shared_name(*args, **kwargs))
         self.ensemble = HDETEnsemble(config, self.adapter, topology=topology, paper_decay=paper_decay)
         self._install(engine)
 
@@ -94,6 +105,14 @@ class HDETDeepSpeed:
 
         engine.backward = observing_backward
         engine._take_model_step = hdet_model_step
+
+    def _replica_file(self, shared: str) -> str:
+        """This replica's optimizer-state file for replica 0's ``shared`` one: in a subfolder, so DeepSpeed's
+        converters (``zero_to_fp32``, ``ds_to_universal``) see exactly one replica. When loading a checkpoint
+        saved by fewer replicas the file is missing and replica 0's is used."""
+        own = os.path.join(os.path.dirname(shared), REPLICA_FOLDER,
+                           f"replica{self.topology.replica_index}_{os.path.basename(shared)}")
+        return own if self._saving or os.path.exists(own) else shared
 
     def _average_gradients_across_replicas(self) -> None:
         if self.topology.cross_replica_group is None:
@@ -127,9 +146,10 @@ class HDETDeepSpeed:
                         client_state: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
         """``engine.save_checkpoint`` with the HDET state, at a sync point (collective: every rank calls it).
 
-        Replicas are identical right after a sync, so replica 0's files are the whole ensemble; they carry
-        ``universal_checkpoint_info`` so DeepSpeed's ``ds_to_universal`` can convert ZeRO-1/2 checkpoints.
-        Returns the tag.
+        Replicas are identical right after a sync: replica 0 writes the model and its optimizer state where
+        DeepSpeed expects them (with ``universal_checkpoint_info``, so ``ds_to_universal`` converts ZeRO-1/2
+        checkpoints, and ``zero_to_fp32`` reads them); every other replica writes its own optimizer state
+        (which differs in local mode) to ``<tag>/hdet_replicas/``. Returns the tag.
         """
         step = self.ensemble.global_step
         if step % self.config.sync_interval:
@@ -143,15 +163,24 @@ class HDETDeepSpeed:
         state["hdet"] = self.state_dict()
         state.setdefault("universal_checkpoint_info", {})
         tag = tag or f"global_step{self.engine.global_steps}"
-        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, **kwargs)
+        if self.topology.replica_index > 0:
+            # DeepSpeed creates the tag folder only from ranks whose rank inside the replica equals the global rank.
+            os.makedirs(os.path.join(str(save_dir), tag, REPLICA_FOLDER), exist_ok=True)
+        self._saving = True
+        try:
+            self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, **kwargs)
+        finally:
+            self._saving = False
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
         """``engine.load_checkpoint`` and the HDET state; returns (path, the user's client_state).
 
-        Loads into any number of replicas of the saved size (a different replica size needs DeepSpeed's
-        universal checkpoint: ``ds_to_universal`` and ``"checkpoint": {"load_universal": true}``).
+        Every replica gets its own optimizer state back. Loads into any number of replicas of the saved size
+        (a replica the checkpoint did not have takes replica 0's optimizer state). A different replica size
+        needs DeepSpeed's universal checkpoint (``ds_to_universal``, then ``"checkpoint": {"load_universal":
+        true}``), which carries replica 0's optimizer state.
         """
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
         if path is None:

@@ -110,6 +110,8 @@ class ZeroAdapter(EngineAdapter):
             return [param.data for group in wrapper.param_groups for param in group["params"]]
         if self._kind == "fp16_optimizer":
             return list(wrapper.fp32_groups_flat)
+        if self._kind == "fp16_unfused_optimizer":
+            return [master for group in wrapper.fp32_groups for master in group]
         if self._kind == "bf16_optimizer":
             return list(wrapper.fp32_groups_flat_partition)
         if self._kind == "zero12":
@@ -119,10 +121,12 @@ class ZeroAdapter(EngineAdapter):
     def gradient_tensors(self) -> list[torch.Tensor]:
         """This rank's gradients after ZeRO reduced them inside the replica, before clipping and the step."""
         wrapper = self._wrapper
-        if self._kind in ("torch", "fp16_optimizer"):
+        if self._kind in ("torch", "fp16_optimizer", "fp16_unfused_optimizer"):
             return [param.grad for param in self.module.parameters() if param.grad is not None]
         if self._kind == "bf16_optimizer":
-            return list(wrapper.fp32_groups_gradient_flat_partition)
+            # DeepSpeed all-reduces this optimizer's whole fp32 gradient buffer inside the replica and takes the
+            # norm over all of it, so all of it (not just this rank's partition) is averaged across replicas.
+            return list(wrapper.fp32_groups_gradients_flat)
         if self._kind == "zero12":
             return [grad for grads in wrapper.averaged_gradients.values() if grads is not None for grad in grads]
         return [wrapper.grad_partitions_flat_buffer]
@@ -142,13 +146,19 @@ class ZeroAdapter(EngineAdapter):
         if self._kind == "fp16_optimizer":
             for low, master in zip(wrapper.fp16_groups_flat, wrapper.fp32_groups_flat, strict=True):
                 low.copy_(master)
+        elif self._kind == "fp16_unfused_optimizer":
+            for lows, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True):
+                for low, master in zip(lows, masters, strict=True):
+                    low.data.copy_(master.data)
         elif self._kind in ("bf16_optimizer", "zero12"):
             wrapper.update_lp_params()
         elif self._kind == "zero3":
+            # As ZeRO-3's own step does: release every gathered parameter (persistent ones too, which stay
+            # gathered between steps and would keep their old values), write the averaged partitions into the
+            # low-precision shards, gather the persistent parameters again and drop the secondary (hpZ) copies.
+            wrapper._partition_all_parameters()
             for sub_group in range(len(wrapper.fp16_groups)):
                 wrapper._reassign_or_swap_out_partitioned_parameters(sub_group)
-            # What ZeRO-3's step does after writing the partitions: persistent (never partitioned) parameters
-            # are gathered again and the secondary (hpZ) copies dropped, so the next forward sees the average.
             if wrapper.persistent_parameters:
                 wrapper.persistent_parameters[0].all_gather(wrapper.persistent_parameters)
             wrapper.invalidate_secondary_tensor()
@@ -161,6 +171,7 @@ def _optimizer_kind(engine: Any) -> str:
     """Which of DeepSpeed's optimizer wrappers the engine built (they keep their masters in different places)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -173,6 +184,8 @@ def _optimizer_kind(engine: Any) -> str:
         return "bf16_optimizer"
     if isinstance(wrapper, FP16_Optimizer):
         return "fp16_optimizer"
+    if isinstance(wrapper, FP16_UnfusedOptimizer):  # ZeRO-0 bf16 with a torch optimizer
+        return "fp16_unfused_optimizer"
     if isinstance(wrapper, torch.optim.Optimizer):
         return "torch"
     raise ValueError(f"HDET does not support DeepSpeed's {type(wrapper).__name__} optimizer wrapper; use ZeRO "
@@ -182,12 +195,13 @@ def _optimizer_kind(engine: Any) -> str:
 _INTERNALS: dict[str, tuple[str, ...]] = {
     "torch": (),
     "fp16_optimizer": ("fp16_groups_flat", "fp32_groups_flat"),
-    "bf16_optimizer": ("fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition", "update_lp_params"),
+    "fp16_unfused_optimizer": ("fp16_groups", "fp32_groups"),
+    "bf16_optimizer": ("fp32_groups_flat_partition", "fp32_groups_gradients_flat", "update_lp_params"),
     "zero12": ("single_partition_of_fp32_groups", "averaged_gradients", "update_lp_params"),
-    "zero3": ("fp32_partitioned_groups_flat", "grad_partitions_flat_buffer", "fp16_groups",
+    "zero3": ("fp32_partitioned_groups_flat", "grad_partitions_flat_buffer", "fp16_groups", "_partition_all_parameters",
               "_reassign_or_swap_out_partitioned_parameters", "persistent_parameters", "invalidate_secondary_tensor"),
 }
-_ENGINE_INTERNALS = ("basic_optimizer", "_take_model_step", "save_non_zero_checkpoint", "save_zero_checkpoint")
+_ENGINE_INTERNALS = ("basic_optimizer", "_take_model_step", "save_non_zero_checkpoint", "_get_rank_zero_ckpt_name")
 
 
 def check_internals(engine: Any, kind: str) -> None:
