@@ -95,13 +95,13 @@ RANKS_PER_NODE, WORLD, STEPS, SYNC_INTERVAL = 2, 4, 4, 2
 
 
 def optimizer_wrapper(ds_name: str) -> type:
-    """The optimizer wrapper DeepSpeed builds for each shipped config. ZeRO-1 must stay DeepSpeed's ZeRO optimizer:
-    fp32 gradient accumulation would turn it into BF16_Optimizer, which HDET's global mode does not yet clip
-    consistently (ds_configs/README.md)."""
+    """The optimizer wrapper DeepSpeed builds for each shipped config (ZeRO-1 with fp32 gradient accumulation:
+    BF16_Optimizer)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    return {"zero0_fp32.json": torch.optim.AdamW, "zero1_bf16.json": DeepSpeedZeroOptimizer,
+    return {"zero0_fp32.json": torch.optim.AdamW, "zero1_bf16.json": BF16_Optimizer,
             "zero2_bf16.json": DeepSpeedZeroOptimizer, "zero3_bf16.json": DeepSpeedZeroOptimizer_Stage3}[ds_name]
 
 
