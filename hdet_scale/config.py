@@ -56,6 +56,11 @@ class AutoLRConfig:
     scale_max: float = 10.0
     """Ceiling of the multiplicative scale in ``scale`` mode, >= scale_min."""
 
+    probe_weight: float = 1.0
+    """With a probe set (``HDETEnsemble.set_probe``): the weight of the replicas' probe-batch losses in the
+    controller's signal, in [0, 1]; the interval training losses get the rest. The probe scores every replica
+    on the same held-out batch, so the signal carries no batch-to-batch noise. Without a probe: unused."""
+
 
 @dataclass
 class WarmInitConfig:
@@ -155,6 +160,7 @@ class HDETConfig:
         _check_number("auto_lr.sigma", lr.sigma, low=0.0, low_open=True)
         _check_number("auto_lr.step_size", lr.step_size, low=0.0)
         _check_number("auto_lr.scale_min", lr.scale_min, low=0.0, low_open=True)
+        _check_number("auto_lr.probe_weight", lr.probe_weight, low=0.0, high=1.0)
         _check_number("auto_lr.scale_max", lr.scale_max, low=lr.scale_min,
                       hint="scale_max must be at least auto_lr.scale_min")
         if not lr.scale_min <= 1.0 <= lr.scale_max:

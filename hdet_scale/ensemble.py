@@ -49,6 +49,7 @@ class SyncReport:
 
     step: int
     replica_losses: list[float | None]
+    probe_losses: list[float] | None
     excluded_replicas: list[int]
     weights: list[float] | None
     controller_updated: bool
@@ -61,6 +62,7 @@ class SyncReport:
         return {
             "step": self.step,
             "replica_losses": self.replica_losses,
+            "probe_losses": self.probe_losses,
             "excluded_replicas": self.excluded_replicas,
             "weights": self.weights,
             "controller_updated": self.controller_updated,
@@ -123,6 +125,7 @@ class HDETEnsemble:
         self._micro_count = 0
         self._warned_no_loss = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
+        self._probe: Callable[[], LossLike] | None = None
         if config.warm_init.enabled:
             add_warm_noise(adapter.warm_init_tensors(), nu=config.warm_init.nu, seed=config.seed,
                            replica_index=self.topology.replica_index)
@@ -169,20 +172,30 @@ class HDETEnsemble:
         each replica or to inspect its weights before they are averaged)."""
         self._pre_sync_hooks.append(hook)
 
+    def set_probe(self, probe: Callable[[], LossLike] | None) -> None:
+        """Scores every replica at each sync, before averaging: ``probe()`` returns this rank's loss on a
+        held-out batch that is the same on every replica (see ``hdet_scale.probe.batch_probe``), and the
+        controller is driven by those losses (blended with the interval losses by ``auto_lr.probe_weight``).
+        Called on every rank, inside ``torch.no_grad()``; None removes the probe."""
+        self._probe = probe
+
     def sync(self) -> SyncReport:
         """Averages the replicas, updates the controller and re-assigns the multipliers (collective)."""
         for hook in self._pre_sync_hooks:
             hook(self._step)
         started = time.perf_counter()
         topo, cfg = self.topology, self.config
+        probe_loss = self._run_probe()
         tensors = self.adapter.averaged_tensors()
         if cfg.average_optimizer_state:
             tensors += self.adapter.optimizer_state_tensors()
         loss_sum = float(self._loss_sum)
         params_finite = _all_finite(tensors)
-        table = gather_rows([loss_sum, float(self._loss_count), float(params_finite)], world_size=topo.world_size)
+        table = gather_rows([loss_sum, float(self._loss_count), float(params_finite), probe_loss],
+                            world_size=topo.world_size)
         gathered_bytes = table.numel() * table.element_size()
         replica_losses, finite = _per_replica(table, topo)
+        probe_losses = _per_replica_probe(table, topo) if self._probe is not None else None
         contributors = [r for r in range(topo.num_replicas) if finite[r]]
         if not contributors:
             raise FloatingPointError(
@@ -201,21 +214,40 @@ class HDETEnsemble:
                            self._step, excluded)
 
         trained_with = {explored.name: self._replica_values(index) for index, explored in enumerate(self._explored)}
-        weights, updated = self._update_controller(replica_losses)
+        weights, updated = self._update_controller(self._controller_signal(replica_losses, probe_losses))
         for explored in self._explored:
             explored.permutation = explored.stream.draw(topo.num_replicas)
         values = self._value_report(trained_with)
         self._loss_sum.zero_()
         self._loss_count = 0
 
-        report = SyncReport(step=self._step, replica_losses=replica_losses, excluded_replicas=excluded,
+        report = SyncReport(step=self._step, replica_losses=replica_losses, probe_losses=probe_losses,
+                            excluded_replicas=excluded,
                             weights=weights, controller_updated=updated, values=values,
                             sync_seconds=time.perf_counter() - started, bytes_averaged=sent,
                             bytes_gathered=gathered_bytes)
         self._metrics.write(report.as_record())
         return report
 
+    def _run_probe(self) -> float:
+        if self._probe is None:
+            return math.nan
+        with torch.no_grad():
+            loss = self._probe()
+        return float(loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else loss)
+
     # ------------------------------------------------------------------------------- the controller
+    def _controller_signal(self, replica_losses: list[float | None],
+                           probe_losses: list[float] | None) -> list[float | None]:
+        """The losses the controller compares: the interval losses, the probe losses, or their blend."""
+        weight = self.config.auto_lr.probe_weight
+        if probe_losses is None or weight == 0.0:
+            return replica_losses
+        if weight == 1.0:
+            return list(probe_losses)
+        return [None if train is None else weight * probe + (1.0 - weight) * train
+                for train, probe in zip(replica_losses, probe_losses, strict=True)]
+
     def _update_controller(self, replica_losses: list[float | None]) -> tuple[list[float] | None, bool]:
         cfg = self.config.auto_lr
         if not cfg.enabled or self._step < cfg.warmup_steps or self.topology.num_replicas == 1:
@@ -356,6 +388,11 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
         if tensor.numel():
             extrema.setdefault(tensor.device, []).append(torch.stack(torch.aminmax(tensor)).float())
     return all(bool(torch.isfinite(torch.cat(values)).all()) for values in extrema.values())
+
+
+def _per_replica_probe(table: torch.Tensor, topo: ReplicaTopology) -> list[float]:
+    """A replica's probe loss: the mean over its ranks (each may score its own part of the probe batch)."""
+    return [float(table[topo.replica_ranks(replica), 3].mean()) for replica in range(topo.num_replicas)]
 
 
 def _per_replica(table: torch.Tensor, topo: ReplicaTopology) -> tuple[list[float | None], list[bool]]:

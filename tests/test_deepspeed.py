@@ -20,6 +20,7 @@ from distributed import run_ranks
 from hdet_scale import HDETConfigError, multipliers
 from hdet_scale.engines import deepspeed as hdet_deepspeed
 from hdet_scale.engines.zero import check_version
+from hdet_scale.probe import batch_probe
 
 WORLD = 4
 MICRO_BATCHES = 2
@@ -107,6 +108,14 @@ def record_before_sync(engine) -> dict[int, torch.Tensor]:
     return captured
 
 
+def probe_on_plain_model(flat_weights: torch.Tensor, batch: torch.Tensor) -> float:
+    """The probe loss of a replica's weights, on a plain model in the batch's precision."""
+    model = tiny_model(0).to(batch.dtype)
+    torch.nn.utils.vector_to_parameters(flat_weights.to(batch.dtype), model.parameters())
+    with torch.no_grad():
+        return float(model(batch).float().pow(2).mean())
+
+
 def inverse_step(step: int) -> float:
     return 1.0 / (1 + step)
 
@@ -137,6 +146,9 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
         assert torch.equal(start, start[:1].expand(world, -1))  # replicas start identical despite the seeds
         used_lrs = record_used_lrs(engine)
         before_sync = record_before_sync(engine)
+        probe_batch = micro_batch(0, -1, 0, torch.bfloat16 if bf16 else torch.float32)
+        engine.hdet.ensemble.set_probe(batch_probe(engine, micro_batch(rank, -1, 0, probe_batch.dtype),
+                                                   lambda model, batch: model(batch).float().pow(2).mean()))
         syncs = 0
         for step in range(1, 8):
             held = gather(torch.tensor([engine.hdet.lr_multiplier()], dtype=torch.float64)).reshape(-1)
@@ -166,6 +178,10 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
             syncs += 1
             assert engine.hdet.last_report.step == step
             pre = before_sync[step]
+            # The probe scored each replica's own weights on rank 0's batch (ZeRO-3: gathered for the forward).
+            replica_weights = [pre[replica_of == r][0] for r in range(replicas)]
+            expected_probe = [probe_on_plain_model(weights, probe_batch) for weights in replica_weights]
+            assert engine.hdet.last_report.probe_losses == pytest.approx(expected_probe, rel=2e-2 if bf16 else 1e-5)
             mean = torch.stack([pre[replica_of == r][0] for r in range(replicas)]).double().mean(0)
             assert torch.allclose(after.double(), mean.expand(world, -1), rtol=1e-6, atol=1e-7)
             assert torch.equal(after, after[:1].expand(world, -1))
