@@ -1,17 +1,26 @@
-"""HDET's cost on a training loop of one engine (plain DDP or FSDP2): step time, sync time and bytes, measured
-in one interleaved run.
+"""HDET's cost on a training loop of one engine (plain DDP, FSDP2 or DeepSpeed ZeRO): step time, sync time
+and bytes, measured in one interleaved run.
 
-    python benchmarks/overhead.py [--engine ddp|fsdp] [--ranks 4] [--steps N] [--quick] [--backend auto|gloo|nccl]
+    python benchmarks/overhead.py [--engine ddp|fsdp|deepspeed] [--stages 1 2 3] [--ranks 4] [--steps N] [--quick]
+                                  [--backend auto|gloo|nccl]
 
 The script spawns ``--ranks`` processes (gloo on CPU, or nccl with one rank per GPU when enough GPUs are
 visible; ``--backend`` overrides). ``--engine ddp``: every rank a replica (``ranks_per_replica = 1``), the
 baseline plain DDP. ``--engine fsdp``: replicas of ``--shards`` ranks (default 2) on the 2-D mesh
 ``("replicate", "shard")``, HDET through ``engines.fsdp.wrap`` in global gradient mode, the baseline native
 2-D HSDP (``fully_shard(block, mesh=mesh)`` on the same mesh: reduce-scatter inside a replica, all-reduce of
-the shard across replicas). Both shard the model block by block. Measured:
+the shard across replicas). Both shard the model block by block. ``--engine deepspeed``: every ZeRO stage of
+``--stages`` (default 1 2 3) in one run, their variants interleaved together; HDET through
+``engines.deepspeed.initialize`` with the settings in the config's ``"hdet"`` section (replicas of
+``--shards`` ranks, ZeRO sharding inside a replica, global gradient mode), the baseline plain
+``deepspeed.initialize`` with ZeRO at the same stage over all ranks, which is what one would run without
+HDET (DeepSpeed has no hybrid sharding to compare with). Both take a torch AdamW, so nothing JIT-compiles.
+Every plain engine is built before the HDET ones: DeepSpeed keeps the last model-parallel unit process-wide,
+and a plain engine built after an HDET engine would shard over one replica. Each stage gets its own part of
+the results. Measured:
 
 1. Step time. The baseline training of a residual MLP (~1.2M parameters) against the same training with
-   HDET attached (``hdet.step(loss)`` after every ``optimizer.step()``)
+   HDET attached (``hdet.step(loss)`` after every ``optimizer.step()``; DeepSpeed: inside ``engine.step()``)
    at sync interval T = 10, 100, 1000. Every variant keeps its own model, optimizer and HDET state and
    they run round-robin in blocks of ``--block`` steps, the order rotating every round, so machine noise
    hits all variants alike. The first round is a warm-up and is dropped. A step's time is the mean over
@@ -21,26 +30,32 @@ the shard across replicas). Both shard the model block by block. Measured:
    an estimate from the components, (hot path + sync time / T) / plain step, which is far less noisy.
    The hot path is the measured time of ``hdet.step(loss)`` on non-sync steps plus the cost of HDET's
    step-scoped LR hooks around ``optimizer.step()`` (timed on an optimizer with no gradients, where the
-   hooks are most of the work). The auto-LR controller runs at every sync (``warmup_steps = 0``).
-2. Sync time. ``hdet.sync()`` (bucketed averaging of all parameters, FSDP: of each rank's local shards,
-   over the cross-replica group, the tiny loss gather, the finiteness check and the controller) at several
-   ``bucket_mb``, and ``comm.average_tensors`` alone at the default bucket, against one flat ``all_reduce``
-   of a single fp32 tensor of the same number of bytes over the cross-replica group, interleaved per
-   repetition with a barrier before each operation. A repetition's time is the slowest rank's; the ratio
-   to the flat all-reduce is taken per repetition.
+   hooks are most of the work). DeepSpeed's hot path also holds the all-reduce of the gradients across
+   replicas that HDET adds in global mode, counted at the time of ``average_tensors`` in section 2 (same
+   bytes); the estimate leaves out that ZeRO then shards over a replica instead of all ranks, which the
+   direct ratios include. The auto-LR controller runs at every sync (``warmup_steps = 0``).
+2. Sync time. ``hdet.sync()`` (bucketed averaging of all parameters, FSDP and DeepSpeed: of each rank's
+   local shards, over the cross-replica group, the tiny loss gather, the finiteness check and the
+   controller) at several ``bucket_mb``, and ``comm.average_tensors`` alone at the default bucket, against
+   one flat ``all_reduce`` of a single fp32 tensor of the same number of bytes over the cross-replica group,
+   interleaved per repetition with a barrier before each operation. A repetition's time is the slowest
+   rank's; the ratio to the flat all-reduce is taken per repetition.
 3. Bytes. ``SyncReport.bytes_averaged`` per sync in ``global`` and ``local`` gradient mode, the gradient
    bytes all-reduced across replicas per step in global mode (counted by a DDP comm hook, FSDP: by the HDET
-   handle's all-reduce hook, next to the estimate "gradient bytes = parameter bytes", FSDP: shard bytes), and
-   the resulting cross-replica bytes per step for each T. These are payload bytes; a ring all-reduce moves
-   about 2(n-1)/n times the payload per rank.
+   handle's all-reduce hook, DeepSpeed: by ``engine.hdet``, next to the estimate "gradient bytes = parameter
+   bytes", FSDP and DeepSpeed: shard bytes), and the resulting cross-replica bytes per step for each T. These
+   are payload bytes; a ring all-reduce moves about 2(n-1)/n times the payload per rank.
 
 All timings are ratios against a baseline measured in the same run. Rank 0 writes
-``<out>/overhead_<engine>_<cpu|gpu>[_quick].json`` and ``.md`` with the machine, the command and the tables.
+``<out>/overhead_<engine>_<cpu|gpu>[_quick].json`` and ``.md`` with the machine, the command and the tables
+(DeepSpeed with other than the default stages: ``overhead_deepspeed_zero<stages>_...``).
 """
 
 # No ``from __future__ import annotations``: DDP checks a comm hook's annotations against the real classes.
 import argparse
 import datetime
+import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -49,6 +64,8 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +86,15 @@ from hdet_scale.comm import average_tensors
 from hdet_scale.engines import ddp, fsdp
 
 MiB = 2**20
+LR = 1e-3  # AdamW's LR in every variant
+DEEPSPEED_STAGES = (1, 2, 3)
+# Per engine: timed steps per variant, steps per block, sync repetitions, LR-hook repetitions. DeepSpeed runs
+# 4 variants per ZeRO stage and a ZeRO-3 step costs several plain ones, so it takes fewer steps.
+RUN_LENGTHS = {
+    "ddp": {"full": (1000, 50, 40, 3000), "quick": (200, 25, 10, 500)},
+    "fsdp": {"full": (250, 25, 20, 1000), "quick": (200, 25, 10, 500)},
+    "deepspeed": {"full": (200, 20, 20, 1000), "quick": (10, 5, 5, 200)},
+}
 TARGETS = {100: 0.01, 1000: 0.002}  # the project's step-time overhead targets per T (reported, not asserted)
 
 
@@ -77,6 +103,7 @@ class Settings:
     """Everything a rank needs to run the benchmark (picklable for the spawned processes)."""
 
     engine: str
+    stages: tuple[int, ...]  # the ZeRO stages of a DeepSpeed run, else empty
     ranks: int
     ranks_per_replica: int
     backend: str
@@ -97,14 +124,18 @@ class Settings:
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=tuple(ENGINES), default="ddp", help="the training engine")
+    parser.add_argument("--engine", choices=tuple(RUN_LENGTHS), default="ddp", help="the training engine")
+    parser.add_argument("--stages", type=int, nargs="+", choices=(1, 2, 3), default=list(DEEPSPEED_STAGES),
+                        help="deepspeed: the ZeRO stages, measured interleaved in one run")
     parser.add_argument("--ranks", type=int, default=4, help="processes; one per GPU under nccl")
-    parser.add_argument("--shards", type=int, default=2, help="fsdp: ranks per replica (the shard group)")
+    parser.add_argument("--shards", type=int, default=2,
+                        help="fsdp, deepspeed: ranks per replica (the shard group)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per variant (default ddp 1000, fsdp 250, quick 200); T=1000 needs "
-                             ">= ~950 to sync")
+                        help="timed steps per variant (default ddp 1000, fsdp 250, deepspeed 200, quick 200, "
+                             "deepspeed quick 10); T=1000 needs >= ~950 to sync")
     parser.add_argument("--block", type=int, default=None, help="steps per variant per round (default 50, "
-                                                                "fsdp 25)")
+                                                                "fsdp 25, deepspeed 20, quick 25, "
+                                                                "deepspeed quick 5)")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="auto: nccl when at least --ranks GPUs are visible, else gloo")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (T=1000 then never syncs)")
@@ -117,14 +148,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "gloo"
     if backend == "nccl" and torch.cuda.device_count() < args.ranks:
         parser.error(f"nccl needs one GPU per rank: {args.ranks} ranks, {torch.cuda.device_count()} GPUs")
-    full = {"ddp": (1000, 50, 40, 3000), "fsdp": (250, 25, 20, 1000)}[args.engine]  # steps, block, reps
-    steps, block, sync_reps, hook_reps = (200, 25, 10, 500) if args.quick else full
+    steps, block, sync_reps, hook_reps = RUN_LENGTHS[args.engine]["quick" if args.quick else "full"]
     steps, block = args.steps or steps, args.block or block
-    per_replica = args.shards if args.engine == "fsdp" else 1
+    per_replica = 1 if args.engine == "ddp" else args.shards
     if args.ranks < 2 * per_replica or args.ranks % per_replica or steps < block or block < 2:
         parser.error("need --ranks a multiple of --shards, at least 2 replicas, and --steps >= --block >= 2")
     return Settings(
-        engine=args.engine, ranks=args.ranks, ranks_per_replica=per_replica, backend=backend, steps=steps,
+        engine=args.engine, stages=tuple(sorted(set(args.stages))) if args.engine == "deepspeed" else (),
+        ranks=args.ranks, ranks_per_replica=per_replica, backend=backend, steps=steps,
         block=block, sync_intervals=(10, 100, 1000), bucket_mbs=(1.0, 4.0, 25.0), sync_reps=sync_reps,
         hook_reps=hook_reps,
         width=192, depth=4, batch=16, out=args.out, quick=args.quick, note=args.note,
@@ -166,99 +197,6 @@ def hdet_config(settings: Settings, sync_interval: int, *, gradient_mode: str = 
     return config
 
 
-# ------------------------------------------------------------------------------------------- engines
-Attach = Callable[[torch.optim.Optimizer], HDETEnsemble]
-
-
-def counting_hook(state: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook that counts the gradient bytes it all-reduces."""
-    state[0] += bucket.buffer().numel() * bucket.buffer().element_size()
-    return default_hooks.allreduce_hook(None, bucket)
-
-
-class DDPEngine:
-    """Every rank a replica; the baseline is plain DDP over all ranks."""
-
-    title = "plain DDP"
-    baseline = "plain DDP"
-    local_mode_note = ("In local mode with one rank per replica DDP's gradient all-reduce stays inside the replica "
-                       "(here a single rank), so the syncs are the only cross-replica traffic.")
-
-    def __init__(self, settings: Settings, device: torch.device) -> None:
-        self.settings = settings
-        self.ddp_kwargs: dict[str, Any] = {"device_ids": [device]} if device.type == "cuda" else {}
-        self.topology = ReplicaTopology.build(hdet_config(settings, settings.sync_intervals[0]))
-
-    def plain(self, model: nn.Module) -> nn.Module:
-        return DistributedDataParallel(model, **self.ddp_kwargs)
-
-    def hdet(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, Attach]:
-        """The model wrapped for HDET and the function that attaches HDET to its optimizer."""
-        model = ddp.wrap_model(model, config, self.topology, **self.ddp_kwargs)
-        return model, lambda optimizer: ddp.attach(model, optimizer, config, topology=self.topology)
-
-    def payload(self, model: nn.Module) -> list[torch.Tensor]:
-        """What a sync averages on this rank."""
-        return [p.data for p in model.parameters()]
-
-    def counting(self, model: nn.Module) -> tuple[nn.Module, Callable[[], int]]:
-        """The model trained in global gradient mode and a function that reads the bytes of gradients this rank
-        has all-reduced across replicas so far."""
-        counted = [0]
-        model = self.plain(model)
-        model.register_comm_hook(counted, counting_hook)
-        return model, lambda: counted[0]
-
-
-class FSDPEngine(DDPEngine):
-    """Replicas of ``ranks_per_replica`` ranks on the 2-D mesh (replicate, shard); the baseline is native 2-D
-    HSDP on the same mesh."""
-
-    title = "FSDP2"
-    baseline = "native 2-D HSDP"
-    local_mode_note = ("In local mode the gradient reduce-scatter stays inside the replica and there is no "
-                       "cross-replica gradient all-reduce, so the syncs are the only cross-replica traffic. "
-                       "Both modes also reduce-scatter the full gradient inside the replica every step.")
-
-    def __init__(self, settings: Settings, device: torch.device) -> None:
-        self.settings = settings
-        shape = (settings.ranks // settings.ranks_per_replica, settings.ranks_per_replica)
-        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
-        self.topology = fsdp.topology_from_mesh(self.mesh, hdet_config(settings, settings.sync_intervals[0]))
-
-    def plain(self, model: nn.Module) -> nn.Module:
-        for block in model.blocks:
-            fully_shard(block, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
-        return model
-
-    def wrap(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, fsdp.HDETFSDP]:
-        return fsdp.wrap(model, config, block_classes=(nn.Sequential,), mesh=self.mesh)
-
-    def hdet(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, Attach]:
-        model, handle = self.wrap(model, config)
-        return model, handle.attach
-
-    def payload(self, model: nn.Module) -> list[torch.Tensor]:
-        return [p.to_local() for p in model.parameters()]
-
-    def counting(self, model: nn.Module) -> tuple[nn.Module, Callable[[], int]]:
-        """HDET's global-mode model, whose handle counts what its all-reduce hook sends across replicas."""
-        model, handle = self.wrap(model, hdet_config(self.settings, 10**9))
-        return model, lambda: handle.gradient_bytes_across_replicas
-
-
-ENGINES: dict[str, type[DDPEngine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine}
-
-
-def hdet_trainer(engine: DDPEngine, settings: Settings, device: torch.device,
-                 config: HDETConfig) -> tuple[nn.Module, torch.optim.Optimizer, HDETEnsemble]:
-    """A fresh model wrapped for HDET, its AdamW and the attached ensemble."""
-    model, attach = engine.hdet(build_model(settings, device), config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, optimizer, attach(optimizer)
-
-
 # ------------------------------------------------------------------------------------------- helpers
 class Clock:
     """Wall-clock seconds that include the device's queued work (a CUDA sync under nccl)."""
@@ -292,10 +230,13 @@ def per_index(lists: list[list[float]], reduce: Callable[[list[float]], float]) 
     return [reduce(list(column)) for column in zip(*lists, strict=True)]
 
 
-# --------------------------------------------------------------------------------- 1. step time
+# ------------------------------------------------------------------------------------------ trainers
 @dataclass
 class Trainer:
-    """One variant of the training loop with its own model, optimizer and (optionally) HDET."""
+    """One variant of the training loop with its own model, optimizer and (optionally) HDET.
+
+    ``optimizer`` is the torch optimizer that HDET's LR hooks wrap.
+    """
 
     name: str
     model: nn.Module
@@ -316,20 +257,226 @@ class Trainer:
         if self.hdet is not None:
             before = time.perf_counter()
             report = self.hdet.step(loss)
-            self.hdet_seconds.append(time.perf_counter() - before)
-            if report is not None:
-                self.sync_steps.append(len(self.step_seconds))
-                self.reports.append(report)
+            self.record_hdet_step(time.perf_counter() - before, report)
+        self.step_seconds.append(self.clock() - start)
+
+    def record_hdet_step(self, seconds: float, report: SyncReport | None) -> None:
+        """Books one ``hdet.step`` call of the step being timed."""
+        self.hdet_seconds.append(seconds)
+        if report is not None:
+            self.sync_steps.append(len(self.step_seconds))
+            self.reports.append(report)
+
+
+@dataclass
+class DeepSpeedTrainer(Trainer):
+    """DeepSpeed's own loop; ``model`` is the DeepSpeed engine, and with HDET attached its ``hdet.step`` runs
+    inside ``engine.step()``, so the ensemble's ``step`` is wrapped to time it there."""
+
+    def __post_init__(self) -> None:
+        if self.hdet is None:
+            return
+        untimed_step = self.hdet.step
+
+        def timed_step(*args: Any, **kwargs: Any) -> SyncReport | None:
+            before = time.perf_counter()
+            report = untimed_step(*args, **kwargs)
+            self.record_hdet_step(time.perf_counter() - before, report)
+            return report
+
+        self.hdet.step = timed_step  # type: ignore[method-assign]
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        start = self.clock()
+        loss = F.cross_entropy(self.model(x), y)
+        self.model.backward(loss)
+        self.model.step()
         self.step_seconds.append(self.clock() - start)
 
 
-def make_trainers(settings: Settings, engine: DDPEngine, device: torch.device, clock: Clock) -> list[Trainer]:
-    model = engine.plain(build_model(settings, device))
-    trainers = [Trainer("plain", model, torch.optim.AdamW(model.parameters(), lr=1e-3), None, clock)]
-    for interval in settings.sync_intervals:
-        trainers.append(Trainer(f"hdet_T{interval}",
-                                *hdet_trainer(engine, settings, device, hdet_config(settings, interval)), clock))
-    return trainers
+# ------------------------------------------------------------------------------------------- engines
+def counting_hook(state: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook that counts the gradient bytes it all-reduces."""
+    state[0] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+class Engine(ABC):
+    """Builds the variants of one training engine: the baseline and HDET trainers, each from a fresh model."""
+
+    title = ""
+    baseline = ""
+    local_mode_note = ""
+    part = ""
+    """Names this engine's part of the results when one run measures several (DeepSpeed's ZeRO stages)."""
+    gradient_average_in_hot_path = False
+    """Whether HDET itself all-reduces the gradients across replicas every step in global mode, where the
+    baseline's engine reduces gradients over all ranks in its own way."""
+
+    def __init__(self, settings: Settings, device: torch.device) -> None:
+        self.settings = settings
+        self.device = device
+        self.clock = Clock(device)
+
+    @abstractmethod
+    def plain_trainer(self) -> Trainer: ...
+
+    @abstractmethod
+    def hdet_trainer(self, name: str, config: HDETConfig) -> Trainer: ...
+
+    @abstractmethod
+    def counting(self) -> tuple[Trainer, Callable[[], int]]:
+        """A trainer in global gradient mode and a function that reads the bytes of gradients this rank has
+        all-reduced across replicas so far."""
+
+
+Attach = Callable[[torch.optim.Optimizer], HDETEnsemble]
+
+
+class ModuleEngine(Engine):
+    """An engine that wraps the model and leaves the optimizer to the training loop (DDP, FSDP2)."""
+
+    @abstractmethod
+    def plain(self, model: nn.Module) -> nn.Module: ...
+
+    @abstractmethod
+    def hdet(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, Attach]:
+        """The model wrapped for HDET and the function that attaches HDET to its optimizer."""
+
+    def plain_trainer(self) -> Trainer:
+        model = self.plain(build_model(self.settings, self.device))
+        return Trainer("plain", model, torch.optim.AdamW(model.parameters(), lr=LR), None, self.clock)
+
+    def hdet_trainer(self, name: str, config: HDETConfig) -> Trainer:
+        model, attach = self.hdet(build_model(self.settings, self.device), config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        return Trainer(name, model, optimizer, attach(optimizer), self.clock)
+
+
+class DDPEngine(ModuleEngine):
+    """Every rank a replica; the baseline is plain DDP over all ranks."""
+
+    title = "plain DDP"
+    baseline = "plain DDP"
+    local_mode_note = ("In local mode with one rank per replica DDP's gradient all-reduce stays inside the replica "
+                       "(here a single rank), so the syncs are the only cross-replica traffic.")
+
+    def __init__(self, settings: Settings, device: torch.device) -> None:
+        super().__init__(settings, device)
+        self.ddp_kwargs: dict[str, Any] = {"device_ids": [device]} if device.type == "cuda" else {}
+        self.topology = ReplicaTopology.build(hdet_config(settings, settings.sync_intervals[0]))
+
+    def plain(self, model: nn.Module) -> nn.Module:
+        return DistributedDataParallel(model, **self.ddp_kwargs)
+
+    def hdet(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, Attach]:
+        model = ddp.wrap_model(model, config, self.topology, **self.ddp_kwargs)
+        return model, lambda optimizer: ddp.attach(model, optimizer, config, topology=self.topology)
+
+    def counting(self) -> tuple[Trainer, Callable[[], int]]:
+        """Plain DDP with a comm hook that counts what it all-reduces."""
+        counted = [0]
+        trainer = self.plain_trainer()
+        trainer.model.register_comm_hook(counted, counting_hook)
+        return trainer, lambda: counted[0]
+
+
+class FSDPEngine(ModuleEngine):
+    """Replicas of ``ranks_per_replica`` ranks on the 2-D mesh (replicate, shard); the baseline is native 2-D
+    HSDP on the same mesh."""
+
+    title = "FSDP2"
+    baseline = "native 2-D HSDP"
+    local_mode_note = ("In local mode the gradient reduce-scatter stays inside the replica and there is no "
+                       "cross-replica gradient all-reduce, so the syncs are the only cross-replica traffic. "
+                       "Both modes also reduce-scatter the full gradient inside the replica every step.")
+
+    def __init__(self, settings: Settings, device: torch.device) -> None:
+        super().__init__(settings, device)
+        shape = (settings.ranks // settings.ranks_per_replica, settings.ranks_per_replica)
+        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        self.topology = fsdp.topology_from_mesh(self.mesh, hdet_config(settings, settings.sync_intervals[0]))
+
+    def plain(self, model: nn.Module) -> nn.Module:
+        for block in model.blocks:
+            fully_shard(block, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        return model
+
+    def wrap(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, fsdp.HDETFSDP]:
+        return fsdp.wrap(model, config, block_classes=(nn.Sequential,), mesh=self.mesh)
+
+    def hdet(self, model: nn.Module, config: HDETConfig) -> tuple[nn.Module, Attach]:
+        model, handle = self.wrap(model, config)
+        return model, handle.attach
+
+    def counting(self) -> tuple[Trainer, Callable[[], int]]:
+        """HDET's global-mode model without an ensemble, whose handle counts what its all-reduce hook sends
+        across replicas."""
+        model, handle = self.wrap(build_model(self.settings, self.device), hdet_config(self.settings, 10**9))
+        trainer = Trainer("global", model, torch.optim.AdamW(model.parameters(), lr=LR), None, self.clock)
+        return trainer, lambda: handle.gradient_bytes_across_replicas
+
+
+class DeepSpeedEngine(Engine):
+    """One ZeRO stage: HDET through ``engines.deepspeed.initialize`` with replicas of ``ranks_per_replica``
+    ranks; the baseline is plain ``deepspeed.initialize`` with ZeRO at the same stage over all ranks."""
+
+    title = "DeepSpeed ZeRO"
+    baseline = "plain DeepSpeed, ZeRO at the same stage over all ranks"
+    local_mode_note = ("In local mode ZeRO's gradient reduction stays inside the replica and nothing crosses "
+                       "replicas between syncs. Both modes also reduce the full gradient inside the replica "
+                       "every step.")
+    gradient_average_in_hot_path = True
+
+    def __init__(self, settings: Settings, device: torch.device, stage: int) -> None:
+        super().__init__(settings, device)
+        # Imported here: a DDP or FSDP2 run does not need DeepSpeed's slow import and its accelerator banner.
+        import deepspeed
+
+        from hdet_scale.engines import deepspeed as hdet_deepspeed
+
+        self.initialize_plain, self.initialize_hdet = deepspeed.initialize, hdet_deepspeed.initialize
+        self.part = f"ZeRO-{stage}"
+        self.ds_config = {"train_micro_batch_size_per_gpu": settings.batch, "gradient_accumulation_steps": 1,
+                          "zero_optimization": {"stage": stage}}
+
+    def engine(self, initialize: Callable[..., tuple[Any, ...]], config: dict[str, Any]) -> Any:
+        """A DeepSpeed engine over a fresh model and AdamW; ``basic_optimizer`` is that AdamW."""
+        model = build_model(self.settings, self.device)
+        engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=config)
+        return engine
+
+    def plain_trainer(self) -> Trainer:
+        engine = self.engine(self.initialize_plain, self.ds_config)
+        if engine.dp_world_size != self.settings.ranks:
+            raise RuntimeError(
+                f"the plain DeepSpeed engine shards over {engine.dp_world_size} ranks, not all {self.settings.ranks}: "
+                "an HDET engine built before it left its replica groups process-wide; build plain engines first"
+            )
+        return DeepSpeedTrainer("plain", engine, engine.basic_optimizer, None, self.clock)
+
+    def hdet_trainer(self, name: str, config: HDETConfig) -> Trainer:
+        engine = self.engine(self.initialize_hdet, {**self.ds_config, "hdet": config.to_dict()})
+        return DeepSpeedTrainer(name, engine, engine.basic_optimizer, engine.hdet.ensemble, self.clock)
+
+    def counting(self) -> tuple[Trainer, Callable[[], int]]:
+        trainer = self.hdet_trainer("global", hdet_config(self.settings, 10**9))
+        return trainer, lambda: trainer.model.hdet.gradient_bytes_across_replicas
+
+
+def build_engines(settings: Settings, device: torch.device) -> list[Engine]:
+    """The engines one run measures, in the same order on every rank (each builds process groups)."""
+    if settings.engine == "deepspeed":
+        return [DeepSpeedEngine(settings, device, stage) for stage in settings.stages]
+    return [{"ddp": DDPEngine, "fsdp": FSDPEngine}[settings.engine](settings, device)]
+
+
+# --------------------------------------------------------------------------------- 1. step time
+def hdet_trainers(settings: Settings, engine: Engine) -> list[Trainer]:
+    """HDET at each sync interval."""
+    return [engine.hdet_trainer(f"hdet_T{interval}", hdet_config(settings, interval))
+            for interval in settings.sync_intervals]
 
 
 def run_step_benchmark(settings: Settings, trainers: list[Trainer], device: torch.device) -> int:
@@ -347,18 +494,18 @@ def run_step_benchmark(settings: Settings, trainers: list[Trainer], device: torc
     return settings.block
 
 
-def hook_overhead(settings: Settings, engine: DDPEngine, device: torch.device) -> dict[str, float]:
-    """Seconds HDET's step-scoped LR hooks add to ``optimizer.step()``: timed on optimizers whose parameters
-    have no gradients (the step itself then does almost nothing), alternating with and without HDET."""
-    plain = torch.optim.AdamW(engine.plain(build_model(settings, device)).parameters(), lr=1e-3)
-    _, hooked, hdet = hdet_trainer(engine, settings, device, hdet_config(settings, 10**9))
+def hook_overhead(settings: Settings, engine: Engine, plain: torch.optim.Optimizer) -> dict[str, float]:
+    """Seconds HDET's step-scoped LR hooks add to ``optimizer.step()``: timed on fresh optimizers, whose
+    parameters have no gradients (the step itself then does almost nothing), alternating with and without
+    HDET; ``plain`` is the baseline's."""
+    hooked_trainer = engine.hdet_trainer("hooks", hdet_config(settings, 10**9))
     samples: dict[str, list[float]] = {"plain": [], "hooked": []}
     for _ in range(settings.hook_reps):
-        for name, optimizer in (("plain", plain), ("hooked", hooked)):
+        for name, optimizer in (("plain", plain), ("hooked", hooked_trainer.optimizer)):
             start = time.perf_counter()
             optimizer.step()
             samples[name].append(time.perf_counter() - start)
-    hdet.close()
+    hooked_trainer.hdet.close()
     plain_median, hooked_median = statistics.median(samples["plain"]), statistics.median(samples["hooked"])
     return {"plain_step_s": plain_median, "hooked_step_s": hooked_median,
             "hook_s": max(0.0, hooked_median - plain_median)}
@@ -394,15 +541,14 @@ def analyse_steps(settings: Settings, trainers: list[Trainer], warmup: int) -> d
 
 
 # --------------------------------------------------------------------------------- 2. sync time
-def run_sync_benchmark(settings: Settings, engine: DDPEngine, device: torch.device,
-                       clock: Clock) -> dict[str, Any]:
+def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device) -> dict[str, Any]:
     """hdet.sync() per bucket size and average_tensors alone vs one flat all_reduce of the same bytes."""
-    topology = engine.topology
+    ensembles = {f"hdet.sync bucket_mb={bucket_mb:g}": engine.hdet_trainer(
+        "sync", hdet_config(settings, 10**9, bucket_mb=bucket_mb)).hdet for bucket_mb in settings.bucket_mbs}
+    some_ensemble = next(iter(ensembles.values()))
+    topology = some_ensemble.topology
     group = topology.cross_replica_group
-    ensembles = {f"hdet.sync bucket_mb={bucket_mb:g}": hdet_trainer(
-        engine, settings, device, hdet_config(settings, 10**9, bucket_mb=bucket_mb))[2]
-        for bucket_mb in settings.bucket_mbs}
-    tensors = engine.payload(engine.plain(build_model(settings, device)))
+    tensors = some_ensemble.adapter.averaged_tensors()  # what a sync averages on this rank
     payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.zeros(payload_bytes // 4, dtype=torch.float32, device=device)
     loss = torch.tensor(1.0, device=device)
@@ -411,17 +557,17 @@ def run_sync_benchmark(settings: Settings, engine: DDPEngine, device: torch.devi
         def run() -> float:
             hdet.step(loss)  # one interval loss, so the gather and the controller do their real work
             dist.barrier(group=group)
-            start = clock()
+            start = engine.clock()
             hdet.sync()
-            return clock() - start
+            return engine.clock() - start
         return run
 
     def timed(operation: Callable[[], object]) -> Callable[[], float]:
         def run() -> float:
             dist.barrier(group=group)
-            start = clock()
+            start = engine.clock()
             operation()
-            return clock() - start
+            return engine.clock() - start
         return run
 
     # name -> (timed operation, bucket size in MiB or None for the flat all-reduce)
@@ -451,7 +597,7 @@ def run_sync_benchmark(settings: Settings, engine: DDPEngine, device: torch.devi
 
 
 # ------------------------------------------------------------------------------------------ 3. bytes
-def run_bytes(settings: Settings, engine: DDPEngine, device: torch.device,
+def run_bytes(settings: Settings, engine: Engine, device: torch.device,
               global_reports: list[SyncReport]) -> dict[str, Any]:
     """Bytes averaged per sync in both gradient modes and the cross-replica gradient bytes per step in global
     mode."""
@@ -460,25 +606,15 @@ def run_bytes(settings: Settings, engine: DDPEngine, device: torch.device,
     y = torch.randint(0, 16, (settings.batch,), generator=generator).to(device)
 
     measured_steps = 3
-    local_model, local_optimizer, local_hdet = hdet_trainer(
-        engine, settings, device, hdet_config(settings, 2, gradient_mode="local"))
-    global_model, counted = engine.counting(build_model(settings, device))
-    global_optimizer = torch.optim.AdamW(global_model.parameters(), lr=1e-3)
-    local_reports = []
+    local = engine.hdet_trainer("local", hdet_config(settings, 2, gradient_mode="local"))
+    counting, counted = engine.counting()
     for _ in range(measured_steps):
-        for model, optimizer in ((local_model, local_optimizer), (global_model, global_optimizer)):
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            if optimizer is local_optimizer:
-                report = local_hdet.step(loss)
-                if report is not None:
-                    local_reports.append(report)
+        for trainer in (local, counting):
+            trainer.train_step(x, y)
 
-    param_bytes = sum(t.numel() * t.element_size() for t in engine.payload(global_model))
+    param_bytes = sum(t.numel() * t.element_size() for t in local.hdet.adapter.averaged_tensors())
     grad_bytes_per_step = counted() // measured_steps
-    per_sync = {"global": global_reports[0].bytes_averaged, "local": local_reports[0].bytes_averaged}
+    per_sync = {"global": global_reports[0].bytes_averaged, "local": local.reports[0].bytes_averaged}
     per_step = {
         f"T{interval}": {
             "global": grad_bytes_per_step + per_sync["global"] / interval,
@@ -511,6 +647,7 @@ def machine_info(settings: Settings, device: torch.device) -> dict[str, Any]:
         "cpu": cpu,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__,
+        **({"deepspeed": importlib.metadata.version("deepspeed")} if settings.engine == "deepspeed" else {}),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "backend": settings.backend,
@@ -519,21 +656,27 @@ def machine_info(settings: Settings, device: torch.device) -> dict[str, Any]:
     }
 
 
-def estimates(steps: dict[str, Any], sync: dict[str, Any], hooks: dict[str, float],
-              intervals: Sequence[int]) -> dict[str, float]:
-    """Overhead from the components: (hdet.step hot path + LR hooks + sync / T) / plain median step."""
+def estimates(steps: dict[str, Any], sync: dict[str, Any], hooks: dict[str, float], intervals: Sequence[int], *,
+              gradient_average: bool) -> dict[str, float]:
+    """Overhead from the components: (hdet.step hot path + LR hooks + sync / T) / plain median step, the hot
+    path with HDET's gradient all-reduce across replicas when ``gradient_average``."""
     plain = steps["plain"]["step_s"]["median"]
     sync_seconds = sync["ops"]["hdet.sync bucket_mb=25"]["seconds"]["median"]
-    return {
-        f"hdet_T{t}": (steps[f"hdet_T{t}"]["hdet_step_call_s"]["median"] + hooks["hook_s"] + sync_seconds / t) / plain
-        for t in intervals
-    }
+    hot = hooks["hook_s"]
+    if gradient_average:
+        hot += sync["ops"]["average_tensors bucket_mb=25"]["seconds"]["median"]
+    return {f"hdet_T{t}": (steps[f"hdet_T{t}"]["hdet_step_call_s"]["median"] + hot + sync_seconds / t) / plain
+            for t in intervals}
+
+
+def result_parts(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, measurements) of each engine part: DeepSpeed's ZeRO stages, else the one unlabelled part."""
+    return list(data["stages"].items()) if "stages" in data else [("", data)]
 
 
 def write_markdown(path: Path, data: dict[str, Any]) -> None:
-    m, cfg, steps, sync, nbytes = data["machine"], data["settings"], data["step_time"], data["sync_time"], data["bytes"]
-    engine = data["engine"]
-    ms = 1e3
+    m, cfg, engine = data["machine"], data["settings"], data["engine"]
+    parts = result_parts(data)
     per_rank = "" if cfg["ranks_per_replica"] == 1 else ", local shards per rank"
     lines = [
         f"# HDET overhead on {engine['title']}",
@@ -541,18 +684,57 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         f"Command: `{cfg['command']}`",
         "",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}), GPU: {m['gpu'] or 'none'}; torch {m['torch']}, "
-        f"backend {m['backend']}, {m['ranks']} ranks ({m['ranks'] // cfg['ranks_per_replica']} replicas x "
+        + (f"deepspeed {m['deepspeed']}, " if "deepspeed" in m else "")
+        + f"backend {m['backend']}, {m['ranks']} ranks ({m['ranks'] // cfg['ranks_per_replica']} replicas x "
         f"{cfg['ranks_per_replica']} rank(s)), {m['torch_threads_per_rank']} torch thread(s) per rank; "
         f"{m['date_utc']}; load average {data['load_average']['start']} at start, "
         f"{data['load_average']['end']} at end; run took {data['runtime_s']:.0f} s.",
         "",
-        f"Model: residual MLP, {data['model_params']:,} parameters ({data['bytes']['param_bytes'] / MiB:.2f} MiB "
-        f"fp32{per_rank}), batch {cfg['batch']} per rank, AdamW. Baseline (\"plain\"): {engine['baseline']}. "
+        f"Model: residual MLP, {data['model_params']:,} parameters ({parts[0][1]['bytes']['param_bytes'] / MiB:.2f} "
+        f"MiB fp32{per_rank}), batch {cfg['batch']} per rank, AdamW. Baseline (\"plain\"): {engine['baseline']}. "
         "HDET: global gradient mode, alpha 1/9, auto-LR updating at every sync, no metrics file.",
         "",
         "**Noise.** " + data["noise_note"] + (f" Context of this run: {cfg['note']}" if cfg["note"] else ""),
         "",
-        f"## 1. Step time ({cfg['steps']} timed steps per variant, blocks of {cfg['block']}, round-robin)",
+    ]
+    heading = "##"
+    if "stages" in data:
+        lines += stage_summary_markdown(cfg, parts)
+        heading = "###"
+    for label, part in parts:
+        if label:
+            lines += [f"## {label}", ""]
+        lines += part_markdown(cfg, engine, part, heading)
+    path.write_text("\n".join(lines))
+
+
+def stage_summary_markdown(cfg: dict[str, Any], parts: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """One table of the step-time ratios of every stage."""
+    lines = [
+        f"## Step-time ratio HDET / plain per stage ({cfg['steps']} timed steps per variant, blocks of "
+        f"{cfg['block']}, all stages' variants round-robin in one run; details per stage below)",
+        "",
+        "| stage | T | hot-path ratio, median over rounds (IQR) | total-time ratio | estimate from components |",
+        "|---|---|---|---|---|",
+    ]
+    for label, part in parts:
+        for interval in cfg["sync_intervals"]:
+            name = f"hdet_T{interval}"
+            entry, r = part["step_time"][name], part["step_time"][name]["block_median_ratio"]
+            lines.append(f"| {label} | {interval} | {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) | "
+                         f"{entry['total_time_ratio']:.3f} | {1 + part['estimated_overhead'][name]:.4f} |")
+    return [*lines, ""]
+
+
+def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], part: dict[str, Any], heading: str) -> list[str]:
+    """Sections 1-3 of one engine part."""
+    steps, sync, nbytes, hooks = part["step_time"], part["sync_time"], part["bytes"], part["hook_overhead"]
+    gradient_average = engine["gradient_average_in_hot_path"]
+    hdet_step = "`ensemble.step()` inside `engine.step()`" if gradient_average else "`hdet.step(loss)`"
+    ms = 1e3
+    per_rank = "" if cfg["ranks_per_replica"] == 1 else ", local shards per rank"
+    lines = [
+        f"{heading} 1. Step time ({cfg['steps']} timed steps per variant, blocks of {cfg['block']}, round-robin)",
         "",
         "| variant | syncs timed | median step ms (IQR) | hot-path ratio vs plain, median over rounds (IQR) "
         "| total-time ratio | estimate from components | target |",
@@ -568,23 +750,31 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         interval = int(name.removeprefix("hdet_T"))
         target = f"<= {1 + TARGETS[interval]:.3f}" if interval in TARGETS else ""
         lines.append(row + f" {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) | {entry['total_time_ratio']:.3f} "
-                     f"| {1 + data['estimated_overhead'][name]:.4f} | {target} |")
-    hooks = data["hook_overhead"]
+                     f"| {1 + part['estimated_overhead'][name]:.4f} | {target} |")
+    gradient_row = []
+    if gradient_average:
+        gradient_row = [f"| gradient all-reduce across replicas (`average_tensors` bucket_mb=25, section 2) | "
+                        f"{sync['ops']['average_tensors bucket_mb=25']['seconds']['median'] * 1e6:.1f} |"]
     lines += [
         "",
         "Hot-path ratio: per round, the HDET block's median step over the plain block's median step (a median "
         "hardly sees the sync steps). Total-time ratio: all timed steps, syncs included; "
         + ("one sync per 1000 steps is within its noise. " if steps["hdet_T1000"]["syncs_timed"] else
            "T=1000 does not sync within the timed steps, so its sync cost enters only the estimate. ")
-        + "Estimate from components: 1 + (median `hdet.step(loss)` call on non-sync steps + LR-hook cost + "
-        "median `hdet.sync()` at bucket_mb 25 from section 2 / T) / plain median step.",
+        + f"Estimate from components: 1 + (median time of {hdet_step} on non-sync steps + LR-hook cost + "
+        + ("gradient all-reduce across replicas + " if gradient_average else "")
+        + "median `hdet.sync()` at bucket_mb 25 from section 2 / T) / plain median step."
+        + (" It leaves out that ZeRO shards over the 2 ranks of a replica instead of all ranks (a larger "
+           "optimizer shard per rank, collectives over fewer ranks), which the direct ratios include."
+           if gradient_average else ""),
         "",
         "| hot-path component | median µs |",
         "|---|---|",
-        *[f"| `hdet.step(loss)`, non-sync step, {name} | {entry['hdet_step_call_s']['median'] * 1e6:.1f} |"
+        *[f"| {hdet_step}, non-sync step, {name} | {entry['hdet_step_call_s']['median'] * 1e6:.1f} |"
           for name, entry in steps.items() if name != "plain"],
         f"| LR hooks around `optimizer.step()` (hooked {hooks['hooked_step_s'] * 1e6:.1f} - plain "
         f"{hooks['plain_step_s'] * 1e6:.1f}, no gradients) | {hooks['hook_s'] * 1e6:.1f} |",
+        *gradient_row,
         "",
         "Sync steps in training (step time of the steps that synced, median): " + ", ".join(
             f"{name} {entry['sync_step_s']['median'] * ms:.1f} ms over {entry['sync_step_s']['n']}"
@@ -592,8 +782,8 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         f"; plain median step {steps['plain']['step_s']['median'] * ms:.1f} ms. These include the rank skew "
         "that a plain step absorbs in the next gradient all-reduce.",
         "",
-        f"## 2. Sync time ({sync['payload_bytes'] / MiB:.2f} MiB of parameters{per_rank}, {cfg['sync_reps']} "
-        "repetitions, slowest rank; the flat all_reduce runs over the cross-replica group)",
+        f"{heading} 2. Sync time ({sync['payload_bytes'] / MiB:.2f} MiB of parameters{per_rank}, "
+        f"{cfg['sync_reps']} repetitions, slowest rank; the flat all_reduce runs over the cross-replica group)",
         "",
         "| operation | buckets | median ms (IQR) | ratio vs flat all_reduce, paired median (IQR) |",
         "|---|---|---|---|",
@@ -605,14 +795,15 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
     lines += [
         "",
         "`hdet.sync` minus `average_tensors` is the loss gather (a second, tiny collective), the finiteness "
-        "check of every parameter and the controller; `average_tensors` minus the flat all-reduce is packing "
-        "the buckets, the division and unpacking.",
+        "check of every parameter and the controller"
+        + (", and ZeRO refreshing its parameters from the averaged master" if gradient_average else "")
+        + "; `average_tensors` minus the flat all-reduce is packing the buckets, the division and unpacking.",
         "",
-        "## 3. Bytes (payload per rank; a ring all-reduce moves about 2(n-1)/n times this per rank)",
+        f"{heading} 3. Bytes (payload per rank; a ring all-reduce moves about 2(n-1)/n times this per rank)",
         "",
         f"Parameter bytes{per_rank} {nbytes['param_bytes']:,}; cross-replica gradient all-reduce per step in "
         "global mode: "
-        f"{nbytes['grad_bytes_per_step_measured']:,} measured by a hook (estimate = parameter bytes "
+        f"{nbytes['grad_bytes_per_step_measured']:,} measured (estimate = parameter bytes "
         f"{nbytes['grad_bytes_per_step_estimate']:,}). Loss gather per sync: {nbytes['bytes_gathered_per_sync']} "
         "bytes.",
         "",
@@ -624,8 +815,7 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         per_step = " | ".join(f"{nbytes['cross_replica_bytes_per_step'][f'T{t}'][mode]:,.0f}"
                               for t in cfg["sync_intervals"])
         lines.append(f"| {mode} | {nbytes['bytes_averaged_per_sync'][mode]:,} | {per_step} |")
-    lines += ["", engine["local_mode_note"], ""]
-    path.write_text("\n".join(lines))
+    return [*lines, "", engine["local_mode_note"], ""]
 
 
 # ------------------------------------------------------------------------------------------- ranks
@@ -633,6 +823,11 @@ def worker(rank: int, settings: Settings, store_path: str) -> None:
     """One rank: runs the three measurements; rank 0 writes the results."""
     started = time.perf_counter()
     load_start = os.getloadavg()
+    # What a launcher sets: DeepSpeed asserts LOCAL_RANK even when the process group already exists.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(settings.ranks),
+                      LOCAL_WORLD_SIZE=str(settings.ranks))
+    # ZeRO calls torch.distributed collectives that torch has deprecated, and torch warns at every call.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if settings.backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -642,22 +837,16 @@ def worker(rank: int, settings: Settings, store_path: str) -> None:
     dist.init_process_group(settings.backend, init_method=f"file://{store_path}", rank=rank,
                             world_size=settings.ranks, timeout=datetime.timedelta(minutes=10))
     try:
-        engine = ENGINES[settings.engine](settings, device)
-        clock = Clock(device)
-        trainers = make_trainers(settings, engine, device, clock)
-        warmup = run_step_benchmark(settings, trainers, device)
-        progress(started, "step time")
-        hooks = hook_overhead(settings, engine, device)
-        steps = analyse_steps(settings, trainers, warmup)
-        sync = run_sync_benchmark(settings, engine, device, clock)
-        progress(started, "sync time")
-        nbytes = run_bytes(settings, engine, device, trainers[1].reports)
+        engine_info, measured = measure(settings, device, started)
+        # Every model is gone before the process groups are: a DDP reducer that outlives destroy_process_group
+        # ends its gloo group itself, holding the GIL, and deadlocks when a gloo thread still has to release
+        # a tensor of the last collective (seen under heavy load).
+        gc.collect()
         runtime = max(gather([time.perf_counter() - started]))[0]
         if rank == 0:
             data = {
                 "benchmark": "overhead",
-                "engine": {"name": settings.engine, "title": engine.title, "baseline": engine.baseline,
-                           "local_mode_note": engine.local_mode_note},
+                "engine": engine_info,
                 "machine": machine_info(settings, device),
                 "settings": asdict(settings),
                 "model_params": sum(p.numel() for p in build_model(settings, torch.device("cpu")).parameters()),
@@ -666,21 +855,52 @@ def worker(rank: int, settings: Settings, store_path: str) -> None:
                 "runtime_s": runtime,
                 "noise_note": noise_note(settings),
                 "targets_step_overhead": {f"T{t}": v for t, v in TARGETS.items()},
-                "step_time": steps,
-                "hook_overhead": hooks,
-                "sync_time": sync,
-                "estimated_overhead": estimates(steps, sync, hooks, settings.sync_intervals),
-                "bytes": nbytes,
             }
+            if settings.stages:
+                data["stages"] = measured
+            else:
+                data.update(measured[""])
             out = Path(settings.out)
             out.mkdir(parents=True, exist_ok=True)
             where = "gpu" if device.type == "cuda" else "cpu"
-            stem = f"overhead_{settings.engine}_{where}{'_quick' if settings.quick else ''}"
+            stages = "" if settings.stages in ((), DEEPSPEED_STAGES) else "_zero" + "".join(map(str, settings.stages))
+            stem = f"overhead_{settings.engine}{stages}_{where}{'_quick' if settings.quick else ''}"
             (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
             write_markdown(out / f"{stem}.md", data)
             print(f"wrote {out / stem}.json and .md in {runtime:.0f} s")
     finally:
         dist.destroy_process_group()
+
+
+def measure(settings: Settings, device: torch.device, started: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The three measurements of every engine part (keyed by ``Engine.part``) and what names the engine."""
+    engines = build_engines(settings, device)
+    # Every baseline comes before any HDET variant: DeepSpeed keeps the model-parallel unit process-wide, so a
+    # plain engine built after an HDET engine would shard over that engine's replica only.
+    plains = [engine.plain_trainer() for engine in engines]
+    idle_plain_optimizers = [engine.plain_trainer().optimizer for engine in engines]  # for the LR-hook timing
+    trainer_groups = [[plain, *hdet_trainers(settings, engine)] for engine, plain in zip(engines, plains, strict=True)]
+    warmup = run_step_benchmark(settings, [trainer for group in trainer_groups for trainer in group], device)
+    progress(started, "step time")
+    measured = {}
+    for engine, trainers, idle_plain in zip(engines, trainer_groups, idle_plain_optimizers, strict=True):
+        hooks = hook_overhead(settings, engine, idle_plain)
+        steps = analyse_steps(settings, trainers, warmup)
+        sync = run_sync_benchmark(settings, engine, device)
+        measured[engine.part] = {
+            "step_time": steps,
+            "hook_overhead": hooks,
+            "sync_time": sync,
+            "estimated_overhead": estimates(steps, sync, hooks, settings.sync_intervals,
+                                            gradient_average=engine.gradient_average_in_hot_path),
+            "bytes": run_bytes(settings, engine, device, trainers[1].reports),
+        }
+        progress(started, " ".join(filter(None, (engine.part, "sync time and bytes"))))
+    engine = engines[0]
+    engine_info = {"name": settings.engine, "title": engine.title, "baseline": engine.baseline,
+                   "local_mode_note": engine.local_mode_note,
+                   "gradient_average_in_hot_path": engine.gradient_average_in_hot_path}
+    return engine_info, measured
 
 
 def progress(started: float, section: str) -> None:
