@@ -127,8 +127,7 @@ class HDETEnsemble:
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._probe: Callable[[], LossLike] | None = None
         if config.warm_init.enabled:
-            add_warm_noise(adapter.warm_init_tensors(), nu=config.warm_init.nu, seed=config.seed,
-                           replica_index=self.topology.replica_index)
+            add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
         self._lr = StepScopedLR(adapter.optimizer, self._lr_for_group)
         adapter.optimizer._hdet_attached = True
 

@@ -21,7 +21,6 @@ from hdet_scale import (
     HDETOneCycleLR,
     HDETScheduler,
     ReplicaTopology,
-    WarmInitConfig,
     multipliers,
 )
 from hdet_scale.engines.ddp import attach, wrap_model
@@ -326,30 +325,3 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
         assert values["base"] == pytest.approx(base, rel=1e-6)
     # Without the velocity term the base would sit exactly on OneCycleLR's floor after K syncs.
     assert reference.get_last_lr()[0] * (1 - gamma) ** syncs_left == pytest.approx(floor)
-
-
-# --------------------------------------------------------------------------------- warm noisy init
-def warm_init_run(rank: int, world: int) -> None:
-    config = HDETConfig(ranks_per_replica=2, seed=3, warm_init=WarmInitConfig(enabled=True, nu=0.01))
-    topology = ReplicaTopology.build(config)
-    torch.manual_seed(0)
-    model = nn.Linear(64, 64)
-    start = flat_params(model)
-    wrapped = wrap_model(model, config, topology)
-    assert torch.equal(flat_params(wrapped), start)
-    hdet = attach(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), config, topology=topology)
-    noise = gather_rows(flat_params(wrapped) - start)
-    expected_std = 0.01 * start.norm().item() / math.sqrt(start.numel())  # eq. 10
-    for row in noise:
-        assert abs(row.std().item() / expected_std - 1) < 0.06
-        assert abs(row.mean().item()) < 4 * expected_std / math.sqrt(start.numel())
-    assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])  # one noise per replica
-    correlation = torch.corrcoef(noise[[0, 2]])[0, 1].item()
-    assert abs(correlation) < 0.1  # independent across replicas
-    with pytest.raises(ValueError, match="already has HDET attached"):
-        attach(wrapped, hdet.adapter.optimizer, config, topology=topology)
-    hdet.close()
-
-
-def test_warm_init_noise_follows_eq_10():
-    run_ranks(warm_init_run, WORLD)

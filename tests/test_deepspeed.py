@@ -315,7 +315,6 @@ def launcher_env(monkeypatch):
      "zero_optimization.offload_param.device='nvme'"),
     (ds_config(3, zero_optimization={"stage": 3, "zero_hpz_partition_size": 2}), {}, "ZeRO\\+\\+ hpZ"),
     (ds_config(2, fp16={"enabled": True}), {}, "fp16.enabled: HDET supports fp32 and bf16"),
-    (ds_config(2, hdet={"warm_init": {"enabled": True}}), {}, "warm_init is not available with DeepSpeed yet"),
     (ds_config(2, train_batch_size=6), {"hdet_config": {"ranks_per_replica": 1}},
      "train_batch_size=6 must be a multiple of the number of replicas \\(4\\)"),
 ])

@@ -3,8 +3,43 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters, each once, in param-group order (the same on every rank)."""
+    seen: set[int] = set()
+    params = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+def _whole(full: torch.Tensor) -> torch.Tensor:
+    return full
+
+
+@dataclass(frozen=True)
+class ParameterShard:
+    """One trained parameter as this rank holds it: what warm noisy initialization (eq. 10) asks an engine.
+
+    The core computes the norm from the ``local`` parts, draws each parameter's noise as a full tensor and
+    adds ``take_local(noise)`` to ``local``, so the noise does not depend on how the parameter is sharded.
+    """
+
+    full_shape: torch.Size
+    """The shape of the whole parameter (the same on every rank)."""
+    local: torch.Tensor
+    """This rank's master values of the parameter (fp32 under mixed precision), edited in place: the whole
+    parameter where it is not sharded, else this rank's part of it, empty if it holds none. Never padding."""
+    take_local: Callable[[torch.Tensor], torch.Tensor] = _whole
+    """The part of a tensor of ``full_shape`` that ``local`` holds, shaped like ``local`` (no communication)."""
 
 
 class EngineAdapter(ABC):
@@ -35,13 +70,24 @@ class EngineAdapter(ABC):
                         tensors.append(value.to_local() if hasattr(value, "to_local") else value)
         return tensors
 
-    def warm_init_tensors(self) -> list[torch.Tensor]:
-        """The full (unsharded) parameters that warm noisy initialization perturbs (eq. 10)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support warm_init yet; set warm_init.enabled "
+    def warm_init_shards(self) -> list[ParameterShard]:
+        """Every trained parameter as this rank holds its master copy, for warm noisy initialization (eq. 10).
+
+        The order must be the same on every rank and must not depend on the sharding: a parameter's index in
+        it seeds its noise.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support warm_init; set warm_init.enabled "
                                   "to false")
 
+    @property
+    def shards_parameters(self) -> bool:
+        """True when the ranks of a replica hold disjoint parts of each parameter (``warm_init_shards`` then
+        covers a parameter only over the whole replica); False when every rank holds whole parameters."""
+        return False
+
     def after_average(self) -> None:  # noqa: B027 (a default no-op, not an abstract method)
-        """Refreshes derived copies (e.g. low-precision parameters) from the averaged master tensors."""
+        """Refreshes derived copies (e.g. low-precision parameters) from the master tensors after HDET edited
+        them in place (averaging, warm-init noise)."""
 
     def recover_excluded(self) -> None:
         """Called on a replica that was left out of an average for non-finite values, after it received the

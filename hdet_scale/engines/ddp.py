@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hdet_scale.comm import broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.engines.base import EngineAdapter
+from hdet_scale.engines.base import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.topology import ReplicaTopology
 
@@ -43,8 +43,8 @@ class DDPAdapter(EngineAdapter):
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
 
-    def warm_init_tensors(self) -> list[torch.Tensor]:
-        return self._parameters()
+    def warm_init_shards(self) -> list[ParameterShard]:
+        return [ParameterShard(param.shape, param) for param in self._parameters()]
 
     def averaged_tensors(self) -> list[torch.Tensor]:
         tensors = self._parameters()
@@ -53,15 +53,7 @@ class DDPAdapter(EngineAdapter):
         return tensors
 
     def _parameters(self) -> list[torch.Tensor]:
-        """The optimizer's parameters, each once, in param-group order (the same on every rank)."""
-        seen: set[int] = set()
-        params = []
-        for group in self._optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    params.append(param.data)
-        return params
+        return [param.data for param in optimizer_parameters(self._optimizer)]
 
 
 def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,

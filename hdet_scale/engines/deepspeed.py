@@ -206,7 +206,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     DeepSpeed JSON (exactly one of them; none: the defaults). ``train_batch_size`` in the DeepSpeed JSON
     keeps its meaning, the batch of one optimizer step over all ranks; each replica takes its share.
     ``training_data`` is read through a sampler over the global rank, so every rank (and replica) reads
-    different samples. The model's weights are taken from global rank 0, so replicas start identical.
+    different samples. The model's weights are taken from global rank 0, so replicas start identical (with
+    ``warm_init`` each replica then adds its own eq. 10 noise, after DeepSpeed's own broadcast).
     ``engine.hdet`` is the ``HDETDeepSpeed`` handle.
 
     Everything is checked before the process group and the engine are built: a bad HDET field, an
@@ -273,9 +274,6 @@ def check_supported(ds_config: Mapping[str, Any], hdet: HDETConfig, model: nn.Mo
     if (ds_config.get("fp16") or {}).get("enabled", False):
         raise HDETConfigError("fp16.enabled: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
                               "use \"bf16\": {\"enabled\": true}")
-    if hdet.warm_init.enabled:
-        raise HDETConfigError("warm_init is not available with DeepSpeed yet (the noise must be drawn over full "
-                              "tensors and sliced per ZeRO partition); set warm_init.enabled to false")
     if any(hasattr(param, "ds_id") for param in model.parameters()):
         raise HDETConfigError("the model was built under deepspeed.zero.Init, which partitions it over every "
                               "rank; build it normally and let initialize shard it inside each replica")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,11 +26,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hdet_scale.comm import broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.engines.base import EngineAdapter
+from hdet_scale.engines.base import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
 from hdet_scale.topology import ReplicaTopology
 
@@ -84,14 +86,37 @@ class FSDPAdapter(EngineAdapter):
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
 
+    @property
+    def shards_parameters(self) -> bool:
+        return True
+
     def averaged_tensors(self) -> list[torch.Tensor]:
+        self._reshard()
+        tensors = [param.to_local() for param in self._model.parameters()]
+        return tensors + [buf for buf in self._model.buffers() if buf.is_floating_point()]
+
+    def warm_init_shards(self) -> list[ParameterShard]:
+        self._reshard()
+        shards = []
+        for param in optimizer_parameters(self._optimizer):
+            if not isinstance(param, DTensor):
+                raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} that FSDP2 does not "
+                                 "shard: build the optimizer from the wrapped model's parameters only")
+            shards.append(ParameterShard(param.shape, param.to_local(), partial(_local_part, param)))
+        return shards
+
+    def _reshard(self) -> None:
         # Parameters left unsharded (reshard_after_forward=False) are resharded first: the registered
-        # DTensors must be the shards, or ranks would average different things.
+        # DTensors must be the shards, or ranks would edit different things.
         for module in self._model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        tensors = [param.to_local() for param in self._model.parameters()]
-        return tensors + [buf for buf in self._model.buffers() if buf.is_floating_point()]
+
+
+def _local_part(param: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` laid out like ``param`` (FSDP2's torch.chunk slicing, uneven or empty
+    shards included); ``src_data_rank=None`` slices the local copy, with no communication."""
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
 class HDETFSDP:
@@ -115,7 +140,8 @@ class HDETFSDP:
 
     def attach(self, optimizer: torch.optim.Optimizer, *,
                paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:
-        """Attaches HDET to the optimizer built over the wrapped model's parameters."""
+        """Attaches HDET to the optimizer built over the wrapped model's parameters; with ``warm_init.enabled``
+        this adds each replica's eq. 10 noise to the shards (collective: every rank calls it)."""
         model_params = {id(p) for p in self.model.parameters()}
         if not any(id(p) in model_params for group in optimizer.param_groups for p in group["params"]):
             raise ValueError("the optimizer holds none of the wrapped model's parameters: build it from "
@@ -162,9 +188,6 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
     config = config.resolved(auto="node")
     if not any(param.requires_grad for param in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: nothing for HDET to train")
-    if config.warm_init.enabled:
-        raise ValueError("warm_init is not available with FSDP2 yet (it needs the noise drawn over full "
-                         "tensors and sliced per shard); set warm_init.enabled to false")
     mesh = mesh or build_mesh(config, device_type)
     topology = topology_from_mesh(mesh, config)
     broadcast_from_rank0(model)  # replicas start identical whatever each rank's seed was

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from packaging.version import Version
 from torch import nn
 
-from hdet_scale.engines.base import EngineAdapter
+from hdet_scale.engines.base import EngineAdapter, ParameterShard
 from hdet_scale.topology import ReplicaTopology
 
 TESTED_DEEPSPEED = (Version("0.19.8"), Version("0.20"))
@@ -118,6 +118,42 @@ class ZeroAdapter(EngineAdapter):
             return list(wrapper.single_partition_of_fp32_groups)
         return list(wrapper.fp32_partitioned_groups_flat)
 
+    @property
+    def shards_parameters(self) -> bool:
+        return self._kind in ("bf16_optimizer", "zero12", "zero3")
+
+    def warm_init_shards(self) -> list[ParameterShard]:
+        """The module's trained parameters in module order (the same for every ZeRO stage and replica size),
+        each as this rank's fp32 master values of it."""
+        wrapper = self._wrapper
+        trained = {id(param) for group in self._trained_groups() for param in group}
+        params = [param for param in self.module.parameters() if id(param) in trained]
+        if self._kind in ("bf16_optimizer", "zero12"):
+            return [_fragment_shard(param) for param in params]
+        if self._kind == "zero3":
+            return [_partition_shard(param, wrapper.dp_process_group) for param in params]
+        masters = {id(param): param.data for param in params}  # a torch optimizer: the parameters are the masters
+        if self._kind == "fp16_unfused_optimizer":
+            masters = {id(low): master.data
+                       for lows, fp32s in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
+                       for low, master in zip(lows, fp32s, strict=True)}
+        elif self._kind == "fp16_optimizer":
+            # One flat fp32 master per group, laid out like the group's parameters: views of it per parameter.
+            masters = {id(low): master for lows, flat in zip(wrapper.fp16_groups, wrapper.fp32_groups_flat, strict=True)
+                       for low, master in zip(lows, _views_like(flat, lows), strict=True)}
+        return [ParameterShard(param.shape, masters[id(param)]) for param in params]
+
+    def _trained_groups(self) -> list[list[nn.Parameter]]:
+        """The module parameters the optimizer trains, per param group (ZeRO-3: per sub-group)."""
+        wrapper = self._wrapper
+        if self._kind == "torch":
+            return [group["params"] for group in wrapper.param_groups]
+        if self._kind == "bf16_optimizer":
+            return wrapper.bf16_groups
+        if self._kind == "zero12":
+            return wrapper.bit16_groups
+        return wrapper.fp16_groups  # DeepSpeed's fp16 wrappers and ZeRO-3
+
     def gradient_tensors(self) -> list[torch.Tensor]:
         """This rank's gradients after ZeRO reduced them inside the replica, before clipping and the step."""
         wrapper = self._wrapper
@@ -167,6 +203,43 @@ class ZeroAdapter(EngineAdapter):
         self.optimizer.state.clear()
 
 
+def _fragment_shard(param: nn.Parameter) -> ParameterShard:
+    """ZeRO-1/2 and BF16_Optimizer: the fp32 fragment of ``param`` in this rank's partition, a contiguous
+    range of the flattened parameter (what ``deepspeed.utils.safe_set_full_fp32_param`` writes)."""
+    mapping = param._hp_mapping
+    if mapping is None:  # none of this parameter is in this rank's partition
+        return ParameterShard(param.shape, torch.empty(0, device=param.device),
+                              lambda full: full.new_empty(0))
+    address = mapping.lp_fragment_address
+    return ParameterShard(param.shape, mapping.get_hp_fragment(),
+                          lambda full: full.reshape(-1).narrow(0, address.start, address.numel))
+
+
+def _partition_shard(param: nn.Parameter, data_parallel_group: dist.ProcessGroup) -> ParameterShard:
+    """ZeRO-3: this rank's fp32 partition of ``param`` without the padding of the last partition.
+
+    ``safe_set_full_fp32_param`` cannot write it: it slices the full value by the padded partition size, out
+    of range on the last rank whenever the size does not divide the parameter.
+    """
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    # A view of the fp32 partition (the ``.to(device)`` inside is a no-op without offload, which HDET refuses).
+    partition = safe_get_local_fp32_param(param)
+    start = dist.get_rank(group=getattr(param, "ds_process_group", data_parallel_group)) * partition.numel()
+    held = min(max(param.ds_numel - start, 0), partition.numel())
+    return ParameterShard(param.ds_shape, partition.narrow(0, 0, held),
+                          lambda full: full.reshape(-1).narrow(0, min(start, full.numel()), held))
+
+
+def _views_like(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive ranges of ``flat`` shaped like ``tensors`` (how a flattened group is laid out)."""
+    views, offset = [], 0
+    for tensor in tensors:
+        views.append(flat.narrow(0, offset, tensor.numel()).view_as(tensor))
+        offset += tensor.numel()
+    return views
+
+
 def _optimizer_kind(engine: Any) -> str:
     """Which of DeepSpeed's optimizer wrappers the engine built (they keep their masters in different places)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -194,12 +267,13 @@ def _optimizer_kind(engine: Any) -> str:
 
 _INTERNALS: dict[str, tuple[str, ...]] = {
     "torch": (),
-    "fp16_optimizer": ("fp16_groups_flat", "fp32_groups_flat"),
+    "fp16_optimizer": ("fp16_groups", "fp16_groups_flat", "fp32_groups_flat"),
     "fp16_unfused_optimizer": ("fp16_groups", "fp32_groups"),
-    "bf16_optimizer": ("fp32_groups_flat_partition", "fp32_groups_gradients_flat", "update_lp_params"),
-    "zero12": ("single_partition_of_fp32_groups", "averaged_gradients", "update_lp_params"),
+    "bf16_optimizer": ("bf16_groups", "fp32_groups_flat_partition", "fp32_groups_gradients_flat", "update_lp_params"),
+    "zero12": ("bit16_groups", "single_partition_of_fp32_groups", "averaged_gradients", "update_lp_params"),
     "zero3": ("fp32_partitioned_groups_flat", "grad_partitions_flat_buffer", "fp16_groups", "_partition_all_parameters",
-              "_reassign_or_swap_out_partitioned_parameters", "persistent_parameters", "invalidate_secondary_tensor"),
+              "_reassign_or_swap_out_partitioned_parameters", "persistent_parameters", "invalidate_secondary_tensor",
+              "dp_process_group"),
 }
 _ENGINE_INTERNALS = ("basic_optimizer", "_take_model_step", "save_non_zero_checkpoint", "_get_rank_zero_ckpt_name")
 
