@@ -74,6 +74,33 @@ class WarmInitConfig:
 
 
 @dataclass
+class KnobConfig:
+    """One explored hyperparameter besides the LR (paper Remark 1)."""
+
+    alpha: float | None = None
+    """Its spread ratio (eq. 1), in [0, 1); null: the top-level ``alpha``."""
+
+    base: float | None = None
+    """``label_smoothing`` only: the base value. The others take theirs from the optimizer or the model."""
+
+
+@dataclass
+class ExploreConfig:
+    """Hyperparameters explored besides the LR, each with its own spread, permutation and controller.
+
+    ``weight_decay``: every param group's, explored per group (``weight_decay/<group>``) and applied inside
+    ``optimizer.step()`` like the LR. ``dropout``: a factor on every dropout probability in the model
+    (``nn.Dropout`` and transformers' dropout fields), clamped to [0, 1). ``attention_scale``: a factor on
+    the softmax scale of every transformers attention module (a temperature). ``label_smoothing``: a value
+    the loss reads with ``hdet.value("label_smoothing")``, in [0, 1)."""
+
+    weight_decay: KnobConfig | None = None
+    dropout: KnobConfig | None = None
+    attention_scale: KnobConfig | None = None
+    label_smoothing: KnobConfig | None = None
+
+
+@dataclass
 class HDETConfig:
     """Everything HDET needs besides the model, optimizer and schedule."""
 
@@ -110,6 +137,7 @@ class HDETConfig:
 
     auto_lr: AutoLRConfig = field(default_factory=AutoLRConfig)
     warm_init: WarmInitConfig = field(default_factory=WarmInitConfig)
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
 
     # ----------------------------------------------------------------------------------------- loading
     @classmethod
@@ -168,6 +196,20 @@ class HDETConfig:
                 f"auto_lr.scale_min={lr.scale_min} and auto_lr.scale_max={lr.scale_max} must bracket 1.0 "
                 "(the controller starts at scale 1, the base schedule itself)"
             )
+        for name in ("weight_decay", "dropout", "attention_scale", "label_smoothing"):
+            knob = getattr(self.explore, name)
+            if knob is None:
+                continue
+            if knob.alpha is not None:
+                _check_number(f"explore.{name}.alpha", knob.alpha, low=0.0, high=1.0, high_open=True)
+            if name == "label_smoothing":
+                if knob.base is None:
+                    raise HDETConfigError("explore.label_smoothing.base is required: the label smoothing to start "
+                                          "from, in [0, 1)")
+                _check_number("explore.label_smoothing.base", knob.base, low=0.0, high=1.0, high_open=True)
+            elif knob.base is not None:
+                raise HDETConfigError(f"explore.{name}.base is not used: {name} takes its base value from the "
+                                      "optimizer or the model; remove it")
         _check_bool("warm_init.enabled", self.warm_init.enabled)
         _check_number("warm_init.nu", self.warm_init.nu, low=0.0)
         if world_size is not None:
@@ -264,12 +306,15 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
             raise HDETConfigError(
                 f"unknown HDET setting '{prefix}{key}'{suggestion} Known settings: {', '.join(sorted(fields))}"
             )
-        nested = _NESTED.get(key) if cls is HDETConfig else None
-        kwargs[key] = _build(nested, value, prefix=f"{prefix}{key}.") if nested else value
+        nested = _NESTED.get(cls, {}).get(key)
+        kwargs[key] = _build(nested, value, prefix=f"{prefix}{key}.") if nested and value is not None else value
     return cls(**kwargs)
 
 
-_NESTED: dict[str, type] = {"auto_lr": AutoLRConfig, "warm_init": WarmInitConfig}
+_NESTED: dict[type, dict[str, type]] = {
+    HDETConfig: {"auto_lr": AutoLRConfig, "warm_init": WarmInitConfig, "explore": ExploreConfig},
+    ExploreConfig: {name: KnobConfig for name in ("weight_decay", "dropout", "attention_scale", "label_smoothing")},
+}
 
 
 def _check_bool(name: str, value: Any) -> None:

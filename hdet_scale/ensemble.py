@@ -8,6 +8,7 @@ multipliers. Between syncs it does no communication.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -22,7 +23,8 @@ from hdet_scale.comm import average_tensors, gather_rows
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import Controller, ControllerState, PaperDecay, softmax_weights
 from hdet_scale.engines.base import EngineAdapter
-from hdet_scale.lr_hooks import StepScopedLR
+from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
+from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter
 from hdet_scale.spread import PermutationStream, multipliers
 from hdet_scale.topology import ReplicaTopology
@@ -35,12 +37,18 @@ LossLike = float | torch.Tensor
 
 @dataclass
 class ExploredValue:
-    """One explored hyperparameter (here: one param group's LR) with its own permutation and controller."""
+    """One explored hyperparameter with its own spread, permutation and controller (eq. 9)."""
 
-    name: str
+    knob: Knob
     stream: PermutationStream
+    multipliers: list[float]
+    paper_decay: PaperDecay | None = None
     permutation: list[int] = field(default_factory=list)
     state: ControllerState = field(default_factory=ControllerState)
+
+    @property
+    def name(self) -> str:
+        return self.knob.name
 
 
 @dataclass
@@ -108,14 +116,14 @@ class HDETEnsemble:
             )
         if paper_decay is not None and len(paper_decay) != len(groups):
             raise ValueError(f"paper_decay has {len(paper_decay)} entries for {len(groups)} param groups")
-        self._paper_decay = list(paper_decay) if paper_decay is not None else None
-        self._controller = Controller(config.auto_lr)
-        self._multipliers = multipliers(self.topology.num_replicas, config.alpha)
-        self._explored = [
-            ExploredValue(name=name, stream=PermutationStream(name, config.seed)) for name in _lr_names(groups)
-        ]
-        for explored in self._explored:
-            explored.permutation = explored.stream.draw(self.topology.num_replicas)
+        # Only the LR follows the paper's controller mode; every other knob moves a scale on its base value.
+        self._controllers = {"lr": Controller(config.auto_lr),
+                             "other": Controller(dataclasses.replace(config.auto_lr, mode="scale"))}
+        self._explored: list[ExploredValue] = []
+        for index, knob in enumerate(lr_knobs(adapter.optimizer)):
+            self._explore(knob, paper_decay[index] if paper_decay is not None else None)
+        for knob in configured_knobs(config.explore, adapter.optimizer, adapter.module):
+            self._explore(knob)
         self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
         self._step = 0
         # Float64 accumulators on the loss's device, updated in place: no host sync, one kernel per loss.
@@ -128,8 +136,45 @@ class HDETEnsemble:
         self._probe: Callable[[], LossLike] | None = None
         if config.warm_init.enabled:
             add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
-        self._lr = StepScopedLR(adapter.optimizer, self._lr_for_group)
+        step_scoped = [explored for explored in self._explored if explored.knob.step_scoped]
+        self._step_scoped = StepScopedValues(
+            adapter.optimizer, [(explored.knob.group_index, explored.knob.key) for explored in step_scoped],
+            lambda index, scheduled: self._value(step_scoped[index], scheduled))
+        self._apply_knobs()
         adapter.optimizer._hdet_attached = True
+
+    def _explore(self, knob: Knob, paper_decay: PaperDecay | None = None) -> ExploredValue:
+        if any(explored.name == knob.name for explored in self._explored):
+            raise ValueError(f"'{knob.name}' is explored already")
+        alpha = self.config.alpha if knob.alpha is None else knob.alpha
+        explored = ExploredValue(knob=knob, stream=PermutationStream(knob.name, self.config.seed),
+                                 multipliers=multipliers(self.topology.num_replicas, alpha), paper_decay=paper_decay)
+        explored.permutation = explored.stream.draw(self.topology.num_replicas)
+        self._explored.append(explored)
+        return explored
+
+    def add_knob(self, name: str, getter: Callable[[], float], setter: Callable[[float], None], *,
+                 alpha: float | None = None, low: float = -math.inf, high: float = math.inf) -> None:
+        """Explores a user-defined scalar: its base is ``getter()`` now, and ``setter(value)`` receives this
+        replica's value at the start and after every sync. Call it on every rank before the first step."""
+        if self._step:
+            raise RuntimeError(f"add_knob('{name}') after {self._step} steps: add knobs before training starts")
+        explored = self._explore(ValueKnob(name, float(getter()), Bounds(low=low, high=high), alpha, setter))
+        explored.knob.apply(self._value(explored, explored.knob.scheduled()))
+
+    def value(self, name: str) -> float:
+        """This replica's current value of the explored hyperparameter ``name`` (e.g. ``"label_smoothing"``,
+        ``"lr/0"``: for optimizer knobs, the value the next ``optimizer.step()`` uses)."""
+        for explored in self._explored:
+            if explored.name == name:
+                return self._value(explored, explored.knob.scheduled())
+        raise KeyError(f"'{name}' is not explored; explored: {[explored.name for explored in self._explored]}")
+
+    def _apply_knobs(self) -> None:
+        """Gives this replica its values of the knobs that are not set inside ``optimizer.step()``."""
+        for explored in self._explored:
+            if not explored.knob.step_scoped:
+                explored.knob.apply(self._value(explored, explored.knob.scheduled()))
 
     # ------------------------------------------------------------------------------------ the loop
     @property
@@ -212,10 +257,11 @@ class HDETEnsemble:
             logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",
                            self._step, excluded)
 
-        trained_with = {explored.name: self._replica_values(index) for index, explored in enumerate(self._explored)}
+        trained_with = {explored.name: self._replica_values(explored) for explored in self._explored}
         weights, updated = self._update_controller(self._controller_signal(replica_losses, probe_losses))
         for explored in self._explored:
             explored.permutation = explored.stream.draw(topo.num_replicas)
+        self._apply_knobs()
         values = self._value_report(trained_with)
         self._loss_sum.zero_()
         self._loss_count = 0
@@ -258,57 +304,58 @@ class HDETEnsemble:
                 self._warned_no_loss = True
             return None, False
         weights = softmax_weights(replica_losses, cfg.sigma)
-        for index, explored in enumerate(self._explored):
-            explored.state = self._controller.update(
+        for explored in self._explored:
+            controller = self._controllers["lr" if explored.name.startswith("lr/") else "other"]
+            explored.state = controller.update(
                 explored.state, weights=weights, replica_multipliers=self._replica_multipliers(explored),
-                scheduled_value=self._scheduled_lr(index), step=self._step,
-                sync_interval=self.config.sync_interval,
-                paper_decay=self._paper_decay[index] if self._paper_decay else None,
+                scheduled_value=explored.knob.scheduled(), step=self._step,
+                sync_interval=self.config.sync_interval, paper_decay=explored.paper_decay,
             )
         return weights, True
 
     def _replica_multipliers(self, explored: ExploredValue) -> list[float]:
-        return [self._multipliers[slot] for slot in explored.permutation]
-
-    def _scheduled_lr(self, group_index: int) -> float:
-        return float(self.adapter.optimizer.param_groups[group_index]["lr"])
+        return [explored.multipliers[slot] for slot in explored.permutation]
 
     def _base_value(self, explored: ExploredValue, scheduled: float) -> float:
+        """The controller's base: scheduled * scale (``paper`` mode: its own), kept inside the knob's bounds."""
         state = explored.state
-        return state.owned_base if state.owned_base is not None else scheduled * state.scale
+        base = state.owned_base if state.owned_base is not None else scheduled * state.scale
+        return explored.knob.bounds.clamp(base)
 
-    def _lr_for_group(self, group_index: int, scheduled: float) -> float:
-        explored = self._explored[group_index]
-        rho = self._multipliers[explored.permutation[self.topology.replica_index]]
-        return self._base_value(explored, scheduled) * rho
+    def _value(self, explored: ExploredValue, scheduled: float) -> float:
+        """This replica's value: base times its multiplier rho_{pi(r)}, kept inside the knob's bounds."""
+        rho = explored.multipliers[explored.permutation[self.topology.replica_index]]
+        return explored.knob.bounds.clamp(self._base_value(explored, scheduled) * rho)
 
     # --------------------------------------------------------------------------------- reporting
+    def _lr_explored(self) -> list[ExploredValue]:
+        return [explored for explored in self._explored if explored.name.startswith("lr/")]
+
     def lr_multiplier(self, group_index: int = 0) -> float:
         """This replica's multiplier rho_{pi(r)} on param group ``group_index`` for the current interval."""
-        explored = self._explored[group_index]
-        return self._multipliers[explored.permutation[self.topology.replica_index]]
+        explored = self._lr_explored()[group_index]
+        return explored.multipliers[explored.permutation[self.topology.replica_index]]
 
     def current_lrs(self) -> list[float]:
         """The LR each param group trains with on this replica at the next optimizer step."""
-        return [self._lr_for_group(i, self._scheduled_lr(i)) for i in range(len(self._explored))]
+        return [self._value(explored, explored.knob.scheduled()) for explored in self._lr_explored()]
 
-    def _replica_values(self, group_index: int) -> list[float]:
-        explored = self._explored[group_index]
-        base = self._base_value(explored, self._scheduled_lr(group_index))
-        return [base * rho for rho in self._replica_multipliers(explored)]
+    def _replica_values(self, explored: ExploredValue) -> list[float]:
+        base = self._base_value(explored, explored.knob.scheduled())
+        return [explored.knob.bounds.clamp(base * rho) for rho in self._replica_multipliers(explored)]
 
     def _value_report(self, trained_with: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
         """Per explored value: what the replicas trained with (aligned with the interval's losses), the
         controller's new state, and what they train with next."""
         report = {}
-        for index, explored in enumerate(self._explored):
+        for explored in self._explored:
             report[explored.name] = {
                 "replica_values": trained_with[explored.name],
-                "base": self._base_value(explored, self._scheduled_lr(index)),
+                "base": self._base_value(explored, explored.knob.scheduled()),
                 "scale": explored.state.scale,
                 "delta": explored.state.last_delta,
                 "velocity": explored.state.velocity,
-                "next_replica_values": self._replica_values(index),
+                "next_replica_values": self._replica_values(explored),
             }
         return report
 
@@ -346,6 +393,7 @@ class HDETEnsemble:
             explored.stream.load_state_dict(entry["stream"])
             explored.permutation = (list(entry["permutation"]) if same_layout
                                     else explored.stream.draw(self.topology.num_replicas))
+        self._apply_knobs()
         self._step = int(state["step"])
         self._loss_sum.fill_(float(state["loss_sum"]))
         self._loss_count = int(state["loss_count"])
@@ -353,19 +401,16 @@ class HDETEnsemble:
         self._micro_count = 0
 
     def close(self) -> None:
-        """Removes the optimizer hooks; the optimizer then trains at the scheduled LRs."""
-        self._lr.remove()
+        """Removes the optimizer hooks and returns every knob to its base value; the optimizer then trains at
+        the scheduled values."""
+        self._step_scoped.remove()
+        for explored in self._explored:
+            if not explored.knob.step_scoped:
+                explored.knob.apply(explored.knob.scheduled())
         self.adapter.optimizer._hdet_attached = False
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def _lr_names(groups: list[dict[str, Any]]) -> list[str]:
-    names = [f"lr/{group.get('name', index)}" for index, group in enumerate(groups)]
-    if len(set(names)) != len(names):
-        raise ValueError(f"optimizer param group names must be unique, got {names}")
-    return names
-
-
 def _accumulate(total: torch.Tensor, loss: LossLike, scale: float = 1.0) -> torch.Tensor:
     """Adds ``scale * loss`` to the float64 scalar ``total`` in place, moving ``total`` to the loss's device
     the first time a loss arrives from another device; returns the accumulator to keep."""

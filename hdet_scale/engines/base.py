@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -49,6 +50,11 @@ class EngineAdapter(ABC):
     @abstractmethod
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer whose ``param_groups`` hold the scheduled LRs (DeepSpeed: the base optimizer)."""
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The model, where knobs that live in it (dropout, attention scale) are found; None if unknown."""
+        return None
 
     @abstractmethod
     def averaged_tensors(self) -> list[torch.Tensor]:

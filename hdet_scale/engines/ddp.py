@@ -43,6 +43,10 @@ class DDPAdapter(EngineAdapter):
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
 
+    @property
+    def module(self) -> nn.Module | None:
+        return self._module
+
     def warm_init_shards(self) -> list[ParameterShard]:
         return [ParameterShard(param.shape, param) for param in self._parameters()]
 

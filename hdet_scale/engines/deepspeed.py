@@ -225,7 +225,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     hdet = _hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     hdet = hdet.resolved(auto="rank" if stage == 0 else "node")
-    check_supported(ds_config, hdet, model)
+    check_supported(ds_config, model)
     if "WORLD_SIZE" in os.environ:
         _per_replica_batch(ds_config, hdet.num_replicas(int(os.environ["WORLD_SIZE"])))  # checks it early
 
@@ -258,7 +258,7 @@ def replica_dataloader(dataset: Dataset, micro_batch_size: int, *, collate_fn: C
 
 
 # ------------------------------------------------------------------------------------- validation
-def check_supported(ds_config: Mapping[str, Any], hdet: HDETConfig, model: nn.Module) -> None:
+def check_supported(ds_config: Mapping[str, Any], model: nn.Module) -> None:
     """Raises, naming the setting, for DeepSpeed settings HDET cannot run with."""
     zero = ds_config.get("zero_optimization", {}) or {}
     for section in ("offload_optimizer", "offload_param"):

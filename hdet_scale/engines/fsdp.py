@@ -87,6 +87,10 @@ class FSDPAdapter(EngineAdapter):
         return self._optimizer
 
     @property
+    def module(self) -> nn.Module:
+        return self._model
+
+    @property
     def shards_parameters(self) -> bool:
         return True
 

@@ -1,0 +1,190 @@
+"""Scalar hyperparameters HDET explores besides the LR (paper Remark 1): where each one lives and how it is set.
+
+A knob has a base value (from the optimizer, the model or the config), bounds, and a way to give this
+replica its own value. The ensemble owns the spread, the permutation and the controller of every knob; a
+knob only answers "what is the base now" and "set this replica's value".
+
+* Optimizer knobs (``lr``, ``weight_decay`` of a param group) are applied for the duration of
+  ``optimizer.step()`` only, like the LR (schedulers write the base value every step).
+* Model knobs (``dropout``, ``attention_scale``) are factors on each module's own configured value, applied
+  at every re-assignment (start and every sync).
+* Value knobs (``label_smoothing``, user knobs) hold a value the training code reads back (a getter) or
+  push it through a user setter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hdet_scale.config import ExploreConfig, HDETConfigError
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Where a knob's values may lie; values outside are clamped (an open end stays a hair inside)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def clamp(self, value: float) -> float:
+        low = math.nextafter(self.low, math.inf) if self.low_open else self.low
+        high = math.nextafter(self.high, -math.inf) if self.high_open else self.high
+        return min(max(value, low), high)
+
+
+POSITIVE = Bounds(low=0.0, low_open=True)
+NON_NEGATIVE = Bounds(low=0.0)
+PROBABILITY = Bounds(low=0.0, high=1.0, high_open=True)
+
+
+class Knob:
+    """One explored scalar. ``step_scoped`` knobs are set by the optimizer hooks (``group_index``, ``key``);
+    the others by ``apply``."""
+
+    step_scoped = False
+
+    def __init__(self, name: str, bounds: Bounds, alpha: float | None = None) -> None:
+        self.name = name
+        self.bounds = bounds
+        self.alpha = alpha
+        """Spread ratio of this knob (eq. 1); None: the config's ``alpha``."""
+
+    def scheduled(self) -> float:
+        """The base value now (before the controller's scale and the replica's multiplier)."""
+        raise NotImplementedError
+
+    def apply(self, value: float) -> None:
+        """Gives this replica ``value`` (called at the start and after every sync)."""
+
+
+class OptimizerGroupKnob(Knob):
+    """``optimizer.param_groups[group_index][key]`` (``lr``, ``weight_decay``), set inside ``step()`` only."""
+
+    step_scoped = True
+
+    def __init__(self, name: str, optimizer: torch.optim.Optimizer, group_index: int, key: str, bounds: Bounds,
+                 alpha: float | None = None) -> None:
+        super().__init__(name, bounds, alpha)
+        if key not in optimizer.param_groups[group_index]:
+            raise HDETConfigError(f"cannot explore '{key}': param group {group_index} of "
+                                  f"{type(optimizer).__name__} has no '{key}'")
+        self.optimizer = optimizer
+        self.group_index = group_index
+        self.key = key
+
+    def scheduled(self) -> float:
+        return float(self.optimizer.param_groups[self.group_index][self.key])
+
+
+class ModuleFactorKnob(Knob):
+    """A factor on module attributes (base 1): each ``(module, attribute)`` gets ``original * factor``,
+    clamped to ``value_bounds``. For dropout probabilities and attention softmax scales."""
+
+    def __init__(self, name: str, targets: list[tuple[nn.Module, str]], value_bounds: Bounds,
+                 alpha: float | None = None) -> None:
+        super().__init__(name, POSITIVE, alpha)
+        self.targets = [(module, attribute, float(getattr(module, attribute))) for module, attribute in targets]
+        self.value_bounds = value_bounds
+
+    def scheduled(self) -> float:
+        return 1.0
+
+    def apply(self, value: float) -> None:
+        for module, attribute, original in self.targets:
+            setattr(module, attribute, self.value_bounds.clamp(original * value))
+
+
+class ValueKnob(Knob):
+    """A value the training code reads (``current``) or that a user ``setter`` receives; its base is fixed."""
+
+    def __init__(self, name: str, base: float, bounds: Bounds, alpha: float | None = None,
+                 setter: Callable[[float], None] | None = None) -> None:
+        super().__init__(name, bounds, alpha)
+        if not math.isfinite(base) or bounds.clamp(base) != base:
+            raise HDETConfigError(f"the base value of '{name}' is {base}, outside its bounds {bounds}")
+        self.base = base
+        self.current = base
+        self._setter = setter
+
+    def scheduled(self) -> float:
+        return self.base
+
+    def apply(self, value: float) -> None:
+        self.current = value
+        if self._setter is not None:
+            self._setter(value)
+
+
+# ------------------------------------------------------------------------------- finding model knobs
+DROPOUT_ATTRIBUTES = ("attention_dropout", "dropout", "dropout_p", "attn_pdrop", "resid_pdrop", "embd_pdrop")
+"""Float attributes holding a dropout probability that modules (e.g. transformers attention) use directly."""
+
+
+def dropout_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every ``nn.Dropout``'s ``p`` and every float dropout attribute of other modules with a non-zero value."""
+    targets = []
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            targets.append((module, "p"))
+            continue
+        for attribute in DROPOUT_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if isinstance(value, float) and not isinstance(value, bool):
+                targets.append((module, attribute))
+    return [(module, attribute) for module, attribute in targets if getattr(module, attribute) > 0]
+
+
+def attention_scale_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The softmax scale of every transformers attention module (its float ``scaling`` attribute)."""
+    return [(module, "scaling") for module in model.modules()
+            if isinstance(getattr(module, "scaling", None), float)]
+
+
+# ------------------------------------------------------------------------------------- from the config
+def group_names(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Each param group's name (its ``name`` entry, else its index); unique."""
+    names = [str(group.get("name", index)) for index, group in enumerate(optimizer.param_groups)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"optimizer param group names must be unique, got {names}")
+    return names
+
+
+def lr_knobs(optimizer: torch.optim.Optimizer, alpha: float | None = None) -> list[Knob]:
+    """One LR knob per param group, named ``lr/<group>``. Its values are > 0 wherever the schedule's are (the
+    controller's scale never reaches 0); a schedule's own 0 (e.g. a warm-up's first step) stays 0."""
+    return [OptimizerGroupKnob(f"lr/{name}", optimizer, index, "lr", NON_NEGATIVE, alpha)
+            for index, name in enumerate(group_names(optimizer))]
+
+
+def configured_knobs(explore: ExploreConfig, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> list[Knob]:
+    """The knobs ``explore`` asks for besides the LR; a clear error where one cannot apply."""
+    knobs: list[Knob] = []
+    if explore.weight_decay is not None:
+        knobs += [OptimizerGroupKnob(f"weight_decay/{name}", optimizer, index, "weight_decay", NON_NEGATIVE,
+                                     explore.weight_decay.alpha)
+                  for index, name in enumerate(group_names(optimizer))]
+    for name, find, value_bounds in (("dropout", dropout_targets, PROBABILITY),
+                                     ("attention_scale", attention_scale_targets, POSITIVE)):
+        setting = getattr(explore, name)
+        if setting is None:
+            continue
+        if model is None:
+            raise HDETConfigError(f"explore.{name} needs the model: pass it when attaching HDET")
+        targets = find(model)
+        if not targets:
+            what = ("no nn.Dropout or dropout field with a non-zero probability" if name == "dropout"
+                    else "no attention module with a float `scaling` attribute (the transformers softmax scale)")
+            raise HDETConfigError(f"explore.{name} cannot apply to {type(model).__name__}: it has {what}; "
+                                  f"remove explore.{name}")
+        knobs.append(ModuleFactorKnob(name, targets, value_bounds, setting.alpha))
+    if explore.label_smoothing is not None:
+        knobs.append(ValueKnob("label_smoothing", explore.label_smoothing.base, PROBABILITY,
+                               explore.label_smoothing.alpha))
+    return knobs
