@@ -254,6 +254,7 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
     """Per-replica multipliers on top of DeepSpeed's four schedulers and a torch scheduler (each writes
     absolute LRs every step): the base schedule is untouched and each replica trains at schedule * rho.
     Also: training_data is split over the global rank, so every replica reads different samples."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 replicas of 2 ranks
     checked = []
     hdet = {"alpha": 0.5, "sync_interval": 2, "auto_lr": {"enabled": False}}
     for name in [*DS_SCHEDULERS, "LambdaLR"]:
@@ -271,10 +272,26 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
         for step in range(6):
             assert engine.get_lr()[0] == pytest.approx(expected[step], abs=1e-12), (name, step)
             rho = engine.hdet.lr_multiplier()
+            assert rho in (0.5, 1.5)  # eq. 1 for 2 replicas
             used.clear()
             train_step(engine, rank, step)
             assert used == [pytest.approx(expected[step] * rho, abs=1e-12)], (name, step)
         checked.append(name)
+
+    # Plain DeepSpeed engines built after HDET's keep their all-rank groups (DeepSpeed's mpu is process-wide;
+    # HDET's engine only sets its own while it runs), and HDET's engine keeps its replica groups.
+    for stage in (0, 2):
+        plain = build(ds_config(stage), seed=rank, plain=True)
+        assert plain.dp_world_size == world
+        train_step(plain, rank, 1)
+        trained = gather(full_fp32(plain))
+        assert torch.equal(trained, trained[:1].expand_as(trained))  # gradients averaged over all 4 ranks
+    used.clear()
+    expected_lr = engine.get_lr()[0] * engine.hdet.lr_multiplier()
+    train_step(engine, rank, 6)
+    assert used == [pytest.approx(expected_lr, abs=1e-12)]
+    assert engine.hdet.topology.num_replicas == 2 and engine.dp_world_size == 2
+    checked.append("plain engines alongside")
 
     dataset = torch.utils.data.TensorDataset(torch.arange(64))
     model = tiny_model(rank)
@@ -289,7 +306,8 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
 
 
 def test_multipliers_survive_schedulers_and_data_is_split_over_all_ranks():
-    assert run_ranks(schedulers_and_data, WORLD) == [[*DS_SCHEDULERS, "LambdaLR", "data"]] * WORLD
+    assert run_ranks(schedulers_and_data, WORLD) == [[*DS_SCHEDULERS, "LambdaLR", "plain engines alongside",
+                                                       "data"]] * WORLD
 
 
 # ------------------------------------------------------------------------------------------ bad inputs

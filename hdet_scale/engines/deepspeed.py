@@ -20,10 +20,11 @@ DeepSpeed's own::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +88,16 @@ class HDETDeepSpeed:
         self._install(engine)
 
     def _install(self, engine: Any) -> None:
-        backward, take_model_step = engine.backward, engine._take_model_step
+        backward, step, take_model_step = engine.backward, engine.step, engine._take_model_step
 
         def observing_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self.ensemble.observe(loss)
-            return backward(loss, *args, **kwargs)
+            with replica_groups(engine.mpu):
+                return backward(loss, *args, **kwargs)
+
+        def replica_step(*args: Any, **kwargs: Any) -> Any:
+            with replica_groups(engine.mpu):
+                return step(*args, **kwargs)
 
         def hdet_model_step(*args: Any, **kwargs: Any) -> Any:
             if self.config.gradient_mode == "global":
@@ -104,6 +110,7 @@ class HDETDeepSpeed:
             return result
 
         engine.backward = observing_backward
+        engine.step = replica_step
         engine._take_model_step = hdet_model_step
 
     def _replica_file(self, shared: str) -> str:
@@ -168,7 +175,8 @@ class HDETDeepSpeed:
             os.makedirs(os.path.join(str(save_dir), tag, REPLICA_FOLDER), exist_ok=True)
         self._saving = True
         try:
-            self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, **kwargs)
+            with replica_groups(self.engine.mpu):
+                self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, **kwargs)
         finally:
             self._saving = False
         return tag
@@ -182,7 +190,8 @@ class HDETDeepSpeed:
         needs DeepSpeed's universal checkpoint (``ds_to_universal``, then ``"checkpoint": {"load_universal":
         true}``), which carries replica 0's optimizer state.
         """
-        path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
+        with replica_groups(self.engine.mpu):
+            path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in '{load_dir}' (tag {tag!r})")
         client_state = dict(client_state or {})
@@ -236,14 +245,31 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     topology = ReplicaTopology.build(hdet)
     replica_mpu = ReplicaMPU(topology)
     broadcast_from_rank0(model)  # DeepSpeed broadcasts only inside the replica (its data-parallel group)
-    engine, engine_optimizer, _, scheduler = deepspeed.initialize(
-        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-        distributed_port=distributed_port, mpu=replica_mpu, dist_init_required=dist_init_required, config=ds_config)
-    engine.hdet = HDETDeepSpeed(engine, hdet, topology, paper_decay=paper_decay)
+    with replica_groups(replica_mpu):
+        engine, engine_optimizer, _, scheduler = deepspeed.initialize(
+            args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=replica_mpu,
+            dist_init_required=dist_init_required, config=ds_config)
+        engine.hdet = HDETDeepSpeed(engine, hdet, topology, paper_decay=paper_decay)
     loader = None
     if training_data is not None:
         loader = replica_dataloader(training_data, engine.train_micro_batch_size_per_gpu(), collate_fn=collate_fn)
     return engine, engine_optimizer, loader, scheduler
+
+
+@contextlib.contextmanager
+def replica_groups(mpu: ReplicaMPU) -> Iterator[None]:
+    """DeepSpeed keeps the last engine's model-parallel unit process-wide (``deepspeed.utils.groups.mpu``) and
+    reads it during backward, step and checkpointing; HDET's engine sets its own only while it runs, so
+    other DeepSpeed engines in the process keep their all-rank groups whenever they were built."""
+    from deepspeed.utils import groups
+
+    previous = groups.mpu
+    groups.mpu = mpu
+    try:
+        yield
+    finally:
+        groups.mpu = previous
 
 
 def replica_dataloader(dataset: Dataset, micro_batch_size: int, *, collate_fn: Callable | None = None,

@@ -275,7 +275,8 @@ _INTERNALS: dict[str, tuple[str, ...]] = {
               "_reassign_or_swap_out_partitioned_parameters", "persistent_parameters", "invalidate_secondary_tensor",
               "dp_process_group"),
 }
-_ENGINE_INTERNALS = ("basic_optimizer", "_take_model_step", "save_non_zero_checkpoint", "_get_rank_zero_ckpt_name")
+_ENGINE_INTERNALS = ("basic_optimizer", "mpu", "_take_model_step", "save_non_zero_checkpoint",
+                     "_get_rank_zero_ckpt_name")
 
 
 def check_internals(engine: Any, kind: str) -> None:
