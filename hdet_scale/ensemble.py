@@ -23,7 +23,7 @@ from hdet_scale.comm import average_tensors, gather_rows
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import Controller, ControllerState, PaperDecay, softmax_weights
 from hdet_scale.engines.base import EngineAdapter
-from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
+from hdet_scale.knobs import Bounds, Knob, OptimizerGroupKnob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter
 from hdet_scale.spread import PermutationStream, multipliers
@@ -49,6 +49,10 @@ class ExploredValue:
     @property
     def name(self) -> str:
         return self.knob.name
+
+    @property
+    def is_lr(self) -> bool:
+        return isinstance(self.knob, OptimizerGroupKnob) and self.knob.key == "lr"
 
 
 @dataclass
@@ -305,7 +309,7 @@ class HDETEnsemble:
             return None, False
         weights = softmax_weights(replica_losses, cfg.sigma)
         for explored in self._explored:
-            controller = self._controllers["lr" if explored.name.startswith("lr/") else "other"]
+            controller = self._controllers["lr" if explored.is_lr else "other"]
             explored.state = controller.update(
                 explored.state, weights=weights, replica_multipliers=self._replica_multipliers(explored),
                 scheduled_value=explored.knob.scheduled(), step=self._step,
@@ -329,7 +333,7 @@ class HDETEnsemble:
 
     # --------------------------------------------------------------------------------- reporting
     def _lr_explored(self) -> list[ExploredValue]:
-        return [explored for explored in self._explored if explored.name.startswith("lr/")]
+        return [explored for explored in self._explored if explored.is_lr]
 
     def lr_multiplier(self, group_index: int = 0) -> float:
         """This replica's multiplier rho_{pi(r)} on param group ``group_index`` for the current interval."""
