@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from hdet_scale.engines.fsdp import transformer_blocks
+
 GROUP_NAMES = ("embedding", "no_decay", "non_embedding", "transformer")
 
 
@@ -31,12 +33,7 @@ def paper_param_groups(model: nn.Module, *, weight_decay: float,
     if embedding is None:
         embedding = next((module for module in model.modules() if isinstance(module, nn.Embedding)), None)
     embedding_ids = {id(param) for param in embedding.parameters()} if embedding is not None else set()
-    if block_classes is None:
-        names = set(getattr(model, "_no_split_modules", None) or [])
-        blocks = [module for module in model.modules() if type(module).__name__ in names]
-    else:
-        blocks = [module for module in model.modules() if isinstance(module, tuple(block_classes))]
-    block_ids = {id(param) for block in blocks for param in block.parameters()}
+    block_ids = {id(param) for block in transformer_blocks(model, block_classes) for param in block.parameters()}
     groups: dict[str, list[nn.Parameter]] = {name: [] for name in GROUP_NAMES}
     seen: set[int] = set()
     for param in model.parameters():  # tied parameters appear once

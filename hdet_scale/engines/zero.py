@@ -17,7 +17,7 @@ import torch.distributed as dist
 from packaging.version import Version
 from torch import nn
 
-from hdet_scale.engines.base import EngineAdapter, ParameterShard
+from hdet_scale.engines.base import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.topology import ReplicaTopology
 
 TESTED_DEEPSPEED = (Version("0.19.8"), Version("0.20"))
@@ -107,7 +107,7 @@ class ZeroAdapter(EngineAdapter):
         """This rank's fp32 master copy of its shard (the full parameters when nothing is partitioned)."""
         wrapper = self._wrapper
         if self._kind == "torch":
-            return [param.data for group in wrapper.param_groups for param in group["params"]]
+            return [param.data for param in optimizer_parameters(wrapper)]
         if self._kind == "fp16_optimizer":
             return list(wrapper.fp32_groups_flat)
         if self._kind == "fp16_unfused_optimizer":
