@@ -1,0 +1,374 @@
+"""HDET for ``transformers.Trainer``: one call adds it to a Trainer under DDP or DeepSpeed ZeRO 0-3.
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    hdet = add_hdet(trainer, {"alpha": 0.25, "sync_interval": 100, "metrics_path": "runs/hdet.jsonl"})
+    trainer.train()                       # under torchrun / accelerate launch / deepspeed
+
+A ``TrainerCallback`` cannot do it alone: its events carry the model and the optimizer but not the loss of a
+step, and under DeepSpeed the replica layout must be decided when the engine is built, inside ``train()``,
+before any callback runs. ``add_hdet`` therefore adds an ``HDETCallback`` and makes two narrow, instance-level
+changes to that one Trainer:
+
+- ``trainer.training_step`` (Trainer's documented override point) also hands each micro-batch loss to HDET;
+  a step's loss is the sum of its micro-batch losses, i.e. the loss Trainer logs.
+- DeepSpeed only: while ``trainer.train()`` runs, ``deepspeed.initialize`` called for this Trainer's model
+  (accelerate calls it from ``accelerator.prepare``) is answered by ``hdet_scale.engines.deepspeed.initialize``,
+  which builds the engine with HDET's replica groups, so ZeRO shards and reduces inside a replica. Every
+  other call goes to DeepSpeed unchanged, and the change is undone when ``train()`` returns.
+
+Engines:
+
+- **DDP** (several processes, no DeepSpeed or FSDP): accelerate's DDP over all ranks is HDET's ``global``
+  gradient mode; ``local`` mode gives DDP a communication hook that averages gradients inside the replica
+  only. Every rank is a replica by default (``ranks_per_replica: "auto"`` is 1).
+- **DeepSpeed ZeRO 0-3** (``TrainingArguments(deepspeed=...)``): HDET's DeepSpeed adapter, both gradient
+  modes. ``ranks_per_replica: "auto"`` is 1 on ZeRO-0 and a node on ZeRO-1/2/3. ``train_batch_size`` stays
+  the batch of one optimizer step over all ranks.
+- **Not supported**, each a clear error from ``add_hdet`` before training: Trainer's FSDP setting, a
+  ``parallelism_config`` (HSDP, tensor, context or sequence parallelism), ``nn.DataParallel`` over several
+  GPUs in one process, a model spread over devices, and the DeepSpeed settings HDET's adapter refuses
+  (offload, fp16, ZeRO++ hpZ, a model built under ``deepspeed.zero.Init``).
+
+Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_steps`` a multiple of
+``sync_interval``, checked) and carry HDET's state in ``hdet_state.pt``, which ``train(resume_from_checkpoint=
+...)`` restores. Under DeepSpeed, set ``save_strategy="no"`` (Trainer's DeepSpeed checkpoints would bypass
+HDET's per-replica files); the final model is saved as usual after ``train()``. At the end of training the
+replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the ensemble's model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from hdet_scale.config import HDETConfig, HDETConfigError, load_config
+from hdet_scale.controller import PaperDecay
+from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.topology import ReplicaTopology
+
+STATE_FILE = "hdet_state.pt"
+"""In a Trainer checkpoint folder: HDET's state (controller, permutations, step), written by global rank 0."""
+
+
+class HDETCallback(TrainerCallback):
+    """The HDET side of one ``transformers.Trainer``; made and installed by ``add_hdet``.
+
+    Attributes:
+        config: the HDET settings.
+        engine: ``"ddp"`` or ``"deepspeed"``.
+        ensemble: the ``HDETEnsemble`` (None until training begins).
+        deepspeed: under DeepSpeed, the engine's ``HDETDeepSpeed`` handle (``engine.hdet``), else None.
+        last_report: the report of the most recent sync (also written to ``config.metrics_path``).
+    """
+
+    def __init__(self, trainer: Trainer, config: HDETConfig, engine: str, *,
+                 paper_decay: Sequence[PaperDecay] | None = None, sync_at_end: bool = True) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.engine = engine
+        self.paper_decay = paper_decay
+        self.sync_at_end = sync_at_end
+        self.ensemble: HDETEnsemble | None = None
+        self.deepspeed: Any = None
+        self.last_report: SyncReport | None = None
+        self._synced_at = 0
+
+    # ------------------------------------------------------------------------------------ reporting
+    def attached(self) -> HDETEnsemble:
+        """The ensemble; a clear error before ``trainer.train()`` has started."""
+        if self.ensemble is None:
+            raise RuntimeError("HDET attaches when trainer.train() starts; call this during or after training")
+        return self.ensemble
+
+    def current_lrs(self) -> list[float]:
+        """The LR of each param group this replica trains with at the next optimizer step."""
+        return self.attached().current_lrs()
+
+    @property
+    def topology(self) -> ReplicaTopology:
+        """The replica layout (this rank's replica, the groups between replicas)."""
+        return self.attached().topology
+
+    # ------------------------------------------------------------------------------------- events
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if self.engine == "deepspeed":
+            if self.deepspeed is None:
+                raise RuntimeError("the DeepSpeed engine was built without HDET: call trainer.train() on the "
+                                   "Trainer add_hdet was given, after add_hdet")
+            self.ensemble = self.deepspeed.ensemble
+        elif self.ensemble is None:
+            self.ensemble = self._attach_ddp(kwargs["optimizer"])
+        if state.global_step:
+            self._resume(args, state)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        ensemble = self.attached()
+        if self.engine == "deepspeed":
+            # HDET stepped inside engine.step(), with the optimizer step.
+            self._record(self.deepspeed.last_report)
+        else:
+            self._record(ensemble.step())
+        # DefaultFlowCallback (which runs first) asks for the final save and the stop here: end on one model.
+        ending = control.should_training_stop or state.global_step >= state.max_steps
+        if (control.should_save or ending and self.sync_at_end) and not self.at_sync_point:
+            with self._replica_groups():
+                self._record(ensemble.sync())
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        ensemble = self.attached()
+        if not self.at_sync_point:
+            raise RuntimeError(f"Trainer saved a checkpoint at step {state.global_step}, between HDET syncs, where "
+                               "replicas differ")
+        if ensemble.topology.rank == 0:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(ensemble.state_dict(), folder / STATE_FILE)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self.sync_at_end and self.ensemble is not None and not self.at_sync_point:
+            with self._replica_groups():
+                self._record(self.ensemble.sync())
+
+    @property
+    def at_sync_point(self) -> bool:
+        """True at the start and right after a sync: every replica holds the same parameters."""
+        return self.ensemble is None or self._synced_at == self.ensemble.global_step
+
+    def _record(self, report: SyncReport | None) -> None:
+        if report is not None and report.step >= self._synced_at:
+            self.last_report = report
+            self._synced_at = report.step
+
+    # ------------------------------------------------------------------------------------ internals
+    def _attach_ddp(self, optimizer: Any) -> HDETEnsemble:
+        """Builds the ensemble over the torch optimizer inside accelerate's wrapper; DDP has broadcast rank 0's
+        weights already, so replicas start identical (and warm-init noise comes after)."""
+        base = getattr(optimizer, "optimizer", optimizer)
+        topology = ReplicaTopology.build(self.config)
+        if self.config.gradient_mode == "local" and topology.world_size > 1:
+            wrapped = self.trainer.model_wrapped
+            if not isinstance(wrapped, nn.parallel.DistributedDataParallel):
+                raise RuntimeError(f"gradient_mode='local' needs the model wrapped in DDP, got "
+                                   f"{type(wrapped).__name__}")
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            # DDP's own hook averages over all ranks; this one averages over the replica's ranks only.
+            wrapped.register_comm_hook(topology.intra_replica_group, allreduce_hook)
+        return HDETEnsemble(self.config, DDPAdapter(base, self.trainer.model), topology=topology,
+                            paper_decay=self.paper_decay)
+
+    def _attach_deepspeed(self, engine: Any) -> None:
+        self.deepspeed = engine.hdet
+        ensemble = engine.hdet.ensemble
+        observe = ensemble.observe
+
+        def observe_unscaled(loss: Any) -> None:
+            # Trainer divides each micro-batch loss by the accumulation steps before engine.backward; undoing it
+            # makes a step's loss (the mean of these) the sum Trainer logs, as on the DDP path.
+            observe(loss * self.trainer.current_gradient_accumulation_steps)
+
+        ensemble.observe = observe_unscaled
+
+    def _observe(self, loss: torch.Tensor) -> None:
+        if self.engine != "deepspeed" and self.ensemble is not None:
+            # The step's loss is the mean of what is observed: scaling by the micro-batch count makes it the sum.
+            self.ensemble.observe(loss * self.trainer.current_gradient_accumulation_steps)
+
+    def _resume(self, args: TrainingArguments, state: TrainerState) -> None:
+        ensemble = self.attached()
+        if self.engine == "deepspeed":
+            raise RuntimeError("resuming a Trainer run with HDET under DeepSpeed is not supported; use "
+                               "hdet_scale.engines.deepspeed (engine.hdet.save_checkpoint / load_checkpoint)")
+        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"resuming at step {state.global_step} but '{path}' does not exist: HDET's controller state is saved "
+                f"next to every Trainer checkpoint; resume from a checkpoint of this output_dir ({args.output_dir})"
+            )
+        ensemble.load_state_dict(torch.load(path, weights_only=True))
+        self._synced_at = ensemble.global_step
+
+    @contextlib.contextmanager
+    def _replica_groups(self) -> Iterator[None]:
+        if self.deepspeed is None:
+            yield
+            return
+        from hdet_scale.engines.deepspeed import replica_groups
+
+        with replica_groups(self.deepspeed.engine.mpu):
+            yield
+
+
+def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+             *, paper_decay: Sequence[PaperDecay] | None = None, sync_at_end: bool = True) -> HDETCallback:
+    """Adds HDET to ``trainer`` and returns its callback; call it before ``trainer.train()`` on every rank.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass) set up for DDP or DeepSpeed ZeRO 0-3.
+        hdet_config: HDET settings (an ``HDETConfig``, a dict, a JSON path, or None for the defaults).
+        paper_decay: per param group, the schedule's floor and length, for ``auto_lr.mode='paper'``.
+        sync_at_end: average the replicas when training ends between syncs, so the Trainer's model after
+            ``train()`` is the ensemble's model on every rank.
+
+    Raises:
+        HDETConfigError: a bad HDET field, a replica size that does not divide the world, a Trainer setting HDET
+            does not support (each named, with the fix).
+    """
+    if getattr(trainer, "_hdet_callback", None) is not None:
+        raise ValueError("HDET is added to this Trainer already")
+    config = load_config(hdet_config, world_size=None)
+    engine = check_trainer(trainer, config)
+    callback = HDETCallback(trainer, config, engine, paper_decay=paper_decay, sync_at_end=sync_at_end)
+    trainer.add_callback(callback)
+    trainer._hdet_callback = callback
+
+    training_step = trainer.training_step
+
+    @functools.wraps(training_step)
+    def observing_training_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = training_step(*args, **kwargs)
+        callback._observe(loss)
+        return loss
+
+    trainer.training_step = observing_training_step
+    if engine == "deepspeed":
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_with_replica_groups(*args: Any, **kwargs: Any) -> Any:
+            with _hdet_deepspeed_initialize(trainer, callback):
+                return train(*args, **kwargs)
+
+        trainer.train = train_with_replica_groups
+    return callback
+
+
+@contextlib.contextmanager
+def _hdet_deepspeed_initialize(trainer: Trainer, callback: HDETCallback) -> Iterator[None]:
+    """Answers ``deepspeed.initialize`` for ``trainer.model`` with HDET's, for the duration of the block."""
+    import deepspeed
+
+    from hdet_scale.engines import deepspeed as hdet_deepspeed
+
+    original = deepspeed.initialize
+
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        if args or kwargs.get("model") is not trainer.model:
+            return original(*args, **kwargs)
+        deepspeed.initialize = original  # HDET's initialize builds the engine with DeepSpeed's own
+        try:
+            engine, optimizer, loader, scheduler = hdet_deepspeed.initialize(
+                **kwargs, hdet_config=callback.config, paper_decay=callback.paper_decay)
+        finally:
+            deepspeed.initialize = initialize
+        callback._attach_deepspeed(engine)
+        return engine, optimizer, loader, scheduler
+
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
+
+
+# ------------------------------------------------------------------------------------------ validation
+def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
+    """Which HDET engine ``trainer`` runs on (``"ddp"`` or ``"deepspeed"``); raises HDETConfigError naming the
+    Trainer setting HDET does not support, and the fix."""
+    args = trainer.args
+    if getattr(trainer, "is_fsdp_enabled", False) or args.fsdp or args.fsdp_config and args.fsdp_config.get("xla"):
+        raise HDETConfigError(
+            f"TrainingArguments(fsdp={args.fsdp!r}): Trainer's FSDP setting is not supported with HDET. Use DDP "
+            "or DeepSpeed ZeRO 0-3 with the Trainer, or train with hdet_scale.engines.fsdp (FSDP2 sharded inside "
+            "each replica) in your own loop"
+        )
+    parallelism = getattr(args, "parallelism_config", None)
+    if parallelism is not None:
+        sizes = {name: getattr(parallelism, name, None) or 1
+                 for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")}
+        if any(size > 1 for size in sizes.values()):
+            used = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
+            raise HDETConfigError(
+                f"TrainingArguments(parallelism_config=ParallelismConfig({used})) is not supported with HDET: its "
+                "replicas are the data-parallel ranks (DDP) or groups of ZeRO ranks (ranks_per_replica); remove "
+                "parallelism_config"
+            )
+    if args.n_gpu > 1:
+        raise HDETConfigError(f"{args.n_gpu} GPUs in one process (nn.DataParallel) is not supported with HDET: "
+                              "launch one process per GPU (torchrun, accelerate launch or deepspeed)")
+    if getattr(trainer, "is_model_parallel", False):
+        raise HDETConfigError("a model spread over several devices (device_map) is not supported with HDET: load "
+                              "it on one device per process")
+    engine = "deepspeed" if getattr(trainer, "is_deepspeed_enabled", False) else "ddp"
+    world = args.world_size
+    if engine == "deepspeed":
+        _check_deepspeed(trainer, config)
+    config.validate_world_size(world, auto=_auto_replica_size(trainer, engine))
+    _check_saving(args, config, engine)
+    return engine
+
+
+def _auto_replica_size(trainer: Trainer, engine: str) -> str:
+    """What ``ranks_per_replica: "auto"`` means: one rank unless ZeRO-1/2/3 shard the model (a node)."""
+    if engine != "deepspeed":
+        return "rank"
+    return "rank" if _zero_stage(_deepspeed_config(trainer)) == 0 else "node"
+
+
+def _deepspeed_config(trainer: Trainer) -> dict[str, Any]:
+    return trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+
+
+def _zero_stage(ds_config: Mapping[str, Any]) -> int:
+    return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
+    import deepspeed
+
+    from hdet_scale.engines.deepspeed import check_supported
+    from hdet_scale.engines.zero import check_version
+
+    check_version(deepspeed.__version__)
+    ds_config = _deepspeed_config(trainer)
+    if "hdet" in ds_config:
+        raise HDETConfigError("the DeepSpeed config has an 'hdet' section: with the Trainer, pass the HDET settings "
+                              "to add_hdet only")
+    if int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0) > 1:
+        raise HDETConfigError("tensor_parallel.autotp_size > 1 is not supported with HDET; remove it")
+    check_supported(ds_config, trainer.model)
+
+
+def _check_saving(args: TrainingArguments, config: HDETConfig, engine: str) -> None:
+    """Checkpoints must fall on sync points, where every replica holds the same model."""
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy == "no":
+        return
+    fix = "set save_strategy='no'"
+    if engine == "deepspeed":
+        raise HDETConfigError(
+            f"save_strategy={strategy!r} under DeepSpeed: Trainer's DeepSpeed checkpoints bypass HDET's per-replica "
+            f"files; {fix} and call trainer.save_model() after train(), or checkpoint with hdet_scale.engines."
+            "deepspeed (engine.hdet.save_checkpoint) in your own loop"
+        )
+    steps = args.save_steps
+    if strategy != "steps" or not float(steps).is_integer() or steps < 1 or int(steps) % config.sync_interval:
+        raise HDETConfigError(
+            f"save_strategy={strategy!r} with save_steps={steps!r}: HDET checkpoints are taken at sync points, "
+            f"where the replicas are identical; use save_strategy='steps' with save_steps a multiple of "
+            f"sync_interval={config.sync_interval}, or {fix}"
+        )
+
