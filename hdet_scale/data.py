@@ -35,10 +35,11 @@ def stdlib_corpus(max_bytes: int | None = None, *, holdout_every: int = 20) -> t
         data = path.read_bytes()[: None if max_bytes is None else max_bytes - total]
         (heldout if index % holdout_every == holdout_every - 1 else train).append(data)
         total += len(data)
-    return _tokens(b"".join(train)), _tokens(b"".join(heldout))
+    return byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout))
 
 
-def _tokens(data: bytes) -> torch.Tensor:
+def byte_tokens(data: bytes) -> torch.Tensor:
+    """``data`` as a uint8 tensor of byte tokens (a copy: the tensor owns writable memory)."""
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 

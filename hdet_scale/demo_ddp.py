@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hdet_scale import HDETOneCycleLR, ReplicaTopology, add_hdet_args, load_config
 from hdet_scale.data import random_windows, stdlib_corpus
 from hdet_scale.engines.ddp import wrap_model
+from hdet_scale.lm.model import next_token_loss
 
 DEMO_DEFAULTS = {
     "alpha": 0.25,
@@ -57,7 +58,7 @@ def mean_loss(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Names
     losses = []
     for _ in range(32):
         x, y = random_windows(tokens, batch_size=args.batch_size, seq_len=args.seq_len, generator=generator)
-        losses.append(model(input_ids=x.to(device), labels=y.to(device)).loss.item())
+        losses.append(next_token_loss(model, x.to(device), y.to(device)).item())
     return sum(losses) / len(losses)
 
 
@@ -87,7 +88,7 @@ def main() -> None:
     started, interval = time.perf_counter(), []
     for step in range(1, args.steps + 1):
         x, y = random_windows(train_tokens, batch_size=args.batch_size, seq_len=args.seq_len, generator=data)
-        loss = model(input_ids=x.to(device), labels=y.to(device)).loss
+        loss = next_token_loss(model, x.to(device), y.to(device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

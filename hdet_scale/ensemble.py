@@ -130,6 +130,7 @@ class HDETEnsemble:
             self._explore(knob)
         self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
         self._step = 0
+        self._last_sync_step = 0  # the start counts: replicas are identical there
         # Float64 accumulators on the loss's device, updated in place: no host sync, one kernel per loss.
         self._loss_sum = torch.zeros((), dtype=torch.float64)
         self._loss_count = 0
@@ -186,6 +187,12 @@ class HDETEnsemble:
         """Optimizer steps taken so far (``step()`` calls)."""
         return self._step
 
+    @property
+    def at_sync_point(self) -> bool:
+        """True right after a sync (or at the start), where every replica holds the same parameters: the
+        only place a checkpoint of one model is the whole truth."""
+        return self._last_sync_step == self._step
+
     def observe(self, loss: LossLike) -> None:
         """Records one micro-batch loss; the step's loss is the mean of the micro-batches observed."""
         self._micro_sum = _accumulate(self._micro_sum, loss)
@@ -228,7 +235,12 @@ class HDETEnsemble:
         self._probe = probe
 
     def sync(self) -> SyncReport:
-        """Averages the replicas, updates the controller and re-assigns the multipliers (collective)."""
+        """Averages the replicas, updates the controller and re-assigns the multipliers (collective).
+
+        ``step`` calls it every ``sync_interval`` steps; call it directly to end on one model between those
+        (e.g. before a final export or a preemption checkpoint). The next regular sync stays at the next
+        multiple of ``sync_interval``.
+        """
         for hook in self._pre_sync_hooks:
             hook(self._step)
         started = time.perf_counter()
@@ -269,6 +281,7 @@ class HDETEnsemble:
         values = self._value_report(trained_with)
         self._loss_sum.zero_()
         self._loss_count = 0
+        self._last_sync_step = self._step
 
         report = SyncReport(step=self._step, replica_losses=replica_losses, probe_losses=probe_losses,
                             excluded_replicas=excluded,
@@ -370,6 +383,7 @@ class HDETEnsemble:
         loss accumulator (identical replicas make the state rank-independent at sync points)."""
         return {
             "step": self._step,
+            "last_sync_step": self._last_sync_step,
             "num_replicas": self.topology.num_replicas,
             "loss_sum": float(self._loss_sum),
             "loss_count": self._loss_count,
@@ -399,6 +413,8 @@ class HDETEnsemble:
                                     else explored.stream.draw(self.topology.num_replicas))
         self._apply_knobs()
         self._step = int(state["step"])
+        # States saved before this field existed were taken at regular sync points.
+        self._last_sync_step = int(state.get("last_sync_step", self._step - self._step % self.config.sync_interval))
         self._loss_sum.fill_(float(state["loss_sum"]))
         self._loss_count = int(state["loss_count"])
         self._micro_sum.zero_()

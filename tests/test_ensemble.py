@@ -54,3 +54,23 @@ def test_group_names_must_be_unique():
 def test_paper_mode_without_a_floor_fails_at_construction():
     with pytest.raises(ValueError, match="auto_lr.mode='paper' needs the base schedule's floor"):
         ensemble(auto_lr={"mode": "paper"})
+
+
+def test_an_early_sync_is_a_sync_point_and_keeps_the_regular_ones():
+    hdet = ensemble(sync_interval=4)
+    assert hdet.at_sync_point  # the start: replicas are identical
+    hdet.step(1.0)
+    assert not hdet.at_sync_point
+    early = hdet.sync()  # e.g. before a preemption checkpoint
+    assert early.step == 1 and early.replica_losses == [pytest.approx(1.0)] and hdet.at_sync_point
+    state = hdet.state_dict()
+    restored = ensemble(sync_interval=4)
+    restored.load_state_dict(state)
+    assert restored.at_sync_point and restored.global_step == 1
+    reports = [restored.step(2.0) for _ in range(3)]
+    assert reports[:2] == [None, None] and reports[2].step == 4  # the next regular sync, at 4 not at 5
+    assert reports[2].replica_losses == [pytest.approx(2.0)]  # the interval since the early sync
+    state_without_field = {key: value for key, value in restored.state_dict().items() if key != "last_sync_step"}
+    restored.step(1.0)
+    restored.load_state_dict(state_without_field)  # states from before the field: taken at regular syncs
+    assert restored.at_sync_point

@@ -142,6 +142,14 @@ class HDETDeepSpeed:
         """This replica's multiplier on param group ``group_index`` for the current interval."""
         return self.ensemble.lr_multiplier(group_index)
 
+    def sync(self) -> SyncReport:
+        """An HDET sync now, between the regular ones (collective): e.g. to end on one model before a
+        preemption checkpoint or an export. The next regular sync stays at the next multiple of
+        ``sync_interval``."""
+        with replica_groups(self.engine.mpu):
+            self.last_report = self.ensemble.sync()
+        return self.last_report
+
     # ---------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         return self.ensemble.state_dict()
@@ -159,10 +167,11 @@ class HDETDeepSpeed:
         (which differs in local mode) to ``<tag>/hdet_replicas/``. Returns the tag.
         """
         step = self.ensemble.global_step
-        if step % self.config.sync_interval:
+        if not self.ensemble.at_sync_point:
             raise RuntimeError(
                 f"HDET checkpoints are taken at sync points (every {self.config.sync_interval} steps); step {step} "
-                "is between syncs, where replicas differ. Save right after a sync (global_step % sync_interval == 0)"
+                "is between syncs, where replicas differ. Save right after a sync, or call engine.hdet.ensemble.sync() "
+                "first"
             )
         state = dict(client_state or {})
         if "hdet" in state:
@@ -200,6 +209,37 @@ class HDETDeepSpeed:
                              "engine.hdet.save_checkpoint")
         self.load_state_dict(client_state.pop("hdet"))
         return path, client_state
+
+
+    # ---------------------------------------------------------------------------------------- export
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model in fp32 on CPU from the fp32 masters (gathered inside the replica; collective over
+        every rank), keyed like ``engine.module.state_dict()``. Take it at a sync point, where it is the one
+        model of the ensemble."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        state = {}
+        with replica_groups(self.engine.mpu):
+            for name, param in self.engine.module.named_parameters():
+                # ZeRO-0 keeps no separate fp32 master of an fp32 model: the parameter is the master.
+                full = safe_get_full_fp32_param(param)
+                state[name] = (param.detach() if full is None else full).float().cpu().clone()
+        saved = self.engine.module.state_dict(keep_vars=True).keys()  # persistent buffers only
+        for name, buffer in self.engine.module.named_buffers():
+            if name in saved:
+                state.setdefault(name, buffer.detach().cpu().clone())
+        return state
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Writes the model with transformers' ``save_pretrained`` from global rank 0, in fp32 (collective;
+        at a sync point). ``from_pretrained(path)`` loads it without DeepSpeed."""
+        module = self.engine.module
+        if not hasattr(module, "save_pretrained"):
+            raise TypeError(f"{type(module).__name__} is not a transformers model; use full_state_dict() instead")
+        state = self.full_state_dict()
+        if dist.get_rank() == 0:
+            module.save_pretrained(path, state_dict=state)
+        dist.barrier()
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hdet_scale.engines.fsdp import HDETFSDP
 
 HDET_STATE_FILE = "hdet_state.pt"
+EXTRA_STATE_FILE = "extra_state.pt"
 
 
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, hdet: HDETFSDP) -> dict[str, Any]:
@@ -38,13 +40,18 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, hdet: HDE
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
-                    hdet: HDETFSDP) -> None:
-    """Saves model, optimizer and HDET state to the directory ``path`` (collective: every rank calls it)."""
+                    hdet: HDETFSDP, *, extra_state: Mapping[str, Any] | None = None) -> None:
+    """Saves model, optimizer and HDET state to the directory ``path`` (collective: every rank calls it).
+
+    ``extra_state``: anything else the run needs back and that is the same on every rank (an LR scheduler's
+    ``state_dict()``, the data position); ``load_checkpoint`` returns it.
+    """
     ensemble = hdet.attached()
-    if ensemble.global_step % ensemble.config.sync_interval:
+    if not ensemble.at_sync_point:
         raise ValueError(
             f"checkpoints are taken at sync points, where the replicas are identical: step {ensemble.global_step} "
-            f"is not a multiple of sync_interval={ensemble.config.sync_interval}"
+            f"is between syncs (every {ensemble.config.sync_interval} steps); save right after one, or call "
+            "hdet.ensemble.sync() first"
         )
     final = Path(path)
     staging = final.with_name(final.name + ".tmp")
@@ -54,6 +61,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     dcp.save(_sharded_state(model, optimizer, hdet), checkpoint_id=staging)
     if dist.get_rank() == 0:
         torch.save(ensemble.state_dict(), staging / HDET_STATE_FILE)
+        torch.save(dict(extra_state or {}), staging / EXTRA_STATE_FILE)
         retired = final.with_name(final.name + ".old")
         if final.exists():
             final.rename(retired)
@@ -63,8 +71,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
-                    hdet: HDETFSDP) -> None:
-    """Restores a checkpoint written by ``save_checkpoint`` on the same replica layout (collective)."""
+                    hdet: HDETFSDP) -> dict[str, Any]:
+    """Restores a checkpoint written by ``save_checkpoint`` on the same replica layout (collective); returns
+    its ``extra_state``."""
     ensemble = hdet.attached()
     path = Path(path)
     if not (path / HDET_STATE_FILE).is_file():
@@ -74,6 +83,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state[f"optimizer_replica{hdet.topology.replica_index}"])
     ensemble.load_state_dict(torch.load(path / HDET_STATE_FILE, weights_only=False))
+    extra = path / EXTRA_STATE_FILE
+    return torch.load(extra, weights_only=False) if extra.is_file() else {}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,278 @@
+"""The two engines ``hdet_scale.train`` runs on, behind one small interface.
+
+Each backend owns the model, optimizer, LR schedule and HDET handle of one engine and answers what the
+training loop needs: one optimizer step over a list of micro-batches, a forward-only loss, the scheduled
+LR, an early sync, checkpoints and the final export. Everything HDET does stays in the engine adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.lm.model import next_token_loss
+from hdet_scale.topology import ReplicaTopology
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+DEEPSPEED_TAG_PREFIX = "step"
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """The LR factor at a step: linear warm-up to 1 over ``warmup_steps``, then a cosine down to
+    ``min_lr_ratio`` at ``total_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def adamw(parameters: Any, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW with the usual LLM-pretraining betas (0.9, 0.95)."""
+    return torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+
+
+class Backend(ABC):
+    """One engine's model, optimizer, schedule and HDET handle."""
+
+    ensemble: HDETEnsemble
+    topology: ReplicaTopology
+    device: torch.device
+
+    @property
+    @abstractmethod
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step on each rank (gradient accumulation)."""
+
+    @property
+    @abstractmethod
+    def micro_batch_size(self) -> int:
+        """Sequences per micro-batch on each rank."""
+
+    @abstractmethod
+    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, SyncReport | None]:
+        """One optimizer step over ``batches``; returns the mean micro-batch loss (a tensor on the device, not
+        synchronized) and the sync report when HDET synced at this step."""
+
+    @abstractmethod
+    def sync(self) -> SyncReport:
+        """An HDET sync now, between the regular ones (collective)."""
+
+    @abstractmethod
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The loss of ``batch`` without gradients (collective under sharding: every rank calls it)."""
+
+    @abstractmethod
+    def scheduled_lr(self) -> float:
+        """The base schedule's LR of the first param group (before HDET's scale and multiplier)."""
+
+    @abstractmethod
+    def train(self, mode: bool) -> None:
+        """Training or evaluation mode."""
+
+    @abstractmethod
+    def save(self, directory: Path, extra: Mapping[str, Any]) -> Path:
+        """A checkpoint at a sync point in ``directory`` (collective); returns where it went."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> dict[str, Any] | None:
+        """Restores the checkpoint in ``directory`` and returns its ``extra``; None when there is none."""
+
+    @abstractmethod
+    def export(self, path: Path) -> None:
+        """Writes the one model of the ensemble for transformers' ``from_pretrained`` (collective, at a sync
+        point)."""
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+class FSDPBackend(Backend):
+    """FSDP2 under torchrun: each replica shards the model over its ranks (``fully_shard`` per block)."""
+
+    CHECKPOINT = "latest"
+
+    def __init__(self, model: nn.Module, config: HDETConfig, args: argparse.Namespace, device: torch.device) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from hdet_scale.engines import fsdp
+
+        self.device = device
+        self.args = args
+        policy = None
+        if args.dtype == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.model, self.hdet = fsdp.wrap(model.to(device), config, mp_policy=policy, device_type=device.type)
+        self.optimizer = adamw(self.model.parameters(), args)
+        self.ensemble = self.hdet.attach(self.optimizer)
+        self.topology = self.hdet.topology
+        self.scheduler = LambdaLR(self.optimizer, warmup_cosine(args.steps, args.warmup_steps, args.min_lr_ratio))
+
+    @property
+    def micro_batches(self) -> int:
+        return self.args.grad_accum
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.args.micro_batch_size
+
+    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, SyncReport | None]:
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for index, (inputs, targets) in enumerate(batches):
+            # Gradients are reduced (and averaged across replicas in global mode) once, on the last micro-batch.
+            self.model.set_requires_gradient_sync(index == len(batches) - 1)
+            loss = next_token_loss(self.model, inputs.to(self.device), targets.to(self.device))
+            (loss / len(batches)).backward()
+            losses.append(loss.detach())
+        if self.args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        report = self.hdet.step(losses)
+        return torch.stack(losses).mean(), report
+
+    def sync(self) -> SyncReport:
+        return self.ensemble.sync()
+
+    @torch.no_grad()
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return next_token_loss(self.model, batch[0].to(self.device), batch[1].to(self.device))
+
+    def scheduled_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train(self, mode: bool) -> None:
+        self.model.train(mode)
+
+    def save(self, directory: Path, extra: Mapping[str, Any]) -> Path:
+        from hdet_scale.engines.fsdp_checkpoint import save_checkpoint
+
+        path = directory / self.CHECKPOINT
+        save_checkpoint(path, self.model, self.optimizer, self.hdet,
+                        extra_state={**extra, "scheduler": self.scheduler.state_dict()})
+        return path
+
+    def load(self, directory: Path) -> dict[str, Any] | None:
+        from hdet_scale.engines.fsdp_checkpoint import load_checkpoint
+
+        path = directory / self.CHECKPOINT
+        if not path.is_dir():
+            return None
+        extra = load_checkpoint(path, self.model, self.optimizer, self.hdet)
+        self.scheduler.load_state_dict(extra.pop("scheduler"))
+        return extra
+
+    def export(self, path: Path) -> None:
+        from hdet_scale.engines.fsdp_checkpoint import save_pretrained
+
+        save_pretrained(self.model, path)
+
+
+# -------------------------------------------------------------------------------------- DeepSpeed
+class DeepSpeedBackend(Backend):
+    """DeepSpeed ZeRO 0-3 under the deepspeed launcher; the JSON's optimizer and scheduler win over
+    train.py's AdamW and warm-up + cosine."""
+
+    def __init__(self, model: nn.Module, config: HDETConfig, args: argparse.Namespace,
+                 ds_config: dict[str, Any], device: torch.device) -> None:
+        from hdet_scale.engines import deepspeed as hdet_deepspeed
+
+        self.device = device
+        self.args = args
+        optimizer = None if "optimizer" in ds_config else adamw(model.parameters(), args)
+        schedule = None
+        if "scheduler" not in ds_config:
+            factor = warmup_cosine(args.steps, args.warmup_steps, args.min_lr_ratio)
+            schedule = lambda built: LambdaLR(built, factor)  # noqa: E731 (DeepSpeed calls it with its optimizer)
+        launch_args = argparse.Namespace(**{**vars(args), "deepspeed_config": None, "hdet_config": None})
+        self.engine, _, _, _ = hdet_deepspeed.initialize(
+            args=launch_args, model=model, optimizer=optimizer,
+            model_parameters=model.parameters() if optimizer is None else None, lr_scheduler=schedule,
+            config=ds_config, hdet_config=config)
+        self.hdet = self.engine.hdet
+        self.ensemble = self.hdet.ensemble
+        self.topology = self.hdet.topology
+
+    @property
+    def micro_batches(self) -> int:
+        return int(self.engine.gradient_accumulation_steps())
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.engine.train_micro_batch_size_per_gpu())
+
+    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, SyncReport | None]:
+        losses = []
+        for inputs, targets in batches:
+            loss = next_token_loss(self.engine, inputs.to(self.device), targets.to(self.device))
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach())
+        report = self.hdet.last_report
+        synced = report is not None and report.step == self.ensemble.global_step
+        return torch.stack(losses).mean(), report if synced else None
+
+    def sync(self) -> SyncReport:
+        return self.hdet.sync()
+
+    @torch.no_grad()
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return next_token_loss(self.engine, batch[0].to(self.device), batch[1].to(self.device))
+
+    def scheduled_lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def train(self, mode: bool) -> None:
+        self.engine.train(mode)
+
+    def save(self, directory: Path, extra: Mapping[str, Any]) -> Path:
+        tag = f"{DEEPSPEED_TAG_PREFIX}{self.ensemble.global_step}"
+        previous = _latest_tag(directory)
+        # DeepSpeed's own 'latest' is written by rank 0 before the other ranks are done; it is written here
+        # after DeepSpeed's closing barrier instead, so it never names an incomplete checkpoint.
+        self.hdet.save_checkpoint(directory, tag=tag, client_state={"train": dict(extra)}, save_latest=False)
+        if dist.get_rank() == 0:
+            staging = directory / "latest.tmp"
+            staging.write_text(tag)
+            staging.replace(directory / "latest")
+            if previous not in (None, tag):
+                _remove_tree(directory / previous)
+        dist.barrier()
+        return directory / tag
+
+    def load(self, directory: Path) -> dict[str, Any] | None:
+        tag = _latest_tag(directory)
+        if tag is None:
+            return None
+        _, client_state = self.hdet.load_checkpoint(directory, tag=tag)
+        return dict(client_state.get("train", {}))
+
+    def export(self, path: Path) -> None:
+        self.hdet.save_pretrained(path)
+
+
+def _latest_tag(directory: Path) -> str | None:
+    """The tag DeepSpeed's ``latest`` file names (written by global rank 0 once a checkpoint is complete)."""
+    latest = directory / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not os.path.islink(path):
+        shutil.rmtree(path)

@@ -1,0 +1,124 @@
+"""Training corpora: the embedded standard-library source, a directory of text files, or a token file.
+
+Text is read as bytes (a 256-token vocabulary, no tokenizer to download). A pre-tokenized file is a flat
+array of uint16 or uint32 token ids (nanoGPT's ``.bin`` layout), read through a memory map so a corpus larger
+than memory costs nothing to open. Every source is checked when loaded, before any process group starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hdet_scale.data import byte_tokens, stdlib_corpus
+
+BYTE_VOCAB = 256
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".xml", ".tex"}
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+HELDOUT_EVERY = 20  # text sources: every 20th file is held out whole
+VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary when a token file is opened
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Token ids for training and for the held-out loss, and the vocabulary they come from."""
+
+    train: Any  # a 1-D torch tensor or numpy memmap of token ids
+    heldout: Any
+    vocab_size: int
+    description: str
+
+    def check_fits(self, *, seq_len: int, micro_batch_size: int) -> None:
+        """Raises when the corpus cannot fill one batch of ``micro_batch_size`` windows of ``seq_len + 1``."""
+        needed = micro_batch_size * (seq_len + 1)
+        if len(self.train) < needed:
+            raise ValueError(f"{self.description}: {len(self.train)} training tokens are too few for one batch of "
+                             f"{micro_batch_size} x {seq_len + 1} tokens; give more data or lower --seq_len / "
+                             "--micro_batch_size")
+        if len(self.heldout) < seq_len + 2:
+            raise ValueError(f"{self.description}: {len(self.heldout)} held-out tokens are too few for one window of "
+                             f"{seq_len + 1}; give more data or lower --seq_len")
+
+
+def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | None = None,
+                heldout_fraction: float = 0.01, max_bytes: int | None = None) -> Corpus:
+    """The corpus named by ``source``: ``"stdlib"``, a directory of text files, or a token file.
+
+    Args:
+        source: ``"stdlib"`` (the embedded default), a directory (its text files, read as bytes), or a file of
+            ``token_dtype`` token ids.
+        token_dtype: ``"uint16"`` or ``"uint32"``, for token files.
+        vocab_size: the tokenizer's vocabulary, required for token files (ids must be below it).
+        heldout_fraction: token files: the share at the end held out for the held-out loss.
+        max_bytes: text sources: read at most this many bytes (None: all).
+    """
+    if source == "stdlib":
+        train, heldout = stdlib_corpus(max_bytes)
+        return Corpus(train, heldout, BYTE_VOCAB, "the standard library's source (embedded)")
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {source}: no such file or directory (use 'stdlib', a directory of text "
+                                "files, or a uint16/uint32 token file)")
+    if path.is_dir():
+        return _text_directory(path, max_bytes)
+    return _token_file(path, token_dtype, vocab_size, heldout_fraction)
+
+
+def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"--data {root}: no text files ({', '.join(sorted(TEXT_SUFFIXES))}) in the directory")
+    if len(files) == 1:  # nothing can be held out whole: the file's last tenth is held out instead
+        data = files[0].read_bytes()[:max_bytes]
+        cut = len(data) - len(data) // 10
+        train, heldout = [data[:cut]], [data[cut:]]
+    else:
+        held = set(range(HELDOUT_EVERY - 1, len(files), HELDOUT_EVERY)) or {len(files) - 1}
+        train, heldout, total = [], [], 0
+        for index, file in enumerate(files):
+            if max_bytes is not None and total >= max_bytes:
+                break
+            data = file.read_bytes()[: None if max_bytes is None else max_bytes - total]
+            (heldout if index in held else train).append(data)
+            total += len(data)
+    return Corpus(byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout)), BYTE_VOCAB,
+                  f"{len(files)} text files in {root}")
+
+
+def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fraction: float) -> Corpus:
+    if token_dtype not in TOKEN_DTYPES:
+        raise ValueError(f"--token_dtype {token_dtype!r}: choose one of {', '.join(TOKEN_DTYPES)}")
+    if vocab_size is None:
+        raise ValueError(f"--data {path} is a token file: give its tokenizer's vocabulary with --vocab_size")
+    if not 0.0 < heldout_fraction < 1.0:
+        raise ValueError(f"--heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    dtype = np.dtype(TOKEN_DTYPES[token_dtype])
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"--data {path}: the token file is empty")
+    if size % dtype.itemsize:
+        raise ValueError(f"--data {path}: {size} bytes is not a whole number of {token_dtype} tokens: the file is "
+                         f"truncated or corrupt, or its token type is not {token_dtype} (--token_dtype)")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    # Checking every id of a multi-billion-token file would take minutes: the start, the end and a
+    # strided sample catch a wrong dtype, a wrong vocabulary or a file of another format.
+    stride = max(1, len(tokens) // VOCAB_CHECK_TOKENS)
+    sample = np.concatenate([tokens[:4096], tokens[::stride], tokens[-4096:]])
+    highest = int(sample.max())
+    if highest >= vocab_size:
+        raise ValueError(f"--data {path}: token id {highest} is outside the vocabulary of {vocab_size} "
+                         "(--vocab_size): the file is corrupt, or --token_dtype / --vocab_size are wrong")
+    cut = len(tokens) - max(1, int(len(tokens) * heldout_fraction))
+    return Corpus(tokens[:cut], tokens[cut:], vocab_size, f"{len(tokens):,} {token_dtype} tokens in {path}")
+
+
+def batch(tokens: Any, *, micro_batch_size: int, seq_len: int,
+          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, next-token targets) of ``micro_batch_size`` windows at random offsets drawn from ``generator``."""
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (micro_batch_size,), generator=generator).tolist()
+    windows = torch.from_numpy(np.stack([np.asarray(tokens[s: s + seq_len + 1], dtype=np.int64) for s in starts]))
+    return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,52 @@
+"""SIGTERM (Slurm preemption, the time limit, ``scancel``) turned into a clean stop that every rank agrees on.
+
+The signal reaches ranks at different moments (the deepspeed launcher signals its children one by one), so
+a rank cannot act on its own flag: every step each rank starts a non-blocking MAX all-reduce of its flag on a
+CPU group and reads the previous step's result, which has long arrived. All ranks thus see the same
+decision at the same step, one step after the first rank was signalled, with no wait in the hot path.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+
+class StopSignal:
+    """Catches SIGTERM (and SIGINT) and answers, collectively, whether the run should stop now."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        self.group = group
+        self.received: int | None = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._previous = {number: signal.signal(number, self._handle) for number in signals}
+
+    def _handle(self, number: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: received {signal.Signals(number).name}; "
+                  "stopping at the next safe point to checkpoint", file=sys.stderr, flush=True)
+        self.received = number
+
+    def poll(self) -> bool:
+        """Call once per step on every rank: True when some rank had been signalled by the previous poll."""
+        agreed = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = bool(flag.item())
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return agreed
+
+    def close(self) -> None:
+        """Waits for the last poll's all-reduce (it must finish before the process group goes) and restores
+        the previous handlers."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)

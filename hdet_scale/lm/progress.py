@@ -1,0 +1,117 @@
+"""What rank 0 shows and records while ``hdet_scale.train`` runs: a progress bar on a terminal, one line per
+sync (also in log files, where a bar is noise), and TensorBoard scalars when TensorBoard is installed."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hdet_scale.ensemble import SyncReport
+
+BAR_REFRESH_STEPS = 10  # the bar's loss needs a host sync: read it every few steps, not every step
+
+
+class Progress:
+    """Rank 0's output; every method is a no-op on other ranks (``enabled=False``)."""
+
+    def __init__(self, out: Path, *, enabled: bool, bar: bool, total: int) -> None:
+        self.enabled = enabled
+        self.total = total
+        self._bar: Any = None
+        self._board: Any = None
+        self._started = time.perf_counter()
+        self._first_step = 0
+        self._tokens_per_step = 0
+        self._scale = 1.0
+        if not enabled:
+            return
+        if bar:
+            from tqdm import tqdm
+
+            # disable=None: no bar when stderr is not a terminal (Slurm logs get the sync lines only).
+            self._bar = tqdm(total=total, disable=None, dynamic_ncols=True, unit="step")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # TensorBoard is optional
+            SummaryWriter = None  # noqa: N806
+        if SummaryWriter is not None:
+            self._board = SummaryWriter(str(out / "tensorboard"))
+
+    def start(self, step: int, tokens_per_step: int) -> None:
+        """Starts the clock at ``step`` (non-zero after a resume)."""
+        self._started = time.perf_counter()
+        self._first_step = step
+        self._tokens_per_step = tokens_per_step
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._started
+
+    def tokens_per_second(self, step: int) -> float:
+        return (step - self._first_step) * self._tokens_per_step / max(self.elapsed(), 1e-9)
+
+    def line(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None and not self._bar.disable:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def step(self, step: int, loss: torch.Tensor, scheduled_lr: float, report: SyncReport | None) -> None:
+        """After optimizer step ``step``: the bar, and the sync line when HDET synced."""
+        if not self.enabled:
+            return
+        if report is not None:
+            self.sync(report)
+        if self._bar is not None and not self._bar.disable:
+            self._bar.update(step - self._bar.n)
+            if step % BAR_REFRESH_STEPS == 0:
+                self._bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{scheduled_lr * self._scale:.2e}",
+                                      tok_s=f"{self.tokens_per_second(step):.0f}")
+
+    def sync(self, report: SyncReport) -> None:
+        if not self.enabled:
+            return
+        lr = report.values.get("lr/0", {})
+        self._scale = lr.get("scale", 1.0)
+        losses = [loss for loss in report.replica_losses if loss is not None]
+        mean = sum(losses) / len(losses) if losses else float("nan")
+        self.line(f"sync step {report.step}  loss {mean:.4f}  replica losses "
+                  f"[{', '.join('nan' if loss is None else f'{loss:.4f}' for loss in report.replica_losses)}]  "
+                  f"base lr {lr.get('base', float('nan')):.3e}  scale {self._scale:.3f}  "
+                  f"{self.tokens_per_second(report.step):.0f} tok/s  sync {report.sync_seconds * 1000:.0f} ms")
+        if self._board is not None:
+            self._board.add_scalar("train/loss", mean, report.step)
+            self._board.add_scalar("hdet/base_lr", lr.get("base", float("nan")), report.step)
+            self._board.add_scalar("hdet/scale", self._scale, report.step)
+            self._board.add_scalar("train/tokens_per_second", self.tokens_per_second(report.step), report.step)
+
+    def heldout(self, step: int, loss: float, *, announce: bool = True) -> None:
+        if announce:
+            self.line(f"held-out loss {loss:.4f} at step {step}")
+        if self.enabled and self._board is not None:
+            self._board.add_scalar("eval/heldout_loss", loss, step)
+
+    def truncate_metrics(self, metrics_path: str | None, step: int) -> None:
+        """Drops metrics lines past ``step`` (written by the run before it was interrupted after its last
+        checkpoint), so the resumed run's lines follow on without duplicates."""
+        if not self.enabled or not metrics_path or not Path(metrics_path).is_file():
+            return
+        path = Path(metrics_path)
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None

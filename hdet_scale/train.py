@@ -1,0 +1,336 @@
+"""Pretrain a decoder-only language model with HDET on FSDP2 or DeepSpeed ZeRO.
+
+    torchrun --nproc_per_node 8 -m hdet_scale.train --preset 125m --data tokens.bin --vocab_size 32000
+    deepspeed --num_nodes 4 hdet_scale/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
+        --hdet_config ds_configs/hdet_zero.json --preset 1b --data tokens.bin --vocab_size 32000
+
+The engine is FSDP2 under torchrun and DeepSpeed under the deepspeed launcher or with --deepspeed_config
+(--engine picks one explicitly). Data: the embedded standard-library source (default, bytes), a directory of
+text files (bytes), or a flat uint16/uint32 token file (memory-mapped). Every input is checked before any
+process group starts.
+
+Rank 0 shows a progress bar (on a terminal) and prints one line per sync; metrics go to
+OUT/hdet_metrics.jsonl (and OUT/tensorboard when TensorBoard is installed), checkpoints to OUT/checkpoints
+(at sync points), and the final averaged model to OUT/final for transformers' from_pretrained.
+
+On SIGTERM (Slurm preemption or time limit) the ranks agree to stop, average the replicas (--on_signal
+sync_now, the default: one step later) or train on to the next regular sync (--on_signal next_sync: the
+resumed run is then bit-identical to an uninterrupted one), checkpoint, and exit with code 0; rerun with
+--resume (a requeued job can always pass it: without a checkpoint the run starts fresh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
+from hdet_scale.lm.corpus import Corpus, batch, load_corpus
+from hdet_scale.lm.model import PRESETS, build_model, check_preset
+from hdet_scale.lm.preemption import StopSignal
+from hdet_scale.lm.progress import Progress
+
+TRAIN_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "sync_interval": 25, "auto_lr": {"warmup_steps": 100}}
+"""HDET settings when no --hdet_config is given: suited to short runs (the paper's defaults suit long ones)."""
+SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29512")}
+"""The launcher's environment for a run started without one."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from hdet_scale.engines.deepspeed import add_config_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("auto", "fsdp", "deepspeed"), default="auto",
+                        help="auto: deepspeed under the deepspeed launcher or with --deepspeed_config, else fsdp")
+    parser.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
+    parser.add_argument("--data", default="stdlib", help="'stdlib' (embedded), a directory of text files, or a "
+                        "token file")
+    parser.add_argument("--token_dtype", default="uint16", help="token files: uint16 or uint32")
+    parser.add_argument("--vocab_size", type=int, default=None, help="token files: the tokenizer's vocabulary")
+    parser.add_argument("--heldout_fraction", type=float, default=0.01, help="token files: share held out")
+    parser.add_argument("--max_data_mb", type=float, default=None, help="text sources: read at most this many MiB")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--micro_batch_size", type=int, default=8, help="sequences per rank per micro-batch "
+                        "(DeepSpeed: its JSON's train_micro_batch_size_per_gpu wins)")
+    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step (DeepSpeed: its JSON's "
+                        "gradient_accumulation_steps wins)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak LR of the warm-up + cosine schedule")
+    parser.add_argument("--warmup_steps", type=int, default=30, help="linear LR warm-up steps")
+    parser.add_argument("--min_lr_ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
+    parser.add_argument("--weight_decay", type=float, default=0.1)
+    parser.add_argument("--grad_clip", type=float, default=1.0, help="FSDP: max gradient norm (0: off); "
+                        "DeepSpeed: gradient_clipping in its JSON")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="FSDP parameters in forward/backward (auto: bf16 on GPUs, fp32 on CPU); DeepSpeed "
+                        "without a JSON: its bf16 setting")
+    parser.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=2,
+                        help="DeepSpeed without --deepspeed_config: the ZeRO stage of the built-in config")
+    parser.add_argument("--out", default="runs/train", help="directory for metrics, checkpoints and the model")
+    parser.add_argument("--checkpoint_interval", type=int, default=0,
+                        help="steps between checkpoints, a multiple of sync_interval (0: only at the end and on "
+                        "SIGTERM)")
+    parser.add_argument("--eval_interval", type=int, default=0,
+                        help="steps between held-out evaluations, a multiple of sync_interval (0: only at the end)")
+    parser.add_argument("--eval_batches", type=int, default=8, help="batches per rank in each evaluation")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from OUT/checkpoints when there is a checkpoint (else start fresh)")
+    parser.add_argument("--on_signal", choices=("sync_now", "next_sync"), default="sync_now",
+                        help="on SIGTERM: average early and stop one step later, or train on to the next "
+                        "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_config_arguments(parser)  # DeepSpeed's arguments, --hdet_config and the launcher's --local_rank
+    return parser.parse_args(argv)
+
+
+@dataclass
+class Plan:
+    """Everything checked and loaded before the process group starts."""
+
+    engine: str
+    config: HDETConfig
+    corpus: Corpus
+    ds_config: dict[str, Any] | None
+    world_size: int
+    dtype: str
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Checks every input and loads the corpus; raises ValueError / FileNotFoundError naming the argument."""
+    from hdet_scale.config import load_config
+
+    check_preset(args.preset)
+    for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "eval_batches"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ("checkpoint_interval", "eval_interval", "warmup_steps"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if not 0.0 <= args.min_lr_ratio <= 1.0:
+        raise ValueError(f"--min_lr_ratio must be in [0, 1], got {args.min_lr_ratio}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    engine = args.engine
+    if engine == "auto":
+        engine = "deepspeed" if args.deepspeed_config or args.local_rank >= 0 else "fsdp"
+    ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
+    if engine == "fsdp" and args.deepspeed_config:
+        raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
+    config = load_config(_hdet_values(args, ds_config), world_size=None)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node")
+    config.validate_world_size(world_size)
+    for name in ("checkpoint_interval", "eval_interval"):
+        if getattr(args, name) % config.sync_interval:
+            raise ValueError(f"--{name}={getattr(args, name)} must be a multiple of sync_interval="
+                             f"{config.sync_interval}: the replicas are one model only right after a sync")
+    corpus = load_corpus(args.data, token_dtype=args.token_dtype, vocab_size=args.vocab_size,
+                         heldout_fraction=args.heldout_fraction,
+                         max_bytes=None if args.max_data_mb is None else int(args.max_data_mb * 2**20))
+    micro_batch = (ds_config or {}).get("train_micro_batch_size_per_gpu", args.micro_batch_size)
+    corpus.check_fits(seq_len=args.seq_len, micro_batch_size=int(micro_batch))
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
+    return Plan(engine, config, corpus, ds_config, world_size, dtype)
+
+
+def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.deepspeed_config is None:
+        bf16 = args.dtype == "bf16" or args.dtype == "auto" and torch.cuda.is_available()
+        return {"train_micro_batch_size_per_gpu": args.micro_batch_size,
+                "gradient_accumulation_steps": args.grad_accum, "gradient_clipping": args.grad_clip,
+                "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": bf16},
+                "steps_per_print": 10**9}
+    path = Path(args.deepspeed_config)
+    if not path.is_file():
+        raise FileNotFoundError(f"--deepspeed_config {path}: no such file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--deepspeed_config {path} is not valid JSON: {error}") from error
+
+
+def _zero_stage(ds_config: dict[str, Any] | None) -> int:
+    return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The HDET settings (from --hdet_config, the DeepSpeed JSON's "hdet" section, or train.py's defaults)
+    with the metrics going to OUT unless they say otherwise."""
+    section = (ds_config or {}).pop("hdet", None)
+    if section is not None and args.hdet_config:
+        raise ValueError("HDET settings given twice: --hdet_config and the DeepSpeed JSON's \"hdet\" section; "
+                         "keep one")
+    if args.hdet_config:
+        path = Path(args.hdet_config)
+        if not path.is_file():
+            raise FileNotFoundError(f"--hdet_config {path}: no such file")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--hdet_config {path} is not valid JSON: {error}") from error
+    else:
+        values = section if section is not None else TRAIN_DEFAULTS
+    if not isinstance(values, dict):
+        raise ValueError(f"the HDET settings must be a JSON object, got {type(values).__name__}")
+    return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), **values}
+
+
+# ------------------------------------------------------------------------------------------- run
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:  # plain `python -m hdet_scale.train`: a world of one
+        os.environ.update(SINGLE_PROCESS)
+    try:
+        checked = plan(args)
+    except (ValueError, FileNotFoundError) as error:
+        sys.exit(f"train.py: error: {error}")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if checked.engine == "fsdp":
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    else:
+        import deepspeed
+
+        deepspeed.init_distributed(timeout=timedelta(minutes=10))
+    try:
+        Run(args, checked, device).train()
+    finally:
+        dist.destroy_process_group()
+
+
+class Run:
+    """One training run on an initialized process group."""
+
+    def __init__(self, args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
+        self.args = args
+        self.corpus = checked.corpus
+        self.out = Path(args.out)
+        self.rank = dist.get_rank()
+        torch.manual_seed(args.seed)  # the same initial model on every rank (rank 0's is broadcast anyway)
+        model = build_model(args.preset, vocab_size=checked.corpus.vocab_size, seq_len=args.seq_len)
+        args.dtype = checked.dtype
+        self.backend: Backend = (
+            FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
+            else DeepSpeedBackend(model, checked.config, args, checked.ds_config or {}, device))
+        self.config = self.backend.ensemble.config
+        self.step = 0
+        cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.stop = StopSignal(cpu_group)
+        self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps)
+        self.engine = checked.engine
+        self.parameters = sum(p.numel() for p in model.parameters())
+
+    # ------------------------------------------------------------------------------------- loop
+    def train(self) -> None:
+        args, topo = self.args, self.backend.topology
+        self._start_or_resume()
+        tokens_per_step = (topo.world_size * self.backend.micro_batches * self.backend.micro_batch_size
+                           * args.seq_len)
+        self.progress.line(
+            f"HDET train: engine={self.engine} ranks={topo.world_size} replicas={topo.num_replicas} "
+            f"ranks_per_replica={topo.ranks_per_replica} preset={args.preset} "
+            f"({self.parameters / 1e6:.1f}M parameters) data={self.corpus.description} alpha={self.config.alpha} "
+            f"T={self.config.sync_interval} gradient_mode={self.config.gradient_mode} steps={args.steps} "
+            f"tokens/step={tokens_per_step}")
+        self.progress.start(self.step, tokens_per_step)
+        stop_at_sync = False
+        while self.step < args.steps:
+            loss, report = self.backend.train_step(self._batches(self.step))
+            self.step += 1
+            self.progress.step(self.step, loss, self.backend.scheduled_lr(), report)
+            if args.eval_interval and self.step % args.eval_interval == 0:
+                self.progress.heldout(self.step, self._evaluate(self.corpus.heldout))
+            if args.checkpoint_interval and self.step % args.checkpoint_interval == 0 and self.step < args.steps:
+                self._checkpoint()
+            stop_at_sync = self.stop.poll() or stop_at_sync
+            if stop_at_sync and self.step < args.steps and (args.on_signal == "sync_now"
+                                                             or self.backend.ensemble.at_sync_point):
+                self._preempt()
+                return
+        self._finish()
+
+    def _start_or_resume(self) -> None:
+        checkpoints = self.out / "checkpoints"
+        extra = self.backend.load(checkpoints) if self.args.resume else None
+        if extra is not None:
+            self.step = self.backend.ensemble.global_step
+            self.progress.line(f"resumed from {checkpoints} at step {self.step}")
+            self.progress.truncate_metrics(self.config.metrics_path, self.step)
+        elif self.rank == 0 and self.config.metrics_path:
+            Path(self.config.metrics_path).unlink(missing_ok=True)  # a fresh run, not appended to an old one
+        dist.barrier()
+
+    def _batches(self, step: int) -> list[Batch]:
+        """This rank's micro-batches of ``step``: a function of (seed, step, rank) only, so a resumed run reads
+        exactly what the uninterrupted run would have."""
+        generator = torch.Generator().manual_seed(_mix(self.args.seed, step, self.rank))
+        return [batch(self.corpus.train, micro_batch_size=self.backend.micro_batch_size, seq_len=self.args.seq_len,
+                      generator=generator) for _ in range(self.backend.micro_batches)]
+
+    def _evaluate(self, tokens: Any) -> float:
+        """Mean loss over ``eval_batches`` fixed batches per rank, averaged over all ranks (at a sync point,
+        where the replicas are one model)."""
+        generator = torch.Generator().manual_seed(_mix(self.args.seed, -1, self.rank))
+        self.backend.train(False)
+        total = torch.zeros((), dtype=torch.float64, device=self.backend.device)
+        for _ in range(self.args.eval_batches):
+            total += self.backend.loss(batch(tokens, micro_batch_size=self.backend.micro_batch_size,
+                                             seq_len=self.args.seq_len, generator=generator)).double()
+        self.backend.train(True)
+        dist.all_reduce(total)
+        return float(total) / (self.args.eval_batches * dist.get_world_size())
+
+    def _checkpoint(self) -> Path:
+        path = self.backend.save(self.out / "checkpoints", {"step": self.step, "seed": self.args.seed})
+        self.progress.line(f"checkpoint: {path}")
+        return path
+
+    def _end_on_one_model(self) -> None:
+        if not self.backend.ensemble.at_sync_point:
+            self.progress.sync(self.backend.sync())
+
+    def _preempt(self) -> None:
+        self._end_on_one_model()
+        path = self._checkpoint()
+        self.stop.close()
+        self.progress.line(f"preempted at step {self.step}; checkpoint: {path}; rerun with --resume")
+        self.progress.close()
+
+    def _finish(self) -> None:
+        self._end_on_one_model()
+        self.stop.close()
+        train_loss = self._evaluate(self.corpus.train)
+        heldout_loss = self._evaluate(self.corpus.heldout)
+        self.progress.heldout(self.step, heldout_loss, announce=False)  # in the final line below
+        self._checkpoint()
+        final = self.out / "final"
+        self.backend.export(final)
+        self.progress.close()
+        self.progress.line(f"final train loss {train_loss:.4f}  held-out loss {heldout_loss:.4f}  "
+                           f"({self.progress.elapsed():.0f} s)")
+        self.progress.line(f"metrics: {self.config.metrics_path or 'disabled'}")
+        self.progress.line(f"model: {final} (transformers from_pretrained)")
+
+
+def _mix(seed: int, step: int, rank: int) -> int:
+    """A generator seed unique to (seed, step, rank)."""
+    return (seed * 1_000_003 + step) * 100_003 + rank + 2**40
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""train.py end to end: real torchrun and deepspeed launches of the tiny model on CPU ranks.
+
+Launches cost tens of seconds here, so a few runs are shared by the tests through module fixtures: FSDP2 in
+global mode runs uninterrupted, then again with a SIGTERM and a --resume (the two must end on the same
+parameters); DeepSpeed ZeRO-2 runs in global mode, and ZeRO-1 in local mode is preempted and resumed.
+Bad inputs are checked in-process and through one real launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import free_port
+from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
+
+BIN = Path(sys.executable).parent
+STEPS = 40
+SYNC_INTERVAL = 5
+COMMON = ["--preset", "tiny", "--steps", str(STEPS), "--seq_len", "32", "--micro_batch_size", "4",
+          "--max_data_mb", "1", "--warmup_steps", "5", "--no_progress", "--eval_batches", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
+    path = tmp / f"hdet_{mode}_{ranks_per_replica}.json"
+    path.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": mode,
+                                "ranks_per_replica": ranks_per_replica, "auto_lr": {"warmup_steps": 10}}))
+    return str(path)
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "-m", "hdet_scale.train"]
+
+
+def deepspeed(nproc: int) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+            "--module", "hdet_scale.train"]
+
+
+def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = None,
+           metrics: Path | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
+    """Runs a launcher in its own session; with ``sigterm_after_step``, sends SIGTERM to the whole session (as
+    Slurm signals every process of a job step) once the metrics show that sync."""
+    with open(cwd / "log.txt", "w") as log:
+        proc = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV,
+                                start_new_session=True, text=True)
+        deadline = time.monotonic() + timeout
+        signalled = sigterm_after_step is None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if not signalled and metrics is not None and metrics.is_file():
+                if any(json.loads(line)["step"] >= sigterm_after_step for line in metrics.read_text().splitlines()):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    signalled = True
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"{command[0]} timed out:\n{(cwd / 'log.txt').read_text()[-5000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, (cwd / "log.txt").read_text(), "")
+
+
+def metric_lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
+
+
+def exported(out: Path) -> dict[str, torch.Tensor]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(out / "final")
+    return {name: tensor.float() for name, tensor in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """FSDP2, 2 replicas x 2 ranks, global gradients: uninterrupted; SIGTERM after the first sync with
+    --on_signal next_sync; then --resume."""
+    root = tmp_path_factory.mktemp("fsdp")
+    config = hdet_config(root, "global", 2)
+    args = [*COMMON, "--hdet_config", config, "--eval_interval", "10", "--checkpoint_interval", "20"]
+    full, split = root / "full", root / "split"
+    full.mkdir(), split.mkdir()
+    uninterrupted = launch([*torchrun(4), *args, "--out", str(full)], cwd=full)
+    preempted = launch([*torchrun(4), *args, "--out", str(split), "--on_signal", "next_sync"], cwd=split,
+                       sigterm_after_step=SYNC_INTERVAL, metrics=split / "hdet_metrics.jsonl")
+    preempted_metrics = metric_lines(split)
+    resumed = launch([*torchrun(4), *args, "--out", str(split), "--on_signal", "next_sync", "--resume"], cwd=split)
+    return {"full": full, "split": split, "uninterrupted": uninterrupted, "preempted": preempted,
+            "preempted_metrics": preempted_metrics, "resumed": resumed}
+
+
+def test_fsdp_run_end_to_end(fsdp_runs):
+    result, out = fsdp_runs["uninterrupted"], fsdp_runs["full"]
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "HDET train: engine=fsdp ranks=4 replicas=2 ranks_per_replica=2" in result.stdout
+    assert "gradient_mode=global" in result.stdout
+    lines = metric_lines(out)
+    assert [line["step"] for line in lines] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+    assert all(len(line["replica_losses"]) == 2 for line in lines)
+    spread = lines[0]["values"]["lr/0"]["replica_values"]
+    assert spread[0] != spread[1]  # the replicas trained at different LRs
+    assert any(line["controller_updated"] for line in lines)  # the controller starts after its warm-up
+    assert result.stdout.count("held-out loss") >= STEPS // 10  # every --eval_interval, and at the end
+    assert "final train loss" in result.stdout and f"metrics: {out / 'hdet_metrics.jsonl'}" in result.stdout
+    assert f"checkpoint: {out / 'checkpoints' / 'latest'}" in result.stdout
+    assert f"model: {out / 'final'}" in result.stdout
+
+
+def test_fsdp_export_is_the_checkpointed_model(fsdp_runs):
+    """The transformers export equals the model in the final DCP checkpoint (converted offline)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = fsdp_runs["full"]
+    dcp_to_torch_save(out / "checkpoints" / "latest", out / "consolidated.pt")
+    saved = torch.load(out / "consolidated.pt", weights_only=False)["model"]
+    model = exported(out)
+    assert set(model) == set(saved)
+    for name, tensor in model.items():
+        assert torch.equal(tensor, saved[name].float()), name
+
+
+def test_sigterm_then_resume_matches_an_uninterrupted_run(fsdp_runs):
+    preempted, resumed = fsdp_runs["preempted"], fsdp_runs["resumed"]
+    assert "preempted at step" in preempted.stdout, preempted.stdout[-5000:]
+    stopped = int(preempted.stdout.split("preempted at step ")[1].split(";")[0])
+    assert SYNC_INTERVAL < stopped < STEPS and stopped % SYNC_INTERVAL == 0  # next_sync: a regular sync point
+    assert max(line["step"] for line in fsdp_runs["preempted_metrics"]) == stopped
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    assert f"resumed from {fsdp_runs['split'] / 'checkpoints'} at step {stopped}" in resumed.stdout
+    # The metrics file reads as one run: each sync once, in order.
+    assert [line["step"] for line in metric_lines(fsdp_runs["split"])] == [
+        line["step"] for line in metric_lines(fsdp_runs["full"])]
+    full, split = exported(fsdp_runs["full"]), exported(fsdp_runs["split"])
+    for name, tensor in full.items():
+        assert torch.equal(tensor, split[name]), name
+    final = [line for line in resumed.stdout.splitlines() if line.startswith("final train loss")]
+    assert final and final[0].split("(")[0] in fsdp_runs["uninterrupted"].stdout
+
+
+# -------------------------------------------------------------------------------------- DeepSpeed
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    """ZeRO-2, 2 replicas x 2 ranks, global gradients; ZeRO-1, 2 replicas of 1 rank, local gradients,
+    SIGTERM after the first sync with the default --on_signal sync_now, then --resume."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    global_out, local_out = root / "global", root / "local"
+    global_out.mkdir(), local_out.mkdir()
+    zero2 = launch([*deepspeed(4), *COMMON, "--zero_stage", "2", "--hdet_config", hdet_config(root, "global", 2),
+                    "--out", str(global_out)], cwd=global_out)
+    local_args = [*COMMON, "--zero_stage", "1", "--hdet_config", hdet_config(root, "local", 1), "--out", str(local_out)]
+    preempted = launch([*deepspeed(2), *local_args], cwd=local_out, sigterm_after_step=SYNC_INTERVAL,
+                       metrics=local_out / "hdet_metrics.jsonl")
+    checkpoints_after_preemption = sorted(p.name for p in (local_out / "checkpoints").iterdir() if p.is_dir())
+    resumed = launch([*deepspeed(2), *local_args, "--resume"], cwd=local_out)
+    return {"global": global_out, "local": local_out, "zero2": zero2, "preempted": preempted,
+            "checkpoints_after_preemption": checkpoints_after_preemption, "resumed": resumed}
+
+
+def test_deepspeed_global_run_end_to_end(deepspeed_runs):
+    result, out = deepspeed_runs["zero2"], deepspeed_runs["global"]
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "HDET train: engine=deepspeed ranks=4 replicas=2 ranks_per_replica=2" in result.stdout
+    lines = metric_lines(out)
+    assert [line["step"] for line in lines] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+    assert all(len(line["replica_losses"]) == 2 for line in lines)
+    assert (out / "checkpoints" / "latest").read_text() == f"step{STEPS}"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [f"step{STEPS}"]  # older gone
+
+
+def test_deepspeed_export_is_the_checkpointed_model(deepspeed_runs):
+    """The transformers export equals DeepSpeed's own fp32 consolidation of the final checkpoint."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    out = deepspeed_runs["global"]
+    saved = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag=f"step{STEPS}")
+    model = exported(out)
+    for name, tensor in saved.items():
+        assert torch.equal(model[name], tensor.float()), name
+
+
+def test_deepspeed_sigterm_syncs_now_and_resumes(deepspeed_runs):
+    preempted, resumed = deepspeed_runs["preempted"], deepspeed_runs["resumed"]
+    # The launcher itself dies of the SIGTERM sent to the whole session; the ranks stop cleanly.
+    assert "preempted at step" in preempted.stdout, preempted.stdout[-5000:]
+    assert "HDET train: engine=deepspeed ranks=2 replicas=2 ranks_per_replica=1" in preempted.stdout
+    assert "gradient_mode=local" in preempted.stdout
+    stopped = int(preempted.stdout.split("preempted at step ")[1].split(";")[0])
+    assert SYNC_INTERVAL < stopped < STEPS
+    assert deepspeed_runs["checkpoints_after_preemption"] == [f"step{stopped}"]
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    assert f"at step {stopped}" in resumed.stdout and "final train loss" in resumed.stdout
+    steps = [line["step"] for line in metric_lines(deepspeed_runs["local"])]
+    # Regular syncs, the early one at the preemption, then regular ones again up to the end.
+    regular = list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+    assert steps == sorted(set(regular) | {stopped})
+
+
+# -------------------------------------------------------------------------------------- bad input
+@pytest.fixture
+def single_process(monkeypatch):
+    """What train.py's main sets when started without a launcher."""
+    for name, value in SINGLE_PROCESS.items():
+        monkeypatch.setenv(name, value)
+
+
+def check(argv: list[str], message: str) -> None:
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        plan(parse_args(argv))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.usefixtures("single_process")
+def test_bad_inputs_fail_before_any_process_group(tmp_path):
+    check(["--data", str(tmp_path / "missing")], "--data .*missing: no such file or directory")
+    check(["--preset", "huge"], "--preset 'huge' does not exist; choose one of tiny, small")
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    check(["--data", str(empty), "--vocab_size", "100"], "the token file is empty")
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")
+    check(["--data", str(odd), "--vocab_size", "100"], "not a whole number of uint16 tokens")
+    wrong_vocab = tmp_path / "tokens.bin"
+    wrong_vocab.write_bytes(torch.arange(1000, dtype=torch.int16).numpy().tobytes())
+    check(["--data", str(wrong_vocab), "--vocab_size", "500"], "token id 999 is outside the vocabulary of 500")
+    check(["--data", str(wrong_vocab)], "give its tokenizer's vocabulary with --vocab_size")
+    check(["--data", str(wrong_vocab), "--vocab_size", "1000", "--seq_len", "512"],
+          "too few for one batch of 8 x 513 tokens")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    check(["--data", str(texts)], "no text files")
+    bad_hdet = tmp_path / "hdet.json"
+    bad_hdet.write_text(json.dumps({"alpha": 0.5, "sync_intervall": 10}))
+    check(["--hdet_config", str(bad_hdet)], "sync_intervall")
+    bad_hdet.write_text(json.dumps({"alpha": 1.5}))
+    check(["--hdet_config", str(bad_hdet)], "alpha")
+    check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=25")
+    check(["--steps", "0"], "--steps must be at least 1")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_token_file_trains_the_vocabulary_it_names(tmp_path):
+    tokens = (torch.arange(20_000) % 300).to(torch.int32)
+    path = tmp_path / "tokens.u32"
+    path.write_bytes(tokens.numpy().astype("uint32").tobytes())
+    checked = plan(parse_args(["--data", str(path), "--token_dtype", "uint32", "--vocab_size", "300"]))
+    assert checked.corpus.vocab_size == 300
+    assert len(checked.corpus.train) + len(checked.corpus.heldout) == 20_000
+    assert int(checked.corpus.train[299]) == 299  # read as uint32, in order
+
+
+def test_a_bad_input_stops_a_real_launch_at_once(tmp_path):
+    """Under torchrun, every rank reports the error and exits before any process group exists."""
+    result = launch([*torchrun(2), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path)], cwd=tmp_path,
+                    timeout=180)
+    assert result.returncode != 0
+    assert "train.py: error: --data" in result.stdout and "no such file or directory" in result.stdout
+    assert "HDET train:" not in result.stdout
