@@ -21,14 +21,20 @@ resumed run is then bit-identical to an uninterrupted one), checkpoint, and exit
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    # Run as a file (deepspeed hdet_scale/train.py): Python put the package folder first on the path, where its
+    # modules (config, data, metrics, ...) would shadow top-level modules of those names for every import.
+    sys.path.pop(0)
+
 import argparse
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch

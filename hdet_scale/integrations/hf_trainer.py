@@ -80,7 +80,6 @@ class HDETCallback(TrainerCallback):
         self.ensemble: HDETEnsemble | None = None
         self.deepspeed: Any = None
         self.last_report: SyncReport | None = None
-        self._synced_at = 0
 
     # ------------------------------------------------------------------------------------ reporting
     def attached(self) -> HDETEnsemble:
@@ -145,12 +144,11 @@ class HDETCallback(TrainerCallback):
     @property
     def at_sync_point(self) -> bool:
         """True at the start and right after a sync: every replica holds the same parameters."""
-        return self.ensemble is None or self._synced_at == self.ensemble.global_step
+        return self.ensemble is None or self.ensemble.at_sync_point
 
     def _record(self, report: SyncReport | None) -> None:
-        if report is not None and report.step >= self._synced_at:
+        if report is not None:
             self.last_report = report
-            self._synced_at = report.step
 
     # ------------------------------------------------------------------------------------ internals
     def _attach_ddp(self, optimizer: Any) -> HDETEnsemble:
@@ -199,7 +197,6 @@ class HDETCallback(TrainerCallback):
                 f"next to every Trainer checkpoint; resume from a checkpoint of this output_dir ({args.output_dir})"
             )
         ensemble.load_state_dict(torch.load(path, weights_only=True))
-        self._synced_at = ensemble.global_step
 
     @contextlib.contextmanager
     def _replica_groups(self) -> Iterator[None]:
