@@ -11,7 +11,9 @@ process group starts.
 
 Rank 0 shows a progress bar (on a terminal) and prints one line per sync; metrics go to
 OUT/hdet_metrics.jsonl (and OUT/tensorboard when TensorBoard is installed), checkpoints to OUT/checkpoints
-(at sync points), and the final averaged model to OUT/final for transformers' from_pretrained.
+(at sync points), and the final averaged model to OUT/final for transformers' from_pretrained. The metrics
+file has one line per sync and one {"step", "heldout_loss"} line per evaluation; `python -m hdet_scale.report
+OUT/hdet_metrics.jsonl --out plots` draws them.
 
 On SIGTERM (Slurm preemption or time limit) the ranks agree to stop, average the replicas (--on_signal
 sync_now, the default: one step later) or train on to the next regular sync (--on_signal next_sync: the
@@ -237,7 +239,8 @@ class Run:
         self.step = 0
         cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.stop = StopSignal(cpu_group)
-        self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps)
+        self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
+                                 metrics_path=self.config.metrics_path)
         self.engine = checked.engine
         self.parameters = sum(p.numel() for p in model.parameters())
 
@@ -259,7 +262,7 @@ class Run:
             loss, report = self.backend.train_step(self._batches(self.step))
             self.step += 1
             self.progress.step(self.step, loss, self.backend.scheduled_lr(), report)
-            if args.eval_interval and self.step % args.eval_interval == 0:
+            if args.eval_interval and self.step % args.eval_interval == 0 and self.step < args.steps:
                 self.progress.heldout(self.step, self._evaluate(self.corpus.heldout))
             if args.checkpoint_interval and self.step % args.checkpoint_interval == 0 and self.step < args.steps:
                 self._checkpoint()

@@ -70,8 +70,10 @@ def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = No
     return subprocess.CompletedProcess(command, proc.returncode, (cwd / "log.txt").read_text(), "")
 
 
-def metric_lines(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
+def metric_lines(out: Path, kind: str = "replica_losses") -> list[dict]:
+    """The metrics lines of one kind: syncs (``replica_losses``) or evaluations (``heldout_loss``)."""
+    lines = [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if kind in line]
 
 
 def exported(out: Path) -> dict[str, torch.Tensor]:
@@ -112,6 +114,9 @@ def test_fsdp_run_end_to_end(fsdp_runs):
     assert spread[0] != spread[1]  # the replicas trained at different LRs
     assert any(line["controller_updated"] for line in lines)  # the controller starts after its warm-up
     assert result.stdout.count("held-out loss") >= STEPS // 10  # every --eval_interval, and at the end
+    evaluations = metric_lines(out, "heldout_loss")
+    assert [line["step"] for line in evaluations] == [10, 20, 30, 40]  # the last one is the final evaluation
+    assert f"held-out loss {evaluations[-1]['heldout_loss']:.4f}" in result.stdout
     assert "final train loss" in result.stdout and f"metrics: {out / 'hdet_metrics.jsonl'}" in result.stdout
     assert f"checkpoint: {out / 'checkpoints' / 'latest'}" in result.stdout
     assert f"model: {out / 'final'}" in result.stdout
@@ -141,6 +146,7 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(fsdp_runs):
     # The metrics file reads as one run: each sync once, in order.
     assert [line["step"] for line in metric_lines(fsdp_runs["split"])] == [
         line["step"] for line in metric_lines(fsdp_runs["full"])]
+    assert metric_lines(fsdp_runs["split"], "heldout_loss") == metric_lines(fsdp_runs["full"], "heldout_loss")
     full, split = exported(fsdp_runs["full"]), exported(fsdp_runs["split"])
     for name, tensor in full.items():
         assert torch.equal(tensor, split[name]), name

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hdet_scale.ensemble import SyncReport
+from hdet_scale.metrics import MetricsWriter
 
 BAR_REFRESH_STEPS = 10  # the bar's loss needs a host sync: read it every few steps, not every step
 
@@ -18,8 +19,11 @@ BAR_REFRESH_STEPS = 10  # the bar's loss needs a host sync: read it every few st
 class Progress:
     """Rank 0's output; every method is a no-op on other ranks (``enabled=False``)."""
 
-    def __init__(self, out: Path, *, enabled: bool, bar: bool, total: int) -> None:
+    def __init__(self, out: Path, *, enabled: bool, bar: bool, total: int, metrics_path: str | None) -> None:
         self.enabled = enabled
+        # Held-out losses go into the metrics file too, as {"step", "heldout_loss"} lines (hdet_scale.report
+        # plots them next to the sync lines).
+        self._metrics = MetricsWriter(metrics_path, is_writer=enabled)
         self.total = total
         self._bar: Any = None
         self._board: Any = None
@@ -96,6 +100,7 @@ class Progress:
     def heldout(self, step: int, loss: float, *, announce: bool = True) -> None:
         if announce:
             self.line(f"held-out loss {loss:.4f} at step {step}")
+        self._metrics.write({"step": step, "heldout_loss": loss})
         if self.enabled and self._board is not None:
             self._board.add_scalar("eval/heldout_loss", loss, step)
 
