@@ -74,7 +74,7 @@ class Settings:
     """auto_lr.warmup_steps as a fraction of the run."""
     log_every: int = 10
     eval_every: int = 100
-    grid: tuple[float, ...] = (1e-3, 3e-3, 9e-3, 2.7e-2, 8.1e-2, 2.43e-1)
+    grid: tuple[float, ...] = (1e-3, 3e-3, 9e-3, 2.7e-2, 8.1e-2, 2.43e-1, 7.29e-1)
 
     @property
     def tokens(self) -> int:

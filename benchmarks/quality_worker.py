@@ -9,10 +9,12 @@ with the config's alpha, T, controller, warm init and gradient mode. ``schedulef
 schedule) and ``prodigy`` (Prodigy, LR 1.0 with warm-up and cosine decay) are the automatic-LR alternatives,
 always plain DP.
 
-Rank 0 writes into ``--out``: ``loss.jsonl`` (the report's minimal format: ``{"step", "loss"}`` every
-``--log_every`` steps, the mean over ranks and those steps, and ``{"step", "heldout_loss"}`` at evaluations),
-``result.json`` (start, final training and held-out loss of the final model on fixed batches, divergence,
-wall time) and, for HDET runs, HDET's own ``hdet_metrics.jsonl`` (the config's ``metrics_path``).
+``--batch FILE`` (a JSON list of argument lists) runs several runs one after another in one process group;
+``benchmarks/quality.py`` launches its runs that way. Rank 0 writes into each run's ``--out``: ``loss.jsonl``
+(the report's minimal format: ``{"step", "loss"}`` every ``--log_every`` steps, the mean over ranks and those
+steps, and ``{"step", "heldout_loss"}`` at evaluations), ``result.json`` (start, final training and held-out
+loss of the final model on fixed batches, divergence, wall time) and, for HDET runs, HDET's own
+``hdet_metrics.jsonl`` (the config's ``metrics_path``).
 """
 
 from __future__ import annotations
