@@ -487,7 +487,8 @@ def write_markdown(path: Path, data: dict[str, Any], missing: list[str]) -> None
         for name in names:
             entry = summary[name]
             control = entry.get("controller")
-            scale = ", ".join(_f(v, 2) for v in control["ratio_end"]) if control else ""
+            scale = "" if not control else "off" if all(d == "none" for d in control["direction"]) else \
+                ", ".join(_f(v, 2) for v in control["ratio_end"])
             lines.append(f"| {entry['label']} | {entry['lr']:g} | {_cell(entry['final_train_loss'])} | "
                          f"{_cell(entry['final_heldout_loss'])} | {entry['unstable']} / {len(entry['seeds'])} | "
                          f"{_f(entry['wall_seconds']['mean'], 0)} | {scale} |")
