@@ -1,8 +1,9 @@
 """The sbatch templates in launch/, submitted with ``sbatch --nodes=2`` to a real (emulated) 2-node Slurm cluster.
 
-Each template trains the tiny model on CPU: 2 nodes x 2 ranks, one replica per node (``ranks_per_replica:
-"node"``), so 2 replicas that sync every 5 steps. The FSDP template is also preempted the way ``--signal=B:TERM``
-does it before a time limit: the job checkpoints, requeues itself and resumes to the same final model.
+Each template trains the tiny model on CPU (FSDP in local, DeepSpeed in global gradient mode): 2 nodes x 2
+ranks, one replica per node (``ranks_per_replica: "node"``), so 2 replicas that sync every 5 steps. The FSDP
+template is also preempted the way ``--signal=B:TERM`` does it before a time limit: the job checkpoints,
+requeues itself and resumes to the same final model.
 
 Needs slurm-wlm and munge (``apt-get install slurm-wlm munge``) and root; skipped otherwise, unless
 ``HDET_REQUIRE_SLURM=1`` (CI sets it), which turns the skip into a failure.
@@ -60,10 +61,12 @@ def python_environment() -> dict[str, str]:
     return {"HDET_VENV": "", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
 
-def submit(cluster: SlurmCluster, template: str, run_dir: Path, env: dict[str, str] | None = None) -> int:
+def submit(cluster: SlurmCluster, template: str, run_dir: Path, env: dict[str, str] | None = None, *,
+           gradient_mode: str = "global") -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     hdet_config = run_dir / "hdet.json"
-    hdet_config.write_text(json.dumps({"alpha": 0.25, "sync_interval": SYNC_INTERVAL, "ranks_per_replica": "node"}))
+    hdet_config.write_text(json.dumps({"alpha": 0.25, "sync_interval": SYNC_INTERVAL, "ranks_per_replica": "node",
+                                       "gradient_mode": gradient_mode}))
     job_env = {
         **python_environment(),
         "HDET_CONFIG": str(hdet_config),
@@ -76,12 +79,13 @@ def submit(cluster: SlurmCluster, template: str, run_dir: Path, env: dict[str, s
     return cluster.submit(ROOT / "launch" / template, *TRAIN_ARGS, options=options, cwd=run_dir, env=job_env)
 
 
-def check_trained(job: Job, out: Path, engine: str) -> str:
+def check_trained(job: Job, out: Path, engine: str, gradient_mode: str) -> str:
     """Asserts a finished 2-node, 2-replica run with syncs, a checkpoint and the exported model; returns the
     final loss line."""
     assert job.state == "COMPLETED", f"job {job.job_id} {job.state} ({job.exit_code}):\n{job.output[-8000:]}"
     assert job.nodes == "node[1-2]"
     assert f"HDET train: engine={engine} ranks=4 replicas=2 ranks_per_replica=2 " in job.output, job.output[-8000:]
+    assert f"gradient_mode={gradient_mode} " in job.output
     records = [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
     syncs = [record for record in records if "replica_losses" in record]  # not the held-out loss records
     assert [sync["step"] for sync in syncs] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
@@ -97,9 +101,10 @@ def check_trained(job: Job, out: Path, engine: str) -> str:
 
 @pytest.fixture(scope="module")
 def fsdp_job(cluster, tmp_path_factory) -> tuple[Job, Path]:
-    """The uninterrupted FSDP run, which the preempted one is compared with."""
+    """The uninterrupted FSDP run, which the preempted one is compared with; in local gradient mode (train.py's
+    tests run torchrun in global mode and the deepspeed launcher in both)."""
     run_dir = tmp_path_factory.mktemp("fsdp")
-    return cluster.wait(submit(cluster, "fsdp.sbatch", run_dir), timeout=600), run_dir / "out"
+    return cluster.wait(submit(cluster, "fsdp.sbatch", run_dir, gradient_mode="local"), timeout=600), run_dir / "out"
 
 
 def test_cluster_runs_one_task_per_node_and_stops_its_daemons(tmp_path):
@@ -117,19 +122,19 @@ def test_cluster_runs_one_task_per_node_and_stops_its_daemons(tmp_path):
 
 
 def test_fsdp_template_trains_two_replicas_on_two_nodes(fsdp_job):
-    check_trained(*fsdp_job, "fsdp")
+    check_trained(*fsdp_job, "fsdp", "local")
 
 
 def test_deepspeed_template_trains_two_replicas_on_two_nodes(cluster, tmp_path, torch_extensions):
     job = cluster.wait(submit(cluster, "deepspeed.sbatch", tmp_path, env={"TORCH_EXTENSIONS_DIR": torch_extensions}),
                        timeout=600)
-    check_trained(job, tmp_path / "out", "deepspeed")
+    check_trained(job, tmp_path / "out", "deepspeed", "global")
     # One launcher per node, each told its own node rank inside its task (not the batch shell's 0 for both).
     assert sorted(re.findall(r"node_rank=(\d)\n", job.output)) == ["0", "1"], job.output[-8000:]
 
 
 def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_path, fsdp_job):
-    job_id = submit(cluster, "fsdp.sbatch", tmp_path)
+    job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local")
     log = tmp_path / f"slurm-{job_id}.out"
     deadline = time.monotonic() + 300
     while "HDET train:" not in (log.read_text() if log.exists() else ""):  # the ranks handle SIGTERM from here
@@ -146,4 +151,4 @@ def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_
     assert 0 < step < STEPS and step % SYNC_INTERVAL == 0
     assert re.search(rf"^resumed from \S+ at step {step}$", job.output, re.MULTILINE), job.output[-8000:]
     # The same final model as the uninterrupted run.
-    assert check_trained(job, tmp_path / "out", "fsdp") == check_trained(*fsdp_job, "fsdp")
+    assert check_trained(job, tmp_path / "out", "fsdp", "local") == check_trained(*fsdp_job, "fsdp", "local")

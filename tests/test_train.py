@@ -63,11 +63,27 @@ def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = No
                     os.killpg(proc.pid, signal.SIGTERM)
                     signalled = True
             time.sleep(0.2)
-        if proc.poll() is None:
+        # A signalled launcher may die at once while its ranks still checkpoint: wait for the whole session.
+        while session_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is None or session_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise AssertionError(f"{command[0]} timed out:\n{(cwd / 'log.txt').read_text()[-5000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, (cwd / "log.txt").read_text(), "")
+
+
+def session_alive(group: int) -> bool:
+    """Whether a live (not zombie) process of process group ``group`` is left: the launcher's, made by
+    start_new_session. Read from /proc, since exited ranks reparented to a container's init may stay zombies."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, process_group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # the process ended while being read
+        if state != "Z" and int(process_group) == group:
+            return True
+    return False
 
 
 def metric_lines(out: Path, kind: str = "replica_losses") -> list[dict]:
