@@ -418,6 +418,12 @@ def findings(summary: dict[str, dict[str, Any]], lrs: dict[str, float] | None,
         want = "up" if start == "low" else "down"
         lines.append(f"Started too {start} ({mine[0][1]['lr']:g}): the controller moved the LR "
                      f"{', '.join(f'{d} in {n}' for d, n in counts.items())} of {len(moves)} runs (wanted: {want}).")
+        scales = [value for _, entry in mine if entry["meta"]["mode"] == "scale"
+                  for value in entry["controller"]["ratio_end"]]
+        if lrs and scales:
+            needed = lrs["best"] / lrs[f"too_{start}"]
+            lines.append(f"  `scale` mode ended at scale {min(scales):.2f}-{max(scales):.2f}; reaching the sweep's "
+                         f"best LR would take {needed:.2f}.")
         right = [name for name, entry in mine if all(d == want for d in entry["controller"]["direction"])]
         if right:
             lines.append(f"  Settings that moved it {want} in every seed: {', '.join(right)}.")
@@ -433,6 +439,28 @@ def findings(summary: dict[str, dict[str, Any]], lrs: dict[str, float] | None,
                              f"{dp[lrs['best']]['final_train_loss']:.3f}; the best direction-study variant at "
                              f"{best_dir:.3f}.")
     return lines
+
+
+CAVEATS = (
+    "One small setting: a 2-layer, 64-wide byte-level Llama, 400 steps (0.8M tokens), 4 replicas. The paper's "
+    "runs are 30-hour single-epoch runs on 8 H100s with T = 1,000 and S_warm = 100,000; the issue's direction "
+    "runs used 2,400 steps and T = 200. Short runs favour short-horizon effects, so none of this carries over "
+    "to long runs without checking.",
+    "HDET at 9x: with alpha 1/9 the replicas train at 0.89-1.11x of an LR that is itself too high, and the "
+    "`scale` controller (lambda 0.5, from step 100) can move the scale by only a few percent per sync, so it "
+    "cannot undo a 9x overshoot within 300 steps; averaging nearly identical replicas (global gradients) does not "
+    "stabilize them either. The paper's recovery of Baseline-Low is not reproduced here.",
+    "`paper` mode owns the base LR from its first update and decays it geometrically to OneCycle's floor "
+    "(max LR / 250,000) over the remaining syncs, so its base falls far below the plain schedule whatever the "
+    "votes say (see direction_scale.png); its additive momentum term (lambda * v, in LR units from when the base "
+    "was large) then keeps the base far above that decay path late in the run, which is why its ratios are in "
+    "the hundreds. For `paper` mode the `up` share (the sign of each update's hypergradient) is the cleaner "
+    "signal of which way the votes pointed.",
+    "Wall times: the runs were niced on a 2-core machine shared with a CI run (load average up to 27), so they "
+    "say little about HDET's overhead; benchmarks/results/overhead_*.md measure that.",
+    "The spike threshold that decides 'unstable' was lowered from 0.5 to 0.25 nats after the LR sweep and "
+    "before any other group ran (see the sweep section).",
+)
 
 
 def write_markdown(path: Path, data: dict[str, Any], missing: list[str]) -> None:
@@ -514,7 +542,8 @@ def write_markdown(path: Path, data: dict[str, Any], missing: list[str]) -> None
                 f"{', '.join(_f(v, 2) for v in c['up_fraction'])} | {', '.join(c['direction'])} | "
                 f"{_cell(entry['final_train_loss'])} | {_cell(entry['final_heldout_loss'])} |")
         lines.append("")
-    lines += ["## Findings", "", *[f"- {line}" for line in data["findings"]], ""]
+    lines += ["## Findings", "", *[f"- {line}" for line in data["findings"]], "", "## Caveats", "",
+              *[f"- {line}" for line in CAVEATS], ""]
     if data.get("figures"):
         lines += ["## Figures", "", *[f"- [{Path(f).name}]({Path(f).relative_to(path.parent)}): {what}"
                                       for f, what in data["figures"]], ""]
