@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from source_snapshot import head_commit, snapshot_source
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_STEM = REPO / "benchmarks" / "results" / "controller_modes"
@@ -114,22 +115,6 @@ def hdet_config(row: Row, steps: int, metrics_path: Path) -> dict[str, Any]:
     return config
 
 
-def snapshot_source(commit: str) -> Path:
-    """Exports ``hdet_scale`` at ``commit`` and returns the folder holding it.
-
-    Every run imports the package from this folder (``python -m`` puts the working directory first on
-    ``sys.path``, ahead of the editable install), so edits to the working tree during the benchmark
-    cannot leak into some of its runs.
-    """
-    target = RUNS_DIR / "src" / commit[:12]
-    if not (target / "hdet_scale").is_dir():
-        target.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", commit, "hdet_scale"], cwd=REPO, capture_output=True,
-                                 check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
-    return target
-
-
 def run_one(row: Row, seed: int, steps: int, base_lr: float, source: Path) -> dict[str, Any]:
     """Runs one torchrun job on the package in ``source`` and returns its losses, controller trajectory,
     wall time and command."""
@@ -190,12 +175,6 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             entry[key] = {"mean": statistics.fmean(values), "per_seed": values}
         summary[row.name] = entry
     return summary
-
-
-def head_commit() -> str:
-    """The commit the benchmark measures (uncommitted edits to ``hdet_scale`` are not measured)."""
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
 
 
 def machine_info(commit: str) -> dict[str, Any]:
@@ -374,7 +353,7 @@ def main() -> None:
     settings = {"steps": args.steps, "seeds": args.seeds, "base_lr": args.base_lr, "nproc_per_node": NPROC,
                 "sync_interval": SYNC_INTERVAL, "sigma": SIGMA, "quick": args.quick}
     commit = head_commit()
-    source = snapshot_source(commit)
+    source = snapshot_source(commit, RUNS_DIR)
     info = machine_info(commit)
     runs = []
     for row in ROWS:

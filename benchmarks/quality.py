@@ -45,6 +45,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from source_snapshot import head_commit, snapshot_source
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "benchmarks" / "quality_worker.py"
 RESULTS_STEM = REPO / "benchmarks" / "results" / "quality_cpu"
@@ -265,23 +267,6 @@ def onecycle_schedule(max_lr: float, total_steps: int) -> dict[int, float]:
 
 
 # --------------------------------------------------------------------------------------- running
-def head_commit() -> str:
-    """The commit whose ``hdet_scale`` the runs import."""
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
-
-
-def snapshot_source(commit: str, runs_dir: Path) -> Path:
-    """Exports ``hdet_scale`` at ``commit`` once; runs put it first on PYTHONPATH."""
-    target = runs_dir / "src" / commit[:12]
-    if not (target / "hdet_scale").is_dir():
-        target.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", commit, "hdet_scale"], cwd=REPO, capture_output=True,
-                                 check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
-    return target
-
-
 def resolve_lr(row: Row, lrs: dict[str, float] | None) -> float:
     if isinstance(row.lr, float):
         return row.lr

@@ -161,13 +161,18 @@ def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
                 "gradient_accumulation_steps": args.grad_accum, "gradient_clipping": args.grad_clip,
                 "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": bf16},
                 "steps_per_print": 10**9}
-    path = Path(args.deepspeed_config)
+    return _read_json(args.deepspeed_config, "--deepspeed_config")
+
+
+def _read_json(path_text: str, argument: str) -> Any:
+    """The JSON file named by ``argument``; errors name the argument."""
+    path = Path(path_text)
     if not path.is_file():
-        raise FileNotFoundError(f"--deepspeed_config {path}: no such file")
+        raise FileNotFoundError(f"{argument} {path}: no such file")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"--deepspeed_config {path} is not valid JSON: {error}") from error
+        raise ValueError(f"{argument} {path} is not valid JSON: {error}") from error
 
 
 def _zero_stage(ds_config: dict[str, Any] | None) -> int:
@@ -182,13 +187,7 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
         raise ValueError("HDET settings given twice: --hdet_config and the DeepSpeed JSON's \"hdet\" section; "
                          "keep one")
     if args.hdet_config:
-        path = Path(args.hdet_config)
-        if not path.is_file():
-            raise FileNotFoundError(f"--hdet_config {path}: no such file")
-        try:
-            values = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--hdet_config {path} is not valid JSON: {error}") from error
+        values = _read_json(args.hdet_config, "--hdet_config")
     else:
         values = section if section is not None else TRAIN_DEFAULTS
     if not isinstance(values, dict):

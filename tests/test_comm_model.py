@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_module():
-    spec = importlib.util.spec_from_file_location("comm_model", REPO / "benchmarks" / "comm_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["comm_model"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-cm = load_module()
+cm = load_benchmark("comm_model")
 A = cm.Assumptions()  # 8 GPUs/node, 4 Mi tokens, 400 TFLOP/s, 8.4 + 9.6 us latencies, 25 MiB, fp32/bf16, 2 TB/s
 
 

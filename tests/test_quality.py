@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_module():
-    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quality"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-q = load_module()
+q = load_benchmark("quality")
 
 
 # ------------------------------------------------------------------------------------------ divergence
