@@ -45,6 +45,16 @@ the results. Measured:
    handle's all-reduce hook, DeepSpeed: by ``engine.hdet``, next to the estimate "gradient bytes = parameter
    bytes", FSDP and DeepSpeed: shard bytes), and the resulting cross-replica bytes per step for each T. These
    are payload bytes; a ring all-reduce moves about 2(n-1)/n times the payload per rank.
+4. Peak memory, in a launch of its own before the timed one. The plain engine, HDET in global and HDET in
+   local gradient mode, each built from a fresh model and trained ``MEMORY_STEPS`` steps at
+   T = ``MEMORY_SYNC_INTERVAL`` (so the window holds syncs) inside one measurement window, after one
+   unmetered run of the same variant (one-time set-up is left out): the peak of the memory in use in the
+   window above its start (model, engine, gradients, optimizer states, HDET's state and the sync's buckets)
+   and what is still in use at its end, the maximum over ranks. CUDA: the caching allocator's statistics.
+   CPU: the kernel's peak resident set size, reset at the window's start, with glibc told to map every
+   block of 64 KiB or more by itself, so a freed tensor leaves the resident set and the next variant's
+   tensors are not served from memory an earlier one freed. Memory does not depend on T beyond whether a
+   sync happens, so one T.
 
 All timings are ratios against a baseline measured in the same run. Rank 0 writes
 ``<out>/overhead_<engine>_<cpu|gpu>[_quick].json`` and ``.md`` with the machine, the command and the tables
@@ -95,6 +105,7 @@ RUN_LENGTHS = {
     "fsdp": {"full": (250, 25, 20, 1000), "quick": (200, 25, 10, 500)},
     "deepspeed": {"full": (200, 20, 20, 1000), "quick": (10, 5, 5, 200)},
 }
+MEMORY_SYNC_INTERVAL, MEMORY_STEPS = 2, 4  # section 4: two syncs in the window
 TARGETS = {100: 0.01, 1000: 0.002}  # the project's step-time overhead targets per T (reported, not asserted)
 
 
@@ -228,6 +239,51 @@ def gather(values: list[float]) -> list[list[float]]:
 def per_index(lists: list[list[float]], reduce: Callable[[list[float]], float]) -> list[float]:
     """Reduces the ranks' lists index by index (e.g. the mean or max over ranks of each step)."""
     return [reduce(list(column)) for column in zip(*lists, strict=True)]
+
+
+class PeakMemory:
+    """Memory in use on ``device`` inside a ``with`` block, counted from its start: ``peak_bytes`` (the most at
+    any moment, every thread included) and ``retained_bytes`` (still in use at its end).
+
+    CUDA reads the caching allocator's statistics. The CPU allocator keeps none, so on CPU (Linux) the kernel's
+    peak resident set size is reset at the start (``/proc/self/clear_refs``) and read at the end. That counts
+    tensors exactly only when freed blocks go back to the kernel: run under ``MMAP_EVERY_LARGE_BLOCK``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes = self.retained_bytes = 0
+        self._base = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+            self._base = resident_bytes()["VmRSS"]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak, now = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
+        else:
+            sizes = resident_bytes()
+            peak, now = sizes["VmHWM"], sizes["VmRSS"]
+        self.peak_bytes, self.retained_bytes = peak - self._base, now - self._base
+
+
+MMAP_EVERY_LARGE_BLOCK = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+"""glibc's environment for ``PeakMemory`` on CPU: a fixed mmap threshold (glibc otherwise raises it as blocks
+are freed and serves later tensors from its heap, which the resident set never gives back)."""
+
+
+def resident_bytes() -> dict[str, int]:
+    """This process's current (VmRSS) and peak (VmHWM) resident set size in bytes."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {name: int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "VmHWM")}  # reported in kB
 
 
 # ------------------------------------------------------------------------------------------ trainers
@@ -632,6 +688,44 @@ def run_bytes(settings: Settings, engine: Engine, device: torch.device,
     }
 
 
+# ----------------------------------------------------------------------------------------- 4. memory
+def metered(settings: Settings, device: torch.device, build: Callable[[], Trainer]) -> dict[str, int]:
+    """Builds a trainer and trains it ``MEMORY_STEPS`` steps inside one ``PeakMemory`` window; the maximum
+    over ranks of the window's peak and retained bytes (collective). The trainer is dropped afterwards."""
+    generator = torch.Generator().manual_seed(3000 + dist.get_rank())
+    x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
+    y = torch.randint(0, 16, (settings.batch,), generator=generator).to(device)
+    gc.collect()
+    with PeakMemory(device) as meter:
+        trainer = build()
+        for _ in range(MEMORY_STEPS):
+            trainer.train_step(x, y)
+    if trainer.hdet is not None:
+        trainer.hdet.close()
+    del trainer
+    gc.collect()
+    peak, retained = (max(column) for column in zip(*gather([meter.peak_bytes, meter.retained_bytes]), strict=True))
+    return {"peak_bytes": peak, "retained_bytes": retained}
+
+
+def measure_memory(settings: Settings, device: torch.device) -> dict[str, dict[str, dict[str, int]]]:
+    """Section 4 of every engine part: the plain engine, then HDET in both gradient modes."""
+    engines = build_engines(settings, device)
+
+    def after_warmup(build: Callable[[], Trainer]) -> dict[str, int]:
+        # A variant's first run in a process sets up what then stays (thread pools, a process group's first
+        # collectives: about 2 MiB for HDET's groups here), which is not what each run of it costs.
+        metered(settings, device, build)
+        return metered(settings, device, build)
+
+    # All plain engines before any HDET engine, for the same reason as in ``measure``.
+    plain = {engine.part: after_warmup(engine.plain_trainer) for engine in engines}
+    return {engine.part: {"plain": plain[engine.part], **{
+        f"hdet_{mode}": after_warmup(lambda engine=engine, mode=mode: engine.hdet_trainer(
+            mode, hdet_config(settings, MEMORY_SYNC_INTERVAL, gradient_mode=mode)))
+        for mode in ("global", "local")}} for engine in engines}
+
+
 # ------------------------------------------------------------------------------------------ reports
 def machine_info(settings: Settings, device: torch.device) -> dict[str, Any]:
     cpu = platform.processor()
@@ -727,7 +821,7 @@ def stage_summary_markdown(cfg: dict[str, Any], parts: list[tuple[str, dict[str,
 
 
 def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], part: dict[str, Any], heading: str) -> list[str]:
-    """Sections 1-3 of one engine part."""
+    """Sections 1-4 of one engine part."""
     steps, sync, nbytes, hooks = part["step_time"], part["sync_time"], part["bytes"], part["hook_overhead"]
     gradient_average = engine["gradient_average_in_hot_path"]
     hdet_step = "`ensemble.step()` inside `engine.step()`" if gradient_average else "`hdet.step(loss)`"
@@ -815,14 +909,38 @@ def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], part: dict[str, A
         per_step = " | ".join(f"{nbytes['cross_replica_bytes_per_step'][f'T{t}'][mode]:,.0f}"
                               for t in cfg["sync_intervals"])
         lines.append(f"| {mode} | {nbytes['bytes_averaged_per_sync'][mode]:,} | {per_step} |")
-    return [*lines, "", engine["local_mode_note"], ""]
+    return [*lines, "", engine["local_mode_note"], "", *memory_markdown(part["memory"], heading, per_rank)]
+
+
+def memory_markdown(memory: dict[str, dict[str, int]], heading: str, per_rank: str) -> list[str]:
+    """Section 4: each variant's peak and retained memory against the plain engine's."""
+    plain = memory["plain"]
+    lines = [
+        f"{heading} 4. Peak memory (build the model and engine, then {MEMORY_STEPS} steps at T = "
+        f"{MEMORY_SYNC_INTERVAL}, in a launch of its own; memory in use in that window above its start"
+        f"{per_rank}, maximum over ranks)",
+        "",
+        "| variant | peak MiB | peak vs plain | retained at the end MiB | retained vs plain |",
+        "|---|---|---|---|---|",
+    ]
+    for name, entry in memory.items():
+        peak = "" if name == "plain" else (f"{(entry['peak_bytes'] - plain['peak_bytes']) / MiB:+.2f} MiB "
+                                           f"({entry['peak_bytes'] / plain['peak_bytes']:.3f}x)")
+        kept = "" if name == "plain" else f"{(entry['retained_bytes'] - plain['retained_bytes']) / MiB:+.2f} MiB"
+        lines.append(f"| {name} | {entry['peak_bytes'] / MiB:.2f} | {peak} | {entry['retained_bytes'] / MiB:.2f} "
+                     f"| {kept} |")
+    return [*lines, "", "Peak: the most memory in use at once in the window (parameters, gradients, optimizer "
+            "states, activations, the engine's buffers, HDET's state and a sync's buckets); retained: what is "
+            "still in use after the last step, with the trainer alive. Each variant ran once unmetered first, so "
+            "one-time set-up (thread pools, a new process group's first collectives) is left out. CPU: the "
+            "kernel's peak resident set size, reset at the window's start, with glibc mapping every block of "
+            "64 KiB or more by itself (page granular; small allocations add some noise); CUDA: "
+            "`torch.cuda.max_memory_allocated`.", ""]
 
 
 # ------------------------------------------------------------------------------------------- ranks
-def worker(rank: int, settings: Settings, store_path: str) -> None:
-    """One rank: runs the three measurements; rank 0 writes the results."""
-    started = time.perf_counter()
-    load_start = os.getloadavg()
+def start_rank(rank: int, settings: Settings, store_path: str) -> torch.device:
+    """Sets up one rank of a launch (environment, device, process group); returns its device."""
     # What a launcher sets: DeepSpeed asserts LOCAL_RANK even when the process group already exists.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(settings.ranks),
                       LOCAL_WORLD_SIZE=str(settings.ranks))
@@ -836,6 +954,27 @@ def worker(rank: int, settings: Settings, store_path: str) -> None:
         device = torch.device("cpu")
     dist.init_process_group(settings.backend, init_method=f"file://{store_path}", rank=rank,
                             world_size=settings.ranks, timeout=datetime.timedelta(minutes=10))
+    return device
+
+
+def memory_worker(rank: int, settings: Settings, store_path: str, memory_path: str) -> None:
+    """One rank of the memory launch (section 4); rank 0 writes the measurements to ``memory_path``."""
+    device = start_rank(rank, settings, store_path)
+    try:
+        memory = measure_memory(settings, device)
+        gc.collect()  # models go before process groups, as in ``worker``
+        if rank == 0:
+            Path(memory_path).write_text(json.dumps(memory))
+    finally:
+        dist.destroy_process_group()
+
+
+def worker(rank: int, settings: Settings, store_path: str, memory_path: str) -> None:
+    """One rank of the timed launch: sections 1-3; rank 0 adds section 4 from ``memory_path`` and writes the
+    results."""
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    device = start_rank(rank, settings, store_path)
     try:
         engine_info, measured = measure(settings, device, started)
         # Every model is gone before the process groups are: a DDP reducer that outlives destroy_process_group
@@ -856,6 +995,8 @@ def worker(rank: int, settings: Settings, store_path: str) -> None:
                 "noise_note": noise_note(settings),
                 "targets_step_overhead": {f"T{t}": v for t, v in TARGETS.items()},
             }
+            for part, memory in json.loads(Path(memory_path).read_text()).items():
+                measured[part]["memory"] = memory
             if settings.stages:
                 data["stages"] = measured
             else:
@@ -873,7 +1014,7 @@ def worker(rank: int, settings: Settings, store_path: str) -> None:
 
 
 def measure(settings: Settings, device: torch.device, started: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The three measurements of every engine part (keyed by ``Engine.part``) and what names the engine."""
+    """Sections 1-3 of every engine part (keyed by ``Engine.part``) and what names the engine."""
     engines = build_engines(settings, device)
     # Every baseline comes before any HDET variant: DeepSpeed keeps the model-parallel unit process-wide, so a
     # plain engine built after an HDET engine would shard over that engine's replica only.
@@ -923,7 +1064,19 @@ def noise_note(settings: Settings) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(settings, os.path.join(tmp, "store")), nprocs=settings.ranks, join=True)
+        memory_path = os.path.join(tmp, "memory.json")
+        saved = {name: os.environ.get(name) for name in MMAP_EVERY_LARGE_BLOCK}
+        os.environ.update(MMAP_EVERY_LARGE_BLOCK)  # for the memory launch's processes only
+        try:
+            mp.spawn(memory_worker, args=(settings, os.path.join(tmp, "memory_store"), memory_path),
+                     nprocs=settings.ranks, join=True)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
+        mp.spawn(worker, args=(settings, os.path.join(tmp, "store"), memory_path), nprocs=settings.ranks, join=True)
 
 
 if __name__ == "__main__":
