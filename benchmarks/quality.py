@@ -109,10 +109,10 @@ class Row:
 
 
 def hdet_config(*, alpha: float, sync_interval: int, auto_lr: bool = True, mode: str = "scale",
-                warm_init: bool = True, gradient_mode: str = "global") -> dict[str, Any]:
+                warm_init: bool = True, gradient_mode: str = "global", step_size: float = 0.5) -> dict[str, Any]:
     """An HDET config (the orchestrator adds seed, controller start and metrics path per run)."""
     return {"alpha": alpha, "sync_interval": sync_interval, "gradient_mode": gradient_mode,
-            "auto_lr": {"enabled": auto_lr, "mode": mode}, "warm_init": {"enabled": warm_init}}
+            "auto_lr": {"enabled": auto_lr, "mode": mode, "step_size": step_size}, "warm_init": {"enabled": warm_init}}
 
 
 def build_rows(s: Settings) -> list[Row]:
@@ -154,7 +154,15 @@ def build_rows(s: Settings) -> list[Row]:
                     rows.append(Row(name, "direction", start,
                                     hdet_config(alpha=0.5, sync_interval=sync, mode=mode, warm_init=False),
                                     probe=probe, label=name,
-                                    meta={"start": start, "T": sync, "mode": mode, "probe": probe}))
+                                    meta={"start": start, "T": sync, "mode": mode, "probe": probe, "lambda": 0.5}))
+        # A bolder step (lambda 2 instead of 0.5) with the probe's cleaner signal: can the controller cover a
+        # 9x-too-low LR within the run once its votes point the right way?
+        for sync in (s.t_short, s.t_main):
+            name = f"dir_{start.replace('too_', '')}_T{sync}_scale_probe_lambda2"
+            rows.append(Row(name, "direction", start,
+                            hdet_config(alpha=0.5, sync_interval=sync, warm_init=False, step_size=2.0),
+                            probe=True, label=name,
+                            meta={"start": start, "T": sync, "mode": "scale", "probe": True, "lambda": 2.0}))
     return rows
 
 
@@ -311,7 +319,7 @@ def collect(row: Row, seed: int, s: Settings, lr: float, run_dir: Path, command:
               "start_train_loss": result["start_train_loss"], "final_train_loss": final_train,
               "final_heldout_loss": final_held, "diverged_at_step": result["diverged_at_step"],
               "wall_seconds": round(result["wall_seconds"], 2), "tokens": result["tokens"],
-              "loss_curve": curve, "heldout_curve": held, "run_dir": str(run_dir.relative_to(REPO)),
+              "loss_curve": curve, "heldout_curve": held, "run_dir": repo_relative(run_dir),
               "command": command, "hdet_config": row.hdet and json.loads((run_dir / "hdet.json").read_text())}
     record.update(divergence(result["start_train_loss"], [loss for _, loss in curve], final_train))
     syncs = read_jsonl(run_dir / "hdet_metrics.jsonl")
@@ -515,14 +523,14 @@ def write_markdown(path: Path, data: dict[str, Any], missing: list[str]) -> None
                   "OneCycle's floor that mode follows by itself. `gmean`: its geometric mean over the controller's "
                   "updates; `up`: the share of updates whose hypergradient pointed up; `moved`: from the ratio at "
                   f"the end (`paper`: from gmean; flat within ±{DIRECTION_BAND}).", "",
-                  "| start | T | mode | probe | seeds | ratio at end | gmean ratio | up share | moved | train loss | "
-                  "held-out |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| start | T | mode | probe | lambda | seeds | ratio at end | gmean ratio | up share | moved | "
+                  "train loss | held-out |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in names:
             entry, meta = summary[name], summary[name]["meta"]
             c = entry["controller"]
             lines.append(
                 f"| {meta['start'].replace('too_', '')} {entry['lr']:g} | {meta['T']} | {meta['mode']} | "
-                f"{'yes' if meta['probe'] else 'no'} | {len(entry['seeds'])} | "
+                f"{'yes' if meta['probe'] else 'no'} | {meta.get('lambda', 0.5):g} | {len(entry['seeds'])} | "
                 f"{', '.join(_f(v, 2) for v in c['ratio_end'])} | {', '.join(_f(v, 2) for v in c['ratio_gmean'])} | "
                 f"{', '.join(_f(v, 2) for v in c['up_fraction'])} | {', '.join(c['direction'])} | "
                 f"{_cell(entry['final_train_loss'])} | {_cell(entry['final_heldout_loss'])} |")
@@ -530,12 +538,18 @@ def write_markdown(path: Path, data: dict[str, Any], missing: list[str]) -> None
     lines += ["## Findings", "", *[f"- {line}" for line in data["findings"]], "", "## Caveats", "",
               *[f"- {line}" for line in CAVEATS], ""]
     if data.get("figures"):
-        lines += ["## Figures", "", *[f"- [{Path(f).name}]({Path(f).relative_to(path.parent)}): {what}"
+        lines += ["## Figures", "", *[f"- [{Path(f).name}]({(REPO / f).relative_to(path.parent)}): {what}"
                                       for f, what in data["figures"]], ""]
     lines += ["## Missing", ""]
     lines += [f"- {item}" for item in missing] if missing else ["- nothing: every row and seed asked for has run."]
     lines += ["", f"Per-run data (curves, per-sync base LR and scale, commands): `{path.with_suffix('.json').name}`."]
     path.write_text("\n".join(lines) + "\n")
+
+
+def repo_relative(path: str | Path) -> str:
+    """``path`` relative to the repository root (where it lies under it)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def make_plots(records: list[dict[str, Any]], out: Path, steps: int) -> list[tuple[str, str]]:
@@ -553,12 +567,17 @@ def make_plots(records: list[dict[str, Any]], out: Path, steps: int) -> list[tup
             paths.append(REPO / full["run_dir"] / "hdet_metrics.jsonl")
             labels.append("HDET full (replica band)")
         summary = report(paths, out / "main", labels)
+        # The committed summary names files by their place in the repository, not on this machine.
+        for run in summary["runs"]:
+            run["path"] = repo_relative(run["path"])
+        summary["files"] = [repo_relative(file) for file in summary["files"]]
+        (out / "main" / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         figures += [(file, "Figure 2: training (and held-out) loss vs steps, main rows, first seed" if
                      file.endswith("loss.png") else "Figure 3: HDET full's per-replica LRs, base and scale")
                     for file in summary["files"]]
     direction = [r for r in records if r["group"] == "direction" and "base_lr_per_sync" in r]
     if direction:
-        figures.append((str(plot_direction(direction, out / "direction_scale.png", steps)),
+        figures.append((repo_relative(plot_direction(direction, out / "direction_scale.png", steps)),
                         "direction study: base LR / OneCycle schedule over the run, every run"))
     return figures
 

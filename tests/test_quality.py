@@ -138,8 +138,12 @@ def test_rows_share_the_token_budget_and_cover_the_brief():
     assert {"baseline_low", "baseline_high", "hdet_no_autolr", "hdet_no_warm", "hdet_full", "hdet_local",
             "schedulefree", "prodigy"} <= names
     direction = [row for row in rows if row.group == "direction"]
-    assert len(direction) == 16  # 2 starts x 2 T x 2 modes x probe on/off
+    default_step = [row for row in direction if row.meta["lambda"] == 0.5]
+    assert len(default_step) == 16  # 2 starts x 2 T x 2 modes x probe on/off
     assert {row.meta["mode"] for row in direction} == {"scale", "paper"}
+    bold = [row for row in direction if row.meta["lambda"] == 2.0]  # 2 starts x 2 T, scale mode with the probe
+    assert len(bold) == 4 and all(row.probe and row.hdet["auto_lr"]["step_size"] == 2.0 for row in bold)
+    assert all(row.hdet["auto_lr"]["step_size"] == row.meta["lambda"] for row in direction)
     full = next(row for row in rows if row.name == "hdet_full")
     assert full.hdet["warm_init"]["enabled"] and full.hdet["auto_lr"]["enabled"] and full.lr == "high"
     assert not next(row for row in rows if row.name == "hdet_no_autolr").hdet["auto_lr"]["enabled"]

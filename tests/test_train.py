@@ -118,16 +118,23 @@ def fsdp_runs(tmp_path_factory):
             "preempted_metrics": preempted_metrics, "resumed": resumed}
 
 
-def test_fsdp_run_end_to_end(fsdp_runs):
-    result, out = fsdp_runs["uninterrupted"], fsdp_runs["full"]
+def assert_two_replica_run(result: subprocess.CompletedProcess, out: Path, engine: str) -> list[dict]:
+    """A run of 2 replicas x 2 ranks on ``engine`` ended well, synced every T with both replicas' losses, and
+    its replicas trained at different LRs; returns its sync lines."""
     assert result.returncode == 0, result.stdout[-5000:]
-    assert "HDET train: engine=fsdp ranks=4 replicas=2 ranks_per_replica=2" in result.stdout
-    assert "gradient_mode=global" in result.stdout
+    assert f"HDET train: engine={engine} ranks=4 replicas=2 ranks_per_replica=2" in result.stdout
     lines = metric_lines(out)
     assert [line["step"] for line in lines] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
     assert all(len(line["replica_losses"]) == 2 for line in lines)
     spread = lines[0]["values"]["lr/0"]["replica_values"]
-    assert spread[0] != spread[1]  # the replicas trained at different LRs
+    assert spread[0] != spread[1]
+    return lines
+
+
+def test_fsdp_run_end_to_end(fsdp_runs):
+    result, out = fsdp_runs["uninterrupted"], fsdp_runs["full"]
+    lines = assert_two_replica_run(result, out, "fsdp")
+    assert "gradient_mode=global" in result.stdout
     assert any(line["controller_updated"] for line in lines)  # the controller starts after its warm-up
     assert result.stdout.count("held-out loss") >= STEPS // 10  # every --eval_interval, and at the end
     evaluations = metric_lines(out, "heldout_loss")
@@ -191,11 +198,7 @@ def deepspeed_runs(tmp_path_factory):
 
 def test_deepspeed_global_run_end_to_end(deepspeed_runs):
     result, out = deepspeed_runs["zero2"], deepspeed_runs["global"]
-    assert result.returncode == 0, result.stdout[-5000:]
-    assert "HDET train: engine=deepspeed ranks=4 replicas=2 ranks_per_replica=2" in result.stdout
-    lines = metric_lines(out)
-    assert [line["step"] for line in lines] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
-    assert all(len(line["replica_losses"]) == 2 for line in lines)
+    assert_two_replica_run(result, out, "deepspeed")
     assert (out / "checkpoints" / "latest").read_text() == f"step{STEPS}"
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [f"step{STEPS}"]  # older gone
 
