@@ -363,6 +363,8 @@ class Engine(ABC):
     title = ""
     baseline = ""
     local_mode_note = ""
+    memory_note = ""
+    """Where HDET's memory differs from the baseline's in this engine (the mechanism, for section 4)."""
     part = ""
     """Names this engine's part of the results when one run measures several (DeepSpeed's ZeRO stages)."""
     gradient_average_in_hot_path = False
@@ -416,6 +418,9 @@ class DDPEngine(ModuleEngine):
     baseline = "plain DDP"
     local_mode_note = ("In local mode with one rank per replica DDP's gradient all-reduce stays inside the replica "
                        "(here a single rank), so the syncs are the only cross-replica traffic.")
+    memory_note = ("HDET keeps nothing beside the training state; its peak is higher by the sync's buckets: each "
+                   "holds min(bucket_mb, the averaged bytes) and at most two are alive, so here (a model under "
+                   "bucket_mb) one copy of the parameters. With large models the peak grows by 2 x bucket_mb at most.")
 
     def __init__(self, settings: Settings, device: torch.device) -> None:
         super().__init__(settings, device)
@@ -446,6 +451,9 @@ class FSDPEngine(ModuleEngine):
     local_mode_note = ("In local mode the gradient reduce-scatter stays inside the replica and there is no "
                        "cross-replica gradient all-reduce, so the syncs are the only cross-replica traffic. "
                        "Both modes also reduce-scatter the full gradient inside the replica every step.")
+    memory_note = ("HDET keeps nothing beside the training state, and the same mesh shards the same way. A sync "
+                   "runs after the optimizer step, when the unsharded parameters and activations of the step are "
+                   "freed, so its buckets (local shards, at most 2 x bucket_mb) fit under the training peak.")
 
     def __init__(self, settings: Settings, device: torch.device) -> None:
         super().__init__(settings, device)
@@ -484,6 +492,11 @@ class DeepSpeedEngine(Engine):
                        "replicas between syncs. Both modes also reduce the full gradient inside the replica "
                        "every step.")
     gradient_average_in_hot_path = True
+    memory_note = ("The retained difference is the replicas themselves, not HDET's state: with HDET, ZeRO shards "
+                   "over the ranks of one replica instead of all ranks (here 2 of 4), so each rank holds twice the "
+                   "optimizer-state and fp32 master shard (ZeRO-1/2) and also the parameter and gradient shard "
+                   "(ZeRO-3), as under any hybrid sharding. The peak adds the sync's buckets (local shards, at "
+                   "most 2 x bucket_mb).")
 
     def __init__(self, settings: Settings, device: torch.device, stage: int) -> None:
         super().__init__(settings, device)
@@ -519,6 +532,10 @@ class DeepSpeedEngine(Engine):
     def counting(self) -> tuple[Trainer, Callable[[], int]]:
         trainer = self.hdet_trainer("global", hdet_config(self.settings, 10**9))
         return trainer, lambda: trainer.model.hdet.gradient_bytes_across_replicas
+
+
+MEMORY_NOTES = {"ddp": DDPEngine.memory_note, "fsdp": FSDPEngine.memory_note,
+                "deepspeed": DeepSpeedEngine.memory_note}
 
 
 def build_engines(settings: Settings, device: torch.device) -> list[Engine]:
@@ -909,7 +926,8 @@ def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], part: dict[str, A
         per_step = " | ".join(f"{nbytes['cross_replica_bytes_per_step'][f'T{t}'][mode]:,.0f}"
                               for t in cfg["sync_intervals"])
         lines.append(f"| {mode} | {nbytes['bytes_averaged_per_sync'][mode]:,} | {per_step} |")
-    return [*lines, "", engine["local_mode_note"], "", *memory_markdown(part["memory"], heading, per_rank)]
+    return [*lines, "", engine["local_mode_note"], "", *memory_markdown(part["memory"], heading, per_rank),
+            MEMORY_NOTES[engine["name"]], ""]
 
 
 def memory_markdown(memory: dict[str, dict[str, int]], heading: str, per_rank: str) -> list[str]:

@@ -394,6 +394,15 @@ def findings(summary: dict[str, dict[str, Any]], lrs: dict[str, float] | None,
         lines.append(f"Target 'HDET full at the high LR trains stably and ends at or below Baseline-Low': HDET full "
                      f"unstable in {full['unstable']} of {len(full['seeds'])} seeds; train loss minus Baseline-Low "
                      f"{diff:+.3f} -> {'met' if full['unstable'] == 0 and diff <= 0 else 'MISSED'}.")
+    at_high = [entry for name, entry in summary.items()
+               if name.startswith("hdet_") and lrs and entry["lr"] == lrs["high"]]
+    if at_high and low:
+        stable = [entry for entry in at_high if entry["unstable"] == 0]
+        best = min(at_high, key=lambda entry: entry["final_train_loss"]["mean"])
+        lines.append(f"HDET variants at the high LR stable in every seed: "
+                     f"{', '.join(entry['label'] for entry in stable) or 'none'}; the lowest train loss of any HDET "
+                     f"variant there: {best['label']}, {best['final_train_loss']['mean']:.3f} (Baseline-Low "
+                     f"{low['final_train_loss']['mean']:.3f}).")
     auto = [get(name) for name in ("schedulefree", "prodigy") if get(name)]
     if full and auto:
         best_auto = min(a["final_heldout_loss"]["mean"] for a in auto)
@@ -417,6 +426,12 @@ def findings(summary: dict[str, dict[str, Any]], lrs: dict[str, float] | None,
             needed = lrs["best"] / lrs[f"too_{start}"]
             lines.append(f"  `scale` mode ended at scale {min(scales):.2f}-{max(scales):.2f}; reaching the sweep's "
                          f"best LR would take {needed:.2f}.")
+            for step in sorted({entry["meta"].get("lambda", 0.5) for _, entry in mine} - {0.5}):
+                bold = [(entry["meta"]["T"], value) for _, entry in mine if entry["meta"].get("lambda", 0.5) == step
+                        for value in entry["controller"]["ratio_end"]]
+                lines.append(f"  With lambda {step:g} and the probe: scale at the end " + "; ".join(
+                    f"T = {t}: {', '.join(f'{v:.2f}' for v in values)}" for t in sorted({t for t, _ in bold})
+                    for values in [[v for tt, v in bold if tt == t]]) + ".")
         right = [name for name, entry in mine if all(d == want for d in entry["controller"]["direction"])]
         if right:
             lines.append(f"  Settings that moved it {want} in every seed: {', '.join(right)}.")
@@ -578,33 +593,41 @@ def make_plots(records: list[dict[str, Any]], out: Path, steps: int) -> list[tup
     direction = [r for r in records if r["group"] == "direction" and "base_lr_per_sync" in r]
     if direction:
         figures.append((repo_relative(plot_direction(direction, out / "direction_scale.png", steps)),
-                        "direction study: base LR / OneCycle schedule over the run, every run"))
+                        "direction study: `scale` mode's base LR / OneCycle schedule over the run, every run"))
     return figures
 
 
 def plot_direction(records: list[dict[str, Any]], path: Path, steps: int) -> Path:
-    """The controller's base LR relative to the plain schedule over steps, one line per direction run."""
+    """`scale` mode's base LR relative to the plain schedule over steps: one colour per setting (T, probe,
+    lambda), one line per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    scale_runs = [r for r in records if r["meta"]["mode"] == "scale"]
+    settings = sorted({(r["meta"]["T"], r["meta"]["probe"], r["meta"].get("lambda", 0.5)) for r in scale_runs})
+    colours = {setting: plt.get_cmap("tab10")(index % 10) for index, setting in enumerate(settings)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, start in zip(axes, ("too_low", "too_high"), strict=True):
-        for r in records:
+        labelled = set()
+        for r in scale_runs:
             if r["meta"]["start"] != start:
                 continue
+            setting = (r["meta"]["T"], r["meta"]["probe"], r["meta"].get("lambda", 0.5))
             schedule = onecycle_schedule(r["lr"], steps)
             points = [(step, base / schedule[step]) for step, base, _ in r["base_lr_per_sync"] if schedule[step] > 0]
-            style = "-" if r["meta"]["mode"] == "scale" else "--"
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, alpha=0.8,
-                    label=f"T{r['meta']['T']} {r['meta']['mode']}{' probe' if r['meta']['probe'] else ''} s{r['seed']}")
+            label = None if setting in labelled else (
+                f"T {setting[0]}, lambda {setting[2]:g}{', probe' if setting[1] else ''}")
+            labelled.add(setting)
+            ax.plot([p[0] for p in points], [p[1] for p in points], color=colours[setting], alpha=0.8, label=label)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_yscale("log")
         ax.set_title(f"start {start.replace('_', ' ')}")
         ax.set_xlabel("step")
-    axes[0].set_ylabel("base LR / OneCycle schedule")
-    axes[1].legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("scale: base LR / OneCycle schedule")
+    fig.suptitle("auto-LR controller, scale mode: one line per seed", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
