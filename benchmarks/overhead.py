@@ -63,6 +63,7 @@ All timings are ratios against a baseline measured in the same run. Rank 0 write
 
 # No ``from __future__ import annotations``: DDP checks a comm hook's annotations against the real classes.
 import argparse
+import ctypes
 import datetime
 import gc
 import importlib.metadata
@@ -247,7 +248,7 @@ class PeakMemory:
 
     CUDA reads the caching allocator's statistics. The CPU allocator keeps none, so on CPU (Linux) the kernel's
     peak resident set size is reset at the start (``/proc/self/clear_refs``) and read at the end. That counts
-    tensors exactly only when freed blocks go back to the kernel: run under ``MMAP_EVERY_LARGE_BLOCK``.
+    tensors exactly only when freed blocks go back to the kernel: call ``map_every_large_block`` first.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -275,9 +276,12 @@ class PeakMemory:
         self.peak_bytes, self.retained_bytes = peak - self._base, now - self._base
 
 
-MMAP_EVERY_LARGE_BLOCK = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-"""glibc's environment for ``PeakMemory`` on CPU: a fixed mmap threshold (glibc otherwise raises it as blocks
-are freed and serves later tensors from its heap, which the resident set never gives back)."""
+def map_every_large_block() -> None:
+    """Makes glibc map every block of 64 KiB or more by itself, as ``PeakMemory`` on CPU needs: with its default
+    sliding mmap threshold glibc serves later tensors from its heap, which the resident set never gives back."""
+    m_mmap_threshold = -3  # glibc's malloc.h
+    if not ctypes.CDLL(None).mallopt(m_mmap_threshold, 64 * 1024):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the CPU memory measurement needs glibc")
 
 
 def resident_bytes() -> dict[str, int]:
@@ -532,10 +536,6 @@ class DeepSpeedEngine(Engine):
     def counting(self) -> tuple[Trainer, Callable[[], int]]:
         trainer = self.hdet_trainer("global", hdet_config(self.settings, 10**9))
         return trainer, lambda: trainer.model.hdet.gradient_bytes_across_replicas
-
-
-MEMORY_NOTES = {"ddp": DDPEngine.memory_note, "fsdp": FSDPEngine.memory_note,
-                "deepspeed": DeepSpeedEngine.memory_note}
 
 
 def build_engines(settings: Settings, device: torch.device) -> list[Engine]:
@@ -927,7 +927,7 @@ def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], part: dict[str, A
                               for t in cfg["sync_intervals"])
         lines.append(f"| {mode} | {nbytes['bytes_averaged_per_sync'][mode]:,} | {per_step} |")
     return [*lines, "", engine["local_mode_note"], "", *memory_markdown(part["memory"], heading, per_rank),
-            MEMORY_NOTES[engine["name"]], ""]
+            engine["memory_note"], ""]
 
 
 def memory_markdown(memory: dict[str, dict[str, int]], heading: str, per_rank: str) -> list[str]:
@@ -978,6 +978,8 @@ def start_rank(rank: int, settings: Settings, store_path: str) -> torch.device:
 def memory_worker(rank: int, settings: Settings, store_path: str, memory_path: str) -> None:
     """One rank of the memory launch (section 4); rank 0 writes the measurements to ``memory_path``."""
     device = start_rank(rank, settings, store_path)
+    if device.type == "cpu":
+        map_every_large_block()
     try:
         memory = measure_memory(settings, device)
         gc.collect()  # models go before process groups, as in ``worker``
@@ -1057,7 +1059,7 @@ def measure(settings: Settings, device: torch.device, started: float) -> tuple[d
         progress(started, " ".join(filter(None, (engine.part, "sync time and bytes"))))
     engine = engines[0]
     engine_info = {"name": settings.engine, "title": engine.title, "baseline": engine.baseline,
-                   "local_mode_note": engine.local_mode_note,
+                   "local_mode_note": engine.local_mode_note, "memory_note": engine.memory_note,
                    "gradient_average_in_hot_path": engine.gradient_average_in_hot_path}
     return engine_info, measured
 
@@ -1083,17 +1085,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         memory_path = os.path.join(tmp, "memory.json")
-        saved = {name: os.environ.get(name) for name in MMAP_EVERY_LARGE_BLOCK}
-        os.environ.update(MMAP_EVERY_LARGE_BLOCK)  # for the memory launch's processes only
-        try:
-            mp.spawn(memory_worker, args=(settings, os.path.join(tmp, "memory_store"), memory_path),
-                     nprocs=settings.ranks, join=True)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name)
-                else:
-                    os.environ[name] = value
+        mp.spawn(memory_worker, args=(settings, os.path.join(tmp, "memory_store"), memory_path),
+                 nprocs=settings.ranks, join=True)
         mp.spawn(worker, args=(settings, os.path.join(tmp, "store"), memory_path), nprocs=settings.ranks, join=True)
 
 

@@ -427,11 +427,13 @@ def findings(summary: dict[str, dict[str, Any]], lrs: dict[str, float] | None,
             lines.append(f"  `scale` mode ended at scale {min(scales):.2f}-{max(scales):.2f}; reaching the sweep's "
                          f"best LR would take {needed:.2f}.")
             for step in sorted({entry["meta"].get("lambda", 0.5) for _, entry in mine} - {0.5}):
-                bold = [(entry["meta"]["T"], value) for _, entry in mine if entry["meta"].get("lambda", 0.5) == step
-                        for value in entry["controller"]["ratio_end"]]
+                by_interval: dict[int, list[float]] = {}
+                for _, entry in mine:
+                    if entry["meta"].get("lambda", 0.5) == step:
+                        by_interval.setdefault(entry["meta"]["T"], []).extend(entry["controller"]["ratio_end"])
                 lines.append(f"  With lambda {step:g} and the probe: scale at the end " + "; ".join(
-                    f"T = {t}: {', '.join(f'{v:.2f}' for v in values)}" for t in sorted({t for t, _ in bold})
-                    for values in [[v for tt, v in bold if tt == t]]) + ".")
+                    f"T = {t}: {', '.join(f'{v:.2f}' for v in values)}" for t, values in sorted(by_interval.items()))
+                    + ".")
         right = [name for name, entry in mine if all(d == want for d in entry["controller"]["direction"])]
         if right:
             lines.append(f"  Settings that moved it {want} in every seed: {', '.join(right)}.")
