@@ -37,6 +37,9 @@ CLIENTS = ("munge", "sbatch", "srun", "scontrol", "scancel", "sinfo")
 FINAL_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "TIMEOUT"}
 """Job states a job does not leave (a requeued job passes through PENDING and REQUEUED instead)."""
+CRED_EXPIRE_S = 30
+"""Lifetime of a job step credential (long enough for a step launch on a loaded machine), and how long slurmctld
+holds a requeued job (Slurm's default: 120 s)."""
 
 
 def unavailable() -> str | None:
@@ -148,7 +151,9 @@ class SlurmCluster:
             "SlurmdUser": "root",
             "AuthType": "auth/munge",
             "CredType": "cred/munge",
-            "AuthInfo": f"socket={self.munge_socket}",
+            # cred_expire: how long slurmctld holds a requeued job (120 s by default), so that the new run's
+            # launch credential is never confused with the old run's, which slurmd revokes when that run ends.
+            "AuthInfo": f"socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}",
             "StateSaveLocation": self.root / "state",
             # %n: each slurmd of this one host needs its own spool, pid and log file.
             "SlurmdSpoolDir": self.root / "spool" / "%n",
@@ -255,8 +260,10 @@ class SlurmCluster:
         return self.wait(self.submit(script, *args, options=options, cwd=cwd, env=env), timeout)
 
     def start_requeued(self, job_id: int, timeout: float = 120) -> None:
-        """Waits for the job to be back in the queue after a requeue and lets it start at once: slurmctld
-        otherwise holds a requeued batch job for about two minutes before it may run again."""
+        """Waits for the job to be back in the queue after a requeue and its old run to be over on every node,
+        then lets it start once the hold for the old run's credential (``CRED_EXPIRE_S``) has passed, without
+        waiting for the scheduler's next periodic pass. Starting it sooner races with slurmd revoking the old
+        run's credential, which then fails the new launch."""
         def requeued() -> bool:
             record = self.job_record(job_id)
             if record["JobState"] in FINAL_STATES and not int(record.get("Restarts", 0)):
@@ -265,6 +272,8 @@ class SlurmCluster:
             return record["JobState"] == "PENDING" and int(record.get("Restarts", 0)) >= 1
 
         self._poll(requeued, timeout, f"job {job_id} was not requeued")
+        self._wait_for_idle_nodes(timeout)
+        time.sleep(CRED_EXPIRE_S + 1)
         self.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     def signal_batch_shell(self, job_id: int, name: str = "TERM") -> None:
