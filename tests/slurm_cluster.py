@@ -151,8 +151,7 @@ class SlurmCluster:
             "SlurmdUser": "root",
             "AuthType": "auth/munge",
             "CredType": "cred/munge",
-            # cred_expire: how long slurmctld holds a requeued job (120 s by default), so that the new run's
-            # launch credential is never confused with the old run's, which slurmd revokes when that run ends.
+            # cred_expire: see CRED_EXPIRE_S and start_requeued.
             "AuthInfo": f"socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}",
             "StateSaveLocation": self.root / "state",
             # %n: each slurmd of this one host needs its own spool, pid and log file.
