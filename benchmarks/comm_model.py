@@ -19,14 +19,14 @@ No measurement runs here: it reads the measured ratios and evaluates formulas (i
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, read_json, save_markdown, write_json
+
 BUCKETED_OP = "average_tensors bucket_mb=25"  # HDET's bucketed average in the overhead benchmark's sync table
 FLAT_OP = "flat all_reduce"
 
@@ -174,7 +174,7 @@ def measured_bucketing_ratios(results: Path = RESULTS) -> list[dict[str, Any]]:
     ZeRO stage, from the overhead benchmark's CPU results."""
     found = []
     for path in sorted(results.glob("overhead_*_cpu.json")):
-        data = json.loads(path.read_text())
+        data = read_json(path)
         parts = data["stages"].items() if "stages" in data else [(data["engine"]["title"], data)]
         for name, part in parts:
             ops = part.get("sync_time", {}).get("ops", {})
@@ -329,7 +329,7 @@ def _bucket_table(bucket_rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def render_markdown(result: dict[str, Any]) -> str:
+def render_markdown(result: dict[str, Any]) -> list[str]:
     """The results page: takeaway, assumptions, measured ratios, bytes, one time table per bandwidth, and
     the effect of ``bucket_mb``."""
     a = Assumptions(**result["assumptions"])
@@ -364,8 +364,8 @@ def render_markdown(result: dict[str, Any]) -> str:
               "With 25 MiB buckets the per-bucket latency is a large part of a sync on many nodes; larger buckets "
               "(`bucket_mb`, one fp32 buffer of that size per rank during the sync, two while one is in flight) "
               "remove most of it.", "", *_bucket_table(result["bucket_mb_rows"]),
-              "", "Every configuration, both modes (bytes, seconds, fractions), is in `comm_model.json`.", ""]
-    return "\n".join(lines)
+              "", "Every configuration, both modes (bytes, seconds, fractions), is in `comm_model.json`."]
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -376,9 +376,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     result = build(Assumptions(), measured_bucketing_ratios(Path(args.results)))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "comm_model.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "comm_model.md").write_text(render_markdown(result))
+    write_json(out / "comm_model.json", result)
+    save_markdown(out / "comm_model.md", render_markdown(result))
     print(result["takeaway"])
     print(f"wrote {out / 'comm_model.md'} and {out / 'comm_model.json'}")
     return result

@@ -29,10 +29,7 @@ The full default run (18 runs) takes 18-25 minutes on 2 CPU cores. Losses are co
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import re
 import shlex
 import statistics
@@ -40,22 +37,34 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import torch
-from source_snapshot import head_commit, snapshot_source
+from common import (
+    ONECYCLE_FLOOR_DIV,
+    REPO,
+    RESULTS,
+    bullets,
+    hdet_config,
+    head_commit,
+    machine_info,
+    note,
+    read_jsonl,
+    save_markdown,
+    snapshot_source,
+    table_header,
+    table_row,
+    torchrun_command,
+    write_json,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS_STEM = REPO / "benchmarks" / "results" / "controller_modes"
+RESULTS_STEM = RESULTS / "controller_modes"
 QUICK_STEM = REPO / "runs" / "controller_modes_quick" / "controller_modes"
 RUNS_DIR = REPO / "runs" / "controller_modes"
 NPROC = 4
 SYNC_INTERVAL = 25
 SIGMA = 0.1
 CONTROLLER_START = 0.25  # warmup_steps as a fraction of the run: inside OneCycle's ramp (peak at 0.3)
-ONECYCLE_FLOOR_DIV = 25.0 * 1e4  # OneCycleLR's default div_factor * final_div_factor: max_lr / min_lr
 FINAL_LINE = re.compile(r"final train loss (\S+)\s+held-out loss (\S+)")
 
 # The colleague's report (400 steps, 4 replicas, global gradients, T = 25): row name -> (final loss, scale).
@@ -103,16 +112,12 @@ ROWS = (
 LR_LABELS = ("LR", "3LR", "10LR")
 
 
-def hdet_config(row: Row, steps: int, metrics_path: Path) -> dict[str, Any]:
+def row_config(row: Row, steps: int, metrics_path: Path) -> dict[str, Any]:
     """The HDET JSON for ``row``; plain data parallel is alpha 0 with the controller off."""
-    config: dict[str, Any] = {"alpha": row.alpha, "sync_interval": SYNC_INTERVAL, "gradient_mode": "global",
-                              "metrics_path": str(metrics_path)}
-    if row.mode is None:
-        config["auto_lr"] = {"enabled": False}
-    else:
-        config["auto_lr"] = {"enabled": True, "mode": row.mode, "warmup_steps": round(row.warmup_fraction * steps),
-                             "sigma": SIGMA}
-    return config
+    auto_lr = {"enabled": False} if row.mode is None else {
+        "enabled": True, "mode": row.mode, "warmup_steps": round(row.warmup_fraction * steps), "sigma": SIGMA}
+    return hdet_config(alpha=row.alpha, sync_interval=SYNC_INTERVAL, gradient_mode="global",
+                       metrics_path=str(metrics_path), auto_lr=auto_lr)
 
 
 def run_one(row: Row, seed: int, steps: int, base_lr: float, source: Path) -> dict[str, Any]:
@@ -121,13 +126,12 @@ def run_one(row: Row, seed: int, steps: int, base_lr: float, source: Path) -> di
     run_dir = RUNS_DIR / f"{row.name.replace('@', '_at_').replace('/', '_div_').replace(',', '_')}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "hdet_metrics.jsonl"
-    config = hdet_config(row, steps, metrics_path)
+    config = row_config(row, steps, metrics_path)
     config_path = run_dir / "hdet.json"
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    write_json(config_path, config, indent=2)
     max_lr = base_lr * row.lr_factor
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(NPROC),
-               "-m", "hdet_scale.demo_ddp", "--steps", str(steps), "--max_lr", f"{max_lr:.6g}",
-               "--seed", str(seed), "--out", str(run_dir), "--hdet_config", str(config_path)]
+    command = torchrun_command(NPROC, "-m", "hdet_scale.demo_ddp", "--steps", str(steps), "--max_lr", f"{max_lr:.6g}",
+                               "--seed", str(seed), "--out", str(run_dir), "--hdet_config", str(config_path))
     started = time.perf_counter()
     done = subprocess.run(command, cwd=source, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -137,7 +141,7 @@ def run_one(row: Row, seed: int, steps: int, base_lr: float, source: Path) -> di
     (run_dir / "stdout.txt").write_text(output)
     if match is None and not diverged:
         raise RuntimeError(f"{row.name} seed {seed} failed (exit {done.returncode}); see {run_dir / 'stdout.txt'}")
-    syncs = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    syncs = read_jsonl(metrics_path)
     lr = [sync["values"]["lr/0"] for sync in syncs]
     # The metrics file writes non-finite floats as strings ("nan"); float() reads them back.
     losses = [[float(loss) for loss in sync["replica_losses"]] for sync in syncs if None not in sync["replica_losses"]]
@@ -175,23 +179,6 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             entry[key] = {"mean": statistics.fmean(values), "per_seed": values}
         summary[row.name] = entry
     return summary
-
-
-def machine_info(commit: str) -> dict[str, Any]:
-    """Where, when and on which code the benchmark ran."""
-    import transformers
-
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "git_commit": commit,
-        "ranks": NPROC,
-        "backend": "gloo (CPU)",
-    }
 
 
 def _fmt(values: list[float], digits: int = 3) -> str:
@@ -290,7 +277,7 @@ def _controller_effect(summary: dict[str, dict[str, Any]], lr: str) -> list[str]
 
 def write_markdown(path: Path, info: dict[str, Any], settings: dict[str, Any], runs: list[dict[str, Any]],
                    summary: dict[str, dict[str, Any]]) -> None:
-    """A short table and the plain verdict."""
+    """A short table and the plain verdict, keeping the hand-written ``caveats`` note of the page at ``path``."""
     lines = [
         "# Auto-LR controller modes: `scale` vs `paper`",
         "",
@@ -302,8 +289,10 @@ def write_markdown(path: Path, info: dict[str, Any], settings: dict[str, Any], r
         f"peak at step {round(0.3 * settings['steps'])}). Losses in nats; mean over seeds, per seed in "
         "parentheses; lower is better.",
         "",
-        "| row | alpha | train loss | held-out loss | last-interval loss | controller at end | colleague's |",
-        "|---|---|---|---|---|---|---|",
+        *note("caveats"),
+        "",
+        *table_header("row", "alpha", "train loss", "held-out loss", "last-interval loss", "controller at end",
+                      "colleague's"),
     ]
     for row in ROWS:
         entry = summary.get(row.name)
@@ -312,13 +301,9 @@ def write_markdown(path: Path, info: dict[str, Any], settings: dict[str, Any], r
         reported = COLLEAGUE.get(row.name)
         colleague = "" if reported is None else f"{reported[0]:.2f}" + (
             f", scale {reported[1]:.2f}" if reported[1] is not None else "")
-        lines.append(
-            f"| {row.name} | {row.alpha:g} | {_fmt(entry['final_train_loss']['per_seed'])} | "
-            f"{_fmt(entry['heldout_loss']['per_seed'])} | {_fmt(entry['last_interval_loss']['per_seed'])} | "
-            f"{_controller_cell(row, entry)} | {colleague} |"
-        )
-    lines += ["", "## What it says", ""]
-    lines += [f"- {line}" for line in verdict(summary)]
+        lines.append(table_row(row.name, f"{row.alpha:g}", *[_fmt(entry[key]["per_seed"]) for key in (
+            "final_train_loss", "heldout_loss", "last_interval_loss")], _controller_cell(row, entry), colleague))
+    lines += ["", "## What it says", "", *bullets(verdict(summary))]
     paper_rows = [row.name for row in ROWS if row.mode == "paper" and row.name in summary
                   and not any(run["diverged"] for run in runs if run["row"] == row.name)]
     lines += [f"- Paper mode's base LR: {_paper_takeover(runs, name)}." for name in paper_rows]
@@ -336,7 +321,7 @@ def write_markdown(path: Path, info: dict[str, Any], settings: dict[str, Any], r
         "",
         f"Full per-run data (commands, per-sync base LR, wall times): `{RESULTS_STEM.name}.json`.",
     ]
-    path.write_text("\n".join(lines) + "\n")
+    save_markdown(path, lines)
 
 
 def main() -> None:
@@ -354,7 +339,7 @@ def main() -> None:
                 "sync_interval": SYNC_INTERVAL, "sigma": SIGMA, "quick": args.quick}
     commit = head_commit()
     source = snapshot_source(commit, RUNS_DIR)
-    info = machine_info(commit)
+    info = machine_info(backend="gloo (CPU)", ranks=NPROC, packages=("torch", "transformers"), git_commit=commit)
     runs = []
     for row in ROWS:
         for seed in range(1 if row.first_seed_only else args.seeds):
@@ -364,9 +349,8 @@ def main() -> None:
                   f"{run['wall_seconds']:.0f} s", flush=True)
             runs.append(run)
     summary = summarize(runs)
-    stem.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": info, "settings": settings, "summary": summary, "verdict": verdict(summary), "runs": runs}
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, allow_nan=True) + "\n")
+    write_json(stem.with_suffix(".json"), result)
     write_markdown(stem.with_suffix(".md"), info, settings, runs, summary)
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
     if any(run["diverged"] for run in runs):

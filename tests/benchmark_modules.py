@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -11,11 +11,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as module ``name``, with benchmarks/ importable as its scripts expect."""
+    """``benchmarks/<name>.py`` as module ``name``, with benchmarks/ importable as its scripts expect (they
+    import each other by plain name, so each module is loaded once and shared)."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
+    module = importlib.import_module(name)
+    if Path(module.__file__).resolve().parent != BENCHMARKS:
+        raise ImportError(f"module {name!r} comes from {module.__file__}, not from {BENCHMARKS}")
     return module
