@@ -9,7 +9,7 @@ import sys
 import pytest
 from benchmark_modules import BENCHMARKS, load_benchmark
 
-overhead = load_benchmark("overhead")
+memory = load_benchmark("overhead_memory")
 MB = 1_000_000
 PAGE = 4096
 
@@ -18,7 +18,7 @@ SCRIPT = """
 import sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from overhead import PeakMemory, map_every_large_block
+from overhead_memory import PeakMemory, map_every_large_block
 
 map_every_large_block()
 
@@ -46,5 +46,5 @@ def test_peak_memory_counts_the_most_in_use_at_once_and_what_is_left():
 
 
 def test_resident_bytes_reads_both_sizes_and_the_peak_is_at_least_the_current():
-    sizes = overhead.resident_bytes()
+    sizes = memory.resident_bytes()
     assert 0 < sizes["VmRSS"] <= sizes["VmHWM"]
