@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hdet_scale.engines.base import EngineAdapter, ParameterShard
+from hdet_scale.adapter import EngineAdapter, ParameterShard
 from hdet_scale.spread import stream_seed
 from hdet_scale.topology import ReplicaTopology, collective_device
 

@@ -1,5 +1,2 @@
-"""Engine adapters: the few engine-specific answers HDET's core needs."""
-
-from hdet_scale.engines.base import EngineAdapter
-
-__all__ = ["EngineAdapter"]
+"""Engine adapters: the few engine-specific answers HDET's core needs (the interface is
+``hdet_scale.adapter.EngineAdapter``)."""

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.comm import broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.engines.base import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.topology import ReplicaTopology
 

@@ -28,10 +28,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.comm import broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.engines.base import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
 from hdet_scale.topology import ReplicaTopology
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from packaging.version import Version
 from torch import nn
 
-from hdet_scale.engines.base import EngineAdapter, ParameterShard, optimizer_parameters
+from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.topology import ReplicaTopology
 
 TESTED_DEEPSPEED = (Version("0.19.8"), Version("0.20"))

@@ -1,4 +1,4 @@
-"""What an engine adapter answers for the engine-agnostic core."""
+"""The adapter interface: what an engine answers for the engine-agnostic core (see ``hdet_scale.engines``)."""
 
 from __future__ import annotations
 

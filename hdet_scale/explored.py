@@ -1,0 +1,115 @@
+"""One explored hyperparameter: its spread, permutation and controller state, and the values they give.
+
+A replica's value is ``base * rho_{pi(r)}`` (eq. 1 and eq. 9), where the base is the schedule's value times
+the controller's scale (``paper`` mode: the base the controller owns), every value kept inside the knob's
+bounds. The ensemble owns one ``ExploredValue`` per explored hyperparameter and param group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hdet_scale.controller import Controller, ControllerState, PaperDecay
+from hdet_scale.knobs import Knob, OptimizerGroupKnob
+from hdet_scale.spread import PermutationStream, multipliers
+
+
+@dataclass
+class ExploredValue:
+    """One explored hyperparameter with its own spread, permutation and controller (eq. 9)."""
+
+    knob: Knob
+    stream: PermutationStream
+    multipliers: list[float]
+    """Eq. 1's multipliers rho, indexed by slot."""
+    paper_decay: PaperDecay | None = None
+    permutation: list[int] = field(default_factory=list)
+    """Entry r is the slot of replica r for the current interval."""
+    state: ControllerState = field(default_factory=ControllerState)
+
+    @classmethod
+    def start(cls, knob: Knob, *, seed: int, num_replicas: int, alpha: float,
+              paper_decay: PaperDecay | None = None) -> ExploredValue:
+        """The value at the start of training: eq. 1's spread for ``alpha`` and the stream's first permutation."""
+        explored = cls(knob=knob, stream=PermutationStream(knob.name, seed),
+                       multipliers=multipliers(num_replicas, alpha), paper_decay=paper_decay)
+        explored.redraw()
+        return explored
+
+    @property
+    def name(self) -> str:
+        return self.knob.name
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.multipliers)
+
+    @property
+    def is_lr(self) -> bool:
+        return isinstance(self.knob, OptimizerGroupKnob) and self.knob.key == "lr"
+
+    # ------------------------------------------------------------------------------------ values
+    def base(self, scheduled: float | None = None) -> float:
+        """The controller's base: ``scheduled * scale`` (``paper`` mode: its own), inside the knob's bounds.
+
+        ``scheduled`` is the schedule's value now; by default the knob's (``knob.scheduled()``)."""
+        if self.state.owned_base is not None:
+            return self.knob.bounds.clamp(self.state.owned_base)
+        scheduled = self.knob.scheduled() if scheduled is None else scheduled
+        return self.knob.bounds.clamp(scheduled * self.state.scale)
+
+    def multiplier(self, replica: int) -> float:
+        """rho_{pi(r)}: the multiplier replica ``replica`` trains with in the current interval."""
+        return self.multipliers[self.permutation[replica]]
+
+    def replica_multipliers(self) -> list[float]:
+        """Every replica's multiplier for the current interval, by replica."""
+        return [self.multiplier(replica) for replica in range(self.num_replicas)]
+
+    def value(self, replica: int, scheduled: float | None = None) -> float:
+        """Replica ``replica``'s value: base times its multiplier, inside the knob's bounds."""
+        return self.knob.bounds.clamp(self.base(scheduled) * self.multiplier(replica))
+
+    def replica_values(self) -> list[float]:
+        """Every replica's value now, by replica."""
+        return [self.value(replica) for replica in range(self.num_replicas)]
+
+    # ------------------------------------------------------------------------------------ a sync
+    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int) -> None:
+        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended."""
+        self.state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
+                                       scheduled_value=self.knob.scheduled(), step=step,
+                                       sync_interval=sync_interval, paper_decay=self.paper_decay)
+
+    def redraw(self) -> None:
+        """Draws the next interval's permutation (eq. 9's re-assignment)."""
+        self.permutation = self.stream.draw(self.num_replicas)
+
+    def report(self, trained_with: list[float]) -> dict[str, Any]:
+        """The metrics entry: what the replicas trained with (aligned with the interval's losses), the
+        controller's new state, and what they train with next."""
+        return {
+            "replica_values": trained_with,
+            "base": self.base(),
+            "scale": self.state.scale,
+            "delta": self.state.last_delta,
+            "velocity": self.state.velocity,
+            "next_replica_values": self.replica_values(),
+        }
+
+    # ------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"permutation": list(self.permutation), "controller": self.state.state_dict(),
+                "stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], *, same_layout: bool) -> None:
+        """Restores ``state_dict()``; with another replica count (``same_layout`` False) the permutation is
+        drawn afresh from the restored stream."""
+        self.state = ControllerState(**state["controller"])
+        self.stream.load_state_dict(state["stream"])
+        if same_layout:
+            self.permutation = list(state["permutation"])
+        else:
+            self.redraw()

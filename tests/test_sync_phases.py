@@ -1,0 +1,122 @@
+"""The sync's parts on their own: an explored value's math, the interval loss, the per-replica scores."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hdet_scale.config import AutoLRConfig
+from hdet_scale.controller import Controller, ControllerState
+from hdet_scale.explored import ExploredValue
+from hdet_scale.knobs import NON_NEGATIVE, PROBABILITY, OptimizerGroupKnob, ValueKnob
+from hdet_scale.scores import IntervalLoss, ReplicaScores
+from hdet_scale.spread import PermutationStream
+from hdet_scale.topology import ReplicaTopology
+
+
+def lr_value(lr: float = 0.1, permutation: list[int] | None = None) -> ExploredValue:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=lr)
+    return ExploredValue(knob=OptimizerGroupKnob("lr/0", optimizer, 0, "lr", NON_NEGATIVE),
+                         stream=PermutationStream("lr/0", 0), multipliers=[0.5, 1.0, 1.5],
+                         permutation=permutation or [2, 0, 1])
+
+
+def test_values_are_base_times_the_replicas_multiplier():
+    explored = lr_value(permutation=[2, 0, 1])
+    explored.state = ControllerState(scale=2.0)
+    assert explored.base() == pytest.approx(0.2)  # scheduled 0.1 x scale 2
+    assert explored.base(scheduled=0.3) == pytest.approx(0.6)
+    assert explored.replica_multipliers() == [1.5, 0.5, 1.0]
+    assert explored.multiplier(1) == 0.5
+    assert explored.value(0) == pytest.approx(0.3) and explored.value(2, scheduled=0.3) == pytest.approx(0.6)
+    assert explored.replica_values() == pytest.approx([0.3, 0.1, 0.2])
+    explored.state = ControllerState(owned_base=0.04)  # paper mode: the controller's own base
+    assert explored.base(scheduled=0.3) == pytest.approx(0.04)
+    assert explored.replica_values() == pytest.approx([0.06, 0.02, 0.04])
+
+
+def test_values_stay_inside_the_bounds():
+    knob = ValueKnob("label_smoothing", 0.8, PROBABILITY)
+    explored = ExploredValue(knob=knob, stream=PermutationStream(knob.name, 0), multipliers=[0.5, 1.0, 1.5],
+                             permutation=[0, 1, 2])
+    assert explored.replica_values()[:2] == pytest.approx([0.4, 0.8])
+    assert explored.replica_values()[2] < 1.0  # 1.2 clamped below the open end 1
+
+
+def test_update_moves_the_scale_by_the_weighted_multipliers():
+    explored = lr_value(permutation=[0, 1, 2])  # replicas train at 0.5, 1.0, 1.5
+    controller = Controller(AutoLRConfig(beta=0.5, step_size=2.0))
+    explored.update(controller, weights=[0.0, 0.25, 0.75], step=10, sync_interval=5)
+    # Delta = 0.25 * 0 + 0.75 * 0.5 = 0.375; v = 0.5 * 0 + 0.5 * 0.375 = 0.1875; scale = 1 + 2 * 0.1875 = 1.375
+    assert explored.state.last_delta == pytest.approx(0.375)
+    assert explored.state.velocity == pytest.approx(0.1875)
+    assert explored.state.scale == pytest.approx(1.375)
+    trained_with = explored.replica_values()
+    report = explored.report(trained_with)
+    assert report["base"] == pytest.approx(0.1375) and report["scale"] == pytest.approx(1.375)
+    assert report["next_replica_values"] == pytest.approx([0.06875, 0.1375, 0.20625])
+
+
+def test_state_round_trips_and_redraws_on_another_layout():
+    explored = ExploredValue.start(lr_value().knob, seed=3, num_replicas=3, alpha=0.5)
+    explored.state = ControllerState(scale=1.5, velocity=0.1)
+    saved = explored.state_dict()
+    expected_next = explored.stream.draw(3)
+    same = ExploredValue.start(lr_value().knob, seed=99, num_replicas=3, alpha=0.5)
+    same.load_state_dict(saved, same_layout=True)
+    assert same.permutation == explored.permutation and same.state == explored.state
+    same.redraw()
+    assert same.permutation == expected_next  # the stream continues where the saved one was
+    other = ExploredValue.start(lr_value().knob, seed=99, num_replicas=3, alpha=0.5)
+    other.load_state_dict(saved, same_layout=False)
+    assert other.permutation == expected_next
+
+
+def test_interval_loss_averages_micro_batches_into_steps():
+    interval = IntervalLoss()
+    interval.add_step(2.0)
+    interval.add_step([1.0, 3.0, 5.0])  # a step of three micro-batches: 3
+    interval.observe(torch.tensor(4.0))
+    interval.add_step(torch.tensor(8.0))  # the observed 4 and the given 8: 6
+    interval.add_step(None)  # no loss: not counted
+    assert (interval.total(), interval.count) == (pytest.approx(11.0), 3)
+    interval.observe(1.0)
+    interval.restore(7.0, 2)  # an unfinished micro-batch is dropped
+    interval.add_step(None)
+    assert (interval.total(), interval.count) == (pytest.approx(7.0), 2)
+    interval.reset()
+    assert (interval.total(), interval.count) == (0.0, 0)
+    with pytest.raises(ValueError, match="scalar loss"):
+        interval.add_step(torch.ones(2))
+
+
+def test_scores_reduce_rank_rows_to_replicas():
+    topology = ReplicaTopology(rank=0, world_size=6, ranks_per_replica=2)  # 3 replicas of 2 ranks
+    table = torch.tensor([
+        # loss sum, steps, tensors finite, probe
+        [6.0, 3.0, 1.0, 1.0],  # replica 0: interval means 2 and 4 -> 3; probe 1.5
+        [12.0, 3.0, 1.0, 2.0],
+        [0.0, 0.0, 1.0, 5.0],  # replica 1: one rank without losses -> 5; its tensors are not finite
+        [10.0, 2.0, 0.0, 7.0],
+        [0.0, 0.0, 1.0, 3.0],  # replica 2: no losses at all
+        [0.0, 0.0, 1.0, 3.0],
+    ], dtype=torch.float64)
+    scores = ReplicaScores.from_table(table, topology, with_probe=True)
+    assert scores.losses == [3.0, 5.0, None]
+    assert scores.probe_losses == [1.5, 6.0, 3.0]
+    assert scores.healthy == [True, False, True] and scores.excluded == [1]
+    assert scores.bytes_gathered == 6 * 4 * 8
+    assert scores.controller_signal(0.0) == [3.0, 5.0, None]
+    assert scores.controller_signal(1.0) == [1.5, 6.0, 3.0]
+    assert scores.controller_signal(0.25) == pytest.approx([2.625, 5.25, None])
+    assert ReplicaScores.from_table(table, topology, with_probe=False).probe_losses is None
+
+
+def test_a_non_finite_loss_makes_a_replica_unhealthy():
+    topology = ReplicaTopology(rank=0, world_size=2, ranks_per_replica=1)
+    table = torch.tensor([[math.inf, 1.0, 1.0, math.nan], [1.0, 1.0, 1.0, math.nan]], dtype=torch.float64)
+    scores = ReplicaScores.from_table(table, topology, with_probe=False)
+    assert scores.healthy == [False, True] and scores.losses[1] == 1.0
