@@ -21,6 +21,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def gather_rows(vector: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``vector`` stacked as rows, in rank order (a collective: all ranks call it)."""
+    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, vector.contiguous())
+    return torch.stack(rows)
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))

@@ -9,12 +9,11 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.optim.lr_scheduler import CosineAnnealingLR, OneCycleLR
 
-from distributed import run_ranks, train_steps
+from distributed import gather_rows, run_ranks, train_steps
 from hdet_scale import (
     AutoLRConfig,
     HDETConfig,
@@ -41,12 +40,6 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     x, y = batch(rank, step)
     return ((model(x) - y) ** 2).mean()
-
-
-def gather_rows(vector: torch.Tensor) -> torch.Tensor:
-    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, vector.contiguous())
-    return torch.stack(rows)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed import run_ranks
+from distributed import gather_rows, run_ranks
 from hdet_scale import HDETConfigError, multipliers
 from hdet_scale.engines import deepspeed as hdet_deepspeed
 from hdet_scale.engines.zero import check_version
@@ -104,7 +104,7 @@ def record_used_lrs(engine) -> list[float]:
 def record_before_sync(engine) -> dict[int, torch.Tensor]:
     """Step -> every rank's full fp32 parameters at the start of that sync, before averaging."""
     captured: dict[int, torch.Tensor] = {}
-    engine.hdet.ensemble.add_pre_sync_hook(lambda step: captured.update({step: gather(full_fp32(engine))}))
+    engine.hdet.ensemble.add_pre_sync_hook(lambda step: captured.update({step: gather_rows(full_fp32(engine))}))
     return captured
 
 
@@ -118,12 +118,6 @@ def probe_on_plain_model(flat_weights: torch.Tensor, batch: torch.Tensor) -> flo
 
 def inverse_step(step: int) -> float:
     return 1.0 / (1 + step)
-
-
-def gather(vector: torch.Tensor) -> torch.Tensor:
-    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, vector.contiguous())
-    return torch.stack(rows)
 
 
 # ------------------------------------------------------------------------------------- fan-out / converge
@@ -142,7 +136,7 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
         hdet = {"alpha": 0.5, "sync_interval": 3, "gradient_mode": mode, "auto_lr": {"enabled": False}}
         engine = build(ds_config(stage, bf16=bf16, hdet=hdet, **(extra if bf16 else {})), seed=rank)
         assert engine.hdet.topology.num_replicas == replicas  # "auto": a rank on ZeRO-0, a node on 1-3
-        start = gather(full_fp32(engine))
+        start = gather_rows(full_fp32(engine))
         assert torch.equal(start, start[:1].expand(world, -1))  # replicas start identical despite the seeds
         used_lrs = record_used_lrs(engine)
         before_sync = record_before_sync(engine)
@@ -151,7 +145,7 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
                                                    lambda model, batch: model(batch).float().pow(2).mean()))
         syncs = 0
         for step in range(1, 8):
-            held = gather(torch.tensor([engine.hdet.lr_multiplier()], dtype=torch.float64)).reshape(-1)
+            held = gather_rows(torch.tensor([engine.hdet.lr_multiplier()], dtype=torch.float64)).reshape(-1)
             assert sorted(held[::per_replica].tolist()) == pytest.approx(multipliers(replicas, 0.5))  # eq. 1
             assert torch.equal(held, held[::per_replica].repeat_interleave(per_replica))
             expected_lr = engine.get_lr()[0] * engine.hdet.lr_multiplier()
@@ -166,9 +160,9 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
             assert gradient_bytes > 0 if mode == "global" else gradient_bytes == 0
             if mode == "global" and engine.get_global_grad_norm() is not None:
                 # One gradient for all: every rank computes the same norm, so clipping agrees everywhere.
-                norms = gather(torch.tensor([float(engine.get_global_grad_norm())], dtype=torch.float64))
+                norms = gather_rows(torch.tensor([float(engine.get_global_grad_norm())], dtype=torch.float64))
                 assert torch.allclose(norms, norms[:1].expand_as(norms), rtol=1e-6), norms.reshape(-1).tolist()
-            after = gather(full_fp32(engine))
+            after = gather_rows(full_fp32(engine))
             if step % 3:
                 assert step not in before_sync
                 for replica in range(1, replicas):  # replicas differ between syncs, agree inside a replica
@@ -284,7 +278,7 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
         plain = build(ds_config(stage), seed=rank, plain=True)
         assert plain.dp_world_size == world
         train_step(plain, rank, 1)
-        trained = gather(full_fp32(plain))
+        trained = gather_rows(full_fp32(plain))
         assert torch.equal(trained, trained[:1].expand_as(trained))  # gradients averaged over all 4 ranks
     used.clear()
     expected_lr = engine.get_lr()[0] * engine.hdet.lr_multiplier()
@@ -298,7 +292,7 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
     engine, _, loader, _ = hdet_deepspeed.initialize(model=model, config=ds_config(1, hdet=hdet),
                                                      optimizer=torch.optim.AdamW, training_data=dataset,
                                                      model_parameters=model.parameters())
-    indices = gather(torch.cat([batch for (batch,) in loader]))
+    indices = gather_rows(torch.cat([batch for (batch,) in loader]))
     assert indices.shape == (world, 64 // world)
     assert len(set(indices.reshape(-1).tolist())) == 64  # disjoint over all ranks, so over replicas too
     checked.append("data")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distributed import run_ranks
+from distributed import gather_rows, run_ranks
 from hdet_scale import AutoLRConfig, HDETConfig
 
 WORLD, PER_REPLICA = 4, 2
@@ -96,12 +96,6 @@ def full_moments(engine: Any) -> dict[str, torch.Tensor]:
 def local_moments(engine: Any) -> torch.Tensor:
     """This rank's own ZeRO partition of the Adam moments (exp_avg, then exp_avg_sq)."""
     return torch.cat([tensor.reshape(-1) for tensor in engine.hdet.adapter.optimizer_state_tensors()])
-
-
-def gather_rows(vector: torch.Tensor) -> torch.Tensor:
-    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, vector.contiguous())
-    return torch.stack(rows)
 
 
 def flat(params: dict[str, torch.Tensor]) -> torch.Tensor:

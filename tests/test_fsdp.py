@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from distributed import run_ranks
+from distributed import gather_rows, run_ranks
 from hdet_scale import AutoLRConfig, HDETConfig, multipliers
 from hdet_scale.engines.fsdp import build_mesh, wrap
 
@@ -37,12 +36,6 @@ def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
 def full(tensors) -> torch.Tensor:
     """The full (unsharded) values of DTensors or plain tensors, flattened into one vector."""
     return torch.cat([(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1) for t in tensors])
-
-
-def gather_rows(vector: torch.Tensor) -> torch.Tensor:
-    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, vector.contiguous())
-    return torch.stack(rows)
 
 
 def fanout(rank: int, world: int, mode: str) -> int:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fsdp import PER_REPLICA, WORLD, full, gather_rows, loss_of, tiny_llama
+from test_fsdp import PER_REPLICA, WORLD, full, loss_of, tiny_llama
 
-from distributed import run_ranks, train_steps
+from distributed import gather_rows, run_ranks, train_steps
 from hdet_scale import AutoLRConfig, HDETConfig
 from hdet_scale.engines.fsdp import wrap
 from hdet_scale.engines.fsdp_checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_pretrained

@@ -14,11 +14,10 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from distributed import run_ranks
+from distributed import gather_rows, run_ranks
 from hdet_scale import AutoLRConfig, HDETConfig, ReplicaTopology, WarmInitConfig
 from hdet_scale.engines import ddp, fsdp
 
@@ -42,12 +41,6 @@ def original(dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(rank)
     return torch.randn(4, 32, generator=generator), torch.randn(4, 1, generator=generator)
-
-
-def gather_rows(vector: torch.Tensor) -> torch.Tensor:
-    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, vector.contiguous())
-    return torch.stack(rows)
 
 
 def config(per_replica: int) -> HDETConfig:
