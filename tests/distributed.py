@@ -1,8 +1,16 @@
-"""Runs a function on N real gloo ranks (spawned processes) and returns each rank's result."""
+"""Runs a function on N real gloo ranks (fresh processes) and returns each rank's result.
+
+A spawned rank spends seconds importing torch, DeepSpeed and transformers before its first collective, which on
+a small machine cost more than many a test's own work. So the ranks are forked from a multiprocessing
+forkserver that imported those libraries once per session (``PRELOAD``). Every call still gets fresh processes
+with a fresh process group: groups, device meshes, DeepSpeed's globals, environment variables and RNG state a
+test leaves behind die with its ranks, and a rank that fails or hangs is killed without touching the next test.
+"""
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing.forkserver
 import os
 import queue as queue_module
 import socket
@@ -13,6 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers.models.llama.modeling_llama", "hdet_scale",
+           "pytest"]
+"""What the forkserver imports once (its import starts no thread, so forking stays safe); a module that fails
+to import is left to each rank, as under spawn."""
+
+# The forkserver's environment is the one its preloaded modules were imported under: the session's, taken
+# before any test ran (not whatever a test has monkeypatched when the first ranks start).
+_SESSION_ENVIRONMENT = dict(os.environ)
 
 
 def free_port() -> int:
@@ -28,7 +45,27 @@ def gather_rows(vector: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
+def _rank_context() -> Any:
+    """The forkserver context, its server running (started, or restarted if it died, in the session's
+    environment)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENVIRONMENT)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(current)
+    return context
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, environment: dict[str, str],
+           results: Any, args: tuple) -> None:
+    # A forked rank inherits the forkserver's environment: give it the caller's, as a spawned one would have.
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -45,10 +82,11 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, result
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
     """Calls ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raises if any rank failed."""
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args), daemon=True)
+    environment = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, environment, results, args), daemon=True)
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
