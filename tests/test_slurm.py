@@ -45,12 +45,13 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def torch_extensions(tmp_path_factory, pytestconfig) -> str:
-    """DeepSpeed JIT-builds its CPU communication op. Its own directory, kept between runs, builds it once: the
-    jobs' ninja (the venv's) and the rest of the suite's (first on PATH) may differ and rebuild each other's."""
-    if pytestconfig.cache is None:  # -p no:cacheprovider
-        return str(tmp_path_factory.mktemp("torch_extensions"))
-    return str(pytestconfig.cache.mkdir("slurm_torch_extensions"))
+def torch_extensions() -> str:
+    """DeepSpeed JIT-builds its CPU communication op. Its own directory, kept between runs (under the repository's
+    ignored build/, so with or without pytest's cache plugin), builds it once: the jobs' ninja (the venv's) and the
+    rest of the suite's (first on PATH) may differ and rebuild each other's."""
+    path = ROOT / "build" / "slurm_torch_extensions"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def python_environment() -> dict[str, str]:
