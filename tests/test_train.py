@@ -1,34 +1,25 @@
 """train.py end to end: real torchrun and deepspeed launches of the tiny model on CPU ranks.
 
-Launches cost tens of seconds here, so a few runs are shared by the tests through module fixtures: FSDP2 in
-global mode runs uninterrupted, then again with a SIGTERM and a --resume (the two must end on the same
-parameters); DeepSpeed ZeRO-2 runs in global mode, and ZeRO-1 in local mode is preempted and resumed.
-Bad inputs are checked in-process and through one real launch.
+Launches cost tens of seconds here, so a few runs are shared by the tests through fixtures: FSDP2 in global mode
+runs uninterrupted (the README's main job, shortened: conftest's ``main_job``, which test_readme.py checks too),
+then again with a SIGTERM and a --resume (the two must end on the same parameters); DeepSpeed ZeRO-2 runs in
+global mode, and ZeRO-1 in local mode is preempted and resumed. Bad inputs are checked in-process and through one
+real launch.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from launcher import BIN, SHORT, STEPS, SYNC_INTERVAL, launch
 
 from distributed import free_port
 from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
-
-BIN = Path(sys.executable).parent
-STEPS = 40
-SYNC_INTERVAL = 5
-COMMON = ["--preset", "tiny", "--steps", str(STEPS), "--seq_len", "32", "--micro_batch_size", "4",
-          "--max_data_mb", "1", "--warmup_steps", "5", "--no_progress", "--eval_batches", "2"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
@@ -48,44 +39,6 @@ def deepspeed(nproc: int) -> list[str]:
             "--module", "hdet_scale.train"]
 
 
-def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = None,
-           metrics: Path | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
-    """Runs a launcher in its own session; with ``sigterm_after_step``, sends SIGTERM to the whole session (as
-    Slurm signals every process of a job step) once the metrics show that sync."""
-    with open(cwd / "log.txt", "w") as log:
-        proc = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV,
-                                start_new_session=True, text=True)
-        deadline = time.monotonic() + timeout
-        signalled = sigterm_after_step is None
-        while proc.poll() is None and time.monotonic() < deadline:
-            if not signalled and metrics is not None and metrics.is_file():
-                if any(json.loads(line)["step"] >= sigterm_after_step for line in metrics.read_text().splitlines()):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    signalled = True
-            time.sleep(0.2)
-        # A signalled launcher may die at once while its ranks still checkpoint: wait for the whole session.
-        while session_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if proc.poll() is None or session_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise AssertionError(f"{command[0]} timed out:\n{(cwd / 'log.txt').read_text()[-5000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, (cwd / "log.txt").read_text(), "")
-
-
-def session_alive(group: int) -> bool:
-    """Whether a live (not zombie) process of process group ``group`` is left: the launcher's, made by
-    start_new_session. Read from /proc, since exited ranks reparented to a container's init may stay zombies."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, _, process_group = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue  # the process ended while being read
-        if state != "Z" and int(process_group) == group:
-            return True
-    return False
-
-
 def metric_lines(out: Path, kind: str = "replica_losses") -> list[dict]:
     """The metrics lines of one kind: syncs (``replica_losses``) or evaluations (``heldout_loss``)."""
     lines = [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
@@ -101,20 +54,16 @@ def exported(out: Path) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------ FSDP2
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
-    """FSDP2, 2 replicas x 2 ranks, global gradients: uninterrupted; SIGTERM after the first sync with
-    --on_signal next_sync; then --resume."""
-    root = tmp_path_factory.mktemp("fsdp")
-    config = hdet_config(root, "global", 2)
-    args = [*COMMON, "--hdet_config", config, "--eval_interval", "10", "--checkpoint_interval", "20"]
-    full, split = root / "full", root / "split"
-    full.mkdir(), split.mkdir()
-    uninterrupted = launch([*torchrun(4), *args, "--out", str(full)], cwd=full)
-    preempted = launch([*torchrun(4), *args, "--out", str(split), "--on_signal", "next_sync"], cwd=split,
-                       sigterm_after_step=SYNC_INTERVAL, metrics=split / "hdet_metrics.jsonl")
+def fsdp_runs(main_job, tmp_path_factory):
+    """FSDP2, 2 replicas x 2 ranks, global gradients: uninterrupted (the README's main job); the same launch with
+    SIGTERM after the first sync with --on_signal next_sync; then --resume."""
+    split = tmp_path_factory.mktemp("fsdp") / "split"
+    split.mkdir()
+    command = [*main_job.command, "--out", str(split), "--on_signal", "next_sync"]
+    preempted = launch(command, cwd=split, sigterm_after_step=SYNC_INTERVAL, metrics=split / "hdet_metrics.jsonl")
     preempted_metrics = metric_lines(split)
-    resumed = launch([*torchrun(4), *args, "--out", str(split), "--on_signal", "next_sync", "--resume"], cwd=split)
-    return {"full": full, "split": split, "uninterrupted": uninterrupted, "preempted": preempted,
+    resumed = launch([*command, "--resume"], cwd=split)
+    return {"full": main_job.out, "split": split, "uninterrupted": main_job.result, "preempted": preempted,
             "preempted_metrics": preempted_metrics, "resumed": resumed}
 
 
@@ -185,9 +134,9 @@ def deepspeed_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     global_out, local_out = root / "global", root / "local"
     global_out.mkdir(), local_out.mkdir()
-    zero2 = launch([*deepspeed(4), *COMMON, "--zero_stage", "2", "--hdet_config", hdet_config(root, "global", 2),
+    zero2 = launch([*deepspeed(4), *SHORT, "--zero_stage", "2", "--hdet_config", hdet_config(root, "global", 2),
                     "--out", str(global_out)], cwd=global_out)
-    local_args = [*COMMON, "--zero_stage", "1", "--hdet_config", hdet_config(root, "local", 1), "--out", str(local_out)]
+    local_args = [*SHORT, "--zero_stage", "1", "--hdet_config", hdet_config(root, "local", 1), "--out", str(local_out)]
     preempted = launch([*deepspeed(2), *local_args], cwd=local_out, sigterm_after_step=SYNC_INTERVAL,
                        metrics=local_out / "hdet_metrics.jsonl")
     checkpoints_after_preemption = sorted(p.name for p in (local_out / "checkpoints").iterdir() if p.is_dir())
