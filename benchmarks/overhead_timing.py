@@ -139,8 +139,7 @@ def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device)
     # name -> (timed operation, bucket size in MiB or None for the flat all-reduce)
     operations: dict[str, tuple[Callable[[], float], float | None]] = {
         "flat all_reduce": (timed(lambda: dist.all_reduce(flat, group=group)), None),
-        "average_tensors bucket_mb=25": (timed(lambda: average_tensors(
-            tensors, group, contribute=True, num_contributors=topology.num_replicas, bucket_bytes=25 * MiB)), 25.0),
+        "average_tensors bucket_mb=25": (timed(lambda: average_tensors(tensors, group, bucket_bytes=25 * MiB)), 25.0),
         **{name: (timed_sync(hdet), hdet.config.bucket_mb) for name, hdet in ensembles.items()},
     }
     names = list(operations)

@@ -114,7 +114,8 @@ class HDETConfig:
     """Ranks that form one replica (they shard or replicate one model together): a number >= 1 that divides
     the world size, ``"node"`` (the launcher's ranks per node, LOCAL_WORLD_SIZE or LOCAL_SIZE), or ``"auto"``:
     1 for unsharded engines (DDP, DeepSpeed ZeRO-0: the paper's setting, every rank a replica) and a node
-    for sharded ones (FSDP2, ZeRO-1/2/3)."""
+    for sharded ones (FSDP2, ZeRO-1/2/3), but on a single node half of it (two replicas; for an odd number
+    of ranks the largest divisor that gives two or more), never one replica where the world allows two."""
 
     gradient_mode: str = "global"
     """``global``: gradients averaged over all ranks every step (paper eq. 2). ``local``: averaged only
@@ -217,7 +218,7 @@ class HDETConfig:
 
     def validate_world_size(self, world_size: int, *, auto: str = "rank") -> None:
         """Checks that ``world_size`` ranks split evenly into replicas (``auto`` as in ``resolved``)."""
-        per_replica = self.resolved(auto=auto).ranks_per_replica
+        per_replica = self.resolved(auto=auto, world_size=world_size).ranks_per_replica
         if world_size < 1 or world_size % per_replica != 0:
             source = "" if per_replica == self.ranks_per_replica else f" (from '{self.ranks_per_replica}')"
             raise HDETConfigError(
@@ -228,20 +229,35 @@ class HDETConfig:
     def num_replicas(self, world_size: int, *, auto: str = "rank") -> int:
         """How many replicas ``world_size`` ranks form under this config."""
         self.validate_world_size(world_size, auto=auto)
-        return world_size // self.resolved(auto=auto).ranks_per_replica
+        return world_size // self.resolved(auto=auto, world_size=world_size).ranks_per_replica
 
-    def resolved(self, *, auto: str = "rank") -> HDETConfig:
+    def resolved(self, *, auto: str = "rank", world_size: int | None = None) -> HDETConfig:
         """This config with ``ranks_per_replica`` as a number: ``"node"`` read from the launcher's
-        LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (deepspeed), ``"auto"`` as ``auto`` (``"rank"``: 1, or
-        ``"node"``). Engines call this once; the result is what they lay the replicas out by."""
+        LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (deepspeed); ``"auto"`` as ``auto`` says: ``"rank"``, 1;
+        ``"node"``, a node, except where that would leave one replica (every rank on one node): then the largest
+        replica that still gives two or more (half of the world size when it is even), so a first run on one
+        machine explores too. ``world_size`` defaults to the launcher's WORLD_SIZE. Engines call this once; the
+        result is what they lay the replicas out by."""
         value = self.ranks_per_replica
         if value == "auto":
             if auto not in ("rank", "node"):
                 raise ValueError(f"auto must be 'rank' or 'node', got {auto!r}")
-            value = 1 if auto == "rank" else "node"
+            value = 1 if auto == "rank" else _node_but_two_replicas(world_size)
         if value == "node":
             value = ranks_per_node()
         return self if value == self.ranks_per_replica else dataclasses.replace(self, ranks_per_replica=value)
+
+
+def _node_but_two_replicas(world_size: int | None) -> int:
+    """A node's ranks, or where the whole world is one node, the largest divisor of the world size that leaves
+    two replicas or more (the world size over its smallest prime factor; 1 for one rank)."""
+    per_node = ranks_per_node()
+    if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
+    if world_size is None or world_size // per_node >= 2 or world_size % per_node:
+        return per_node
+    smallest_factor = next((f for f in range(2, math.isqrt(world_size) + 1) if world_size % f == 0), world_size)
+    return world_size // smallest_factor
 
 
 REPLICA_SIZE_NAMES = ("auto", "node")

@@ -88,7 +88,16 @@ class PaperDecay:
     """What ``paper`` mode needs from the base schedule: where it ends and when."""
 
     total_steps: int
+    """The schedule's length in optimizer steps, >= 1."""
     floor: float
+    """The schedule's final value, > 0: eq. 8 decays geometrically to it, which no decay reaches at 0."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.total_steps, bool) or not isinstance(self.total_steps, int) or self.total_steps < 1:
+            raise ValueError(f"PaperDecay.total_steps must be an integer >= 1, got {self.total_steps!r}")
+        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 < self.floor < math.inf:
+            raise ValueError(f"PaperDecay.floor must be a finite number > 0 (the schedule's final value; a geometric "
+                             f"decay never reaches 0), got {self.floor!r}")
 
 
 class Controller:

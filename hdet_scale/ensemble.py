@@ -13,7 +13,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,18 +67,21 @@ class SyncReport:
 class HDETEnsemble:
     """Hyperparameter-Divergent Ensemble Training over any engine.
 
-    Build it after the engine has wrapped (and broadcast) the model: with ``warm_init.enabled`` it adds each
-    replica's eq. 10 noise to the weights at construction.
+    Build it after the engine has wrapped (and broadcast) the model: on a fresh start with
+    ``warm_init.enabled`` it adds each replica's eq. 10 noise to the weights at construction. A run that
+    continues from a checkpoint whose weights are loaded already passes the checkpoint's ``state``, so the
+    loaded weights are not noised again.
 
     Args:
         config: HDET settings (validated here).
         adapter: the engine adapter (see ``hdet_scale.engines``).
         topology: the replica layout; built from the default process group when omitted.
         paper_decay: per param group, the schedule's floor and length, for ``auto_lr.mode='paper'``.
+        state: the ``state_dict()`` of the run this one continues (no warm init), or None for a fresh start.
     """
 
     def __init__(self, config: HDETConfig, adapter: EngineAdapter, *, topology: ReplicaTopology | None = None,
-                 paper_decay: Sequence[PaperDecay] | None = None) -> None:
+                 paper_decay: Sequence[PaperDecay] | None = None, state: Mapping[str, Any] | None = None) -> None:
         config.validate()
         config = config.resolved()
         self.config = config
@@ -95,19 +98,34 @@ class HDETEnsemble:
             self._explore(knob)
         self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
         self._step = 0
-        self._last_sync_step = 0  # the start counts: replicas are identical there
+        self._last_sync_step: int | None = 0  # the start counts: replicas are identical there (unless noised)
         self._interval = IntervalLoss()
         self._warned_no_loss = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._probe: Callable[[], LossLike] | None = None
-        if config.warm_init.enabled:
+        if config.warm_init.enabled and state is None:
             add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
+            self._last_sync_step = None  # the replicas differ until the first sync
         step_scoped = [explored for explored in self._explored if explored.knob.step_scoped]
         self._step_scoped = StepScopedValues(
             adapter.optimizer, [(explored.knob.group_index, explored.knob.key) for explored in step_scoped],
             lambda index, scheduled: step_scoped[index].value(self.topology.replica_index, scheduled))
         self._apply_knobs()
+        if state is not None:
+            self.load_state_dict(state)
         adapter.optimizer._hdet_attached = True
+        if self.topology.rank == 0 and self.single_replica_warning:
+            warnings.warn(self.single_replica_warning, stacklevel=2)
+
+    @property
+    def single_replica_warning(self) -> str | None:
+        """What this run loses when it has one replica while HDET is set to explore; None otherwise."""
+        topo, cfg = self.topology, self.config
+        if topo.num_replicas > 1 or not (cfg.auto_lr.enabled or any(max(e.multipliers) > 1 for e in self._explored)):
+            return None
+        return (f"HDET has ONE replica ({topo.world_size} rank(s), ranks_per_replica={topo.ranks_per_replica}): no "
+                "spread, no averaging and no auto-LR, it trains as plain data parallel. Give it 2 replicas or more: "
+                "a ranks_per_replica that divides the world size into 2+ parts (e.g. half a node), or more nodes")
 
     def _explore(self, knob: Knob, paper_decay: PaperDecay | None = None) -> ExploredValue:
         if any(explored.name == knob.name for explored in self._explored):
@@ -149,8 +167,8 @@ class HDETEnsemble:
 
     @property
     def at_sync_point(self) -> bool:
-        """True right after a sync (or at the start), where every replica holds the same parameters: the
-        only place a checkpoint of one model is the whole truth."""
+        """True right after a sync (or at the start, unless warm init has made the replicas differ), where every
+        replica holds the same parameters: the only place a checkpoint of one model is the whole truth."""
         return self._last_sync_step == self._step
 
     def observe(self, loss: LossLike) -> None:
@@ -234,8 +252,7 @@ class HDETEnsemble:
         """Replaces ``tensors`` by their mean over the healthy replicas; a replica left out receives the mean
         and drops its optimizer state. Returns the bytes all-reduced (collective)."""
         topo = self.topology
-        contributors = topo.num_replicas - len(scores.excluded)
-        if not contributors:
+        if len(scores.excluded) == topo.num_replicas:
             raise FloatingPointError(
                 f"HDET sync at step {self._step}: every replica has non-finite loss or parameters "
                 f"(replica losses {scores.losses}); nothing was averaged. Lower the LR or alpha, or resume "
@@ -243,7 +260,7 @@ class HDETEnsemble:
             )
         healthy = scores.healthy[topo.replica_index]
         sent = average_tensors(tensors, topo.cross_replica_group, contribute=healthy,
-                               num_contributors=contributors, bucket_bytes=int(self.config.bucket_mb * 2**20))
+                               bucket_bytes=int(self.config.bucket_mb * 2**20))
         self.adapter.after_average()
         if not healthy:
             self.adapter.recover_excluded()
@@ -303,7 +320,7 @@ class HDETEnsemble:
             "explored": {explored.name: explored.state_dict() for explored in self._explored},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores ``state_dict()``; with a different replica count the permutations are drawn afresh."""
         saved = state["explored"]
         names = [explored.name for explored in self._explored]
@@ -316,7 +333,8 @@ class HDETEnsemble:
         self._apply_knobs()
         self._step = int(state["step"])
         # States saved before this field existed were taken at regular sync points.
-        self._last_sync_step = int(state.get("last_sync_step", self._step - self._step % self.config.sync_interval))
+        last_sync = state.get("last_sync_step", self._step - self._step % self.config.sync_interval)
+        self._last_sync_step = None if last_sync is None else int(last_sync)
         self._interval.restore(state["loss_sum"], state["loss_count"])
 
     def close(self) -> None:

@@ -9,6 +9,8 @@ the base schedule.
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +21,9 @@ Entry = tuple[int, str]
 
 GROUP_TAG = "hdet_group"
 """Written into every param group: its index. ZeRO-1/2 step the base optimizer one group at a time, with
-``param_groups`` briefly holding only that group, so a group is recognised by its tag, not its position."""
+``param_groups`` briefly holding only that group, so a group is recognised by its tag, not its position. The
+tags are written again after every ``load_state_dict``, which replaces the groups by the saved ones (a state
+saved without HDET has no tags)."""
 
 
 class StepScopedValues:
@@ -31,12 +35,13 @@ class StepScopedValues:
         self._by_group: dict[int, list[tuple[int, str]]] = {}
         for entry_index, (group_index, key) in enumerate(entries):
             self._by_group.setdefault(group_index, []).append((entry_index, key))
-        for index, group in enumerate(optimizer.param_groups):
-            group[GROUP_TAG] = index
+        _tag_groups(optimizer)
         self._resolve = resolve
         self._scheduled: list[tuple[dict[str, Any], str, Any]] = []
         self._handles = [optimizer.register_step_pre_hook(self._apply),
-                         optimizer.register_step_post_hook(self._restore)]
+                         optimizer.register_step_post_hook(self._restore),
+                         optimizer.register_load_state_dict_post_hook(_tag_groups)]
+        self._unwrap_step = _restore_on_error(optimizer, self._restore)
 
     def _apply(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._scheduled = []
@@ -51,7 +56,8 @@ class StepScopedValues:
                     self._scheduled.append((group, key, scheduled))
                     group[key] = self._resolve(entry_index, scheduled)
 
-    def _restore(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _restore(self, *_: Any) -> None:
+        """Puts the scheduled values back (a no-op when they are back already)."""
         for group, key, scheduled in self._scheduled:
             if isinstance(group[key], torch.Tensor):
                 group[key].copy_(scheduled)
@@ -64,3 +70,33 @@ class StepScopedValues:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._unwrap_step()
+
+
+def _tag_groups(optimizer: torch.optim.Optimizer) -> None:
+    for index, group in enumerate(optimizer.param_groups):
+        group[GROUP_TAG] = index
+
+
+def _restore_on_error(optimizer: torch.optim.Optimizer, restore: Callable[[], None]) -> Callable[[], None]:
+    """Makes ``optimizer.step`` put the scheduled values back when it raises (the post-hook then never runs:
+    e.g. a loop that catches an out-of-memory error and skips the batch), so a replica's value never stays in
+    ``param_groups`` to be scaled again by the next step or read by a scheduler. Returns the undo."""
+    step = optimizer.step
+
+    def restoring_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        except BaseException:
+            restore()
+            raise
+
+    # A bound method, like the step it replaces: torch's LR schedulers wrap ``optimizer.step.__func__``.
+    optimizer.step = types.MethodType(functools.wraps(step)(restoring_step), optimizer)
+    wrapped = optimizer.step
+
+    def undo() -> None:
+        if optimizer.__dict__.get("step") == wrapped:  # else something wrapped it since: leave it be
+            optimizer.step = step
+
+    return undo

@@ -139,7 +139,8 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
     config = load_config(_hdet_values(args, ds_config), world_size=None)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node")
+    config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
+                             world_size=world_size)
     config.validate_world_size(world_size)
     for name in ("checkpoint_interval", "eval_interval"):
         if getattr(args, name) % config.sync_interval:
@@ -255,6 +256,8 @@ class Run:
             f"({self.parameters / 1e6:.1f}M parameters) data={self.corpus.description} alpha={self.config.alpha} "
             f"T={self.config.sync_interval} gradient_mode={self.config.gradient_mode} steps={args.steps} "
             f"tokens/step={tokens_per_step}")
+        if self.backend.ensemble.single_replica_warning:
+            self.progress.line(f"WARNING: {self.backend.ensemble.single_replica_warning}")
         self.progress.start(self.step, tokens_per_step)
         stop_at_sync = False
         while self.step < args.steps:

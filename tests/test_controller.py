@@ -92,3 +92,15 @@ def test_scale_mode_moves_relative_to_the_base_and_clamps():
         state = controller.update(state, weights=[1.0, 0.0], replica_multipliers=[0.5, 1.5],
                                   scheduled_value=3.0, step=10, sync_interval=5)
     assert state.scale == 0.5
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"total_steps": 100_000, "floor": 0.0}, "floor must be a finite number > 0"),
+    ({"total_steps": 100, "floor": -1e-5}, "floor must be a finite number > 0"),
+    ({"total_steps": 100, "floor": math.inf}, "floor must be a finite number > 0"),
+    ({"total_steps": 0, "floor": 1e-5}, "total_steps must be an integer >= 1"),
+    ({"total_steps": 10.5, "floor": 1e-5}, "total_steps must be an integer >= 1"),
+])
+def test_paper_decay_is_checked_when_made_not_at_the_first_update(fields, message):
+    with pytest.raises(ValueError, match=message):
+        PaperDecay(**fields)

@@ -102,7 +102,7 @@ def fanout_and_converge(rank: int, world: int, mode: str, per_replica: int, metr
         independent_mean = torch.stack([pre[replica_of == r][0] for r in range(replicas)]).double().mean(0)
         assert torch.allclose(post.double(), independent_mean.expand(world, -1), rtol=1e-6, atol=1e-7)
         assert torch.equal(post, post[:1].expand(world, -1))  # identical after the sync, bit for bit
-        assert report.bytes_averaged == 4 * before.numel()
+        assert report.bytes_averaged == 4 * (before.numel() + 1)  # one bucket: its parameters and its count
         assert report.controller_updated and report.excluded_replicas == []
         replica_values = gather_rows(torch.tensor(hdet.current_lrs(), dtype=torch.float64)).reshape(-1)
         assert replica_values[::per_replica].tolist() == pytest.approx(

@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config import DeepSpeedConfig
 from torch import nn
 from torch.nn import functional
 from torch.utils.data import TensorDataset
 
-from distributed import run_ranks
+from distributed import gather_rows, run_ranks
 from hdet_scale import HDETConfig, load_config, multipliers
 from hdet_scale.engines.deepspeed import add_config_arguments, check_supported, initialize
 
@@ -119,12 +118,6 @@ class TinyRegression(nn.Module):
         return functional.mse_loss(prediction.float(), targets)
 
 
-def gather_rows(vector: torch.Tensor) -> torch.Tensor:
-    rows = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, vector.contiguous())
-    return torch.stack(rows)
-
-
 def train_launched(ds_name: str, ds_path: str, hdet_path: str) -> list[float]:
     """One launch as the README's command makes it, checked at every optimizer step; returns the losses."""
     args = add_config_arguments(argparse.ArgumentParser()).parse_args(
@@ -151,7 +144,11 @@ def train_launched(ds_name: str, ds_path: str, hdet_path: str) -> list[float]:
     assert full_numel / per_replica <= shard_numel < 1.2 * full_numel / per_replica  # sharded inside the replica
 
     def masters() -> torch.Tensor:
-        return torch.cat([master.detach().float().reshape(-1) for master in hdet.adapter.master_tensors()])
+        """What a sync averages: the masters' values (ZeRO-3: without its uninitialized padding) and the
+        buffers, zero-filled to the same length on every rank."""
+        values = torch.cat([tensor.detach().float().reshape(-1) for tensor in hdet.adapter.averaged_tensors()])
+        buffers = sum(buffer.numel() for buffer in engine.module.buffers() if buffer.is_floating_point())
+        return torch.cat([values, values.new_zeros(shard_numel + buffers - values.numel())])
 
     pre_sync_rows: list[torch.Tensor] = []
     ensemble_step = hdet.ensemble.step

@@ -74,3 +74,32 @@ def test_an_early_sync_is_a_sync_point_and_keeps_the_regular_ones():
     restored.step(1.0)
     restored.load_state_dict(state_without_field)  # states from before the field: taken at regular syncs
     assert restored.at_sync_point
+
+
+def test_a_step_that_raises_leaves_the_scheduled_lr_in_place():
+    """A loop that catches an error inside optimizer.step() (e.g. out of memory) and skips the batch must not
+    leave this replica's LR in the param groups, where the next step would scale it again."""
+    param = nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
+    hdet = HDETEnsemble(HDETConfig(alpha=0.5), DDPAdapter(optimizer), topology=replica_one_of_two)
+    rho = hdet.lr_multiplier()
+    assert rho != 1.0
+
+    def failing_closure():
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        optimizer.step(failing_closure)
+    assert optimizer.param_groups[0]["lr"] == 0.1  # the scheduled value, not 0.1 * rho
+    param.grad = torch.ones(1)
+    optimizer.step()
+    assert param.item() == pytest.approx(1.0 - 0.1 * rho)  # rho once, not rho squared
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)  # wraps the step HDET wrapped
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    hdet.close()
+    optimizer.step()
+    assert param.item() == pytest.approx(1.0 - 0.1 * rho - 0.1 * rho - 0.05)  # closed: the scheduled LR

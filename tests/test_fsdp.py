@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from distributed import gather_rows, run_ranks
 from hdet_scale import AutoLRConfig, HDETConfig, multipliers
@@ -90,7 +90,7 @@ def fanout(rank: int, world: int, mode: str) -> int:
         local_numel = sum(p.to_local().numel() for p in model.parameters())
         buffer_numel = sum(b.numel() for b in model.buffers() if b.is_floating_point())
         # This rank's shards, buffers and momentum shards (average_optimizer_state).
-        assert report.bytes_averaged == 4 * (2 * local_numel + buffer_numel)
+        assert report.bytes_averaged == 4 * (2 * local_numel + buffer_numel + 1)  # one bucket and its count
     return syncs
 
 
@@ -152,15 +152,18 @@ def test_bad_inputs_give_clear_errors():
     run_ranks(bad_inputs, WORLD)
 
 
-def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str, reshard_after_forward: bool) -> None:
+def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str, reshard_after_forward: bool,
+                           offload: bool) -> None:
     config = HDETConfig(alpha=0.5, sync_interval=2, ranks_per_replica=PER_REPLICA,
                         auto_lr=AutoLRConfig(warmup_steps=0))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 1))  # 5 rows split 3 + 2; 1 row: 1 + empty
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy(pin_memory=False) if offload else None  # pinning needs an accelerator
     model, hdet = wrap(model, config, mp_policy=policy, block_classes=[nn.Linear],
-                       reshard_after_forward=reshard_after_forward)
+                       reshard_after_forward=reshard_after_forward, offload_policy=offload_policy)
     shards = [p.to_local() for p in model.parameters()]
+    assert all(shard.device.type == "cpu" for shard in shards)
     assert all(shard.dtype == torch.float32 for shard in shards)  # the sharded master stays fp32
     assert (min(shard.numel() for shard in shards) == 0) == (rank % PER_REPLICA == 1)  # an empty shard
     kind = {"foreach": {"foreach": True}, "fused": {"fused": True}}[optimizer_kind]
@@ -186,6 +189,8 @@ def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str, reshard_a
             assert not torch.allclose(pre[0], pre[2])
 
 
-@pytest.mark.parametrize(("optimizer_kind", "reshard_after_forward"), [("foreach", True), ("fused", False)])
-def test_bf16_policy_averages_fp32_shards_even_uneven_and_empty(optimizer_kind, reshard_after_forward):
-    run_ranks(mixed_precision_uneven, WORLD, optimizer_kind, reshard_after_forward)
+@pytest.mark.parametrize(("optimizer_kind", "reshard_after_forward", "offload"),
+                         [("foreach", True, False), ("fused", False, False), ("foreach", True, True)])
+def test_bf16_policy_averages_fp32_shards_even_uneven_and_empty(optimizer_kind, reshard_after_forward, offload):
+    """Also with FSDP2's CPU offload: the shards HDET averages and noises then live on the CPU."""
+    run_ranks(mixed_precision_uneven, WORLD, optimizer_kind, reshard_after_forward, offload)

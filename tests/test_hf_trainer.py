@@ -262,3 +262,41 @@ def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
         assert {run["engine"] for run in runs} == {"deepspeed"}
         assert {run["engine_class"] for run in runs} == {"DeepSpeedEngine"}
         check_run(runs, str(tmp_path / f"zero{stage}"), 4, per_replica, mode)
+
+
+# ---------------------------------------------------------------------------------------- warm init, resumed
+def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
+    from transformers import TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    settings = {**hdet_settings(out_dir, "global", 1), "warm_init": {"enabled": True, "nu": 0.05}}
+    seen: dict = {}
+
+    def trainer_with(name: str):
+        trainer = fresh_trainer(out_dir, save_strategy="steps", save_steps=SYNC_INTERVAL, max_steps=2 * SYNC_INTERVAL)
+        hdet = add_hdet(trainer, settings)
+
+        class Watch(TrainerCallback):  # added after HDET's callback: sees the ensemble it made
+            def on_train_begin(self, args, state, control, **kwargs):
+                seen[name] = {"at_sync_point": hdet.at_sync_point, "weights": gathered(master_vector(hdet))}
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == SYNC_INTERVAL:
+                    seen["checkpointed"] = gathered(master_vector(hdet))
+
+        trainer.add_callback(Watch())
+        return trainer
+
+    trainer_with("fresh").train()
+    trainer_with("resumed").train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SYNC_INTERVAL}"))
+    return seen
+
+
+def test_warm_init_noises_a_fresh_start_only(tmp_path):
+    seen = run_ranks(warm_resume_worker, 2, str(tmp_path), timeout=600)[0]
+    fresh, resumed = seen["fresh"], seen["resumed"]
+    assert not torch.equal(fresh["weights"][0], fresh["weights"][1])  # each replica drew its own noise
+    assert not fresh["at_sync_point"]  # so step 0 is no place for a checkpoint of one model
+    assert torch.equal(resumed["weights"], seen["checkpointed"][:1].expand_as(resumed["weights"]))  # not re-noised
+    assert resumed["at_sync_point"]

@@ -13,10 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
-from hdet_scale.comm import broadcast_from_rank0
+from hdet_scale.comm import broadcast_from_rank0, healthy_mean_hook
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble
@@ -62,7 +63,8 @@ class DDPAdapter(EngineAdapter):
 
 def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
                **ddp_kwargs: Any) -> DistributedDataParallel:
-    """Wraps ``model`` in DDP over the process group that ``config.gradient_mode`` asks for.
+    """Wraps ``model`` in DDP over all ranks, averaging gradients as ``config.gradient_mode`` asks
+    (``install_gradient_mean``).
 
     All replicas start from global rank 0's weights (one broadcast over all ranks), so they agree whatever
     each rank's seed was. Attach HDET after wrapping: its warm-init noise must come after DDP's own
@@ -73,8 +75,19 @@ def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
     if "process_group" in ddp_kwargs:
         raise ValueError("wrap_model chooses the DDP process_group from config.gradient_mode; do not pass one")
     broadcast_from_rank0(model)
-    group = None if config.gradient_mode == "global" else topology.intra_replica_group
-    return DistributedDataParallel(model, process_group=group, **ddp_kwargs)
+    wrapped = DistributedDataParallel(model, **ddp_kwargs)
+    install_gradient_mean(wrapped, config, topology)
+    return wrapped
+
+
+def install_gradient_mean(model: DistributedDataParallel, config: HDETConfig, topology: ReplicaTopology) -> None:
+    """Sets how a DDP model built over all ranks averages gradients. ``global``: over all ranks, leaving out a
+    rank whose gradient bucket holds a non-finite value (its replica diverged), so one replica never ends the
+    run; ``local``: over the replica's own ranks only."""
+    if config.gradient_mode == "global":
+        model.register_comm_hook(None, healthy_mean_hook)
+    else:
+        model.register_comm_hook(topology.intra_replica_group, allreduce_hook)
 
 
 def attach(model: nn.Module | None, optimizer: torch.optim.Optimizer, config: HDETConfig, *,

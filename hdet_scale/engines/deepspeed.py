@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import glob
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -79,11 +80,14 @@ class HDETDeepSpeed:
         self._saving = False
         if topology.replica_index > 0:
             # DeepSpeed names checkpoint files by the rank inside the replica, so replicas would overwrite each
-            # other. The model is identical at syncs: only replica 0 writes it. Optimizer state may differ
-            # (local mode): every other replica writes its own files next to replica 0's.
-            engine.save_non_zero_checkpoint = False
-            shared_name = engine._get_rank_zero_ckpt_name
-            engine._get_rank_zero_ckpt_name = lambda *args, **kwargs: self._replica_file(shared_name(*args, **kwargs))
+            # other. Optimizer state may differ (local mode): every other replica writes its own files next to
+            # replica 0's. ZeRO-1/2/3 keep it in their ZeRO files, and only replica 0 writes the model (identical
+            # at syncs); ZeRO-0 keeps it in the model file itself, which every replica then writes.
+            if engine.zero_optimization():
+                engine.save_non_zero_checkpoint = False
+            own_file = "_get_rank_zero_ckpt_name" if engine.zero_optimization() else "_get_ckpt_name"
+            shared_name = getattr(engine, own_file)
+            setattr(engine, own_file, lambda *args, **kwargs: self._replica_file(shared_name(*args, **kwargs)))
         self.ensemble = HDETEnsemble(config, self.adapter, topology=topology, paper_decay=paper_decay)
         self._install(engine)
 
@@ -119,14 +123,14 @@ class HDETDeepSpeed:
         saved by fewer replicas the file is missing and replica 0's is used."""
         own = os.path.join(os.path.dirname(shared), REPLICA_FOLDER,
                            f"replica{self.topology.replica_index}_{os.path.basename(shared)}")
-        return own if self._saving or os.path.exists(own) else shared
+        return own if self._saving or glob.glob(own) else shared  # loading asks with a pattern (mp_rank_*)
 
     def _average_gradients_across_replicas(self) -> None:
         if self.topology.cross_replica_group is None:
             return
         self.gradient_bytes_across_replicas += average_tensors(
-            self.adapter.gradient_tensors(), self.topology.cross_replica_group, contribute=True,
-            num_contributors=self.topology.num_replicas, bucket_bytes=int(self.config.bucket_mb * 2**20))
+            self.adapter.gradient_tensors(), self.topology.cross_replica_group, skip_non_finite=True,
+            bucket_bytes=int(self.config.bucket_mb * 2**20))
 
     # ------------------------------------------------------------------------------------ reporting
     @property
@@ -164,7 +168,8 @@ class HDETDeepSpeed:
         Replicas are identical right after a sync: replica 0 writes the model and its optimizer state where
         DeepSpeed expects them (with ``universal_checkpoint_info``, so ``ds_to_universal`` converts ZeRO-1/2
         checkpoints, and ``zero_to_fp32`` reads them); every other replica writes its own optimizer state
-        (which differs in local mode) to ``<tag>/hdet_replicas/``. Returns the tag.
+        (which differs in local mode) to ``<tag>/hdet_replicas/`` (ZeRO-0: its model file, which holds it).
+        Returns the tag.
         """
         step = self.ensemble.global_step
         if not self.ensemble.at_sync_point:

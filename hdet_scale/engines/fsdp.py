@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
-from hdet_scale.comm import broadcast_from_rank0
+from hdet_scale.comm import broadcast_from_rank0, healthy_mean_
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
@@ -42,7 +42,7 @@ def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh
     if not dist.is_initialized():
         raise RuntimeError("the FSDP2 adapter needs torch.distributed initialized (launch with torchrun)")
     world = dist.get_world_size()
-    config = config.resolved(auto="node")
+    config = config.resolved(auto="node", world_size=world)
     config.validate_world_size(world)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = (world // config.ranks_per_replica, config.ranks_per_replica)
@@ -54,7 +54,7 @@ def topology_from_mesh(mesh: DeviceMesh, config: HDETConfig) -> ReplicaTopology:
     if mesh.mesh_dim_names != ("replicate", "shard"):
         raise ValueError(f"the mesh must have dims ('replicate', 'shard'), got {mesh.mesh_dim_names}")
     replicas, per_replica = mesh.shape
-    config = config.resolved(auto="node")
+    config = config.resolved(auto="node", world_size=replicas * per_replica)
     if per_replica != config.ranks_per_replica:
         raise ValueError(f"the mesh has {per_replica} ranks per replica but the config says ranks_per_replica="
                          f"{config.ranks_per_replica}; build the mesh with build_mesh(config)")
@@ -138,9 +138,9 @@ class HDETFSDP:
         traffic); HDET's own sync traffic is in each ``SyncReport``."""
 
     def average_gradient_across_replicas(self, gradient: torch.Tensor) -> None:
-        """FSDP2's all-reduce hook in ``global`` mode: the reduce-scattered shard, averaged over replicas."""
-        dist.all_reduce(gradient, op=dist.ReduceOp.AVG, group=self.topology.cross_replica_group)
-        self.gradient_bytes_across_replicas += gradient.numel() * gradient.element_size()
+        """FSDP2's all-reduce hook in ``global`` mode: the reduce-scattered shard, averaged over the replicas
+        whose shard is all finite (a diverged replica contributes nothing and receives the others' mean)."""
+        self.gradient_bytes_across_replicas += healthy_mean_(gradient, self.topology.cross_replica_group)
 
     def attach(self, optimizer: torch.optim.Optimizer, *,
                paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:
@@ -182,14 +182,15 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
             not required: global rank 0's are broadcast to all before sharding.
         config: HDET settings; ``ranks_per_replica`` is the shard-group size (``"auto"``: a node).
         mp_policy, reshard_after_forward, offload_policy: FSDP2's own options, applied to every block and
-            the root.
+            the root. With ``CPUOffloadPolicy`` the shards HDET averages and noises live on the CPU; under NCCL
+            a sync averages them through buckets on the GPU.
         block_classes: module classes to shard one by one; default: the decoder layers of transformers
             models (``_no_split_modules``), else only the root.
         mesh: a ("replicate", "shard") mesh; default ``build_mesh(config, device_type)``.
         device_type: the mesh's device type when building it.
     """
     config.validate()
-    config = config.resolved(auto="node")
+    config = config.resolved(auto="node", world_size=dist.get_world_size() if dist.is_initialized() else None)
     if not any(param.requires_grad for param in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: nothing for HDET to train")
     mesh = mesh or build_mesh(config, device_type)

@@ -90,6 +90,7 @@ class ZeroAdapter(EngineAdapter):
         self._wrapper = engine.optimizer
         self._kind = _optimizer_kind(engine)
         check_internals(engine, self._kind)
+        self._value_ranges: list[list[tuple[int, int]]] | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -101,10 +102,11 @@ class ZeroAdapter(EngineAdapter):
 
     def averaged_tensors(self) -> list[torch.Tensor]:
         buffers = [buf for buf in self.module.buffers() if buf.is_floating_point()]
-        return self.master_tensors() + buffers
+        return self._real_elements(self.master_tensors()) + buffers
 
     def master_tensors(self) -> list[torch.Tensor]:
-        """This rank's fp32 master copy of its shard (the full parameters when nothing is partitioned)."""
+        """This rank's fp32 master copy of its shard (the full parameters when nothing is partitioned), as the
+        optimizer holds it: ZeRO-3's flat partitions include the padding of each parameter's last partition."""
         wrapper = self._wrapper
         if self._kind == "torch":
             return [param.data for param in optimizer_parameters(wrapper)]
@@ -169,12 +171,47 @@ class ZeroAdapter(EngineAdapter):
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         state = self.optimizer.state
+        # The optimizer's state is keyed by its parameters: a torch optimizer's are the module's own, whose
+        # ``.data`` (what master_tensors gives) is another tensor object.
+        keys = optimizer_parameters(self._wrapper) if self._kind == "torch" else self.master_tensors()
         tensors = []
-        for master in self.master_tensors():
+        for index, master in enumerate(keys):
             entry = state.get(master, {})
-            tensors += [entry[key] for key in sorted(entry)
-                        if isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point() and key != "step"]
+            moments = [entry[key] for key in sorted(entry)
+                       if isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point() and key != "step"]
+            tensors += self._real_elements(moments, sub_group=index)
         return tensors
+
+    def _real_elements(self, flats: list[torch.Tensor], sub_group: int | None = None) -> list[torch.Tensor]:
+        """ZeRO-3: views of the elements of ``flats`` that hold parameter values, leaving out the padding of each
+        parameter's last partition, which DeepSpeed allocates uninitialized (garbage, maybe NaN, that must be
+        neither averaged nor checked). ``flats`` are every sub-group's flat partition, or tensors laid out like
+        sub-group ``sub_group``'s. Other stages: ``flats`` as they are."""
+        if self._kind != "zero3":
+            return flats
+        if self._value_ranges is None:
+            self._value_ranges = self._zero3_value_ranges()
+        groups = range(len(flats)) if sub_group is None else [sub_group] * len(flats)
+        return [flat.narrow(0, start, count) for flat, group in zip(flats, groups, strict=True)
+                for start, count in self._value_ranges[group]]
+
+    def _zero3_value_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per ZeRO-3 sub-group: the (start, count) ranges of this rank's flat partition that hold parameter
+        values, adjacent ranges merged (one range where no parameter of the sub-group is padded here)."""
+        ranges = []
+        for params in self._wrapper.fp16_groups:
+            merged: list[tuple[int, int]] = []
+            offset = 0
+            for param in params:
+                size = param.partition_numel()
+                held = min(max(param.ds_numel - dist.get_rank(group=param.ds_process_group) * size, 0), size)
+                if held and merged and sum(merged[-1]) == offset:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + held)
+                elif held:
+                    merged.append((offset, held))
+                offset += size
+            ranges.append(merged)
+        return ranges
 
     @torch.no_grad()
     def after_average(self) -> None:
@@ -276,7 +313,7 @@ _INTERNALS: dict[str, tuple[str, ...]] = {
               "dp_process_group"),
 }
 _ENGINE_INTERNALS = ("basic_optimizer", "mpu", "_take_model_step", "save_non_zero_checkpoint",
-                     "_get_rank_zero_ckpt_name")
+                     "_get_rank_zero_ckpt_name", "_get_ckpt_name", "zero_optimization")
 
 
 def check_internals(engine: Any, kind: str) -> None:

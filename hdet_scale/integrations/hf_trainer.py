@@ -51,7 +51,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from hdet_scale.config import HDETConfig, HDETConfigError, load_config
 from hdet_scale.controller import PaperDecay
-from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.engines.ddp import DDPAdapter, install_gradient_mean
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.topology import ReplicaTopology
 
@@ -104,11 +104,13 @@ class HDETCallback(TrainerCallback):
             if self.deepspeed is None:
                 raise RuntimeError("the DeepSpeed engine was built without HDET: call trainer.train() on the "
                                    "Trainer add_hdet was given, after add_hdet")
+            if state.global_step:
+                raise RuntimeError("resuming a Trainer run with HDET under DeepSpeed is not supported; use "
+                                   "hdet_scale.engines.deepspeed (engine.hdet.save_checkpoint / load_checkpoint)")
             self.ensemble = self.deepspeed.ensemble
         elif self.ensemble is None:
-            self.ensemble = self._attach_ddp(kwargs["optimizer"])
-        if state.global_step:
-            self._resume(args, state)
+            self.ensemble = self._attach_ddp(kwargs["optimizer"],
+                                             self._saved_state(args, state) if state.global_step else None)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -151,22 +153,22 @@ class HDETCallback(TrainerCallback):
             self.last_report = report
 
     # ------------------------------------------------------------------------------------ internals
-    def _attach_ddp(self, optimizer: Any) -> HDETEnsemble:
+    def _attach_ddp(self, optimizer: Any, state: dict[str, Any] | None) -> HDETEnsemble:
         """Builds the ensemble over the torch optimizer inside accelerate's wrapper; DDP has broadcast rank 0's
-        weights already, so replicas start identical (and warm-init noise comes after)."""
+        weights already, so replicas start identical (and warm-init noise comes after, on a fresh start only:
+        a resumed run's ``state`` continues from the checkpoint's weights, which Trainer has loaded)."""
         base = getattr(optimizer, "optimizer", optimizer)
         topology = ReplicaTopology.build(self.config)
-        if self.config.gradient_mode == "local" and topology.world_size > 1:
+        if topology.world_size > 1:
             wrapped = self.trainer.model_wrapped
             if not isinstance(wrapped, nn.parallel.DistributedDataParallel):
-                raise RuntimeError(f"gradient_mode='local' needs the model wrapped in DDP, got "
+                raise RuntimeError(f"HDET needs the model wrapped in DDP on {topology.world_size} ranks, got "
                                    f"{type(wrapped).__name__}")
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            # DDP's own hook averages over all ranks; this one averages over the replica's ranks only.
-            wrapped.register_comm_hook(topology.intra_replica_group, allreduce_hook)
+            # Accelerate's DDP averages over all ranks: HDET's hook leaves a diverged replica out (global mode)
+            # or averages over the replica's ranks only (local mode).
+            install_gradient_mean(wrapped, self.config, topology)
         return HDETEnsemble(self.config, DDPAdapter(base, self.trainer.model), topology=topology,
-                            paper_decay=self.paper_decay)
+                            paper_decay=self.paper_decay, state=state)
 
     def _attach_deepspeed(self, engine: Any) -> None:
         self.deepspeed = engine.hdet
@@ -185,18 +187,15 @@ class HDETCallback(TrainerCallback):
             # The step's loss is the mean of what is observed: scaling by the micro-batch count makes it the sum.
             self.ensemble.observe(loss * self.trainer.current_gradient_accumulation_steps)
 
-    def _resume(self, args: TrainingArguments, state: TrainerState) -> None:
-        ensemble = self.attached()
-        if self.engine == "deepspeed":
-            raise RuntimeError("resuming a Trainer run with HDET under DeepSpeed is not supported; use "
-                               "hdet_scale.engines.deepspeed (engine.hdet.save_checkpoint / load_checkpoint)")
+    def _saved_state(self, args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
+        """HDET's state saved next to the Trainer checkpoint this run resumes from."""
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(
                 f"resuming at step {state.global_step} but '{path}' does not exist: HDET's controller state is saved "
                 f"next to every Trainer checkpoint; resume from a checkpoint of this output_dir ({args.output_dir})"
             )
-        ensemble.load_state_dict(torch.load(path, weights_only=True))
+        return torch.load(path, weights_only=True)
 
     @contextlib.contextmanager
     def _replica_groups(self) -> Iterator[None]:
