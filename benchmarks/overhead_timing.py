@@ -14,7 +14,7 @@ from common import MiB
 from overhead_engines import Engine, Settings, Trainer, hdet_config
 
 from hdet_scale import HDETEnsemble, SyncReport
-from hdet_scale.comm import average_tensors
+from hdet_scale.averaging import average_tensors
 
 
 # ------------------------------------------------------------------------------------------- helpers

@@ -1,22 +1,14 @@
-"""Communication: bucketed averaging of local tensors over the cross-replica group, and small gathers.
+"""Communication: replica-safe gradient means, small gathers and finiteness checks.
 
-Averaging packs many local tensors (any floating dtype, any size, empty shards included) into flat
-buckets of bounded size in fp32 (fp64 tensors keep fp64), all-reduces each bucket while the next one is
-being packed, and writes the mean back in place. Every bucket ends in one extra element, its contributor
-count: a member that does not contribute (its replica is non-finite) sends zeros and a count of 0, so the
-divisor is known on the device after the all-reduce, with no host synchronization and no second
-collective. Everyone, contributor or not, receives the contributors' mean.
-
-The same count rides with gradients (``healthy_mean_``, ``healthy_mean_hook``): a member whose gradient
-has a non-finite element contributes nothing to that step's mean, decided on the device, so one diverging
-replica never poisons the others in ``global`` gradient mode.
+In ``global`` gradient mode a contributor count rides with every cross-replica gradient all-reduce
+(``healthy_mean_``, ``healthy_mean_hook``): a member whose gradient has a non-finite element contributes
+nothing to that step's mean, decided on the device with no host synchronization and no extra collective, so
+one diverging replica never poisons the others. The sync's bucketed averaging is ``hdet_scale.averaging``.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -97,121 +89,6 @@ def healthy_mean_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket) 
 healthy_mean_hook.__annotations__.update(bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
 
 
-# ------------------------------------------------------------------------------ parameters, at syncs
-@dataclass
-class _Segment:
-    target: torch.Tensor  # flat view of the destination tensor
-    target_offset: int
-    bucket_offset: int
-    numel: int
-
-
-class _Bucket:
-    """``capacity`` payload elements and the contributor count after them."""
-
-    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.data = torch.empty(capacity + 1, dtype=dtype, device=device)
-        self.fill = 0
-        self.segments: list[_Segment] = []
-        self.work: dist.Work | None = None
-
-
-@torch.no_grad()  # adapters may hand over parameters (or views of them) that require grad
-def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, *, bucket_bytes: int,
-                    contribute: bool = True, skip_non_finite: bool = False) -> int:
-    """Replaces every tensor in place by its mean over the members of ``group`` that contribute; returns the
-    bytes all-reduced (payload and counts).
-
-    ``contribute=False`` (this rank's replica is left out) sends zeros. ``skip_non_finite``: a member whose
-    part of a bucket holds a non-finite element contributes nothing to that bucket either, decided on the
-    device. A bucket nobody contributes to becomes zeros. With ``group`` None (one replica) nothing happens.
-    Every member must pass tensors of the same shapes in the same order.
-    """
-    if group is None:
-        return 0
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for tensor in tensors:
-        if not tensor.is_contiguous():
-            raise ValueError(f"cannot average a non-contiguous tensor of shape {tuple(tensor.shape)} in place")
-        by_kind[(_bucket_device(tensor.device, group), reduction_dtype(tensor.dtype))].append(tensor)
-    sent = 0
-    for (device, dtype), members in by_kind.items():
-        sent += _average_kind(members, group, device=device, dtype=dtype, contribute=contribute,
-                              skip_non_finite=skip_non_finite, bucket_bytes=bucket_bytes)
-    return sent
-
-
-def _bucket_device(device: torch.device, group: dist.ProcessGroup) -> torch.device:
-    """Where a bucket of tensors on ``device`` is all-reduced: their device, but a CUDA device for CPU tensors
-    (e.g. offloaded shards) under NCCL, which all-reduces device memory only."""
-    if device.type == "cpu" and "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _average_kind(tensors: list[torch.Tensor], group: dist.ProcessGroup, *, device: torch.device,
-                  dtype: torch.dtype, contribute: bool, skip_non_finite: bool, bucket_bytes: int) -> int:
-    total = sum(t.numel() for t in tensors)
-    capacity = min(max(1, bucket_bytes // dtype.itemsize - 1), max(total, 1))
-    # Up to two buckets: one is packed while the other's all-reduce is in flight.
-    buckets = [_Bucket(capacity, dtype, device)]
-    current, in_flight, packed, sent = 0, None, 0, 0
-
-    def launch(bucket: _Bucket) -> None:
-        nonlocal sent
-        payload = bucket.data[: bucket.fill]
-        count = bucket.data[bucket.fill: bucket.fill + 1]
-        if not contribute:
-            payload.zero_()
-            count.zero_()
-        elif skip_non_finite:
-            healthy = all_finite_flag(payload)
-            payload.masked_fill_(~healthy, 0.0)
-            count.copy_(healthy)
-        else:
-            count.fill_(1.0)
-        message = bucket.data[: bucket.fill + 1]
-        bucket.work = dist.all_reduce(message, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        sent += message.numel() * dtype.itemsize
-
-    def finish(bucket: _Bucket) -> None:
-        bucket.work.wait()
-        divisor = bucket.data[bucket.fill].clamp(min=1)
-        for seg in bucket.segments:  # divide while unpacking: one pass, the cast to the tensor's dtype included
-            torch.div(bucket.data[seg.bucket_offset: seg.bucket_offset + seg.numel], divisor,
-                      out=seg.target[seg.target_offset: seg.target_offset + seg.numel])
-        bucket.fill, bucket.segments, bucket.work = 0, [], None
-
-    for tensor in tensors:
-        flat, offset = tensor.view(-1), 0
-        while offset < flat.numel():
-            bucket = buckets[current]
-            count = min(flat.numel() - offset, capacity - bucket.fill)
-            if contribute:
-                bucket.data[bucket.fill: bucket.fill + count].copy_(flat[offset: offset + count])
-            bucket.segments.append(_Segment(flat, offset, bucket.fill, count))
-            bucket.fill += count
-            offset += count
-            packed += count
-            if bucket.fill == capacity:
-                launch(bucket)
-                if in_flight is not None:
-                    finish(in_flight)
-                in_flight = bucket
-                if packed < total:
-                    if len(buckets) == 1:
-                        buckets.append(_Bucket(capacity, dtype, device))
-                    current = 1 - current
-    last = buckets[current]
-    if last.fill and last.work is None:  # a partly filled bucket (a full one is already in flight)
-        launch(last)
-    if in_flight is not None and in_flight is not last:
-        finish(in_flight)
-    if last.work is not None:
-        finish(last)
-    return sent
-
-
 @torch.no_grad()
 def broadcast_from_rank0(module: torch.nn.Module) -> None:
     """Overwrites every parameter and buffer of ``module`` with global rank 0's, so all replicas start alike."""
@@ -219,12 +96,29 @@ def broadcast_from_rank0(module: torch.nn.Module) -> None:
         dist.broadcast(tensor.data, src=0)
 
 
-def gather_rows(row: Sequence[float], *, world_size: int) -> torch.Tensor:
-    """All ranks' ``row`` values as a (world_size, len(row)) float64 CPU tensor (one small all-reduce)."""
+def start_gather_rows(row: Sequence[float], *, world_size: int) -> tuple[torch.Tensor, dist.Work | None]:
+    """Starts gathering every rank's ``row`` into a (world_size, len(row)) float64 table (one small all-reduce:
+    each rank fills its own row of zeros); the table holds it once the returned work (None: nothing to wait
+    for) has finished."""
     if world_size == 1 or not dist.is_initialized():
-        return torch.tensor([list(row)], dtype=torch.float64)
+        return torch.tensor([list(row)], dtype=torch.float64), None
     device = collective_device()
     table = torch.zeros(world_size, len(row), dtype=torch.float64, device=device)
     table[dist.get_rank()] = torch.tensor(list(row), dtype=torch.float64, device=device)
-    dist.all_reduce(table, op=dist.ReduceOp.SUM)
+    return table, dist.all_reduce(table, op=dist.ReduceOp.SUM, async_op=True)
+
+
+def gather_rows(row: Sequence[float], *, world_size: int) -> torch.Tensor:
+    """All ranks' ``row`` values as a (world_size, len(row)) float64 CPU tensor (one small all-reduce)."""
+    table, work = start_gather_rows(row, world_size=world_size)
+    if work is not None:
+        work.wait()
     return table.cpu()
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when every element of every tensor is finite (one host synchronization per device)."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        flags.setdefault(tensor.device, []).append(all_finite_flag(tensor))
+    return all(bool(torch.stack(values).all()) for values in flags.values())

@@ -20,14 +20,15 @@ from typing import Any
 import torch
 
 from hdet_scale.adapter import EngineAdapter
-from hdet_scale.comm import average_tensors
+from hdet_scale.averaging import average_tensors
+from hdet_scale.comm import all_finite, start_gather_rows
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import Controller, PaperDecay, softmax_weights
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter
-from hdet_scale.scores import IntervalLoss, LossLike, ReplicaScores, all_finite
+from hdet_scale.scores import IntervalLoss, LossLike, ReplicaScores
 from hdet_scale.topology import ReplicaTopology
 from hdet_scale.warm_init import add_warm_noise
 
@@ -213,8 +214,7 @@ class HDETEnsemble:
             hook(self._step)
         started = time.perf_counter()
         tensors = self._sync_tensors()
-        scores = self._collect_scores(tensors)
-        sent = self._average(tensors, scores)
+        scores, sent = self._average(tensors, self._score_row(tensors))
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
         weights = self._update_values(scores)
         self._reassign()
@@ -236,10 +236,13 @@ class HDETEnsemble:
             tensors += self.adapter.optimizer_state_tensors()
         return tensors
 
-    def _collect_scores(self, tensors: list[torch.Tensor]) -> ReplicaScores:
-        """Every replica's interval loss, probe loss and health (collective)."""
-        return ReplicaScores.gather(self.topology, interval=self._interval, tensors_finite=all_finite(tensors),
-                                    probe_loss=self._run_probe())
+    def _score_row(self, tensors: list[torch.Tensor]) -> list[float]:
+        """This rank's row of the sync's score table: its interval loss sum and step count, whether its loss
+        and tensors are all finite (else it is left out of the average), and its probe loss (NaN: no probe)."""
+        loss_sum = self._interval.total()
+        healthy = math.isfinite(loss_sum) and all_finite(tensors)
+        probe = self._run_probe()
+        return [loss_sum, float(self._interval.count), float(healthy), math.nan if probe is None else probe]
 
     def _run_probe(self) -> float | None:
         if self._probe is None:
@@ -248,26 +251,44 @@ class HDETEnsemble:
             loss = self._probe()
         return float(loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else loss)
 
-    def _average(self, tensors: list[torch.Tensor], scores: ReplicaScores) -> int:
-        """Replaces ``tensors`` by their mean over the healthy replicas; a replica left out receives the mean
-        and drops its optimizer state. Returns the bytes all-reduced (collective)."""
+    def _average(self, tensors: list[torch.Tensor], row: list[float]) -> tuple[ReplicaScores, int]:
+        """Gathers every rank's score ``row`` and replaces ``tensors`` by their mean over the healthy ranks
+        holding the same shard; a rank left out receives the mean and drops its optimizer state. Returns the
+        scores and the bytes averaged (collective).
+
+        When every rank is a replica the score table rides in the average's first bucket: one collective in
+        all. Otherwise (sharded replicas) it is gathered over all ranks alongside. Nothing is written when
+        no replica is healthy: the sync raises instead."""
         topo = self.topology
-        if len(scores.excluded) == topo.num_replicas:
-            raise FloatingPointError(
-                f"HDET sync at step {self._step}: every replica has non-finite loss or parameters "
-                f"(replica losses {scores.losses}); nothing was averaged. Lower the LR or alpha, or resume "
-                "from the last checkpoint"
-            )
-        healthy = scores.healthy[topo.replica_index]
-        sent = average_tensors(tensors, topo.cross_replica_group, contribute=healthy,
-                               bucket_bytes=int(self.config.bucket_mb * 2**20))
+        rides = topo.num_replicas > 1 and topo.ranks_per_replica == 1  # the cross-replica group is every rank
+        if rides:
+            table, gathering = torch.zeros(topo.world_size, len(row), dtype=torch.float64), None
+            table[topo.rank] = torch.tensor(row, dtype=torch.float64)
+        else:
+            table, gathering = start_gather_rows(row, world_size=topo.world_size)
+        found: list[ReplicaScores] = []
+
+        def check(_: torch.Tensor | None) -> None:
+            if gathering is not None:
+                gathering.wait()
+            scores = ReplicaScores.from_table(table.cpu(), topo, with_probe=self._probe is not None)
+            if not any(scores.healthy):
+                raise FloatingPointError(
+                    f"HDET sync at step {self._step}: every replica has non-finite loss or parameters (replica "
+                    f"losses {scores.losses}); nothing was averaged. Lower the LR or alpha, or resume from the "
+                    "last checkpoint")
+            found.append(scores)
+
+        healthy = bool(row[2])
+        sent = average_tensors(tensors, topo.cross_replica_group, contribute=healthy, rider=table if rides else None,
+                               check=check, bucket_bytes=int(self.config.bucket_mb * 2**20))
         self.adapter.after_average()
         if not healthy:
             self.adapter.recover_excluded()
-        if scores.excluded:
+        if found[0].excluded:
             logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",
-                           self._step, scores.excluded)
-        return sent
+                           self._step, found[0].excluded)
+        return found[0], sent
 
     def _update_values(self, scores: ReplicaScores) -> list[float] | None:
         """Moves every explored value's controller by eq. 4's weights; returns them, or None when the

@@ -1,8 +1,9 @@
 """What each replica scored over a sync interval, and which replicas are healthy enough to average.
 
 Between syncs every rank accumulates its step losses on the loss's device (``IntervalLoss``: no host
-synchronization). At a sync one small all-reduce gathers a row per rank (interval loss sum and count,
-finiteness of its tensors, probe loss), and ``ReplicaScores`` reduces the rows to one score per replica.
+synchronization). At a sync every rank contributes a row (interval loss sum and count, whether its loss and
+tensors are finite, probe loss) to a table gathered with the average itself, and ``ReplicaScores`` reduces
+the rows to one score per replica.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hdet_scale.comm import gather_rows
 from hdet_scale.topology import ReplicaTopology
 
 LossLike = float | torch.Tensor
@@ -84,15 +84,6 @@ class ReplicaScores:
     bytes_gathered: int
 
     @classmethod
-    def gather(cls, topology: ReplicaTopology, *, interval: IntervalLoss, tensors_finite: bool,
-               probe_loss: float | None) -> ReplicaScores:
-        """Collective over all ranks: one all-reduce of a row of four numbers per rank."""
-        row = [interval.total(), float(interval.count), float(tensors_finite),
-               math.nan if probe_loss is None else probe_loss]
-        return cls.from_table(gather_rows(row, world_size=topology.world_size), topology,
-                              with_probe=probe_loss is not None)
-
-    @classmethod
     def from_table(cls, table: torch.Tensor, topology: ReplicaTopology, *, with_probe: bool) -> ReplicaScores:
         """The scores from the gathered rows, one per global rank: (loss sum, loss count, tensors finite as
         0/1, probe loss)."""
@@ -118,18 +109,6 @@ class ReplicaScores:
             return list(self.probe_losses)
         return [None if train is None else probe_weight * probe + (1.0 - probe_weight) * train
                 for train, probe in zip(self.losses, self.probe_losses, strict=True)]
-
-
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when every element of every tensor is finite."""
-    # A tensor's min and max are finite exactly when all of it is; aminmax reads it once with no full-size
-    # temporary (isfinite makes several), and the extrema are checked on the device with one host sync per
-    # device. A norm would overflow on large but finite weights.
-    extrema: dict[torch.device, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        if tensor.numel():
-            extrema.setdefault(tensor.device, []).append(torch.stack(torch.aminmax(tensor)).float())
-    return all(bool(torch.isfinite(torch.cat(values)).all()) for values in extrema.values())
 
 
 def _replica_loss(rows: torch.Tensor) -> float | None:

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from hdet_scale import HDETConfig, ReplicaTopology
-from hdet_scale.comm import average_tensors, gather_rows, healthy_mean_, pack_healthy, unpack_healthy_mean
+from hdet_scale.averaging import average_tensors
+from hdet_scale.comm import gather_rows, healthy_mean_, pack_healthy, unpack_healthy_mean
 
 SHAPES_AND_DTYPES = [
     ((3, 5), torch.float32),
@@ -32,9 +33,9 @@ def rank_tensors(rank: int, position: int) -> list[torch.Tensor]:
 
 FP32_ELEMENTS = sum(torch.Size(shape).numel() for shape, dtype in SHAPES_AND_DTYPES if dtype != torch.float64)
 BUCKET_SIZES = [
-    64,  # many buckets, a tensor split across several
-    4 * FP32_ELEMENTS // 3,  # three buckets, the last one filling exactly at the end
-    4 * FP32_ELEMENTS,  # one bucket, exactly full
+    64,  # many buckets, a tensor split across several; the 1000-value tensor is all-reduced in place
+    4 * FP32_ELEMENTS // 3,  # a few buckets; the 1000-value tensor in place
+    4 * FP32_ELEMENTS,  # everything packed: one bucket, and a second for what the count displaced
     25 * 2**20,  # the default: one partly filled bucket
 ]
 
@@ -56,28 +57,37 @@ def averaging_with(rank: int, world: int, topology: ReplicaTopology, bucket_byte
         assert tensor.dtype == peer_tensors[0][index].dtype and tensor.shape == peer_tensors[0][index].shape
         assert torch.allclose(tensor.double(), expected, rtol=tolerance[tensor.dtype], atol=tolerance[tensor.dtype])
 
-    # A non-contributing replica sends zeros and receives the contributors' mean, bit for bit.
-    survivors = rank_tensors(rank, topology.position)
+    # A non-contributing replica sends zeros and receives the contributors' mean, bit for bit, whether the host
+    # knows it or only the device does, or the replica has a non-finite value anywhere.
     reference = [t.clone() for t in rank_tensors(peers[0], topology.position)]
-    if topology.replica_index == 1:
-        survivors[0].fill_(float("nan"))
-    average_tensors(survivors, topology.cross_replica_group, contribute=topology.replica_index == 0,
-                    bucket_bytes=bucket_bytes)
-    for got, want in zip(survivors, reference, strict=True):
-        assert torch.equal(got, want)
+    excluded = topology.replica_index == 1
+    for how in ("host", "device", "non-finite"):
+        survivors = rank_tensors(rank, topology.position)
+        if excluded:
+            survivors[0 if topology.position == 0 else -1][1, 1] = float("nan" if how == "host" else "inf")
+        contribute = {"host": not excluded, "device": torch.tensor(not excluded), "non-finite": True}[how]
+        average_tensors(survivors, topology.cross_replica_group, contribute=contribute,
+                        skip_non_finite=how == "non-finite", bucket_bytes=bucket_bytes)
+        for got, want in zip(survivors, reference, strict=True):
+            assert torch.equal(got, want), how
 
-    # The same, decided on the device: a replica whose part of a bucket is non-finite is left out of that
-    # bucket only (with one bucket per tensor here, of that tensor only).
-    poisoned = rank_tensors(rank, topology.position)
-    first = 0 if topology.position == 0 else len(poisoned) - 1  # the (3, 5) fp32 tensor
-    if topology.replica_index == 1:
-        poisoned[first][1, 1] = float("inf")
-    average_tensors(poisoned, topology.cross_replica_group, skip_non_finite=True, bucket_bytes=bucket_bytes)
-    if bucket_bytes == 64 and topology.position == 0:  # 15 values a bucket: the (3, 5) tensor is one bucket
-        assert torch.equal(poisoned[first], reference[first])
-        assert torch.allclose(poisoned[2].double(), torch.stack([p[2].double() for p in peer_tensors]).mean(0),
-                              rtol=1e-2, atol=1e-2)  # the next bucket: both replicas
-    assert all(torch.isfinite(tensor).all() for tensor in poisoned)
+    # The score table rides in the first bucket: each rank's row, summed exactly; a check that refuses leaves
+    # every tensor as it was.
+    def row(r: int) -> list[float]:
+        return [1.0 / 3 + r, float("nan") if r == 2 else 1e6 * r]
+
+    rider = torch.zeros(world, 2, dtype=torch.float64)
+    rider[rank] = torch.tensor(row(rank), dtype=torch.float64)
+    seen = []
+    untouched = rank_tensors(rank, topology.position)
+    with pytest.raises(FloatingPointError, match="refused"):
+        average_tensors(untouched, topology.cross_replica_group, rider=rider, bucket_bytes=bucket_bytes,
+                        check=lambda summed: seen.append(summed.clone()) or _refuse())
+    for got, want in zip(untouched, rank_tensors(rank, topology.position), strict=True):
+        assert torch.equal(got, want)
+    peers_rows = torch.tensor([row(r) for r in peers], dtype=torch.float64)
+    assert torch.allclose(seen[0][peers], peers_rows, rtol=1e-13, equal_nan=True)  # hi + lo: ~48 bits
+    assert seen[0][[r for r in range(world) if r not in peers]].eq(0).all()  # not in this group: zeros
 
     with pytest.raises(ValueError, match="non-contiguous"):
         average_tensors([torch.zeros(4, 4).t()], topology.cross_replica_group, bucket_bytes=bucket_bytes)
@@ -90,26 +100,21 @@ def averaging_with(rank: int, world: int, topology: ReplicaTopology, bucket_byte
     return sent
 
 
-def expected_bytes(bucket_bytes: int) -> int:
-    """fp32 buckets and an fp64 one (fp64 kept as fp64), each bucket ending in its contributor count."""
-    sent = 0
-    for numel, itemsize in ((FP32_ELEMENTS, 4), (4, 8)):
-        per_bucket = min(bucket_bytes // itemsize - 1, numel)  # payload elements beside the count
-        sent += (numel + -(-numel // per_bucket)) * itemsize
-    return sent
+def _refuse() -> None:
+    raise FloatingPointError("refused by the test")
 
 
 def test_bucketed_average_matches_an_independent_mean():
-    assert FP32_ELEMENTS % 3 == 0
     sent = run_ranks(averaging, 4)
-    assert sent == [[expected_bytes(size) for size in BUCKET_SIZES]] * 4
-    assert expected_bytes(25 * 2**20) == (FP32_ELEMENTS + 1) * 4 + (4 + 1) * 8
+    # fp32 values, fp64 values kept as fp64, and one contributor count (fp32: the first kind packed)
+    assert sent == [[FP32_ELEMENTS * 4 + 4 * 8 + 4] * len(BUCKET_SIZES)] * 4
 
 
 def test_one_replica_averages_nothing():
     tensor = torch.ones(3)
-    assert average_tensors([tensor], None, bucket_bytes=64) == 0
-    assert torch.equal(tensor, torch.ones(3))
+    checked = []
+    assert average_tensors([tensor], None, bucket_bytes=64, check=checked.append) == 0
+    assert torch.equal(tensor, torch.ones(3)) and checked == [None]
 
 
 def healthy_means(rank: int, world: int) -> None:

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from hdet_scale.comm import average_tensors, broadcast_from_rank0
+from hdet_scale.averaging import average_tensors
+from hdet_scale.comm import broadcast_from_rank0
 from hdet_scale.config import HDETConfig, HDETConfigError, add_hdet_args, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version

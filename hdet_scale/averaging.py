@@ -1,0 +1,244 @@
+"""Bucketed averaging of a rank's local tensors over its cross-replica group, in as few collectives as can be.
+
+A sync averages many tensors of any floating dtype and size (empty shards included). Small ones are packed
+into flat buckets of bounded size in fp32 (fp64 tensors keep fp64), each all-reduced while the next is packed,
+and the mean is written back in place while unpacking. Large fp32/fp64 tensors (ZeRO-1/2's flat partitions)
+are all-reduced in place, with no copy at all.
+
+Whether a rank contributes is a flag on the device (its replica may be non-finite): a rank that does not
+contributes zeros, and the number of contributors rides as one extra element of the first bucket, so the
+divisor is known on the device after the all-reduce: no host synchronization and no extra collective. A
+``rider`` (e.g. every rank's row of the sync's score table, zeros elsewhere) rides in the same first bucket:
+sums with one non-zero term per element are exact, so this gathers it. After the first bucket and before any
+tensor is written, ``check`` sees the summed rider and may stop the average (nobody healthy), leaving every
+tensor as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hdet_scale.comm import all_finite_flag, reduction_dtype
+
+Check = Callable[[torch.Tensor | None], None]
+
+
+@torch.no_grad()  # adapters may hand over parameters (or views of them) that require grad
+def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, *, bucket_bytes: int,
+                    contribute: bool | torch.Tensor = True, skip_non_finite: bool = False,
+                    rider: torch.Tensor | None = None, check: Check | None = None) -> int:
+    """Replaces every tensor in place by its mean over the members of ``group`` that contribute; returns the
+    bytes all-reduced (the tensors' and the contributor count, not the rider's).
+
+    ``contribute``: whether this member contributes (a bool, or a 0-dim bool tensor decided on the device);
+    one that does not sends zeros and receives the others' mean. ``skip_non_finite``: a member whose tensors
+    hold a non-finite element does not contribute either. If nobody contributes every tensor becomes zeros
+    (a ``check`` can refuse that first). ``rider``: a float64 tensor summed over ``group`` with the first
+    bucket, in place. ``check(rider)``: called after the first bucket, before any tensor is written; raising
+    there stops the average with every tensor unchanged. With ``group`` None (one replica) nothing is sent and
+    ``check`` sees the rider as it is. Every member must pass tensors of the same shapes in the same order.
+    """
+    if group is None:
+        if check is not None:
+            check(rider)
+        return 0
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            raise ValueError(f"cannot average a non-contiguous tensor of shape {tuple(tensor.shape)} in place")
+        reduction_dtype(tensor.dtype)  # floating point only
+    device = _bucket_device([t.device for t in tensors], group)
+    flag = torch.as_tensor(contribute, dtype=torch.bool).to(device)
+    if skip_non_finite:
+        flag = flag & _all_finite_on(tensors, device)
+    known = contribute if isinstance(contribute, bool) and not skip_non_finite else None
+    return _Averager(group, device, bucket_bytes, flag, known).run(tensors, rider, check)
+
+
+def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> torch.device:
+    """Where the buckets live: the tensors' accelerator if any, else the CPU; a CUDA device for CPU tensors
+    (e.g. offloaded shards) under NCCL, which all-reduces device memory only."""
+    accelerator = next((device for device in devices if device.type != "cpu"), None)
+    if accelerator is not None:
+        return accelerator
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_finite_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    flags = [all_finite_flag(tensor).to(device, non_blocking=True) for tensor in tensors]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+
+
+@dataclass
+class _Segment:
+    target: torch.Tensor  # flat view of the destination tensor
+    target_offset: int
+    bucket_offset: int
+    numel: int
+
+
+@dataclass
+class _Bucket:
+    data: torch.Tensor
+    fill: int = 0
+    segments: list[_Segment] = field(default_factory=list)
+    work: dist.Work | None = None
+    has_count: bool = False
+
+
+class _Averager:
+    """One ``average_tensors`` call: the first bucket (rider, payload, count), then everything else, with at
+    most two buckets alive (one in flight while the next is packed) and their memory reused."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, bucket_bytes: int, flag: torch.Tensor,
+                 known: bool | None) -> None:
+        self.group = group
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.flag = flag
+        self.known = known  # the flag, where the host knows it: then contributors need no masking pass
+        self.count: torch.Tensor | None = None  # contributors, from the first bucket (clamped to >= 1)
+        self.sent = 0
+        self.in_flight: list[_Bucket] = []
+        self.in_place_works: list[tuple[torch.Tensor, dist.Work]] = []
+        self.free: list[torch.Tensor] = []
+
+    def run(self, tensors: Sequence[torch.Tensor], rider: torch.Tensor | None, check: Check | None) -> int:
+        in_place = [t for t in tensors if t.device == self.device and t.dtype in (torch.float32, torch.float64)
+                    and t.numel() * t.element_size() >= self.bucket_bytes]
+        kinds: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            if not any(tensor is other for other in in_place):
+                kinds.setdefault(reduction_dtype(tensor.dtype), []).append(tensor)
+        if check is None:  # nothing to wait for: the large tensors go at once
+            self._send_in_place(in_place)
+        for bucket in self._buckets(kinds, rider):
+            self._launch(bucket)
+            self.in_flight.append(bucket)
+            if len(self.in_flight) == 2:
+                self._finish_oldest(rider, check, in_place)
+        while self.in_flight:
+            self._finish_oldest(rider, check, in_place)
+        for tensor, work in self.in_place_works:
+            work.wait()
+            tensor.div_(self.count)
+        return self.sent
+
+    def _finish_oldest(self, rider: torch.Tensor | None, check: Check | None, in_place: list[torch.Tensor]) -> None:
+        bucket = self.in_flight[0]
+        bucket.work.wait()
+        if bucket.has_count:  # the first bucket: read it before anything is written
+            self.count = bucket.data[bucket.fill - 1].clamp(min=1)
+            if rider is not None:
+                size = _encoded_size(rider, bucket.data.dtype)
+                rider.copy_(_decode(bucket.data[:size], bucket.data.dtype, rider))
+            if check is not None:
+                try:
+                    check(rider)
+                except BaseException:
+                    for other in self.in_flight[1:]:  # leave no collective behind
+                        other.work.wait()
+                    raise
+                self._send_in_place(in_place)
+        self.in_flight.pop(0)
+        for seg in bucket.segments:  # divide while unpacking: one pass, the cast to the tensor's dtype included
+            torch.div(bucket.data[seg.bucket_offset: seg.bucket_offset + seg.numel], self.count,
+                      out=seg.target[seg.target_offset: seg.target_offset + seg.numel])
+        self.free.append(bucket.data)
+
+    # ---------------------------------------------------------------------------------------- packing
+    def _buckets(self, kinds: dict[torch.dtype, list[torch.Tensor]], rider: torch.Tensor | None) -> Iterator[_Bucket]:
+        """Full buckets as they are packed: the first starts with the rider and ends with the count."""
+        first = True
+        for dtype, tensors in (kinds.items() if kinds else [(torch.float32, [])]):
+            capacity = max(1, self.bucket_bytes // dtype.itemsize)
+            bucket = self._new_bucket(capacity, dtype, _encoded_size(rider, dtype) if first else 0, first)
+            if first and rider is not None:
+                bucket.data[: bucket.fill].copy_(_encode(rider, dtype))
+            for tensor in tensors:
+                flat, offset = tensor.view(-1), 0
+                while offset < flat.numel():
+                    room = bucket.data.numel() - bucket.fill - (1 if first else 0)
+                    if room == 0:
+                        yield self._closed(bucket, first)
+                        first = False
+                        bucket = self._new_bucket(capacity, dtype, 0, False)
+                        continue
+                    count = min(flat.numel() - offset, room)
+                    bucket.data[bucket.fill: bucket.fill + count].copy_(flat[offset: offset + count])
+                    bucket.segments.append(_Segment(flat, offset, bucket.fill, count))
+                    bucket.fill += count
+                    offset += count
+            if first or bucket.segments:
+                yield self._closed(bucket, first)
+                first = False
+
+    def _new_bucket(self, capacity: int, dtype: torch.dtype, header: int, first: bool) -> _Bucket:
+        size = max(capacity, header + 2) if first else capacity  # the first also holds the count
+        reusable = next((data for data in self.free if data.dtype == dtype and data.numel() == size), None)
+        if reusable is not None:
+            self.free.remove(reusable)
+        data = reusable if reusable is not None else torch.empty(size, dtype=dtype, device=self.device)
+        return _Bucket(data, fill=header)
+
+    def _closed(self, bucket: _Bucket, first: bool) -> _Bucket:
+        if first:
+            bucket.data[bucket.fill].copy_(self.flag)
+            bucket.fill += 1
+            bucket.has_count = True
+        return bucket
+
+    # -------------------------------------------------------------------------------- communication
+    def _launch(self, bucket: _Bucket) -> None:
+        message = bucket.data[: bucket.fill]
+        if bucket.segments:  # the payload: contiguous from the first segment to the end of the last
+            first, last = bucket.segments[0], bucket.segments[-1]
+            self._zero_unless_contributing(message[first.bucket_offset: last.bucket_offset + last.numel])
+        bucket.work = dist.all_reduce(message, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        payload = sum(segment.numel for segment in bucket.segments) + (1 if bucket.has_count else 0)
+        self.sent += payload * message.element_size()
+
+    def _send_in_place(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._zero_unless_contributing(tensor)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self.in_place_works.append((tensor, work))
+            self.sent += tensor.numel() * tensor.element_size()
+
+    def _zero_unless_contributing(self, payload: torch.Tensor) -> None:
+        """A member that does not contribute sends zeros (no pass at all where the host knows it contributes)."""
+        if self.known is None:
+            payload.masked_fill_(~self.flag, 0.0)
+        elif not self.known:
+            payload.zero_()
+
+
+# ------------------------------------------------------------------------------------------- the rider
+def _encoded_size(rider: torch.Tensor | None, dtype: torch.dtype) -> int:
+    """Elements a float64 rider takes in a bucket of ``dtype``: itself in fp64, a (high, low) fp32 pair each
+    in fp32 (about 48 bits of the value)."""
+    if rider is None:
+        return 0
+    return rider.numel() * (1 if dtype == torch.float64 else 2)
+
+
+def _encode(rider: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    flat = rider.reshape(-1).to(torch.float64)
+    if dtype == torch.float64:
+        return flat
+    high = flat.to(torch.float32)
+    low = (flat - high.to(torch.float64)).to(torch.float32)
+    low = torch.where(torch.isfinite(high), low, torch.zeros_like(low))  # inf - inf would be NaN
+    return torch.cat([high, low])
+
+
+def _decode(encoded: torch.Tensor, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    if dtype == torch.float64:
+        return encoded.view(like.shape)
+    high, low = encoded.to(torch.float64).chunk(2)
+    return (high + low).view(like.shape)
