@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,25 +21,24 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
     return params
 
 
-def _whole(full: torch.Tensor) -> torch.Tensor:
-    return full
-
-
 @dataclass(frozen=True)
 class ParameterShard:
     """One trained parameter as this rank holds it: what warm noisy initialization (eq. 10) asks an engine.
 
-    The core computes the norm from the ``local`` parts, draws each parameter's noise as a full tensor and
-    adds ``take_local(noise)`` to ``local``, so the noise does not depend on how the parameter is sharded.
+    ``local`` is one contiguous range of the flattened parameter, starting at ``flat_offset``; the core draws
+    the noise of that range only, in fixed chunks of the flattened parameter, so the noise does not depend on
+    how the parameter is sharded and no rank ever draws the whole of a large parameter.
     """
 
     full_shape: torch.Size
     """The shape of the whole parameter (the same on every rank)."""
     local: torch.Tensor
-    """This rank's master values of the parameter (fp32 under mixed precision), edited in place: the whole
-    parameter where it is not sharded, else this rank's part of it, empty if it holds none. Never padding."""
-    take_local: Callable[[torch.Tensor], torch.Tensor] = _whole
-    """The part of a tensor of ``full_shape`` that ``local`` holds, shaped like ``local`` (no communication)."""
+    """This rank's master values of the parameter (fp32 under mixed precision), contiguous, edited in place:
+    the whole parameter where it is not sharded, else this rank's part of it, empty if it holds none. Never
+    padding."""
+    flat_offset: int = 0
+    """Where ``local`` starts in the flattened parameter: it holds elements ``[flat_offset, flat_offset +
+    local.numel())``."""
 
 
 class EngineAdapter(ABC):

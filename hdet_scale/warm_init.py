@@ -1,14 +1,17 @@
 """Warm noisy initialization (paper eq. 10): theta_r = theta_0 + eps_r, eps_r ~ N(0, nu^2 ||theta_0||^2 / d).
 
 The norm and the parameter count d are taken over the whole model, across the shards of a replica. Each
-replica draws its own noise and all ranks of a replica draw the same: parameter ``i``'s noise is drawn as a
-full tensor from a generator seeded by (config seed, replica, ``i``), and every rank adds the part it holds.
-The noise of a replica therefore depends on nothing but those, whatever the engine and however it shards.
+replica draws its own noise and all ranks of a replica draw the same: the flattened parameter ``i`` is cut
+into fixed chunks of ``NOISE_CHUNK`` elements, chunk ``k``'s noise comes from a generator seeded by (config
+seed, replica, ``i``, ``k``), and every rank draws only the chunks its part overlaps. The noise of a replica
+therefore depends on nothing but those, whatever the engine and however it shards, and a rank's time and
+memory follow its own shard, not the largest parameter.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,17 +20,34 @@ from hdet_scale.adapter import EngineAdapter, ParameterShard
 from hdet_scale.spread import stream_seed
 from hdet_scale.topology import ReplicaTopology, collective_device
 
+NOISE_CHUNK = 2**20
+"""Elements per independently seeded piece of a flattened parameter's noise (4 MiB of fp32)."""
+
 
 def noise_std(square_sum: float, count: int, nu: float) -> float:
     """Eq. 10's standard deviation nu * ||theta|| / sqrt(d) from ||theta||^2 and d."""
     return nu * math.sqrt(square_sum / count) if count else 0.0
 
 
-def replica_noise(shape: torch.Size, *, seed: int, replica_index: int, index: int) -> torch.Tensor:
-    """Standard normal fp32 noise of parameter ``index`` for replica ``replica_index`` (CPU, the full shape)."""
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(stream_seed(seed, f"warm_init/{replica_index}/{index}"))
-    return torch.randn(shape, generator=generator, dtype=torch.float32)
+def noise_pieces(numel: int, start: int, stop: int, *, seed: int, replica_index: int,
+                 index: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Standard normal fp32 noise (CPU) of elements ``[start, stop)`` of the flattened parameter ``index``
+    (``numel`` elements) for replica ``replica_index``, one chunk at a time: (position in the range, piece)."""
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"elements [{start}, {stop}) are not within a parameter of {numel}")
+    for chunk in range(start // NOISE_CHUNK, -(-stop // NOISE_CHUNK)):
+        first = chunk * NOISE_CHUNK
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(stream_seed(seed, f"warm_init/{replica_index}/{index}/{chunk}"))
+        noise = torch.randn(min(NOISE_CHUNK, numel - first), generator=generator, dtype=torch.float32)
+        yield max(first - start, 0), noise[max(start - first, 0): stop - first]
+
+
+def replica_noise(numel: int, start: int, stop: int, *, seed: int, replica_index: int, index: int) -> torch.Tensor:
+    """The noise of ``noise_pieces`` as one tensor."""
+    pieces = [piece for _, piece in noise_pieces(numel, start, stop, seed=seed, replica_index=replica_index,
+                                                  index=index)]
+    return torch.cat(pieces) if pieces else torch.empty(0)
 
 
 @torch.no_grad()
@@ -48,12 +68,11 @@ def add_warm_noise(adapter: EngineAdapter, topology: ReplicaTopology, *, nu: flo
         )
     std = noise_std(square_sum, count, nu)
     for index, shard in enumerate(shards):
-        noise = replica_noise(shard.full_shape, seed=seed, replica_index=topology.replica_index, index=index) * std
-        part = shard.take_local(noise)
-        if part.shape != shard.local.shape:
-            raise RuntimeError(f"{type(adapter).__name__}: take_local gave shape {tuple(part.shape)} for a local "
-                               f"part of shape {tuple(shard.local.shape)} (parameter {index})")
-        shard.local.add_(part.to(device=shard.local.device, dtype=shard.local.dtype))
+        local = shard.local.view(-1)
+        for at, piece in noise_pieces(math.prod(shard.full_shape), shard.flat_offset,
+                                      shard.flat_offset + local.numel(), seed=seed,
+                                      replica_index=topology.replica_index, index=index):
+            local[at: at + piece.numel()].add_(piece.to(device=local.device, dtype=local.dtype), alpha=std)
     adapter.after_average()
     return std
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from distributed import gather_rows, run_ranks
-from hdet_scale import AutoLRConfig, HDETConfig, ReplicaTopology, WarmInitConfig
+from hdet_scale import AutoLRConfig, HDETConfig, ReplicaTopology, WarmInitConfig, warm_init
 from hdet_scale.engines import ddp, fsdp
 
 WORLD = 4
@@ -46,6 +46,11 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def config(per_replica: int) -> HDETConfig:
     return HDETConfig(alpha=0.0, sync_interval=1000, ranks_per_replica=per_replica, gradient_mode="global", seed=SEED,
                       auto_lr=AutoLRConfig(enabled=False), warm_init=WarmInitConfig(enabled=True, nu=NU))
+
+
+def small_noise_chunks() -> None:
+    """Noise chunks of 7 elements in this rank process: shards and chunks then cut each other at many places."""
+    warm_init.NOISE_CHUNK = 7
 
 
 def check_warm_start(rows: torch.Tensor, start: torch.Tensor, per_replica: int) -> list[list[float]]:
@@ -77,6 +82,7 @@ def full_parameters(model: nn.Module) -> torch.Tensor:
 
 
 def ddp_and_fsdp(rank: int, world: int) -> dict[str, list[list[float]]]:
+    small_noise_chunks()
     results = {}
     # DDP, 2 replicas x 2 ranks, every rank a different model: the wrap broadcasts rank 0's before the noise.
     topology = ReplicaTopology.build(config(2))
@@ -128,6 +134,7 @@ DS_VARIANTS = [  # (ZeRO stage, precision, ranks per replica): each optimizer wr
 
 
 def deepspeed_runs(rank: int, world: int) -> dict[str, list[list[float]]]:
+    small_noise_chunks()
     from test_deepspeed import full_fp32, module_values
 
     from hdet_scale.engines import deepspeed as hdet_deepspeed
@@ -202,3 +209,21 @@ def test_every_engine_draws_the_same_noise(ddp_fsdp_weights, deepspeed_weights):
     """The same seed and starting weights give replica r the same fp32 weights under DDP, FSDP2 and ZeRO."""
     assert_same_replicas({**ddp_fsdp_weights, **{name: weights for name, weights in deepspeed_weights.items()
                                                  if FP32 in name}})
+
+
+def test_a_range_of_noise_is_the_same_however_it_is_cut(monkeypatch):
+    monkeypatch.setattr(warm_init, "NOISE_CHUNK", 1000)
+    numel = 2500  # two whole chunks and a half
+    whole = warm_init.replica_noise(numel, 0, numel, seed=SEED, replica_index=1, index=4)
+    assert whole.shape == (numel,) and whole.std().item() == pytest.approx(1.0, rel=0.1)
+    for cuts in ([0, 1250, 2500], [0, 999, 1000, 1001, 2500], [0, 0, 7, 2499, 2500]):  # shards of any layout
+        parts = [warm_init.replica_noise(numel, a, b, seed=SEED, replica_index=1, index=4)
+                 for a, b in zip(cuts, cuts[1:], strict=False)]
+        assert torch.equal(torch.cat(parts), whole)
+    first_chunk = torch.randn(1000, generator=torch.Generator().manual_seed(
+        warm_init.stream_seed(SEED, "warm_init/1/4/0")))  # independently: chunk 0's own generator
+    assert torch.equal(whole[:1000], first_chunk)
+    other_replica = warm_init.replica_noise(numel, 0, numel, seed=SEED, replica_index=0, index=4)
+    assert abs(torch.corrcoef(torch.stack([whole, other_replica]))[0, 1].item()) < 0.1
+    with pytest.raises(ValueError, match="not within a parameter of 2500"):
+        warm_init.replica_noise(numel, 2000, 2501, seed=SEED, replica_index=1, index=4)

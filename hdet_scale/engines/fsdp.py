@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.comm import broadcast_from_rank0, healthy_mean_
@@ -106,7 +105,7 @@ class FSDPAdapter(EngineAdapter):
             if not isinstance(param, DTensor):
                 raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} that FSDP2 does not "
                                  "shard: build the optimizer from the wrapped model's parameters only")
-            shards.append(ParameterShard(param.shape, param.to_local(), partial(_local_part, param)))
+            shards.append(ParameterShard(param.shape, param.to_local(), _flat_offset(param)))
         return shards
 
     def _reshard(self) -> None:
@@ -117,10 +116,15 @@ class FSDPAdapter(EngineAdapter):
                 module.reshard()
 
 
-def _local_part(param: DTensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full`` laid out like ``param`` (FSDP2's torch.chunk slicing, uneven or empty
-    shards included); ``src_data_rank=None`` slices the local copy, with no communication."""
-    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+def _flat_offset(param: DTensor) -> int:
+    """Where this rank's shard starts in the flattened parameter: FSDP2 shards dim 0 like ``torch.chunk``, so a
+    shard is the rows ``[p * ceil(n / S), ...)`` of the shard group's rank p (empty past the end)."""
+    if tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"warm_init expects FSDP2's dim-0 sharding, got placements {param.placements}")
+    rows = param.shape[0] if param.dim() else 1
+    chunk = -(-rows // param.device_mesh.size())
+    row_numel = param.numel() // rows if rows else 0
+    return min(param.device_mesh.get_local_rank() * chunk, rows) * row_numel
 
 
 class HDETFSDP:

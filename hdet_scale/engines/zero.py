@@ -245,11 +245,8 @@ def _fragment_shard(param: nn.Parameter) -> ParameterShard:
     range of the flattened parameter (what ``deepspeed.utils.safe_set_full_fp32_param`` writes)."""
     mapping = param._hp_mapping
     if mapping is None:  # none of this parameter is in this rank's partition
-        return ParameterShard(param.shape, torch.empty(0, device=param.device),
-                              lambda full: full.new_empty(0))
-    address = mapping.lp_fragment_address
-    return ParameterShard(param.shape, mapping.get_hp_fragment(),
-                          lambda full: full.reshape(-1).narrow(0, address.start, address.numel))
+        return ParameterShard(param.shape, torch.empty(0, device=param.device))
+    return ParameterShard(param.shape, mapping.get_hp_fragment(), mapping.lp_fragment_address.start)
 
 
 def _partition_shard(param: nn.Parameter, data_parallel_group: dist.ProcessGroup) -> ParameterShard:
@@ -264,8 +261,7 @@ def _partition_shard(param: nn.Parameter, data_parallel_group: dist.ProcessGroup
     partition = safe_get_local_fp32_param(param)
     start = dist.get_rank(group=getattr(param, "ds_process_group", data_parallel_group)) * partition.numel()
     held = min(max(param.ds_numel - start, 0), partition.numel())
-    return ParameterShard(param.ds_shape, partition.narrow(0, 0, held),
-                          lambda full: full.reshape(-1).narrow(0, min(start, full.numel()), held))
+    return ParameterShard(param.ds_shape, partition.narrow(0, 0, held), min(start, param.ds_numel))
 
 
 def _views_like(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
