@@ -91,20 +91,34 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for proc in procs:
         proc.start()
     outcome: dict[int, tuple[bool, Any]] = {}
+    died: list[str] = []
     try:
-        while len(outcome) < world_size:
-            rank, ok, value = results.get(timeout=timeout)
+        waited = 0.0
+        while len(outcome) < world_size and all(ok for ok, _ in outcome.values()) and not died and waited < timeout:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue_module.Empty:
+                waited += 1.0
+                # A rank that exited without a report (its function could not even be imported) is not waited for.
+                # A report is flushed before its rank exits: read what came meanwhile before judging.
+                exited = {rank for rank, proc in enumerate(procs) if rank not in outcome and proc.exitcode is not None}
+                while exited:
+                    try:
+                        rank, ok, value = results.get(timeout=1.0)
+                    except queue_module.Empty:
+                        break
+                    outcome[rank] = (ok, value)
+                died = [f"rank {rank} exited with code {procs[rank].exitcode} before reporting (see its stderr)"
+                        for rank in sorted(exited - set(outcome))]
+                continue
+            waited = 0.0
             outcome[rank] = (ok, value)
-            if not ok:
-                break
-    except queue_module.Empty:
-        pass
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(outcome) == world_size else 0.5)
             if proc.is_alive():
                 proc.kill()
-    failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcome.items()) if not ok]
+    failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcome.items()) if not ok] + died
     if failures:
         raise AssertionError("distributed run failed\n" + "\n".join(failures))
     if len(outcome) < world_size:
