@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from launcher import EVAL_INTERVAL, ROOT, STEPS, SYNC_INTERVAL, readme_commands
 
 
@@ -15,6 +16,7 @@ def test_ci_runs_the_readmes_test_command():
     assert "pip install torch==2.13.0" in main_job and "pip install torch==2.13.0" in tests
 
 
+@pytest.mark.e2e
 def test_main_job_runs_and_reports(main_job):
     """The README's launch, shortened (conftest's ``main_job``, which test_train.py checks in depth too)."""
     launch = main_job.readme_launch

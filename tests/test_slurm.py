@@ -26,6 +26,7 @@ STEPS, SYNC_INTERVAL = 20, 5
 TRAIN_ARGS = ["--preset", "tiny", "--steps", str(STEPS), "--checkpoint_interval", "10", "--no_progress",
               "--on_signal", "next_sync"]  # next_sync: a preempted run resumes bit-identically
 FINAL_LINE = re.compile(r"^final train loss \d+\.\d+  held-out loss \d+\.\d+", re.MULTILINE)
+pytestmark = pytest.mark.e2e  # every test here runs sbatch jobs on the emulated cluster
 
 
 def require_slurm() -> None:

@@ -80,6 +80,7 @@ def assert_two_replica_run(result: subprocess.CompletedProcess, out: Path, engin
     return lines
 
 
+@pytest.mark.e2e
 def test_fsdp_run_end_to_end(fsdp_runs):
     result, out = fsdp_runs["uninterrupted"], fsdp_runs["full"]
     lines = assert_two_replica_run(result, out, "fsdp")
@@ -94,6 +95,7 @@ def test_fsdp_run_end_to_end(fsdp_runs):
     assert f"model: {out / 'final'}" in result.stdout
 
 
+@pytest.mark.e2e
 def test_fsdp_export_is_the_checkpointed_model(fsdp_runs):
     """The transformers export equals the model in the final DCP checkpoint (converted offline)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -107,6 +109,7 @@ def test_fsdp_export_is_the_checkpointed_model(fsdp_runs):
         assert torch.equal(tensor, saved[name].float()), name
 
 
+@pytest.mark.e2e
 def test_sigterm_then_resume_matches_an_uninterrupted_run(fsdp_runs):
     preempted, resumed = fsdp_runs["preempted"], fsdp_runs["resumed"]
     assert "preempted at step" in preempted.stdout, preempted.stdout[-5000:]
@@ -145,6 +148,7 @@ def deepspeed_runs(tmp_path_factory):
             "checkpoints_after_preemption": checkpoints_after_preemption, "resumed": resumed}
 
 
+@pytest.mark.e2e
 def test_deepspeed_global_run_end_to_end(deepspeed_runs):
     result, out = deepspeed_runs["zero2"], deepspeed_runs["global"]
     assert_two_replica_run(result, out, "deepspeed")
@@ -152,6 +156,7 @@ def test_deepspeed_global_run_end_to_end(deepspeed_runs):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [f"step{STEPS}"]  # older gone
 
 
+@pytest.mark.e2e
 def test_deepspeed_export_is_the_checkpointed_model(deepspeed_runs):
     """The transformers export equals DeepSpeed's own fp32 consolidation of the final checkpoint."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -163,6 +168,7 @@ def test_deepspeed_export_is_the_checkpointed_model(deepspeed_runs):
         assert torch.equal(model[name], tensor.float()), name
 
 
+@pytest.mark.e2e
 def test_deepspeed_sigterm_syncs_now_and_resumes(deepspeed_runs):
     preempted, resumed = deepspeed_runs["preempted"], deepspeed_runs["resumed"]
     # The launcher itself dies of the SIGTERM sent to the whole session; the ranks stop cleanly.
@@ -233,6 +239,7 @@ def test_token_file_trains_the_vocabulary_it_names(tmp_path):
     assert int(checked.corpus.train[299]) == 299  # read as uint32, in order
 
 
+@pytest.mark.e2e
 def test_a_bad_input_stops_a_real_launch_at_once(tmp_path):
     """Under torchrun, every rank reports the error and exits before any process group exists."""
     result = launch([*torchrun(2), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path)], cwd=tmp_path,
