@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from distributed import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -66,6 +68,18 @@ def run_main_job(root: Path) -> MainJob:
     out = root / "out"
     out.mkdir()
     return MainJob(words, command, out, launch([*command, "--out", str(out)], cwd=out))
+
+
+def torchrun(nproc: int) -> list[str]:
+    """A torchrun launch of ``hdet_scale.train`` with ``nproc`` ranks on a free port (append its arguments)."""
+    return [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "-m", "hdet_scale.train"]
+
+
+def deepspeed(nproc: int) -> list[str]:
+    """A deepspeed-launcher launch of ``hdet_scale.train`` with ``nproc`` ranks on a free port."""
+    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+            "--module", "hdet_scale.train"]
 
 
 def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = None,

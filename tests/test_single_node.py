@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from launcher import SHORT, launch
+from launcher import SHORT, launch, torchrun
 from torch import nn
 
 from distributed import run_ranks
@@ -83,8 +83,6 @@ def test_deepspeed_with_one_replica_warns_once_on_rank_zero():
 
 @pytest.mark.e2e
 def test_train_header_warns_of_one_replica(tmp_path):
-    from test_train import torchrun
-
     hdet = tmp_path / "hdet.json"
     hdet.write_text(json.dumps({"ranks_per_replica": 2, "sync_interval": 5}))
     result = launch([*torchrun(2), *SHORT[:2], "--steps", "5", *SHORT[4:], "--hdet_config", str(hdet),

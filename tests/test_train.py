@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from launcher import BIN, SHORT, STEPS, SYNC_INTERVAL, launch
+from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
 
-from distributed import free_port
 from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
 
 
@@ -27,16 +26,6 @@ def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
     path.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": mode,
                                 "ranks_per_replica": ranks_per_replica, "auto_lr": {"warmup_steps": 10}}))
     return str(path)
-
-
-def torchrun(nproc: int) -> list[str]:
-    return [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "-m", "hdet_scale.train"]
-
-
-def deepspeed(nproc: int) -> list[str]:
-    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-            "--module", "hdet_scale.train"]
 
 
 def metric_lines(out: Path, kind: str = "replica_losses") -> list[dict]:
