@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hdet_scale.comm import all_finite_flag, reduction_dtype
+from hdet_scale.comm import all_finite_flag, reduction_dtype, zero_unless
 
 Check = Callable[[torch.Tensor | None], None]
 
@@ -30,7 +30,8 @@ Check = Callable[[torch.Tensor | None], None]
 @torch.no_grad()  # adapters may hand over parameters (or views of them) that require grad
 def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, *, bucket_bytes: int,
                     contribute: bool | torch.Tensor = True, skip_non_finite: bool = False,
-                    rider: torch.Tensor | None = None, check: Check | None = None) -> int:
+                    rider: torch.Tensor | None = None, check: Check | None = None,
+                    memory: list[torch.Tensor] | None = None) -> int:
     """Replaces every tensor in place by its mean over the members of ``group`` that contribute; returns the
     bytes all-reduced (the tensors' and the contributor count, not the rider's).
 
@@ -40,7 +41,9 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     (a ``check`` can refuse that first). ``rider``: a float64 tensor summed over ``group`` with the first
     bucket, in place. ``check(rider)``: called after the first bucket, before any tensor is written; raising
     there stops the average with every tensor unchanged. With ``group`` None (one replica) nothing is sent and
-    ``check`` sees the rider as it is. Every member must pass tensors of the same shapes in the same order.
+    ``check`` sees the rider as it is. ``memory``: a list the caller keeps between calls, holding the buckets
+    for the next call (a fresh multi-MB bucket per call costs page faults on the CPU). Every member must pass
+    tensors of the same shapes in the same order.
     """
     if group is None:
         if check is not None:
@@ -55,7 +58,7 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     if skip_non_finite:
         flag = flag & _all_finite_on(tensors, device)
     known = contribute if isinstance(contribute, bool) and not skip_non_finite else None
-    return _Averager(group, device, bucket_bytes, flag, known).run(tensors, rider, check)
+    return _Averager(group, device, bucket_bytes, flag, known, memory).run(tensors, rider, check)
 
 
 def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> torch.device:
@@ -96,7 +99,7 @@ class _Averager:
     most two buckets alive (one in flight while the next is packed) and their memory reused."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, bucket_bytes: int, flag: torch.Tensor,
-                 known: bool | None) -> None:
+                 known: bool | None, memory: list[torch.Tensor] | None) -> None:
         self.group = group
         self.device = device
         self.bucket_bytes = bucket_bytes
@@ -106,7 +109,7 @@ class _Averager:
         self.sent = 0
         self.in_flight: list[_Bucket] = []
         self.in_place_works: list[tuple[torch.Tensor, dist.Work]] = []
-        self.free: list[torch.Tensor] = []
+        self.free = memory if memory is not None else []  # buckets to reuse; left holding the last two
 
     def run(self, tensors: Sequence[torch.Tensor], rider: torch.Tensor | None, check: Check | None) -> int:
         in_place = [t for t in tensors if t.device == self.device and t.dtype in (torch.float32, torch.float64)
@@ -156,7 +159,8 @@ class _Averager:
         """Full buckets as they are packed: the first starts with the rider and ends with the count."""
         first = True
         for dtype, tensors in (kinds.items() if kinds else [(torch.float32, [])]):
-            capacity = max(1, self.bucket_bytes // dtype.itemsize)
+            needed = sum(t.numel() for t in tensors) + (_encoded_size(rider, dtype) + 1 if first else 0)
+            capacity = max(1, min(self.bucket_bytes // dtype.itemsize, needed))
             bucket = self._new_bucket(capacity, dtype, _encoded_size(rider, dtype) if first else 0, first)
             if first and rider is not None:
                 bucket.data[: bucket.fill].copy_(_encode(rider, dtype))
@@ -213,7 +217,7 @@ class _Averager:
     def _zero_unless_contributing(self, payload: torch.Tensor) -> None:
         """A member that does not contribute sends zeros (no pass at all where the host knows it contributes)."""
         if self.known is None:
-            payload.masked_fill_(~self.flag, 0.0)
+            zero_unless(payload, self.flag)
         elif not self.known:
             payload.zero_()
 

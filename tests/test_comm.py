@@ -11,7 +11,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from hdet_scale import HDETConfig, ReplicaTopology
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import gather_rows, healthy_mean_, pack_healthy, unpack_healthy_mean
+from hdet_scale.comm import HealthyMean, gather_rows, pack_healthy, unpack_healthy_mean
 
 SHAPES_AND_DTYPES = [
     ((3, 5), torch.float32),
@@ -123,14 +123,13 @@ def healthy_means(rank: int, world: int) -> None:
         tensor = values.to(dtype)
         if rank == 1:
             tensor[2] = float("nan")
-        sent = healthy_mean_(tensor, dist.group.WORLD)
+        sent = HealthyMean(dist.group.WORLD)(tensor)
         healthy = [r for r in range(world) if r != 1]
         expected = torch.stack([torch.arange(6, dtype=torch.float64) + 10 * r for r in healthy]).mean(0)
         assert torch.allclose(tensor.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
         assert sent == 7 * tensor.element_size()  # the values and the count, in their own dtype
     everyone = torch.full((3,), float("inf"))
-    healthy_mean_(everyone, dist.group.WORLD)
-    assert healthy_mean_(torch.ones(2), None) == 0  # one replica: no group, nothing to do
+    HealthyMean(dist.group.WORLD)(everyone)
     assert torch.equal(everyone, torch.zeros(3))  # nobody contributed: zeros, not a division by zero
 
 

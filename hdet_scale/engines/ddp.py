@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
-from hdet_scale.comm import broadcast_from_rank0, healthy_mean_hook
+from hdet_scale.comm import HealthyMean, broadcast_from_rank0, healthy_mean_hook
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble
@@ -85,7 +85,7 @@ def install_gradient_mean(model: DistributedDataParallel, config: HDETConfig, to
     rank whose gradient bucket holds a non-finite value (its replica diverged), so one replica never ends the
     run; ``local``: over the replica's own ranks only."""
     if config.gradient_mode == "global":
-        model.register_comm_hook(None, healthy_mean_hook)
+        model.register_comm_hook(HealthyMean(None), healthy_mean_hook)
     else:
         model.register_comm_hook(topology.intra_replica_group, allreduce_hook)
 

@@ -76,6 +76,7 @@ class HDETDeepSpeed:
         self.adapter = ZeroAdapter(engine)
         self.gradient_bytes_across_replicas = 0
         """Payload bytes of gradients this rank all-reduced across replicas (``global`` mode, every step)."""
+        self._gradient_buckets: list[torch.Tensor] = []  # the gradient average's buckets, reused every step
         self.last_report: SyncReport | None = None
         """The report of the most recent sync (also written to ``metrics_path``)."""
         self._saving = False
@@ -131,7 +132,7 @@ class HDETDeepSpeed:
             return
         self.gradient_bytes_across_replicas += average_tensors(
             self.adapter.gradient_tensors(), self.topology.cross_replica_group, skip_non_finite=True,
-            bucket_bytes=int(self.config.bucket_mb * 2**20))
+            bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._gradient_buckets)
 
     # ------------------------------------------------------------------------------------ reporting
     @property

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor, Shard
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
-from hdet_scale.comm import broadcast_from_rank0, healthy_mean_
+from hdet_scale.comm import HealthyMean, broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
@@ -140,11 +140,12 @@ class HDETFSDP:
         self.gradient_bytes_across_replicas = 0
         """Payload bytes of gradients this rank all-reduced across replicas (``global`` mode's every-step
         traffic); HDET's own sync traffic is in each ``SyncReport``."""
+        self._gradient_mean = HealthyMean(topology.cross_replica_group) if topology.num_replicas > 1 else None
 
     def average_gradient_across_replicas(self, gradient: torch.Tensor) -> None:
         """FSDP2's all-reduce hook in ``global`` mode: the reduce-scattered shard, averaged over the replicas
         whose shard is all finite (a diverged replica contributes nothing and receives the others' mean)."""
-        self.gradient_bytes_across_replicas += healthy_mean_(gradient, self.topology.cross_replica_group)
+        self.gradient_bytes_across_replicas += self._gradient_mean(gradient)
 
     def attach(self, optimizer: torch.optim.Optimizer, *,
                paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:
