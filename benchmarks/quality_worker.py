@@ -24,6 +24,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,38 @@ def _optimizer(args: argparse.Namespace, params: Any) -> tuple[torch.optim.Optim
     return optimizer, None
 
 
+def set_heldout_probe(ensemble: Any, model: torch.nn.Module, corpus: Any, args: argparse.Namespace, rank: int) -> None:
+    """Scores the replicas at every sync on ``--probe_batch`` held-out windows (rank 0's, shared by all)."""
+    generator = torch.Generator().manual_seed(PROBE_SEED + rank)
+    probe = draw_batch(corpus.heldout, micro_batch_size=args.probe_batch, seq_len=args.seq_len, generator=generator)
+    ensemble.set_probe(batch_probe(model, probe, lambda m, b: next_token_loss(m, *b)))
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, corpus: Any, args: argparse.Namespace,
+                  data: torch.Generator, device: torch.device) -> torch.Tensor:
+    """One optimizer step on this rank's next ``--batch_size`` training windows; returns its loss."""
+    x, y = draw_batch(corpus.train, micro_batch_size=args.batch_size, seq_len=args.seq_len, generator=data)
+    loss = next_token_loss(model, x.to(device), y.to(device))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def plain_data_parallel(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+    """``model`` in DDP over all ranks, starting from rank 0's weights like HDET's replicas."""
+    broadcast_from_rank0(model)
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
 _CORPORA: dict[float, Any] = {}
+
+
+def stdlib_corpus(megabytes: float) -> Any:
+    """The first ``megabytes`` MiB of the stdlib corpus, loaded once per process."""
+    if megabytes not in _CORPORA:
+        _CORPORA[megabytes] = load_corpus("stdlib", max_bytes=int(megabytes * 2**20))
+    return _CORPORA[megabytes]
 
 
 def train_one(args: argparse.Namespace, backend: str) -> None:
@@ -123,9 +155,7 @@ def train_one(args: argparse.Namespace, backend: str) -> None:
             (out / name).unlink(missing_ok=True)  # a fresh run, never appended to an old one
     dist.barrier()
 
-    if args.corpus_mb not in _CORPORA:
-        _CORPORA[args.corpus_mb] = load_corpus("stdlib", max_bytes=int(args.corpus_mb * 2**20))
-    corpus = _CORPORA[args.corpus_mb]
+    corpus = stdlib_corpus(args.corpus_mb)
     torch.manual_seed(args.seed)
     model = build_model(args.preset, vocab_size=corpus.vocab_size, seq_len=args.seq_len).to(device)
     start_train = fixed_loss(model, corpus.train, args, device)
@@ -136,13 +166,9 @@ def train_one(args: argparse.Namespace, backend: str) -> None:
         scheduler = HDETOneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, hdet_config=config,
                                    model=model, topology=topology)
         if args.probe:
-            probe_gen = torch.Generator().manual_seed(PROBE_SEED + rank)
-            probe_batch = draw_batch(corpus.heldout, micro_batch_size=args.probe_batch, seq_len=args.seq_len,
-                                     generator=probe_gen)
-            scheduler.hdet.set_probe(batch_probe(model, probe_batch, lambda m, b: next_token_loss(m, *b)))
+            set_heldout_probe(scheduler.hdet, model, corpus, args, rank)
     else:
-        broadcast_from_rank0(model)
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = plain_data_parallel(model)
         optimizer, scheduler = _optimizer(args, model.parameters())
         if args.optimizer == "adamw":
             scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps)
@@ -168,11 +194,7 @@ def train_one(args: argparse.Namespace, backend: str) -> None:
 
     step = 0
     for step in range(1, args.steps + 1):
-        x, y = draw_batch(corpus.train, micro_batch_size=args.batch_size, seq_len=args.seq_len, generator=data)
-        loss = next_token_loss(model, x.to(device), y.to(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss = training_step(model, optimizer, corpus, args, data, device)
         try:
             if config is not None:
                 scheduler.step(loss)
@@ -221,19 +243,24 @@ def train_one(args: argparse.Namespace, backend: str) -> None:
     dist.barrier()
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_worker(parse: Callable[[list[str]], argparse.Namespace], train: Callable[[argparse.Namespace, str], None],
+               argv: list[str] | None = None) -> None:
     """One run from the command line, or every run of ``--batch FILE`` (a JSON list of argument lists) in one
     process group: importing transformers in 4 processes on 2 cores costs ~30 s, more than a short run."""
     batch_parser = argparse.ArgumentParser(add_help=False)
     batch_parser.add_argument("--batch", default=None)
     known, rest = batch_parser.parse_known_args(argv)
-    runs = [parse_args(rest)] if known.batch is None else \
-        [parse_args(item) for item in json.loads(Path(known.batch).read_text())]
+    runs = [parse(rest)] if known.batch is None else [parse(item) for item in json.loads(Path(known.batch).read_text())]
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    dist.init_process_group(backend, timeout=timedelta(minutes=20))
     for args in runs:
-        train_one(args, backend)
+        train(args, backend)
     dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """See the module docstring."""
+    run_worker(parse_args, train_one, argv)
 
 
 if __name__ == "__main__":

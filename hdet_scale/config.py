@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 GRADIENT_MODES = ("global", "local")
-CONTROLLER_MODES = ("scale", "paper")
+CONTROLLER_MODES = ("scale", "paper", "log")
+SPREADS = ("linear", "log")
 
 
 class HDETConfigError(ValueError):
@@ -36,7 +37,10 @@ class AutoLRConfig:
     mode: str = "scale"
     """``scale``: keep the base schedule's shape and move a multiplicative scale on it (any scheduler).
     ``paper``: after the warm-up the controller owns the base value and decays it geometrically to
-    OneCycleLR's floor over the remaining syncs (eqs. 7-8, with eq. 8's sign fixed)."""
+    OneCycleLR's floor over the remaining syncs (eqs. 7-8, with eq. 8's sign fixed). ``log``: scale-free,
+    in log space: the replicas' losses are z-scored (divided by their spread, so ``sigma`` is a temperature
+    in units of that spread), the hypergradient is the weighted mean of log multipliers, and the scale moves
+    by ``exp(lambda * v)``, at most ``max_log_step`` per sync either way: up and down alike."""
 
     warmup_steps: int = 100_000
     """S_warm: optimizer steps before the controller starts updating (the spread applies from step 0)."""
@@ -55,6 +59,23 @@ class AutoLRConfig:
 
     scale_max: float = 10.0
     """Ceiling of the multiplicative scale in ``scale`` mode, >= scale_min."""
+
+    max_log_step: float = 0.25
+    """``log`` mode: the largest change of log(scale) at one sync (0.25: x1.28 or /1.28), > 0."""
+
+    average_window: float = 0.0
+    """With a probe set: score each replica's weights averaged over the last ``average_window`` of the
+    interval (e.g. 0.5: its second half) instead of its last iterate, in [0, 1). Averaging removes the
+    oscillation that a higher LR adds to the last iterate (noise that hides its faster progress), the bias
+    that makes a short-horizon score prefer too-low LRs. Costs one copy of this rank's shard, one in-place
+    update per step inside the window and, at each sync, a second copy while the probe runs. 0: the last
+    iterate."""
+
+    displacement: float = 0.0
+    """Weight of the displacement signal in the LR's hypergradient, >= 0 (0: off): the cosine of the last two
+    sync-to-sync moves of the averaged weights (moving on the same way: the LR may rise; turning back: it should
+    fall; see ``hdet_scale.displacement``) times this is added to Delta (in ``scale`` mode relative units, in
+    ``log`` mode log units). Costs two copies of this rank's shard. Not with ``paper`` mode."""
 
     probe_weight: float = 1.0
     """With a probe set (``HDETEnsemble.set_probe``): the weight of the replicas' probe-batch losses in the
@@ -106,6 +127,10 @@ class HDETConfig:
 
     alpha: float = 1.0 / 9.0
     """alpha: spread ratio of the LR multipliers (eq. 1), in [0, 1). 0 is plain data parallel."""
+
+    spread: str = "linear"
+    """How the multipliers spread around 1: ``linear``, eq. 1's [1 - alpha, 1 + alpha] (arithmetic mean 1);
+    ``log``, evenly in log space over [1/(1 + alpha), 1 + alpha] (geometric mean 1: as far up as down)."""
 
     sync_interval: int = 1000
     """T: optimizer steps between parameter averages (eq. 3), >= 1."""
@@ -172,6 +197,7 @@ class HDETConfig:
         _check_number("alpha", self.alpha, low=0.0, high=1.0, high_open=True,
                       hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0")
         _check_int("sync_interval", self.sync_interval, low=1)
+        _check_choice("spread", self.spread, SPREADS)
         if self.ranks_per_replica not in REPLICA_SIZE_NAMES:
             _check_int("ranks_per_replica", self.ranks_per_replica, low=1,
                        also=" or one of " + ", ".join(repr(name) for name in REPLICA_SIZE_NAMES))
@@ -190,6 +216,12 @@ class HDETConfig:
         _check_number("auto_lr.step_size", lr.step_size, low=0.0)
         _check_number("auto_lr.scale_min", lr.scale_min, low=0.0, low_open=True)
         _check_number("auto_lr.probe_weight", lr.probe_weight, low=0.0, high=1.0)
+        _check_number("auto_lr.max_log_step", lr.max_log_step, low=0.0, low_open=True)
+        _check_number("auto_lr.average_window", lr.average_window, low=0.0, high=1.0, high_open=True)
+        _check_number("auto_lr.displacement", lr.displacement, low=0.0)
+        if lr.displacement and lr.mode == "paper":
+            raise HDETConfigError("auto_lr.displacement works in 'scale' and 'log' mode; the paper's controller has "
+                                  "no such term: set auto_lr.displacement to 0 or choose another mode")
         _check_number("auto_lr.scale_max", lr.scale_max, low=lr.scale_min,
                       hint="scale_max must be at least auto_lr.scale_min")
         if not lr.scale_min <= 1.0 <= lr.scale_max:

@@ -3,7 +3,7 @@
 It takes the replicas' interval losses and the values they trained with, and returns the new base state.
 Every rank runs it on identical gathered inputs, so every rank computes identical outputs.
 
-Two modes (see ``AutoLRConfig.mode``):
+Three modes (see ``AutoLRConfig.mode``):
 
 * ``scale``: values are ``schedule(t) * scale * rho``. The hypergradient is taken relative to the current
   mean value, ``Delta_rel = sum_r w_r (rho_r - 1)``; momentum smooths it; ``scale <- scale * (1 +
@@ -13,6 +13,12 @@ Two modes (see ``AutoLRConfig.mode``):
   chosen so that ``(1 - gamma)^K = floor / b`` over the K remaining syncs. Eq. 8 as printed,
   ``1 - exp(-log(f_div / f_final) / K)``, is negative for OneCycleLR's defaults (it would grow the LR
   400x); this implements the stated intent, a geometric decay to OneCycleLR's floor.
+* ``log``: scale-free. Eq. 4's weights come from z-scored losses, ``w_r = softmax(-(L_r - mean) / (s
+  sigma))`` with ``s`` the replicas' loss standard deviation, so the temperature is in units of how much
+  the replicas differ, not in nats; ``Delta_log = sum_r w_r log rho_r`` (a weighted mean of log
+  multipliers, 0 when the weights are equal and the multipliers log-symmetric); ``v <- beta v + (1 - beta)
+  Delta_log``; ``log scale <- log scale + clip(lambda v, +-max_log_step)``. A step up and a step down by the
+  same factor weigh alike, and the signal keeps its strength where loss gaps shrink (low LRs).
 """
 
 from __future__ import annotations
@@ -38,12 +44,30 @@ def softmax_weights(losses: Sequence[float], sigma: float) -> list[float]:
     return [e / total for e in exps]
 
 
+def zscore_weights(losses: Sequence[float], sigma: float) -> list[float]:
+    """``log`` mode's eq. 4: softmax(-(L_r - mean) / (s sigma)) with ``s`` the population standard deviation of
+    the finite losses; equal weights when they are all equal. Non-finite losses get weight 0."""
+    finite = [loss for loss in losses if math.isfinite(loss)]
+    if not finite:
+        raise ValueError("every replica's loss is non-finite: the controller has no signal")
+    mean = sum(finite) / len(finite)
+    spread = math.sqrt(sum((loss - mean) ** 2 for loss in finite) / len(finite))
+    if spread == 0.0:
+        return [1.0 / len(finite) if math.isfinite(loss) else 0.0 for loss in losses]
+    return softmax_weights([(loss - mean) / spread for loss in losses], sigma)
+
+
 def relative_hypergradient(weights: Sequence[float], replica_multipliers: Sequence[float]) -> float:
     """Eqs. 5-6 divided by the mean value: sum_r w_r (rho_r - 1), exactly 0 when alpha = 0.
 
     Multipliers average to 1, so this equals (weighted mean value - mean value) / mean value.
     """
     return math.fsum(w * (rho - 1.0) for w, rho in zip(weights, replica_multipliers, strict=True))
+
+
+def log_hypergradient(weights: Sequence[float], replica_multipliers: Sequence[float]) -> float:
+    """``log`` mode's Delta: sum_r w_r log rho_r, the weighted mean of the replicas' log multipliers."""
+    return math.fsum(w * math.log(rho) for w, rho in zip(weights, replica_multipliers, strict=True))
 
 
 def momentum(velocity: float, delta: float, beta: float) -> float:
@@ -65,10 +89,11 @@ class ControllerState:
     """The controller's state for one explored value."""
 
     velocity: float = 0.0
-    """v of eq. 7: relative (dimensionless) in ``scale`` mode, in value units in ``paper`` mode."""
+    """v of eq. 7: relative (dimensionless) in ``scale`` mode, in log units in ``log`` mode, in value units in
+    ``paper`` mode."""
 
     scale: float = 1.0
-    """``scale`` mode: the multiplicative scale on the base schedule."""
+    """``scale`` and ``log`` mode: the multiplicative scale on the base schedule."""
 
     owned_base: float | None = None
     """``paper`` mode: the base value the controller owns after the warm-up (None before)."""
@@ -77,7 +102,8 @@ class ControllerState:
     """``paper`` mode: the per-sync decay rate fixed when the controller took over."""
 
     last_delta: float = 0.0
-    """The last Delta (for metrics): relative in ``scale`` mode, absolute in ``paper`` mode."""
+    """The last Delta (for metrics): relative in ``scale`` mode, in log units in ``log`` mode, absolute in
+    ``paper`` mode."""
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,14 +132,27 @@ class Controller:
     def __init__(self, config: AutoLRConfig) -> None:
         self.config = config
 
+    def weights(self, losses: Sequence[float]) -> list[float]:
+        """Eq. 4's weights of the replicas' losses (``log`` mode: of their z-scores)."""
+        if self.config.mode == "log":
+            return zscore_weights(losses, self.config.sigma)
+        return softmax_weights(losses, self.config.sigma)
+
     def update(self, state: ControllerState, *, weights: Sequence[float], replica_multipliers: Sequence[float],
-               scheduled_value: float, step: int, sync_interval: int,
-               paper_decay: PaperDecay | None = None) -> ControllerState:
+               scheduled_value: float, step: int, sync_interval: int, paper_decay: PaperDecay | None = None,
+               extra_delta: float = 0.0) -> ControllerState:
         """One sync's update from eq. 4's ``weights``. ``replica_multipliers[r]`` is rho_{pi(r)}, the multiplier
         replica r trained with; ``scheduled_value`` is the base schedule's value now (``paper`` mode takes
-        over from it at its first update)."""
+        over from it at its first update). ``extra_delta`` is added to Delta (``scale`` and ``log`` mode: e.g.
+        the displacement signal)."""
         cfg = self.config
-        delta_rel = relative_hypergradient(weights, replica_multipliers)
+        if cfg.mode == "log":
+            delta_log = log_hypergradient(weights, replica_multipliers) + extra_delta
+            velocity = momentum(state.velocity, delta_log, cfg.beta)
+            log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
+            scale = min(max(state.scale * math.exp(log_step), cfg.scale_min), cfg.scale_max)
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log)
+        delta_rel = relative_hypergradient(weights, replica_multipliers) + extra_delta
         if cfg.mode == "scale":
             velocity = momentum(state.velocity, delta_rel, cfg.beta)
             scale = min(max(state.scale * (1.0 + cfg.step_size * velocity), cfg.scale_min), cfg.scale_max)

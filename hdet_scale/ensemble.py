@@ -23,7 +23,8 @@ from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import all_finite, start_gather_rows
 from hdet_scale.config import HDETConfig
-from hdet_scale.controller import Controller, PaperDecay, softmax_weights
+from hdet_scale.controller import Controller, PaperDecay
+from hdet_scale.displacement import DisplacementSignal
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
@@ -31,6 +32,7 @@ from hdet_scale.metrics import MetricsWriter
 from hdet_scale.scores import IntervalLoss, LossLike, ReplicaScores
 from hdet_scale.topology import ReplicaTopology
 from hdet_scale.warm_init import add_warm_noise
+from hdet_scale.weight_average import WindowAverage
 
 logger = logging.getLogger(__name__)
 
@@ -49,20 +51,11 @@ class SyncReport:
     sync_seconds: float
     bytes_averaged: int
     bytes_gathered: int
+    displacement: float | None = None
+    """The displacement signal's cosine at this sync (``auto_lr.displacement``), None when off or not yet known."""
 
     def as_record(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "replica_losses": self.replica_losses,
-            "probe_losses": self.probe_losses,
-            "excluded_replicas": self.excluded_replicas,
-            "weights": self.weights,
-            "controller_updated": self.controller_updated,
-            "values": self.values,
-            "sync_seconds": self.sync_seconds,
-            "bytes_averaged": self.bytes_averaged,
-            "bytes_gathered": self.bytes_gathered,
-        }
+        return dataclasses.asdict(self)
 
 
 class HDETEnsemble:
@@ -90,8 +83,8 @@ class HDETEnsemble:
         self.topology = topology or ReplicaTopology.build(config)
         _check_attachable(config, adapter, self.topology, paper_decay)
         # Only the LR follows the paper's controller mode; every other knob moves a scale on its base value.
-        self._controllers = {"lr": Controller(config.auto_lr),
-                             "other": Controller(dataclasses.replace(config.auto_lr, mode="scale"))}
+        self._controllers = {"lr": Controller(config.auto_lr), "other": Controller(dataclasses.replace(
+            config.auto_lr, mode="scale" if config.auto_lr.mode == "paper" else config.auto_lr.mode))}
         self._explored: list[ExploredValue] = []
         for index, knob in enumerate(lr_knobs(adapter.optimizer)):
             self._explore(knob, paper_decay[index] if paper_decay is not None else None)
@@ -104,6 +97,10 @@ class HDETEnsemble:
         self._warned_no_loss = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._probe: Callable[[], LossLike] | None = None
+        self._window = WindowAverage(config.auto_lr.average_window, config.sync_interval)
+        self._displacement = DisplacementSignal() if config.auto_lr.displacement > 0 else None
+        self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
+        self._warned_no_probe = False
         if config.warm_init.enabled and state is None:
             add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
             self._last_sync_step = None  # the replicas differ until the first sync
@@ -133,7 +130,7 @@ class HDETEnsemble:
             raise ValueError(f"'{knob.name}' is explored already")
         explored = ExploredValue.start(knob, seed=self.config.seed, num_replicas=self.topology.num_replicas,
                                        alpha=self.config.alpha if knob.alpha is None else knob.alpha,
-                                       paper_decay=paper_decay)
+                                       spread=self.config.spread, paper_decay=paper_decay)
         self._explored.append(explored)
         return explored
 
@@ -186,9 +183,22 @@ class HDETEnsemble:
         """
         self._interval.add_step(loss)
         self._step += 1
+        self._observe_window()
         if self._step % self.config.sync_interval == 0:
             return self.sync()
         return None
+
+    def _observe_window(self) -> None:
+        """Adds this step's weights to the interval's average, when the probe is to score averaged weights."""
+        if not self._window.enabled:
+            return
+        if self._probe is None:
+            if not self._warned_no_probe:
+                warnings.warn("auto_lr.average_window needs a probe (hdet.set_probe): without one the interval "
+                              "losses drive the controller and no weights are averaged", stacklevel=3)
+                self._warned_no_probe = True
+            return
+        self._window.observe(self._step - (self._last_sync_step or 0), self.adapter.averaged_tensors)
 
     def add_pre_sync_hook(self, hook: Callable[[int], None]) -> None:
         """Calls ``hook(step)`` at the start of every sync, while the replicas still differ (e.g. to score
@@ -215,18 +225,21 @@ class HDETEnsemble:
         started = time.perf_counter()
         tensors = self._sync_tensors()
         scores, sent = self._average(tensors, self._score_row(tensors))
+        displacement = self._displacement_cosine()
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
-        weights = self._update_values(scores)
+        weights = self._update_values(scores, displacement)
         self._reassign()
         self._interval.reset()
+        self._window.reset()
         self._last_sync_step = self._step
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,
                             values={explored.name: explored.report(trained_with[explored.name])
                                     for explored in self._explored},
                             sync_seconds=time.perf_counter() - started, bytes_averaged=sent,
-                            bytes_gathered=scores.bytes_gathered)
-        self._metrics.write(report.as_record())
+                            bytes_gathered=scores.bytes_gathered, displacement=displacement)
+        if self._metrics.path is not None:  # the record is a deep copy: only when there is a file to write
+            self._metrics.write(report.as_record())
         return report
 
     def _sync_tensors(self) -> list[torch.Tensor]:
@@ -241,7 +254,8 @@ class HDETEnsemble:
         and tensors are all finite (else it is left out of the average), and its probe loss (NaN: no probe)."""
         loss_sum = self._interval.total()
         healthy = math.isfinite(loss_sum) and all_finite(tensors)
-        probe = self._run_probe()
+        with self._window.swapped_in(self.adapter.averaged_tensors(), self.adapter.after_average):
+            probe = self._run_probe()
         return [loss_sum, float(self._interval.count), float(healthy), math.nan if probe is None else probe]
 
     def _run_probe(self) -> float | None:
@@ -281,7 +295,7 @@ class HDETEnsemble:
 
         healthy = bool(row[2])
         sent = average_tensors(tensors, topo.cross_replica_group, contribute=healthy, rider=table if rides else None,
-                               check=check, bucket_bytes=int(self.config.bucket_mb * 2**20))
+                               check=check, bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets)
         self.adapter.after_average()
         if not healthy:
             self.adapter.recover_excluded()
@@ -290,9 +304,17 @@ class HDETEnsemble:
                            self._step, found[0].excluded)
         return found[0], sent
 
-    def _update_values(self, scores: ReplicaScores) -> list[float] | None:
-        """Moves every explored value's controller by eq. 4's weights; returns them, or None when the
-        controller does not update at this sync (off, warming up, one replica, or a replica without loss)."""
+    def _displacement_cosine(self) -> float | None:
+        """The displacement signal after this sync's average (collective over the replica when sharded)."""
+        if self._displacement is None:
+            return None
+        group = self.topology.intra_replica_group if self.topology.ranks_per_replica > 1 else None
+        return self._displacement.update(self.adapter.averaged_tensors(), group)
+
+    def _update_values(self, scores: ReplicaScores, displacement: float | None) -> list[float] | None:
+        """Moves every explored value's controller by eq. 4's weights (the LRs also by the displacement signal);
+        returns the weights, or None when the controller does not update at this sync (off, warming up, one
+        replica, or a replica without loss)."""
         cfg = self.config.auto_lr
         if not cfg.enabled or self._step < cfg.warmup_steps or self.topology.num_replicas == 1:
             return None
@@ -303,10 +325,12 @@ class HDETEnsemble:
                               "controller skips updates until every replica reports losses", stacklevel=3)
                 self._warned_no_loss = True
             return None
-        weights = softmax_weights(signal, cfg.sigma)
+        weights = self._controllers["lr"].weights(signal)
+        pushed = cfg.displacement * displacement if displacement is not None else 0.0
         for explored in self._explored:
             explored.update(self._controllers["lr" if explored.is_lr else "other"], weights=weights,
-                            step=self._step, sync_interval=self.config.sync_interval)
+                            step=self._step, sync_interval=self.config.sync_interval,
+                            extra_delta=pushed if explored.is_lr else 0.0)
         return weights
 
     def _reassign(self) -> None:
@@ -357,6 +381,8 @@ class HDETEnsemble:
         last_sync = state.get("last_sync_step", self._step - self._step % self.config.sync_interval)
         self._last_sync_step = None if last_sync is None else int(last_sync)
         self._interval.restore(state["loss_sum"], state["loss_count"])
+        if self._displacement is not None:
+            self._displacement.reset()
 
     def close(self) -> None:
         """Removes the optimizer hooks and returns every knob to its base value; the optimizer then trains at
@@ -365,6 +391,7 @@ class HDETEnsemble:
         for explored in self._explored:
             if not explored.knob.step_scoped:
                 explored.knob.apply(explored.knob.scheduled())
+        self._buckets.clear()
         self.adapter.optimizer._hdet_attached = False
 
 

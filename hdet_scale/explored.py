@@ -30,11 +30,12 @@ class ExploredValue:
     state: ControllerState = field(default_factory=ControllerState)
 
     @classmethod
-    def start(cls, knob: Knob, *, seed: int, num_replicas: int, alpha: float,
+    def start(cls, knob: Knob, *, seed: int, num_replicas: int, alpha: float, spread: str = "linear",
               paper_decay: PaperDecay | None = None) -> ExploredValue:
-        """The value at the start of training: eq. 1's spread for ``alpha`` and the stream's first permutation."""
+        """The value at the start of training: the multipliers for ``alpha`` (eq. 1, or ``spread="log"``) and
+        the stream's first permutation."""
         explored = cls(knob=knob, stream=PermutationStream(knob.name, seed),
-                       multipliers=multipliers(num_replicas, alpha), paper_decay=paper_decay)
+                       multipliers=multipliers(num_replicas, alpha, spread), paper_decay=paper_decay)
         explored.redraw()
         return explored
 
@@ -77,11 +78,13 @@ class ExploredValue:
         return [self.value(replica) for replica in range(self.num_replicas)]
 
     # ------------------------------------------------------------------------------------ a sync
-    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int) -> None:
-        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended."""
+    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int,
+               extra_delta: float = 0.0) -> None:
+        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended (and an
+        ``extra_delta`` added to its hypergradient)."""
         self.state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
-                                       scheduled_value=self.knob.scheduled(), step=step,
-                                       sync_interval=sync_interval, paper_decay=self.paper_decay)
+                                       scheduled_value=self.knob.scheduled(), step=step, sync_interval=sync_interval,
+                                       paper_decay=self.paper_decay, extra_delta=extra_delta)
 
     def redraw(self) -> None:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""

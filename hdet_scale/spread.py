@@ -12,16 +12,26 @@ from typing import Any
 
 import torch
 
+from hdet_scale.config import SPREADS
 
-def multipliers(num_replicas: int, alpha: float) -> list[float]:
-    """Eq. 1: rho_r = 1 + alpha * (r - (N-1)/2) / delta with delta = max((N-1)/2, 0.5).
 
-    They sum to N (symmetric around 1) and span [1 - alpha, 1 + alpha]; one replica gets exactly 1.
+def multipliers(num_replicas: int, alpha: float, spread: str = "linear") -> list[float]:
+    """The replicas' multipliers for spread ratio ``alpha``.
+
+    ``linear`` is eq. 1: rho_r = 1 + alpha * (r - (N-1)/2) / delta with delta = max((N-1)/2, 0.5); they sum to
+    N and span [1 - alpha, 1 + alpha]. ``log`` spreads them evenly in log space over [1/(1 + alpha), 1 + alpha]:
+    rho_r = (1 + alpha) ** ((r - (N-1)/2) / delta), whose product is 1, so a step up and a step down are alike
+    (eq. 1 at alpha = 0.5 spans 0.5x-1.5x: three times as far down as up in log terms). One replica gets
+    exactly 1 when N is odd.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if spread not in SPREADS:
+        raise ValueError(f"spread must be one of {SPREADS}, got {spread!r}")
     center = (num_replicas - 1) / 2
     delta = max(center, 0.5)
+    if spread == "log":
+        return [(1.0 + alpha) ** ((r - center) / delta) for r in range(num_replicas)]
     return [1.0 + alpha * (r - center) / delta for r in range(num_replicas)]
 
 

@@ -64,6 +64,11 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"alpah": 0.1}, r"unknown HDET setting 'alpah'; did you mean 'alpha'\?"),
         ({"auto_lr": {"lambda": 0.5}}, r"unknown HDET setting 'auto_lr.lambda'"),
         ({"auto_lr": 3}, r"auto_lr must be a JSON object"),
+        ({"spread": "cubic"}, r"spread must be one of 'linear', 'log', got 'cubic'"),
+        ({"auto_lr": {"max_log_step": 0}}, r"auto_lr.max_log_step must be a number in \(0.0, inf\)"),
+        ({"auto_lr": {"average_window": 1.0}}, r"auto_lr.average_window must be a number in \[0.0, 1.0\)"),
+        ({"auto_lr": {"displacement": -1}}, r"auto_lr.displacement must be a number in \[0.0, inf\)"),
+        ({"auto_lr": {"displacement": 0.5, "mode": "paper"}}, r"auto_lr.displacement works in 'scale' and 'log'"),
     ],
 )
 def test_bad_values_name_the_field(values, message):

@@ -8,9 +8,11 @@ from hdet_scale.controller import (
     ControllerState,
     PaperDecay,
     decay_to_floor,
+    log_hypergradient,
     momentum,
     relative_hypergradient,
     softmax_weights,
+    zscore_weights,
 )
 
 
@@ -104,3 +106,47 @@ def test_scale_mode_moves_relative_to_the_base_and_clamps():
 def test_paper_decay_is_checked_when_made_not_at_the_first_update(fields, message):
     with pytest.raises(ValueError, match=message):
         PaperDecay(**fields)
+
+
+def test_zscore_weights_by_hand():
+    # losses 1, 2, 3: mean 2, population std sqrt(2/3); z = -1.2247, 0, 1.2247; sigma 0.5: scores 2.4495, 0, -2.4495
+    z = 1 / math.sqrt(2 / 3)
+    total = math.exp(2 * z) + 1 + math.exp(-2 * z)
+    assert zscore_weights([1.0, 2.0, 3.0], sigma=0.5) == pytest.approx(
+        [math.exp(2 * z) / total, 1 / total, math.exp(-2 * z) / total])
+    # scale-free: the same weights whatever the size of the gaps
+    assert zscore_weights([1.0, 1.001, 1.002], 0.5) == pytest.approx(zscore_weights([1.0, 2.0, 3.0], 0.5))
+    assert zscore_weights([4.0, 4.0], 0.5) == [0.5, 0.5]
+    assert zscore_weights([1.0, float("nan"), 3.0], 1.0) == pytest.approx([math.e / (math.e + 1 / math.e), 0.0,
+                                                                           (1 / math.e) / (math.e + 1 / math.e)])
+
+
+def test_log_mode_moves_the_log_scale_and_caps_the_step():
+    controller = Controller(AutoLRConfig(mode="log", beta=0.5, step_size=2.0, max_log_step=0.25, sigma=1.0))
+    rhos = [0.5, 2.0]  # log rho = -0.693, +0.693
+    state = controller.update(ControllerState(), weights=[0.25, 0.75], replica_multipliers=rhos,
+                              scheduled_value=1.0, step=10, sync_interval=5)
+    delta = 0.25 * math.log(0.5) + 0.75 * math.log(2.0)  # 0.3466
+    assert log_hypergradient([0.25, 0.75], rhos) == pytest.approx(delta)
+    assert state.last_delta == pytest.approx(delta)
+    assert state.velocity == pytest.approx(0.5 * delta)  # 0.1733: lambda v = 0.3466 > 0.25, so capped
+    assert state.scale == pytest.approx(math.exp(0.25))
+    state = controller.update(state, weights=[0.5, 0.5], replica_multipliers=rhos, scheduled_value=1.0, step=15,
+                              sync_interval=5)
+    assert state.velocity == pytest.approx(0.25 * delta)  # Delta 0: the momentum decays
+    assert state.scale == pytest.approx(math.exp(0.25 + 2.0 * 0.25 * delta))  # 0.1733 < 0.25: not capped
+    down = controller.update(ControllerState(), weights=[0.75, 0.25], replica_multipliers=rhos, scheduled_value=1.0,
+                             step=10, sync_interval=5)
+    assert down.scale == pytest.approx(math.exp(-0.25))  # down as far as up
+    assert controller.weights([1.0, 2.0]) == pytest.approx(zscore_weights([1.0, 2.0], 1.0))
+
+
+def test_an_extra_delta_adds_to_the_hypergradient():
+    scale = Controller(AutoLRConfig(beta=0.5, step_size=1.0))
+    state = scale.update(ControllerState(), weights=[0.5, 0.5], replica_multipliers=[0.5, 1.5], scheduled_value=1.0,
+                         step=10, sync_interval=5, extra_delta=0.2)
+    assert state.last_delta == pytest.approx(0.2) and state.scale == pytest.approx(1.0 + 0.5 * 0.2)
+    log = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, max_log_step=1.0))
+    state = log.update(ControllerState(), weights=[0.5, 0.5], replica_multipliers=[0.5, 2.0], scheduled_value=1.0,
+                       step=10, sync_interval=5, extra_delta=-0.3)
+    assert state.last_delta == pytest.approx(-0.3) and state.scale == pytest.approx(math.exp(-0.3))

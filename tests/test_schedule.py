@@ -124,7 +124,9 @@ def test_bad_settings_fail_before_any_work():
     optimizer = two_group_optimizer("sgd")
     with pytest.raises(ValueError, match="sync_interval must be an integer >= 1, got 0"):
         HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, sync_interval=0)
-    with pytest.raises(ValueError, match="unknown HDET setting 'spread'"):
+    with pytest.raises(ValueError, match="unknown HDET setting 'alpah'"):
+        HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, alpah=0.1)
+    with pytest.raises(ValueError, match="spread must be one of 'linear', 'log', got 0.1"):
         HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, spread=0.1)
     with pytest.raises(ValueError, match="ranks_per_replica=2 needs torch.distributed"):
         HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, ranks_per_replica=2)

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -44,3 +46,15 @@ def test_permutation_stream_resumes():
     resumed = PermutationStream("lr/0", 99)
     resumed.load_state_dict(saved)
     assert [resumed.draw(4) for _ in range(5)] == expected
+
+
+def test_log_spread_by_hand():
+    # N = 4, delta = 1.5: exponents (r - 1.5) / 1.5 = -1, -1/3, 1/3, 1 of 1 + alpha = 2
+    values = multipliers(4, 1.0, "log")
+    assert values == pytest.approx([0.5, 2 ** (-1 / 3), 2 ** (1 / 3), 2.0], abs=1e-12)
+    assert math.prod(values) == pytest.approx(1.0, abs=1e-12)  # as far up as down
+    assert multipliers(2, 0.5, "log") == pytest.approx([1 / 1.5, 1.5])
+    assert multipliers(3, 0.5, "log")[1] == 1.0
+    assert multipliers(5, 0.0, "log") == [1.0] * 5
+    with pytest.raises(ValueError, match="spread must be one of"):
+        multipliers(2, 0.5, "cubic")

@@ -1,0 +1,251 @@
+"""LR-finding benchmark: does one HDET run started at a wrong LR end as well as the best run of an LR sweep?
+
+A byte-level Llama on the embedded standard-library corpus, ``--nproc`` CPU ranks on gloo, every rank a replica
+(global gradients, the paper's layout), AdamW on a schedule (``cosine`` with linear warm-up by default,
+``onecycle``, ``wsd``), the same token budget for every run. Each run is ``benchmarks/lr_finding_worker.py``
+under torchrun; runs share launches (start-up costs more than a short run). Methods:
+
+* ``sweep``: plain data parallel on a grid of factor sqrt(10) around ``--grid_center`` (extended until the
+  best LR, by mean held-out loss over the seeds, has ``--grid_side`` points on each side). It gives the
+  sweep-best LR and its held-out loss: the anchor.
+* ``hdet``: HDET started at ``--start_factors`` times the sweep-best LR, for each controller ``--variants``.
+* ``schedulefree``: schedule-free AdamW (warm-up, no schedule) from the same start factors.
+* ``prodigy``: Prodigy at LR 1.0 on the schedule (its recommended setting).
+
+    .venv/bin/python benchmarks/lr_finding.py                                  # everything, default setting
+    .venv/bin/python benchmarks/lr_finding.py --methods sweep --seeds 0       # the sweep alone, one seed
+    .venv/bin/python benchmarks/lr_finding.py --methods hdet --variants log_averaged --start_factors 0.1 10
+    .venv/bin/python benchmarks/lr_finding.py --steps 300 --out /tmp/lrf --runs_dir /tmp/lrf_runs   # a quick try
+
+Results accumulate in ``<out>.json`` (a run recorded with the same setting is not rerun) with ``<out>.md`` and
+figures next to it; the runs import ``hdet_scale`` as committed at HEAD (exported once), so edits to the
+working tree cannot leak into a long benchmark. ``--report_only`` rewrites the results from what is recorded.
+
+Code: this file runs the methods; ``lr_finding_report.py`` writes the Markdown and the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BENCHMARKS,
+    REPO,
+    RESULTS,
+    head_commit,
+    machine_info,
+    read_json,
+    repo_relative,
+    snapshot_source,
+    torchrun_command,
+    write_json,
+)
+from common import hdet_config as checked_hdet_config
+from lr_finding_report import write_report
+
+WORKER = BENCHMARKS / "lr_finding_worker.py"
+SQRT10 = math.sqrt(10.0)
+VARIANTS: dict[str, dict[str, Any]] = {
+    # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
+    # whether a probe batch scores the replicas
+    "paper": {"hdet": {"alpha": 1 / 9, "auto_lr": {"mode": "paper"}}, "probe": False},
+    "scale": {"hdet": {"alpha": 0.5, "auto_lr": {"mode": "scale"}}, "probe": False},
+    "scale_probe": {"hdet": {"alpha": 0.5, "auto_lr": {"mode": "scale"}}, "probe": True},
+    "averaged": {"hdet": {"alpha": 0.5, "auto_lr": {"mode": "scale", "average_window": 0.5}}, "probe": True},
+    "log": {"hdet": {"alpha": 1.0, "spread": "log", "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0}},
+            "probe": True},
+    "log_averaged": {"hdet": {"alpha": 1.0, "spread": "log",
+                              "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5}},
+                     "probe": True},
+}
+DEFAULT_VARIANT = "log_averaged"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--hidden", type=int, default=None, help="override the preset's hidden size")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch_size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--schedule", choices=("cosine", "onecycle", "wsd"), default="cosine")
+    parser.add_argument("--sync_interval", type=int, default=25, help="T of every HDET run")
+    parser.add_argument("--controller_start", type=float, default=0.05,
+                        help="the controller's first update, as a share of the steps (the LR warm-up's end)")
+    parser.add_argument("--nproc", type=int, default=4, help="ranks = replicas")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--start_factors", type=float, nargs="+", default=[0.1, 1 / SQRT10, 1.0, SQRT10, 10.0])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--methods", nargs="+", default=["sweep", "hdet", "schedulefree", "prodigy"],
+                        choices=["sweep", "hdet", "schedulefree", "prodigy"])
+    parser.add_argument("--grid_center", type=float, default=3e-3, help="the sweep's first grid point")
+    parser.add_argument("--grid_side", type=int, default=3, help="sweep points needed on each side of the best")
+    parser.add_argument("--out", type=Path, default=RESULTS / "lr_finding", help="results stem (.json, .md)")
+    parser.add_argument("--runs_dir", type=Path, default=REPO / "runs" / "lr_finding")
+    parser.add_argument("--report_only", action="store_true")
+    return parser.parse_args(argv)
+
+
+def setting(args: argparse.Namespace) -> dict[str, Any]:
+    """What makes runs comparable: recorded runs are reused only under the same setting."""
+    keys = ("preset", "hidden", "layers", "steps", "batch_size", "seq_len", "schedule", "sync_interval",
+            "controller_start", "nproc")
+    return {key: getattr(args, key) for key in keys}
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def run_key(run: dict[str, Any]) -> tuple:
+    return run["method"], run.get("variant"), f"{run['lr']:.6g}", run["seed"]
+
+
+def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) -> list[str]:
+    """The worker's arguments for ``run`` (writes its HDET config into ``run_dir``)."""
+    words = ["--preset", args.preset, "--steps", str(args.steps), "--batch_size", str(args.batch_size),
+             "--seq_len", str(args.seq_len), "--schedule", args.schedule, "--lr", f"{run['lr']:.8g}",
+             "--seed", str(run["seed"]), "--out", str(run_dir)]
+    words += [item for key in ("hidden", "layers") if getattr(args, key) is not None
+              for item in (f"--{key}", str(getattr(args, key)))]
+    if run["method"] in ("schedulefree", "prodigy"):
+        return [*words, "--optimizer", run["method"]]
+    if run["method"] == "hdet":
+        variant = VARIANTS[run["variant"]]
+        config = json.loads(json.dumps(variant["hdet"]))
+        config.update(sync_interval=args.sync_interval, ranks_per_replica=1, gradient_mode="global", seed=run["seed"])
+        config.setdefault("auto_lr", {})["warmup_steps"] = round(args.controller_start * args.steps)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "hdet.json").write_text(json.dumps(checked_hdet_config(**config), indent=1) + "\n")
+        words += ["--hdet_config", str(run_dir / "hdet.json")] + (["--probe"] if variant["probe"] else [])
+    return words
+
+
+def run_dir_of(args: argparse.Namespace, run: dict[str, Any]) -> Path:
+    name = "_".join(str(part) for part in (run["method"], run.get("variant") or "", f"lr{run['lr']:.3g}",
+                                          f"seed{run['seed']}") if part != "")
+    return args.runs_dir / name
+
+
+def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, record: dict[str, Any]) -> None:
+    """Runs ``todo`` one seed per launch, recording each run as its launch ends (a stopped benchmark loses at
+    most one launch)."""
+    for seed in sorted({run["seed"] for run in todo}):
+        batch = [run for run in todo if run["seed"] == seed]
+        dirs = [run_dir_of(args, run) for run in batch]
+        args.runs_dir.mkdir(parents=True, exist_ok=True)
+        spec = args.runs_dir / f"launch_{batch[0]['method']}_{seed}_{len(record['runs'])}.json"
+        spec.write_text(json.dumps([worker_args(args, run, d) for run, d in zip(batch, dirs, strict=True)]) + "\n")
+        command = torchrun_command(args.nproc, str(WORKER), "--batch", str(spec))
+        env = {**os.environ, "PYTHONPATH": str(source), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        spec.with_suffix(".log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            print(f"warning: {spec.name} exited {done.returncode}; see {spec.with_suffix('.log')}", file=sys.stderr)
+        for run, run_dir in zip(batch, dirs, strict=True):
+            result = read_json(run_dir / "result.json")
+            if result is None:
+                continue
+            entry = {**run, "heldout": _finite(result["heldout"]) if result["diverged_at_step"] is None else None,
+                     "train": result["train"], "diverged_at_step": result["diverged_at_step"],
+                     "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
+                     "run_dir": repo_relative(run_dir)}
+            entry["final_lr_ratio"] = final_lr_ratio(entry, record.get("best_lr"))
+            record["sweep_runs" if run["method"] == "sweep" else "runs"].append(entry)
+            print(f"  {run['method']:<12} {run.get('variant') or '':<13} lr {run['lr']:.3g} seed {seed}: "
+                  f"held-out {entry['heldout']}", flush=True)
+        record["invocations"].append(f"PYTHONPATH={shlex.quote(str(source))} {shlex.join(command)}")
+        write_json(args.out.with_suffix(".json"), record)
+
+
+def _finite(value: Any) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def final_lr_ratio(run: dict[str, Any], best_lr: float | None) -> float | None:
+    """The LR the run ended on before the schedule's own decay (its start LR times the controller's last
+    effective scale) over the sweep-best LR; None for Prodigy, whose LR is its own estimate."""
+    if best_lr is None or run["method"] == "prodigy":
+        return None
+    scale = run["scales"][-1][1] if run["scales"] else 1.0
+    return run["lr"] * scale / best_lr
+
+
+# ------------------------------------------------------------------------------------------- phases
+def sweep_best(record: dict[str, Any]) -> tuple[float | None, list[float]]:
+    """The sweep's LR with the lowest mean held-out loss over its seeds (a diverged seed counts as +inf), and
+    the grid's LRs, sorted."""
+    by_lr: dict[float, list[float]] = {}
+    for run in record["sweep_runs"]:
+        by_lr.setdefault(run["lr"], []).append(math.inf if run["heldout"] is None else run["heldout"])
+    if not by_lr:
+        return None, []
+    return min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr])), sorted(by_lr)
+
+
+def sweep(args: argparse.Namespace, record: dict[str, Any], source: Path) -> None:
+    """Runs the grid, extending it until the best LR has ``--grid_side`` points on each side."""
+    grid = [args.grid_center * SQRT10 ** k for k in range(-args.grid_side, args.grid_side + 1)]
+    while True:
+        todo = pending(record, [{"method": "sweep", "lr": lr, "seed": seed} for lr in grid for seed in args.seeds])
+        execute(args, todo, source, record)
+        best, lrs = sweep_best(record)
+        index = lrs.index(best)
+        below, above = index, len(lrs) - 1 - index
+        if below >= args.grid_side and above >= args.grid_side:
+            return
+        grid = [best * SQRT10 ** k for k in range(-args.grid_side, args.grid_side + 1)]
+
+
+def pending(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    done = {run_key(run) for run in record["sweep_runs"] + record["runs"]}
+    return [run for run in runs if run_key(run) not in done]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    path = args.out.with_suffix(".json")
+    record = read_json(path) or {}
+    if record.get("setting") != setting(args):
+        record = {"setting": setting(args), "sweep_runs": [], "runs": [], "invocations": []}
+    record["default_variant"] = DEFAULT_VARIANT
+    record["machine"] = machine_info(backend="gloo", ranks=args.nproc, packages=("torch", "transformers"))
+    if not args.report_only:
+        source = snapshot_source(head_commit(), args.runs_dir)
+        record["hdet_scale_commit"] = head_commit()
+        if "sweep" in args.methods:
+            sweep(args, record, source)
+        record["best_lr"], _ = sweep_best(record)
+        if record["best_lr"] is None:
+            raise SystemExit("lr_finding: no sweep recorded; run --methods sweep first")
+        starts = [record["best_lr"] * factor for factor in args.start_factors]
+        todo = []
+        if "hdet" in args.methods:
+            todo += [{"method": "hdet", "variant": variant, "lr": lr, "seed": seed}
+                     for variant in args.variants for lr in starts for seed in args.seeds]
+        if "schedulefree" in args.methods:
+            todo += [{"method": "schedulefree", "variant": "schedulefree", "lr": lr, "seed": seed}
+                     for lr in starts for seed in args.seeds]
+        if "prodigy" in args.methods:
+            todo += [{"method": "prodigy", "variant": "prodigy", "lr": 1.0, "seed": seed} for seed in args.seeds]
+        execute(args, pending(record, todo), source, record)
+    record["best_lr"], _ = sweep_best(record)
+    record["sweep"] = [{"lr": run["lr"], "seed": run["seed"], "heldout": run["heldout"]}
+                       for run in record["sweep_runs"]]
+    for run in record["runs"]:
+        run["start_factor"] = None if run["method"] == "prodigy" else run["lr"] / record["best_lr"]
+        run["final_lr_ratio"] = final_lr_ratio(run, record["best_lr"])
+    write_json(path, record)
+    write_report(args.out, record)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""One run of the LR-finding benchmark: a byte-level Llama on the stdlib corpus, data parallel on gloo/nccl.
+
+    torchrun --standalone --nproc_per_node 4 benchmarks/lr_finding_worker.py --lr 3e-3 --out runs/x \
+        [--schedule cosine|onecycle|wsd] [--hdet_config hdet.json] [--probe] [--optimizer adamw|schedulefree|prodigy]
+
+Every rank is a replica (the paper's layout; global gradients). Without ``--hdet_config`` it is plain data
+parallel with AdamW on the schedule; with one, HDET runs on the same schedule (``HDETScheduler``; the paper's
+controller needs the schedule's floor, ``paper_decay``). ``schedulefree`` (AdamWScheduleFree, warm-up only) and
+``prodigy`` (Prodigy at LR 1.0 on the schedule) are plain data parallel.
+
+Schedules, as factors of ``--lr``: ``cosine``, linear warm-up over ``--warmup_fraction`` of the steps, then a
+cosine to ``--min_lr_ratio``; ``wsd``, the same warm-up, constant, then a linear decay to ``--min_lr_ratio``
+over the last ``--decay_fraction``; ``onecycle``, torch's OneCycleLR with its defaults.
+
+``--batch FILE`` (a JSON list of argument lists) runs several runs one after another in one process group.
+Rank 0 writes each run's ``result.json``: the final model's held-out and training loss on fixed batches, the
+step it diverged at (None), wall time, tokens, and for HDET the controller's effective scale (the base LR over
+the schedule's LR) at every sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from quality_worker import fixed_loss, plain_data_parallel, run_worker, set_heldout_probe, stdlib_corpus, training_step
+
+from hdet_scale import HDETScheduler, ReplicaTopology, load_config
+from hdet_scale.controller import PaperDecay
+from hdet_scale.engines.ddp import wrap_model
+from hdet_scale.lm.model import build_model
+
+SCHEDULES = ("cosine", "onecycle", "wsd")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", help="model preset of hdet_scale.lm.model")
+    parser.add_argument("--hidden", type=int, default=None, help="override the preset's hidden size")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps")
+    parser.add_argument("--batch_size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq_len", type=int, default=64, help="bytes per sequence")
+    parser.add_argument("--lr", type=float, required=True, help="peak LR (schedule-free's LR)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine")
+    parser.add_argument("--warmup_fraction", type=float, default=0.05, help="linear warm-up, share of the steps")
+    parser.add_argument("--decay_fraction", type=float, default=0.2, help="wsd: the decay's share of the steps")
+    parser.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine and wsd: final LR over --lr")
+    parser.add_argument("--optimizer", choices=("adamw", "schedulefree", "prodigy"), default="adamw")
+    parser.add_argument("--weight_decay", type=float, default=0.01)
+    parser.add_argument("--hdet_config", default=None, help="HDET JSON; none: plain data parallel")
+    parser.add_argument("--probe", action="store_true", help="HDET: score the replicas on a shared probe batch")
+    parser.add_argument("--probe_batch", type=int, default=32, help="windows in the probe batch")
+    parser.add_argument("--corpus_mb", type=float, default=4.0, help="MiB of the stdlib corpus")
+    parser.add_argument("--eval_batches", type=int, default=16, help="fixed batches for the final losses")
+    parser.add_argument("--seed", type=int, default=0, help="model, data and HDET seed")
+    parser.add_argument("--out", required=True, help="directory for result.json")
+    return parser.parse_args(argv)
+
+
+def schedule_factor(args: argparse.Namespace) -> Callable[[int], float]:
+    """The LR at step ``s`` (0-based, the value the ``s``-th optimizer step uses) as a factor of ``--lr``."""
+    steps, low = args.steps, args.min_lr_ratio
+    warmup = max(1, round(args.warmup_fraction * steps))
+
+    def cosine(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        progress = min(1.0, (s - warmup) / max(1, steps - warmup))
+        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def wsd(s: int) -> float:
+        decay_from = steps - max(1, round(args.decay_fraction * steps))
+        if s < warmup:
+            return (s + 1) / warmup
+        if s < decay_from:
+            return 1.0
+        return 1.0 - (1.0 - low) * min(1.0, (s - decay_from + 1) / (steps - decay_from))
+
+    return cosine if args.schedule == "cosine" else wsd
+
+
+def optimizer_and_schedule(args: argparse.Namespace, model: torch.nn.Module) -> tuple[Any, Any]:
+    """The optimizer and its LR scheduler (None for schedule-free, which warms up by itself)."""
+    warmup = max(1, round(args.warmup_fraction * args.steps))
+    if args.optimizer == "schedulefree":
+        import schedulefree
+
+        return schedulefree.AdamWScheduleFree(model.parameters(), lr=args.lr, warmup_steps=warmup,
+                                              weight_decay=args.weight_decay), None
+    if args.optimizer == "prodigy":
+        from prodigyopt import Prodigy
+
+        # Prodigy's authors: LR 1.0 with the usual schedule; safeguard_warmup when the LR warms up.
+        optimizer = Prodigy(model.parameters(), lr=1.0, weight_decay=args.weight_decay, safeguard_warmup=True)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if args.schedule == "onecycle":
+        peak = 1.0 if args.optimizer == "prodigy" else args.lr
+        return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak, total_steps=args.steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_factor(args))
+
+
+def train_one(args: argparse.Namespace, backend: str) -> None:
+    """One run inside an initialized process group; rank 0 writes ``result.json``."""
+    config = load_config(args.hdet_config) if args.hdet_config else None
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
+    out = Path(args.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").unlink(missing_ok=True)
+    corpus = stdlib_corpus(args.corpus_mb)
+    torch.manual_seed(args.seed)
+    overrides = {key: value for key, value in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers))
+                 if value is not None}
+    model = build_model(args.preset, vocab_size=corpus.vocab_size, seq_len=args.seq_len, **overrides).to(device)
+    hdet = None
+    if config is not None:
+        topology = ReplicaTopology.build(config)
+        model = wrap_model(model, config, topology)
+        optimizer, schedule = optimizer_and_schedule(args, model)
+        floor = [PaperDecay(args.steps, args.lr * args.min_lr_ratio)] if config.auto_lr.mode == "paper" else None
+        hdet = HDETScheduler(schedule, hdet_config=config, model=model, topology=topology, paper_decay=floor)
+        schedule = hdet
+        if args.probe:
+            set_heldout_probe(hdet.hdet, model, corpus, args, rank)
+    else:
+        model = plain_data_parallel(model)
+        optimizer, schedule = optimizer_and_schedule(args, model)
+    if args.optimizer == "schedulefree":
+        optimizer.train()
+    result = run_steps(args, model, optimizer, schedule, hdet, corpus, device)
+    if rank == 0:
+        if args.optimizer == "schedulefree":
+            optimizer.eval()  # its averaged sequence is the model, as its authors evaluate it
+        result["heldout"] = fixed_loss(model.module, corpus.heldout, args, device)
+        result["train"] = fixed_loss(model.module, corpus.train, args, device)
+        result["args"] = vars(args)
+        (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"{out.name}: held-out {result['heldout']:.4f}  ({result['wall_seconds']:.0f} s)", flush=True)
+    if hdet is not None:
+        hdet.hdet.close()
+    dist.barrier()
+
+
+def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, schedule: Any,
+              hdet: HDETScheduler | None, corpus: Any, device: torch.device) -> dict[str, Any]:
+    """The training loop; returns the run's record so far (divergence, wall time, the controller's scales)."""
+    rank = dist.get_rank()
+    data = torch.Generator().manual_seed(args.seed * 100_003 + rank)
+    scales, diverged_at, started = [], None, time.perf_counter()
+    for step in range(1, args.steps + 1):
+        loss = training_step(model, optimizer, corpus, args, data, device)
+        if hdet is None:
+            if schedule is not None:
+                schedule.step()
+            if step % 50 == 0:  # plain runs stop together once the mean loss is non-finite
+                finite = torch.tensor(float(math.isfinite(loss.item())))
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+                if not finite.item():
+                    diverged_at = step
+                    break
+            continue
+        try:
+            report = hdet.step(loss)
+        except FloatingPointError:  # every replica non-finite at a sync: all ranks raise together
+            diverged_at = step
+            break
+        if report is not None:
+            scheduled = optimizer.param_groups[0]["lr"]
+            if scheduled > 0:
+                scales.append([step, report.values["lr/0"]["base"] / scheduled])
+    if hdet is not None and diverged_at is None and args.steps % hdet.hdet.config.sync_interval:
+        hdet.hdet.sync()  # end on the averaged model
+    world = dist.get_world_size()
+    return {"diverged_at_step": diverged_at, "wall_seconds": time.perf_counter() - started, "scales": scales,
+            "tokens": args.steps * world * args.batch_size * args.seq_len, "world_size": world}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """See the module docstring."""
+    run_worker(parse_args, train_one, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Each replica's weights averaged over the last part of a sync interval, for the probe to score.
+
+The last iterate of a replica at a higher LR oscillates more across the loss valley: its loss carries a
+noise term that a lower LR does not have, while its faster progress along the valley only shows after the
+LR decays. Scoring a running average of the iterate instead (as SWA, LAWA and schedule-free evaluate)
+removes most of that noise term and keeps the progress, so a too-low LR no longer wins the comparison on
+noise alone (``AutoLRConfig.average_window``).
+
+The average is of this rank's local tensors (its shard of the master weights, and floating buffers): it
+stays sharded on FSDP2 and ZeRO. It is transient: checkpoints are taken at sync points, where it is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+
+class WindowAverage:
+    """The running mean of some tensors over the last ``ceil(fraction * sync_interval)`` steps of an interval.
+
+    Call ``observe`` after every optimizer step with the number of steps since the last sync; ``swapped_in``
+    puts the mean into the tensors for the duration of a block (e.g. the probe); ``reset`` at every sync.
+    """
+
+    def __init__(self, fraction: float, sync_interval: int) -> None:
+        self.window = math.ceil(fraction * sync_interval) if fraction > 0 else 0
+        self.sync_interval = sync_interval
+        self._mean: list[torch.Tensor] = []
+        self.count = 0
+        """Iterates averaged so far in this interval."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.window > 0
+
+    @torch.no_grad()
+    def observe(self, steps_since_sync: int, tensors: Callable[[], Sequence[torch.Tensor]]) -> None:
+        """Adds the current iterate (``tensors()``) when step ``steps_since_sync`` of the interval is in the
+        window, the last ``window`` steps before the next regular sync."""
+        if not self.enabled or steps_since_sync <= self.sync_interval - self.window:
+            return
+        current = list(tensors())
+        if self.count == 0:
+            if len(self._mean) != len(current) or any(m.shape != c.shape for m, c in zip(self._mean, current,
+                                                                                          strict=True)):
+                self._mean = [tensor.detach().clone() for tensor in current]
+            else:
+                torch._foreach_copy_(self._mean, current)
+        else:
+            torch._foreach_lerp_(self._mean, current, 1.0 / (self.count + 1))
+        self.count += 1
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped_in(self, tensors: Sequence[torch.Tensor], refresh: Callable[[], None]) -> Iterator[bool]:
+        """Inside the block ``tensors`` hold the mean (``refresh()`` is called after writing them, e.g. to update
+        low-precision copies), after it their own values again; yields whether a mean was swapped in (not
+        when no step of this interval fell in the window, e.g. at an early sync)."""
+        if self.count == 0:
+            yield False
+            return
+        own = [tensor.clone() for tensor in tensors]
+        torch._foreach_copy_(list(tensors), self._mean)
+        refresh()
+        try:
+            yield True
+        finally:
+            torch._foreach_copy_(list(tensors), own)
+            refresh()
+
+    def reset(self) -> None:
+        """Starts a new interval (the memory of the mean is kept for the next one)."""
+        self.count = 0

@@ -1,0 +1,208 @@
+"""The controller's weight-based signals on 2 replicas of every engine, against independent computations.
+
+Averaged weights (``auto_lr.average_window``): the running mean by hand in one process, then each sync's probe
+scores against each replica's full weights recorded at the window's steps, averaged here, loaded into a plain
+copy of the model and scored on the same probe batch. Displacement (``auto_lr.displacement``): the cosine of
+consecutive sync-to-sync moves, against the full averaged weights gathered after each sync.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import gather_rows, run_ranks
+from hdet_scale.probe import batch_probe
+from hdet_scale.weight_average import WindowAverage
+
+SYNC_INTERVAL, STEPS = 4, 12  # three syncs: the displacement signal speaks at the third
+WINDOW = 0.5  # the last 2 steps of every interval
+
+
+def test_window_average_by_hand():
+    window = WindowAverage(WINDOW, SYNC_INTERVAL)
+    tensor = torch.zeros(3)
+    refreshed = []
+    for since_sync, value in enumerate([1.0, 2.0, 4.0, 8.0], start=1):
+        tensor.fill_(value)
+        window.observe(since_sync, lambda: [tensor])
+    assert window.count == 2  # steps 3 and 4 of the interval
+    with window.swapped_in([tensor], lambda: refreshed.append(tensor.clone())) as swapped:
+        assert swapped and torch.equal(tensor, torch.full((3,), 6.0))  # (4 + 8) / 2
+    assert torch.equal(tensor, torch.full((3,), 8.0)) and len(refreshed) == 2  # its own values back, refreshed
+    window.reset()
+    with window.swapped_in([tensor], lambda: refreshed.append(None)) as swapped:
+        assert not swapped  # nothing averaged since the reset (e.g. an early sync)
+    assert len(refreshed) == 2
+    assert not WindowAverage(0.0, SYNC_INTERVAL).enabled
+
+
+def hdet_settings(per_replica: int) -> dict:
+    return {"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
+            "auto_lr": {"warmup_steps": 0, "average_window": WINDOW, "displacement": 0.1}}
+
+
+def test_displacement_cosine_by_hand():
+    from hdet_scale.displacement import DisplacementSignal
+
+    signal = DisplacementSignal()
+    weights = [torch.zeros(2), torch.zeros(1)]
+    path = [([0.0, 0.0], [0.0]), ([1.0, 0.0], [0.0]), ([2.0, 1.0], [0.0]), ([1.0, 1.0], [1.0])]
+    seen = []
+    for first, second in path:
+        weights[0].copy_(torch.tensor(first))
+        weights[1].copy_(torch.tensor(second))
+        seen.append(signal.update(weights, None))
+    # moves: (1, 0, 0), (1, 1, 0), (-1, 0, 1): cos 1/sqrt(2), then -1 / (sqrt(2) sqrt(2)) = -1/2
+    assert seen[:2] == [None, None]
+    assert seen[2] == pytest.approx(1 / 2**0.5) and seen[3] == pytest.approx(-0.5)
+    signal.reset()
+    assert signal.update(weights, None) is None
+
+
+def check_displacement(after_sync: list[torch.Tensor], reports: list) -> None:
+    """The last report's displacement against the full averaged weights after each sync."""
+    assert [report.displacement for report in reports[:2]] == [None, None]
+    first, second = after_sync[1] - after_sync[0], after_sync[2] - after_sync[1]
+    expected = float(torch.dot(first.double(), second.double()) / (first.double().norm() * second.double().norm()))
+    assert reports[2].displacement == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+def check_scores(records: dict[int, torch.Tensor], reports: list, probe_loss, replica_of: torch.Tensor) -> None:
+    """``records[step]``: every rank's full weights after that step (before its sync); each report's probe losses
+    must be the probe loss of each replica's weights averaged over the window's steps."""
+    for report in reports:
+        window = [report.step - 1, report.step]
+        for replica, score in enumerate(report.probe_losses):
+            rank = int((replica_of == replica).nonzero()[0])
+            mean = torch.stack([records[step][rank] for step in window]).double().mean(0).float()
+            assert score == pytest.approx(probe_loss(mean), rel=1e-5), (report.step, replica)
+        assert report.excluded_replicas == []
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+PROBE_X = torch.randn(5, 6, generator=torch.Generator().manual_seed(9))
+
+
+def mlp_probe_loss(flat: torch.Tensor) -> float:
+    model = mlp()
+    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    with torch.no_grad():
+        return float(model(PROBE_X).pow(2).mean())
+
+
+def ddp_run(rank: int, world: int) -> None:
+    from hdet_scale import HDETConfig, ReplicaTopology
+    from hdet_scale.engines.ddp import attach, wrap_model
+
+    config = HDETConfig.from_dict(hdet_settings(1))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(mlp(), config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    hdet = attach(model, optimizer, config, topology=topology)
+    hdet.set_probe(batch_probe(model, PROBE_X, lambda m, x: m(x).pow(2).mean()))
+    records, reports, after_sync = {}, [], []
+    for step in range(1, STEPS + 1):
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * rank + step))).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        records[step] = gather_rows(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+        report = hdet.step(loss)
+        if report is not None:
+            reports.append(report)
+            after = gather_rows(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+            # the sync averaged each replica's last iterate, not its window average
+            assert torch.allclose(after[0], records[step].double().mean(0).float(), atol=1e-6)
+            after_sync.append(after[0])
+    assert len(reports) == 3
+    check_scores(records, reports, mlp_probe_loss, torch.arange(world))
+    check_displacement(after_sync, reports)
+
+
+def test_ddp_scores_each_replicas_averaged_weights():
+    run_ranks(ddp_run, 2)
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2
+def fsdp_run(rank: int, world: int) -> None:
+    from test_fsdp import full, tiny_llama
+
+    from hdet_scale import HDETConfig
+    from hdet_scale.engines.fsdp import wrap
+    from hdet_scale.lm.model import next_token_loss
+
+    config = HDETConfig.from_dict(hdet_settings(2))
+    model, handle = wrap(tiny_llama(seed=0), config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = handle.attach(optimizer)
+    tokens = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(5))
+    probe_batch = (tokens[:, :-1], tokens[:, 1:])
+    hdet.set_probe(batch_probe(model, probe_batch, lambda m, b: next_token_loss(m, *b)))
+    records, reports, after_sync = {}, [], []
+    for step in range(1, STEPS + 1):
+        optimizer.zero_grad()
+        batch = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(100 * rank + step))
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        records[step] = gather_rows(full(model.parameters()))
+        report = hdet.step(loss)
+        if report is not None:
+            reports.append(report)
+            after_sync.append(full(model.parameters()))
+
+    def probe_loss(flat: torch.Tensor) -> float:
+        plain = tiny_llama(seed=0)
+        torch.nn.utils.vector_to_parameters(flat, plain.parameters())
+        with torch.no_grad():
+            return float(next_token_loss(plain.eval(), *probe_batch))
+
+    check_scores(records, reports, probe_loss, torch.arange(world) // 2)
+    check_displacement(after_sync, reports)
+
+
+def test_fsdp2_scores_each_replicas_averaged_shards():
+    run_ranks(fsdp_run, 4)
+
+
+# ------------------------------------------------------------------------------------------ DeepSpeed
+def zero_run(rank: int, world: int, stage: int) -> None:
+    from test_deepspeed import build, ds_config, full_fp32, micro_batch, tiny_model
+    from test_deepspeed import train_step as deepspeed_step
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    engine = build(ds_config(stage, hdet=hdet_settings(2)), seed=rank)
+    probe_batch = micro_batch(0, -1, 0, torch.float32)
+    engine.hdet.ensemble.set_probe(batch_probe(engine, probe_batch, lambda m, b: m(b).float().pow(2).mean()))
+    records, reports, after_sync = {}, [], []
+    engine.hdet.ensemble.add_pre_sync_hook(lambda step: records.update({step: gather_rows(full_fp32(engine))}))
+    for step in range(1, STEPS + 1):
+        deepspeed_step(engine, rank, step)
+        if step % SYNC_INTERVAL:
+            records[step] = gather_rows(full_fp32(engine))
+        else:
+            reports.append(engine.hdet.last_report)
+            after_sync.append(full_fp32(engine))
+
+    def probe_loss(flat: torch.Tensor) -> float:
+        plain = tiny_model(0)
+        torch.nn.utils.vector_to_parameters(flat, plain.parameters())
+        with torch.no_grad():
+            return float(plain(probe_batch).pow(2).mean())
+
+    check_scores(records, reports, probe_loss, torch.arange(world) // 2)
+    check_displacement(after_sync, reports)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_scores_each_replicas_averaged_partitions(stage):
+    run_ranks(zero_run, 4, stage)
