@@ -126,7 +126,8 @@ class HDETConfig:
     """Everything HDET needs besides the model, optimizer and schedule."""
 
     alpha: float = 1.0 / 9.0
-    """alpha: spread ratio of the LR multipliers (eq. 1), in [0, 1). 0 is plain data parallel."""
+    """alpha: spread ratio of the LR multipliers (eq. 1), in [0, 1) (``spread="log"``: any alpha >= 0). 0 is plain
+    data parallel."""
 
     spread: str = "linear"
     """How the multipliers spread around 1: ``linear``, eq. 1's [1 - alpha, 1 + alpha] (arithmetic mean 1);
@@ -194,8 +195,11 @@ class HDETConfig:
     # -------------------------------------------------------------------------------------- validation
     def validate(self, world_size: int | None = None) -> None:
         """Raises HDETConfigError naming the first bad field; with ``world_size`` also checks the layout."""
-        _check_number("alpha", self.alpha, low=0.0, high=1.0, high_open=True,
-                      hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0")
+        if self.spread == "log":  # multipliers in [1/(1 + alpha), 1 + alpha]: positive for any alpha
+            _check_number("alpha", self.alpha, low=0.0)
+        else:
+            _check_number("alpha", self.alpha, low=0.0, high=1.0, high_open=True,
+                          hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0; spread 'log' allows it")
         _check_int("sync_interval", self.sync_interval, low=1)
         _check_choice("spread", self.spread, SPREADS)
         if self.ranks_per_replica not in REPLICA_SIZE_NAMES:

@@ -112,3 +112,9 @@ def test_bad_json_files(tmp_path):
     listing.write_text("[1, 2]")
     with pytest.raises(HDETConfigError, match="must hold a JSON object"):
         HDETConfig.from_json(listing)
+
+
+def test_a_log_spread_takes_any_alpha():
+    assert HDETConfig.from_dict({"alpha": 1.0, "spread": "log"}).alpha == 1.0  # multipliers 1/2 .. 2
+    with pytest.raises(HDETConfigError, match="spread 'log' allows it"):
+        HDETConfig.from_dict({"alpha": 1.0})
