@@ -166,8 +166,9 @@ def sync_markdown(cfg: dict[str, Any], sync: dict[str, Any], heading: str, per_r
         *[table_row(name, entry["buckets"], _ms(entry["seconds"]), _ratio(entry["ratio_vs_flat"]))
           for name, entry in sync["ops"].items()],
         "",
-        "`hdet.sync` minus `average_tensors` is the loss gather (a second, tiny collective), the finiteness "
-        "check of every parameter and the controller"
+        "`hdet.sync` minus `average_tensors` is the score gather (riding in the average's first bucket when "
+        "every rank is a replica, a small all-rank collective alongside otherwise), the finiteness check of every "
+        "parameter and the controller"
         + (", and ZeRO refreshing its parameters from the averaged master" if gradient_average else "")
         + "; `average_tensors` minus the flat all-reduce is packing the buckets, the division and unpacking.",
     ]

@@ -86,28 +86,33 @@ class HealthyMean:
     element contributes nothing, decided on the device in the same all-reduce (see ``pack_healthy``).
 
     Call it on a tensor to average it in place (FSDP2's all-reduce hook), or register it with DDP as the state
-    of ``healthy_mean_hook``. Packing buffers are kept per bucket and reused: a fresh multi-MB buffer every
-    step costs page faults on the CPU.
+    of ``healthy_mean_hook``. On the CPU, packing buffers go back to a pool once their all-reduce is unpacked and
+    are reused (a fresh multi-MB buffer every step costs page faults there), so it holds as many as are in flight
+    at once; on an accelerator the caching allocator reuses memory, in stream order.
     """
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
-        self._buffers: dict[object, torch.Tensor] = {}
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
-    def packed(self, tensor: torch.Tensor, key: object) -> torch.Tensor:
-        """``tensor`` packed into the buffer kept under ``key`` (made on first use, or when the shape changes)."""
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() != tensor.numel() + 1 or buffer.device != tensor.device:
-            buffer = self._buffers[key] = packing_buffer(tensor, self.size)
-        return pack_healthy(tensor, self.size, buffer)
+    def packed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` packed (``pack_healthy``) into a pooled or new buffer; ``release`` it after unpacking."""
+        pool = self._free.get((tensor.numel(), tensor.dtype)) if tensor.device.type == "cpu" else None
+        return pack_healthy(tensor, self.size, pool.pop() if pool else None)
+
+    def release(self, packed: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Returns ``packed`` (done with, after unpacking into ``tensor``) to the CPU pool."""
+        if packed.device.type == "cpu":
+            self._free.setdefault((tensor.numel(), tensor.dtype), []).append(packed)
 
     def __call__(self, tensor: torch.Tensor) -> int:
         """Replaces ``tensor`` by the healthy members' mean (collective; one all-reduce, no host synchronization);
         returns the bytes all-reduced."""
-        packed = self.packed(tensor, (tensor.numel(), tensor.dtype))
+        packed = self.packed(tensor)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group)
         unpack_healthy_mean(packed, tensor, self.size)
+        self.release(packed, tensor)
         return packed.numel() * packed.element_size()
 
 
@@ -115,9 +120,15 @@ def healthy_mean_hook(state: HealthyMean, bucket: dist.GradBucket) -> torch.futu
     """A DDP communication hook, ``ddp.register_comm_hook(HealthyMean(group), healthy_mean_hook)``: each
     gradient bucket becomes the mean over the ranks of the group whose bucket is all finite."""
     buffer = bucket.buffer()
-    packed = state.packed(buffer, bucket.index())
+    packed = state.packed(buffer)
+
+    def unpack(_: torch.futures.Future) -> torch.Tensor:
+        unpack_healthy_mean(packed, buffer, state.size)
+        state.release(packed, buffer)
+        return buffer
+
     future = dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=state.group, async_op=True).get_future()
-    return future.then(lambda _: unpack_healthy_mean(packed, buffer, state.size))
+    return future.then(unpack)
 
 
 # DDP checks a hook's annotations against the real classes, and this module's are strings (future annotations).
