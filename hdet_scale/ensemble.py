@@ -143,6 +143,10 @@ class HDETEnsemble:
         explored = self._explore(ValueKnob(name, float(getter()), Bounds(low=low, high=high), alpha, setter))
         explored.knob.apply(explored.value(self.topology.replica_index))
 
+    def explores(self, name: str) -> bool:
+        """Whether the hyperparameter ``name`` is explored (e.g. ``"label_smoothing"``, ``"lr/0"``)."""
+        return any(explored.name == name for explored in self._explored)
+
     def value(self, name: str) -> float:
         """This replica's current value of the explored hyperparameter ``name`` (e.g. ``"label_smoothing"``,
         ``"lr/0"``: for optimizer knobs, the value the next ``optimizer.step()`` uses)."""

@@ -35,15 +35,18 @@ import argparse
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from hdet_scale.config import HDETConfig
+from hdet_scale.config import HDETConfig, add_hdet_args
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
+from hdet_scale.lm.checkpoints import ResumePoint, check_free_space, check_resume, identity, remove_leftover_staging
 from hdet_scale.lm.corpus import Corpus, batch, load_corpus
 from hdet_scale.lm.model import PRESETS, build_model, check_preset
 from hdet_scale.lm.preemption import StopSignal
@@ -57,8 +60,6 @@ SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORL
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from hdet_scale.engines.deepspeed import add_config_arguments
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=("auto", "fsdp", "deepspeed"), default="auto",
                         help="auto: deepspeed under the deepspeed launcher or with --deepspeed_config, else fsdp")
@@ -98,9 +99,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--on_signal", choices=("sync_now", "next_sync"), default="sync_now",
                         help="on SIGTERM: average early and stop one step later, or train on to the next "
                         "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="the model's attention dropout (the presets have none; explore.dropout needs some)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
-    add_config_arguments(parser)  # DeepSpeed's arguments, --hdet_config and the launcher's --local_rank
+    add_hdet_args(parser)
+    # What the deepspeed launcher and DeepSpeed users pass, declared here so that an FSDP2 run never imports
+    # DeepSpeed (which prints its accelerator on import, once per rank).
+    launcher = parser.add_argument_group("DeepSpeed")
+    launcher.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed's conventions")
+    launcher.add_argument("--deepspeed_config", default=None, metavar="PATH", help="DeepSpeed JSON (the engine: "
+                          "deepspeed)")
+    launcher.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
 
@@ -114,6 +124,10 @@ class Plan:
     ds_config: dict[str, Any] | None
     world_size: int
     dtype: str
+    run: dict[str, Any]
+    """What a checkpoint of this run records and a resumed run must share (``lm.checkpoints.identity``)."""
+    resume: ResumePoint | None
+    """The checkpoint to continue from (``--resume`` and there is one)."""
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -131,6 +145,8 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--min_lr_ratio must be in [0, 1], got {args.min_lr_ratio}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
     engine = args.engine
     if engine == "auto":
         engine = "deepspeed" if args.deepspeed_config or args.local_rank >= 0 else "fsdp"
@@ -142,6 +158,13 @@ def plan(args: argparse.Namespace) -> Plan:
     config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
                              world_size=world_size)
     config.validate_world_size(world_size)
+    if config.explore.dropout is not None and args.dropout == 0:
+        raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
+                         "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
+    if ds_config is not None:
+        from hdet_scale.engines.deepspeed import check_ds_config
+
+        check_ds_config(ds_config, world_size)
     for name in ("checkpoint_interval", "eval_interval"):
         if getattr(args, name) % config.sync_interval:
             raise ValueError(f"--{name}={getattr(args, name)} must be a multiple of sync_interval="
@@ -152,7 +175,13 @@ def plan(args: argparse.Namespace) -> Plan:
     micro_batch = (ds_config or {}).get("train_micro_batch_size_per_gpu", args.micro_batch_size)
     corpus.check_fits(seq_len=args.seq_len, micro_batch_size=int(micro_batch))
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
-    return Plan(engine, config, corpus, ds_config, world_size, dtype)
+    zero_stage = _zero_stage(ds_config) if engine == "deepspeed" else None
+    run = identity(engine=engine, zero_stage=zero_stage,
+                   model={"preset": args.preset, **PRESETS[args.preset], "vocab_size": corpus.vocab_size},
+                   replicas=config.num_replicas(world_size), ranks_per_replica=config.ranks_per_replica,
+                   explored=[name for name, knob in vars(config.explore).items() if knob is not None])
+    resume = check_resume(Path(args.out), run) if args.resume else None
+    return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)
 
 
 def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,8 +232,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(SINGLE_PROCESS)
     try:
         checked = plan(args)
-    except (ValueError, FileNotFoundError) as error:
-        sys.exit(f"train.py: error: {error}")
+    except (ValueError, FileNotFoundError) as error:  # every rank finds it; global rank 0 says it, once
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train.py: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -217,8 +248,41 @@ def main(argv: list[str] | None = None) -> None:
         deepspeed.init_distributed(timeout=timedelta(minutes=10))
     try:
         Run(args, checked, device).train()
+        dist.barrier()  # every rank is past its last collective before any tears the groups down
+    except RunFailed as failure:
+        if dist.get_rank() == 0:
+            print(f"train.py: error: {failure}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s type and first line; for torch.distributed.checkpoint's collective exception (a
+    ``BaseException`` whose text is every rank's traceback), the first failing rank's own error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = error.failures[min(error.failures)][0]
+    text = str(error).splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+class RunFailed(RuntimeError):
+    """A failure every rank agreed on (a checkpoint that did not load or save); rank 0 prints it in one line."""
+
+
+def agreed(action: str, work: Callable[[], Any]) -> Any:
+    """``work()`` on every rank, then every rank learns whether any failed (collective); raises ``RunFailed``
+    with the first failing rank's cause on all of them, so they stop together, none left waiting."""
+    try:
+        result, failure = work(), ""
+    except (Exception, CheckpointException) as error:  # any cause: one line, not a traceback per rank
+        result, failure = None, one_line(error)
+    failures: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    first = next(((rank, text) for rank, text in enumerate(failures) if text), None)
+    if first is not None:
+        raise RunFailed(f"{action}: {first[1]} (rank {first[0]})")
+    return result
 
 
 class Run:
@@ -226,11 +290,15 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
         self.args = args
+        self.plan = checked
         self.corpus = checked.corpus
         self.out = Path(args.out)
         self.rank = dist.get_rank()
         torch.manual_seed(args.seed)  # the same initial model on every rank (rank 0's is broadcast anyway)
-        model = build_model(args.preset, vocab_size=checked.corpus.vocab_size, seq_len=args.seq_len)
+        dropout = {"attention_dropout": args.dropout} if args.dropout else {}
+        model = build_model(args.preset, vocab_size=checked.corpus.vocab_size, seq_len=args.seq_len, **dropout)
+        self.parameters = sum(p.numel() for p in model.parameters())  # whole: ZeRO-3 partitions them below
+        self.saved_at: int | None = None
         args.dtype = checked.dtype
         self.backend: Backend = (
             FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
@@ -242,10 +310,16 @@ class Run:
         self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
                                  metrics_path=self.config.metrics_path)
         self.engine = checked.engine
-        self.parameters = sum(p.numel() for p in model.parameters())
 
     # ------------------------------------------------------------------------------------- loop
     def train(self) -> None:
+        try:
+            self._train()
+        finally:  # on every way out: no signal all-reduce left in flight, no bar or writer thread left open
+            self.stop.close()
+            self.progress.close()
+
+    def _train(self) -> None:
         args, topo = self.args, self.backend.topology
         self._start_or_resume()
         tokens_per_step = (topo.world_size * self.backend.micro_batches * self.backend.micro_batch_size
@@ -276,11 +350,16 @@ class Run:
         self._finish()
 
     def _start_or_resume(self) -> None:
-        checkpoints = self.out / "checkpoints"
-        extra = self.backend.load(checkpoints) if self.args.resume else None
-        if extra is not None:
-            self.step = self.backend.ensemble.global_step
-            self.progress.line(f"resumed from {checkpoints} at step {self.step}")
+        if self.rank == 0:
+            for leftover in remove_leftover_staging(self.out):
+                self.progress.line(f"removed {leftover}, left by an interrupted checkpoint")
+        point = self.plan.resume
+        if point is not None:
+            if point.layout_changed:
+                self.progress.line(point.layout_line())
+            agreed(f"resuming from {point.path}", lambda: self.backend.load(point.path, point.saved_replicas))
+            self.step = self.saved_at = self.backend.ensemble.global_step
+            self.progress.line(f"resumed from {point.path} at step {self.step}")  # every rank has loaded
             self.progress.truncate_metrics(self.config.metrics_path, self.step)
         elif self.rank == 0 and self.config.metrics_path:
             Path(self.config.metrics_path).unlink(missing_ok=True)  # a fresh run, not appended to an old one
@@ -307,9 +386,16 @@ class Run:
         return float(total) / (self.args.eval_batches * dist.get_world_size())
 
     def _checkpoint(self) -> Path:
-        path = self.backend.save(self.out / "checkpoints", {"step": self.step, "seed": self.args.seed})
-        self.progress.line(f"checkpoint: {path}")
-        return path
+        """Saves once per step (a preemption may land on a checkpoint step); a failure on any rank stops all."""
+        directory = self.out / "checkpoints"
+        if self.saved_at != self.step:
+            agreed(f"saving a checkpoint in {directory}", lambda: check_free_space(self.out))
+            path = agreed(f"saving a checkpoint in {directory}",
+                          lambda: self.backend.save(directory, {"step": self.step, "seed": self.args.seed},
+                                                    self.plan.run))
+            self.saved_at = self.step
+            self.progress.line(f"checkpoint: {path}")
+        return self.backend.checkpoint_path(directory)
 
     def _end_on_one_model(self) -> None:
         if not self.backend.ensemble.at_sync_point:
@@ -330,12 +416,25 @@ class Run:
         self.progress.heldout(self.step, heldout_loss, announce=False)  # in the final line below
         self._checkpoint()
         final = self.out / "final"
-        self.backend.export(final)
+        self._export(final)
         self.progress.close()
         self.progress.line(f"final train loss {train_loss:.4f}  held-out loss {heldout_loss:.4f}  "
                            f"({self.progress.elapsed():.0f} s)")
         self.progress.line(f"metrics: {self.config.metrics_path or 'disabled'}")
         self.progress.line(f"model: {final} (transformers from_pretrained)")
+
+
+    def _export(self, path: Path) -> None:
+        """The final model, without transformers' progress bar, which would cut into this run's output."""
+        from transformers.utils import logging as transformers_logging
+
+        shown = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
+        try:
+            self.backend.export(path)
+        finally:
+            if shown:
+                transformers_logging.enable_progress_bar()
 
 
 def _mix(seed: int, step: int, rank: int) -> int:

@@ -83,9 +83,11 @@ def deepspeed(nproc: int) -> list[str]:
 
 
 def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = None,
-           metrics: Path | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
-    """Runs a launcher in its own session; with ``sigterm_after_step``, sends SIGTERM to the whole session (as
-    Slurm signals every process of a job step) once the metrics show that sync."""
+           metrics: Path | None = None, timeout: float = 420,
+           signal_number: int = signal.SIGTERM) -> subprocess.CompletedProcess:
+    """Runs a launcher in its own session; with ``sigterm_after_step``, sends SIGTERM (or ``signal_number``) to the
+    whole session (as Slurm signals every process of a job step, or a terminal's Ctrl-C its foreground
+    processes) once the metrics show that sync."""
     with open(cwd / "log.txt", "w") as log:
         proc = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV,
                                 start_new_session=True, text=True)
@@ -94,7 +96,7 @@ def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = No
         while proc.poll() is None and time.monotonic() < deadline:
             if not signalled and metrics is not None and metrics.is_file():
                 if any(json.loads(line)["step"] >= sigterm_after_step for line in metrics.read_text().splitlines()):
-                    os.killpg(proc.pid, signal.SIGTERM)
+                    os.killpg(proc.pid, signal_number)
                     signalled = True
             time.sleep(0.2)
         # A signalled launcher may die at once while its ranks still checkpoint: wait for the whole session.

@@ -276,7 +276,7 @@ class SlurmCluster:
         self.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     def signal_batch_shell(self, job_id: int, name: str = "TERM") -> None:
-        """What ``#SBATCH --signal=B:TERM@secs`` does before the time limit: signal the batch shell only."""
+        """What the templates' time guard does before the time limit: signal the batch shell only."""
         self.command("scancel", "--batch", f"--signal={name}", str(job_id))
 
     def stop(self) -> None:

@@ -57,8 +57,9 @@ def micro_batch(rank: int, step: int, micro: int, dtype: torch.dtype) -> torch.T
     return torch.randn(2, 8, generator=generator).to(dtype)
 
 
-def train_step(engine, rank: int, step: int) -> float:
-    """One optimizer step of MICRO_BATCHES micro-batches; returns the mean micro-batch loss."""
+def train_step(engine, rank: int, step: int, synced: list[bool] | None = None) -> float:
+    """One optimizer step of MICRO_BATCHES micro-batches; returns the mean micro-batch loss (and appends
+    ``engine.hdet.synced`` after every micro-batch to ``synced``)."""
     dtype = next(engine.module.parameters()).dtype
     losses = []
     for micro in range(MICRO_BATCHES):
@@ -66,6 +67,8 @@ def train_step(engine, rank: int, step: int) -> float:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if synced is not None:
+            synced.append(engine.hdet.synced)
     return sum(losses) / len(losses)
 
 
@@ -151,7 +154,10 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
             expected_lr = engine.get_lr()[0] * engine.hdet.lr_multiplier()
             assert engine.hdet.current_lrs()[0] == pytest.approx(expected_lr)
             used_lrs.clear()
-            train_step(engine, rank, step)
+            synced: list[bool] = []
+            train_step(engine, rank, step, synced)
+            # True once per sync, after the micro-batch whose step synced: where the README's loop checkpoints.
+            assert synced == [False] * (MICRO_BATCHES - 1) + [step % 3 == 0]
             # The base optimizer stepped (once per ZeRO-3 sub-group) at this replica's LR; outside the step
             # the param groups hold the base schedule again.
             assert used_lrs and all(lr == pytest.approx(expected_lr) for lr in used_lrs)
@@ -328,6 +334,11 @@ def launcher_env(monkeypatch):
     (ds_config(3, zero_optimization={"stage": 3, "zero_hpz_partition_size": 2}), {}, "ZeRO\\+\\+ hpZ"),
     (ds_config(2, fp16={"enabled": True}), {}, "fp16.enabled: HDET supports fp32 and bf16"),
     (ds_config(2, train_batch_size=6), {"hdet_config": {"ranks_per_replica": 1}},
+     "train_batch_size=6 does not match train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=2 x 4 ranks "
+     "= 16"),
+    ({key: value for key, value in ds_config(2, train_batch_size=6).items()
+      if key not in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")},
+     {"hdet_config": {"ranks_per_replica": 1}},
      "train_batch_size=6 must be a multiple of the number of replicas \\(4\\)"),
 ])
 def test_bad_inputs_fail_before_any_process_group(launcher_env, config, kwargs, message):

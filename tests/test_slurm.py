@@ -2,7 +2,7 @@
 
 Each template trains the tiny model on CPU (FSDP in local, DeepSpeed in global gradient mode): 2 nodes x 2
 ranks, one replica per node (``ranks_per_replica: "node"``), so 2 replicas that sync every 5 steps. The FSDP
-template is also preempted the way ``--signal=B:TERM`` does it before a time limit: the job checkpoints,
+template is also preempted the way its time guard does it before a time limit: the job checkpoints,
 requeues itself and resumes to the same final model.
 
 Needs slurm-wlm and munge (``apt-get install slurm-wlm munge``) and root; skipped otherwise, unless
@@ -64,7 +64,7 @@ def python_environment() -> dict[str, str]:
 
 
 def submit(cluster: SlurmCluster, template: str, run_dir: Path, env: dict[str, str] | None = None, *,
-           gradient_mode: str = "global") -> int:
+           gradient_mode: str = "global", options: tuple[str, ...] = (), train_args: tuple[str, ...] = ()) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     hdet_config = run_dir / "hdet.json"
     hdet_config.write_text(json.dumps({"alpha": 0.25, "sync_interval": SYNC_INTERVAL, "ranks_per_replica": "node",
@@ -77,8 +77,17 @@ def submit(cluster: SlurmCluster, template: str, run_dir: Path, env: dict[str, s
         **(env or {}),
     }
     # The fake GPUs per node set the ranks per node: the templates read SLURM_GPUS_ON_NODE.
-    options = ["--nodes=2", "--gpus-per-node=2", f"--output={run_dir}/slurm-%j.out"]
-    return cluster.submit(ROOT / "launch" / template, *TRAIN_ARGS, options=options, cwd=run_dir, env=job_env)
+    options = ["--nodes=2", "--gpus-per-node=2", f"--output={run_dir}/slurm-%j.out", *options]
+    return cluster.submit(ROOT / "launch" / template, *TRAIN_ARGS, *train_args, options=options, cwd=run_dir,
+                          env=job_env)
+
+
+def wait_for_line(cluster: SlurmCluster, job_id: int, log: Path, pattern: str, timeout: float = 300) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(pattern, log.read_text() if log.exists() else "", re.MULTILINE)):
+        assert time.monotonic() < deadline, f"no {pattern!r}:\n" + cluster.output(cluster.job_record(job_id))[-8000:]
+        time.sleep(0.5)
+    return found
 
 
 def check_trained(job: Job, out: Path, engine: str, gradient_mode: str) -> str:
@@ -137,12 +146,8 @@ def test_deepspeed_template_trains_two_replicas_on_two_nodes(cluster, tmp_path, 
 
 def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_path, fsdp_job):
     job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local")
-    log = tmp_path / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 300
-    while "HDET train:" not in (log.read_text() if log.exists() else ""):  # the ranks handle SIGTERM from here
-        assert time.monotonic() < deadline, cluster.output(cluster.job_record(job_id))[-8000:]
-        time.sleep(0.2)
-    cluster.signal_batch_shell(job_id)  # what --signal=B:TERM@600 does 10 minutes before the time limit
+    wait_for_line(cluster, job_id, tmp_path / f"slurm-{job_id}.out", "^HDET train:")  # SIGTERM is handled now
+    cluster.signal_batch_shell(job_id)  # what the time guard does before the time limit
     cluster.start_requeued(job_id)
     job = cluster.wait(job_id, timeout=600, restarts=1)
     assert job.restarts == 1
@@ -154,3 +159,20 @@ def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_
     assert re.search(rf"^resumed from \S+ at step {step}$", job.output, re.MULTILINE), job.output[-8000:]
     # The same final model as the uninterrupted run.
     assert check_trained(job, tmp_path / "out", "fsdp", "local") == check_trained(*fsdp_job, "fsdp", "local")
+
+
+def test_a_short_time_limit_trains_before_the_time_guard_requeues_it(cluster, tmp_path):
+    """A 3-minute debugging job: the guard's lead shrinks to a fifth of the time left (a fixed 10-minute lead
+    would signal it at once, at every start), so it trains, checkpoints, requeues and resumes where it stopped."""
+    job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local", options=("--time=3",),
+                    train_args=("--steps", "100000"))  # longer than the limit: the guard has to stop it
+    log = tmp_path / f"slurm-{job_id}.out"
+    guard = wait_for_line(cluster, job_id, log, r"time left (\d+) s: checkpoint and requeue (\d+) s before the limit$")
+    left, lead = int(guard.group(1)), int(guard.group(2))
+    assert 120 < left <= 180 and lead == left // 5
+    preempted = wait_for_line(cluster, job_id, log, r"^preempted at step (\d+); checkpoint: \S+", timeout=left + 60)
+    step = int(preempted.group(1))
+    assert step > 0 and step % SYNC_INTERVAL == 0
+    cluster.start_requeued(job_id)
+    wait_for_line(cluster, job_id, log, rf"^resumed from \S+ at step {step}$")
+    cluster.command("scancel", str(job_id))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import glob
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -80,6 +79,8 @@ class HDETDeepSpeed:
         self.last_report: SyncReport | None = None
         """The report of the most recent sync (also written to ``metrics_path``)."""
         self._saving = False
+        self._saved_replicas_given: int | None = None  # replicas of the checkpoint being loaded, when known
+        self._synced_in_step = False
         if topology.replica_index > 0:
             # DeepSpeed names checkpoint files by the rank inside the replica, so replicas would overwrite each
             # other. Optimizer state may differ (local mode): every other replica writes its own files next to
@@ -102,6 +103,7 @@ class HDETDeepSpeed:
                 return backward(loss, *args, **kwargs)
 
         def replica_step(*args: Any, **kwargs: Any) -> Any:
+            self._synced_in_step = False
             with replica_groups(engine.mpu):
                 return step(*args, **kwargs)
 
@@ -113,6 +115,7 @@ class HDETDeepSpeed:
             report = self.ensemble.step()
             if report is not None:
                 self.last_report = report
+                self._synced_in_step = True
             return result
 
         engine.backward = observing_backward
@@ -122,10 +125,14 @@ class HDETDeepSpeed:
     def _replica_file(self, shared: str) -> str:
         """This replica's optimizer-state file for replica 0's ``shared`` one: in a subfolder, so DeepSpeed's
         converters (``zero_to_fp32``, ``ds_to_universal``) see exactly one replica. When loading a checkpoint
-        saved by fewer replicas the file is missing and replica 0's is used."""
-        own = os.path.join(os.path.dirname(shared), REPLICA_FOLDER,
-                           f"replica{self.topology.replica_index}_{os.path.basename(shared)}")
-        return own if self._saving or glob.glob(own) else shared  # loading asks with a pattern (mp_rank_*)
+        saved by another number of replicas (also through DeepSpeed's own ``engine.load_checkpoint``), replica r
+        reads saved replica r mod that number's file."""
+        replica = self.topology.replica_index
+        if not self._saving:
+            replica %= self._saved_replicas_given or self._saved_replicas(Path(os.path.dirname(shared)))
+        if replica == 0:
+            return shared
+        return os.path.join(os.path.dirname(shared), REPLICA_FOLDER, f"replica{replica}_{os.path.basename(shared)}")
 
     def _average_gradients_across_replicas(self) -> None:
         if self.topology.cross_replica_group is None:
@@ -135,6 +142,13 @@ class HDETDeepSpeed:
             bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._gradient_buckets)
 
     # ------------------------------------------------------------------------------------ reporting
+    @property
+    def synced(self) -> bool:
+        """True right after the ``engine.step()`` call that synced (the last micro-batch of every
+        ``sync_interval``-th optimizer step), False after every other call: once per sync, the place to
+        checkpoint. ``global_step % sync_interval == 0`` stays true for all the micro-batches that follow."""
+        return self._synced_in_step
+
     @property
     def global_step(self) -> int:
         """Optimizer steps HDET has counted."""
@@ -197,17 +211,22 @@ class HDETDeepSpeed:
             self._saving = False
         return tag
 
-    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
-                        **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,
+                        saved_replicas: int | None = None, **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
         """``engine.load_checkpoint`` and the HDET state; returns (path, the user's client_state).
 
-        Every replica gets its own optimizer state back. Loads into any number of replicas of the saved size
-        (a replica the checkpoint did not have takes replica 0's optimizer state). A different replica size
-        needs DeepSpeed's universal checkpoint (``ds_to_universal``, then ``"checkpoint": {"load_universal":
-        true}``), which carries replica 0's optimizer state.
+        Every replica gets its own optimizer state back. Loads into any number of replicas of the saved size:
+        replica r takes saved replica ``r mod saved_replicas``'s optimizer state (default: as many saved replicas
+        as the checkpoint has files for). A different replica size needs DeepSpeed's universal checkpoint
+        (``ds_to_universal``, then ``"checkpoint": {"load_universal": true}``), which carries replica 0's
+        optimizer state.
         """
-        with replica_groups(self.engine.mpu):
-            path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
+        self._saved_replicas_given = saved_replicas
+        try:
+            with replica_groups(self.engine.mpu):
+                path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
+        finally:
+            self._saved_replicas_given = None
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in '{load_dir}' (tag {tag!r})")
         client_state = dict(client_state or {})
@@ -217,6 +236,13 @@ class HDETDeepSpeed:
         self.load_state_dict(client_state.pop("hdet"))
         return path, client_state
 
+
+    @staticmethod
+    def _saved_replicas(checkpoint: Path) -> int:
+        """How many replicas wrote ``checkpoint``: replica 0 and those with files in its replica folder."""
+        others = {name.split("_", 1)[0] for name in os.listdir(checkpoint / REPLICA_FOLDER)} \
+            if (checkpoint / REPLICA_FOLDER).is_dir() else set()
+        return 1 + len(others)
 
     # ---------------------------------------------------------------------------------------- export
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -282,8 +308,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     hdet = hdet.resolved(auto="rank" if stage == 0 else "node")
     check_supported(ds_config, model)
-    if "WORLD_SIZE" in os.environ:
-        _per_replica_batch(ds_config, hdet.num_replicas(int(os.environ["WORLD_SIZE"])))  # checks it early
+    if "WORLD_SIZE" in os.environ:  # the launcher's: check the batch sizes before any set-up
+        _check_batch_sizes(ds_config, int(os.environ["WORLD_SIZE"]))
+        _per_replica_batch(ds_config, hdet.num_replicas(int(os.environ["WORLD_SIZE"])))
 
     deepspeed.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     world_size = dist.get_world_size()
@@ -332,7 +359,20 @@ def replica_dataloader(dataset: Dataset, micro_batch_size: int, *, collate_fn: C
 
 # ------------------------------------------------------------------------------------- validation
 def check_supported(ds_config: Mapping[str, Any], model: nn.Module) -> None:
-    """Raises, naming the setting, for DeepSpeed settings HDET cannot run with."""
+    """Raises, naming the setting, for DeepSpeed settings and models HDET cannot run with."""
+    check_ds_config(ds_config)
+    if any(hasattr(param, "ds_id") for param in model.parameters()):
+        raise HDETConfigError("the model was built under deepspeed.zero.Init, which partitions it over every "
+                              "rank; build it normally and let initialize shard it inside each replica")
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise HDETConfigError("pipeline parallelism (PipelineModule) is not supported with HDET")
+
+
+def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None) -> None:
+    """Raises, naming the setting, for a DeepSpeed JSON HDET cannot run with (offload, fp16, hpZ) and, with
+    ``world_size``, for batch sizes that do not add up over all ranks: before any process group exists."""
     zero = ds_config.get("zero_optimization", {}) or {}
     for section in ("offload_optimizer", "offload_param"):
         device = (zero.get(section) or {}).get("device", "none")
@@ -347,13 +387,30 @@ def check_supported(ds_config: Mapping[str, Any], model: nn.Module) -> None:
     if (ds_config.get("fp16") or {}).get("enabled", False):
         raise HDETConfigError("fp16.enabled: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
                               "use \"bf16\": {\"enabled\": true}")
-    if any(hasattr(param, "ds_id") for param in model.parameters()):
-        raise HDETConfigError("the model was built under deepspeed.zero.Init, which partitions it over every "
-                              "rank; build it normally and let initialize shard it inside each replica")
-    from deepspeed.pipe import PipelineModule
+    if world_size is not None:
+        _check_batch_sizes(ds_config, world_size)
 
-    if isinstance(model, PipelineModule):
-        raise HDETConfigError("pipeline parallelism (PipelineModule) is not supported with HDET")
+
+def _check_batch_sizes(ds_config: Mapping[str, Any], world_size: int) -> None:
+    """DeepSpeed's rule over all ranks, train_batch_size = micro-batch x accumulation x ranks, in the JSON's own
+    numbers (DeepSpeed would check it per replica, in numbers the user never wrote)."""
+    sizes = {key: ds_config.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                 "gradient_accumulation_steps")}
+    if any(value == "auto" or (value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                      or value < 1)) for value in sizes.values()):
+        return  # "auto" is for transformers' Trainer to fill in; bad types are DeepSpeed's to report
+    total, micro, accumulation = sizes.values()
+    if None not in (total, micro, accumulation) and total != micro * accumulation * world_size:
+        raise HDETConfigError(
+            f"train_batch_size={total} does not match train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={accumulation} x {world_size} ranks = {micro * accumulation * world_size}; "
+            "set it to that, or leave one of the three out for DeepSpeed to derive")
+    known = [value for value in (micro, accumulation) if value is not None]
+    if total is not None and len(known) == 1 and total % (known[0] * world_size):
+        raise HDETConfigError(
+            f"train_batch_size={total} is not a multiple of {known[0]} x {world_size} ranks "
+            f"({'train_micro_batch_size_per_gpu' if micro is not None else 'gradient_accumulation_steps'} x "
+            "ranks): DeepSpeed could not derive the other one")
 
 
 def _take_ds_config(args: Any, config: str | Mapping[str, Any] | None) -> tuple[dict[str, Any], Any]:

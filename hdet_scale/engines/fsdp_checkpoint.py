@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +34,20 @@ HDET_STATE_FILE = "hdet_state.pt"
 EXTRA_STATE_FILE = "extra_state.pt"
 
 
-def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, hdet: HDETFSDP) -> dict[str, Any]:
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, replica: int) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, f"optimizer_replica{hdet.topology.replica_index}": optimizer_state}
+    return {"model": model_state, f"optimizer_replica{replica}": optimizer_state}
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
-                    hdet: HDETFSDP, *, extra_state: Mapping[str, Any] | None = None) -> None:
+                    hdet: HDETFSDP, *, extra_state: Mapping[str, Any] | None = None,
+                    finalize: Callable[[Path], None] | None = None) -> None:
     """Saves model, optimizer and HDET state to the directory ``path`` (collective: every rank calls it).
 
     ``extra_state``: anything else the run needs back and that is the same on every rank (an LR scheduler's
-    ``state_dict()``, the data position); ``load_checkpoint`` returns it.
+    ``state_dict()``, the data position); ``load_checkpoint`` returns it. ``finalize(directory)``: called on
+    rank 0 once every file of the checkpoint is written, before it is renamed into place (e.g. to record what
+    made it).
     """
     ensemble = hdet.attached()
     if not ensemble.at_sync_point:
@@ -58,10 +61,12 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
     dist.barrier()
-    dcp.save(_sharded_state(model, optimizer, hdet), checkpoint_id=staging)
+    dcp.save(_sharded_state(model, optimizer, hdet.topology.replica_index), checkpoint_id=staging)
     if dist.get_rank() == 0:
         torch.save(ensemble.state_dict(), staging / HDET_STATE_FILE)
         torch.save(dict(extra_state or {}), staging / EXTRA_STATE_FILE)
+        if finalize is not None:
+            finalize(staging)
         retired = final.with_name(final.name + ".old")
         if final.exists():
             final.rename(retired)
@@ -71,18 +76,23 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
-                    hdet: HDETFSDP) -> dict[str, Any]:
-    """Restores a checkpoint written by ``save_checkpoint`` on the same replica layout (collective); returns
-    its ``extra_state``."""
+                    hdet: HDETFSDP, *, saved_replicas: int | None = None) -> dict[str, Any]:
+    """Restores a checkpoint written by ``save_checkpoint`` (collective); returns its ``extra_state``.
+
+    The replica layout may differ from the saved one: DCP reshards the model for another number of ranks per
+    replica, and replica ``r`` takes saved replica ``r mod saved_replicas``'s optimizer state (default: the
+    saved HDET state's replica count)."""
     ensemble = hdet.attached()
     path = Path(path)
     if not (path / HDET_STATE_FILE).is_file():
         raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")
-    state = _sharded_state(model, optimizer, hdet)
+    hdet_state = torch.load(path / HDET_STATE_FILE, weights_only=False)
+    source = hdet.topology.replica_index % (saved_replicas or int(hdet_state["num_replicas"]))
+    state = _sharded_state(model, optimizer, source)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state[f"optimizer_replica{hdet.topology.replica_index}"])
-    ensemble.load_state_dict(torch.load(path / HDET_STATE_FILE, weights_only=False))
+                   optim_state_dict=state[f"optimizer_replica{source}"])
+    ensemble.load_state_dict(hdet_state)
     extra = path / EXTRA_STATE_FILE
     return torch.load(extra, weights_only=False) if extra.is_file() else {}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.lm.checkpoints import write_manifest
 from hdet_scale.lm.model import next_token_loss
 from hdet_scale.topology import ReplicaTopology
 
@@ -86,12 +88,22 @@ class Backend(ABC):
         """Training or evaluation mode."""
 
     @abstractmethod
-    def save(self, directory: Path, extra: Mapping[str, Any]) -> Path:
-        """A checkpoint at a sync point in ``directory`` (collective); returns where it went."""
+    def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
+        """A checkpoint at a sync point in ``directory`` (collective), with ``run`` (what made it) in its
+        manifest, written once every file is complete; returns where it went."""
 
     @abstractmethod
-    def load(self, directory: Path) -> dict[str, Any] | None:
-        """Restores the checkpoint in ``directory`` and returns its ``extra``; None when there is none."""
+    def load(self, path: Path, saved_replicas: int) -> dict[str, Any]:
+        """Restores the checkpoint at ``path``, saved by ``saved_replicas`` replicas (replica r takes saved
+        replica r mod saved_replicas's optimizer state), and returns its ``extra``."""
+
+    @abstractmethod
+    def checkpoint_path(self, directory: Path) -> Path:
+        """Where the newest checkpoint in ``directory`` is."""
+
+    def label_smoothing(self) -> float:
+        """This replica's label smoothing when HDET explores it, else none."""
+        return self.ensemble.value("label_smoothing") if self.ensemble.explores("label_smoothing") else 0.0
 
     @abstractmethod
     def export(self, path: Path) -> None:
@@ -135,7 +147,8 @@ class FSDPBackend(Backend):
         for index, (inputs, targets) in enumerate(batches):
             # Gradients are reduced (and averaged across replicas in global mode) once, on the last micro-batch.
             self.model.set_requires_gradient_sync(index == len(batches) - 1)
-            loss = next_token_loss(self.model, inputs.to(self.device), targets.to(self.device))
+            loss = next_token_loss(self.model, inputs.to(self.device), targets.to(self.device),
+                                   label_smoothing=self.label_smoothing())
             (loss / len(batches)).backward()
             losses.append(loss.detach())
         if self.args.grad_clip > 0:
@@ -158,27 +171,33 @@ class FSDPBackend(Backend):
     def train(self, mode: bool) -> None:
         self.model.train(mode)
 
-    def save(self, directory: Path, extra: Mapping[str, Any]) -> Path:
+    def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         from hdet_scale.engines.fsdp_checkpoint import save_checkpoint
 
-        path = directory / self.CHECKPOINT
+        path = self.checkpoint_path(directory)
+        step = self.ensemble.global_step
         save_checkpoint(path, self.model, self.optimizer, self.hdet,
-                        extra_state={**extra, "scheduler": self.scheduler.state_dict()})
+                        extra_state={**extra, "scheduler": self.scheduler.state_dict()},
+                        finalize=lambda complete: write_manifest(complete, dict(run), step))
         return path
 
-    def load(self, directory: Path) -> dict[str, Any] | None:
+    def load(self, path: Path, saved_replicas: int) -> dict[str, Any]:
         from hdet_scale.engines.fsdp_checkpoint import load_checkpoint
 
-        path = directory / self.CHECKPOINT
-        if not path.is_dir():
-            return None
-        extra = load_checkpoint(path, self.model, self.optimizer, self.hdet)
+        extra = load_checkpoint(path, self.model, self.optimizer, self.hdet, saved_replicas=saved_replicas)
         self.scheduler.load_state_dict(extra.pop("scheduler"))
         return extra
+
+    def checkpoint_path(self, directory: Path) -> Path:
+        return directory / self.CHECKPOINT
 
     def export(self, path: Path) -> None:
         from hdet_scale.engines.fsdp_checkpoint import save_pretrained
 
+        if self.device.type == "cpu":
+            # transformers' save_pretrained imports DeepSpeed (through accelerate) when it is installed, which
+            # then warns that it found no GPU: on this path DeepSpeed is not used, and the CPU is no surprise.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         save_pretrained(self.model, path)
 
 
@@ -190,6 +209,10 @@ class DeepSpeedBackend(Backend):
     def __init__(self, model: nn.Module, config: HDETConfig, args: argparse.Namespace,
                  ds_config: dict[str, Any], device: torch.device) -> None:
         from hdet_scale.engines import deepspeed as hdet_deepspeed
+
+        # DeepSpeed calls collectives torch has deprecated, warning at every step: not the user's business.
+        deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+        warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
 
         self.device = device
         self.args = args
@@ -218,13 +241,12 @@ class DeepSpeedBackend(Backend):
     def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, SyncReport | None]:
         losses = []
         for inputs, targets in batches:
-            loss = next_token_loss(self.engine, inputs.to(self.device), targets.to(self.device))
+            loss = next_token_loss(self.engine, inputs.to(self.device), targets.to(self.device),
+                                   label_smoothing=self.label_smoothing())
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach())
-        report = self.hdet.last_report
-        synced = report is not None and report.step == self.ensemble.global_step
-        return torch.stack(losses).mean(), report if synced else None
+        return torch.stack(losses).mean(), self.hdet.last_report if self.hdet.synced else None
 
     def sync(self) -> SyncReport:
         return self.hdet.sync()
@@ -239,13 +261,15 @@ class DeepSpeedBackend(Backend):
     def train(self, mode: bool) -> None:
         self.engine.train(mode)
 
-    def save(self, directory: Path, extra: Mapping[str, Any]) -> Path:
+    def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         tag = f"{DEEPSPEED_TAG_PREFIX}{self.ensemble.global_step}"
         previous = _latest_tag(directory)
         # DeepSpeed's own 'latest' is written by rank 0 before the other ranks are done; it is written here
-        # after DeepSpeed's closing barrier instead, so it never names an incomplete checkpoint.
+        # after DeepSpeed's closing barrier instead, with the manifest first, so it never names an incomplete
+        # checkpoint.
         self.hdet.save_checkpoint(directory, tag=tag, client_state={"train": dict(extra)}, save_latest=False)
         if dist.get_rank() == 0:
+            write_manifest(directory / tag, dict(run), self.ensemble.global_step)
             staging = directory / "latest.tmp"
             staging.write_text(tag)
             staging.replace(directory / "latest")
@@ -254,12 +278,12 @@ class DeepSpeedBackend(Backend):
         dist.barrier()
         return directory / tag
 
-    def load(self, directory: Path) -> dict[str, Any] | None:
-        tag = _latest_tag(directory)
-        if tag is None:
-            return None
-        _, client_state = self.hdet.load_checkpoint(directory, tag=tag)
+    def load(self, path: Path, saved_replicas: int) -> dict[str, Any]:
+        _, client_state = self.hdet.load_checkpoint(path.parent, tag=path.name, saved_replicas=saved_replicas)
         return dict(client_state.get("train", {}))
+
+    def checkpoint_path(self, directory: Path) -> Path:
+        return directory / (_latest_tag(directory) or "")
 
     def export(self, path: Path) -> None:
         self.hdet.save_pretrained(path)

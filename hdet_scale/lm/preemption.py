@@ -1,4 +1,5 @@
-"""SIGTERM (Slurm preemption, the time limit, ``scancel``) turned into a clean stop that every rank agrees on.
+"""SIGTERM (Slurm preemption, the time limit, ``scancel``) or Ctrl-C turned into a clean stop that every rank
+agrees on.
 
 The signal reaches ranks at different moments (the deepspeed launcher signals its children one by one), so
 a rank cannot act on its own flag: every step each rank starts a non-blocking MAX all-reduce of its flag on a
@@ -8,8 +9,10 @@ decision at the same step, one step after the first rank was signalled, with no 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 from types import FrameType
 
 import torch
@@ -17,19 +20,33 @@ import torch.distributed as dist
 
 
 class StopSignal:
-    """Catches SIGTERM (and SIGINT) and answers, collectively, whether the run should stop now."""
+    """Catches SIGTERM and SIGINT (Ctrl-C) and answers, collectively, whether the run should stop now.
 
-    def __init__(self, group: dist.ProcessGroup | None = None, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    The first signal asks for a stop at the next safe point, with a checkpoint; a second SIGINT (Ctrl-C pressed
+    again) aborts this rank at once, without one. A SIGINT within ``REPEAT_SECONDS`` of the first is the same
+    Ctrl-C arriving twice (the terminal signals every process, and torchrun forwards what it got), not a
+    second press."""
+
+    REPEAT_SECONDS = 2.0
+
+    def __init__(self, group: dist.ProcessGroup | None = None,
+                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.group = group
         self.received: int | None = None
+        self._first = 0.0
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._previous = {number: signal.signal(number, self._handle) for number in signals}
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
         if self.received is None:
-            print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: received {signal.Signals(number).name}; "
-                  "stopping at the next safe point to checkpoint", file=sys.stderr, flush=True)
-        self.received = number
+            print(f"rank {rank}: received {signal.Signals(number).name}; stopping at the next safe point to "
+                  "checkpoint" + (" (Ctrl-C again: stop now, without one)" if number == signal.SIGINT else ""),
+                  file=sys.stderr, flush=True)
+            self.received, self._first = number, time.monotonic()
+        elif number == signal.SIGINT and time.monotonic() - self._first > self.REPEAT_SECONDS:
+            print(f"rank {rank}: SIGINT again; stopping now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(130)
 
     def poll(self) -> bool:
         """Call once per step on every rank: True when some rank had been signalled by the previous poll."""

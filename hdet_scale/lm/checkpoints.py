@@ -1,0 +1,163 @@
+"""What made a checkpoint of ``hdet_scale.train``, checked before a run resumes from it.
+
+Every checkpoint carries ``run.json``: the engine (and ZeRO stage), the model's shape, the replica layout, the
+explored hyperparameters, the hdet_scale version, the step, and the size of every file of the checkpoint,
+written last, once the checkpoint is complete. ``--resume`` reads it before any process group exists and
+refuses, in one line, what cannot be continued (another engine, another model, missing or truncated files,
+other explored values) without touching the output directory. A different number of replicas is fine: the
+model is one at a sync point, and each new replica takes a saved replica's optimizer state (replica ``r``
+takes saved replica ``r mod R_saved``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "run.json"
+CHECKPOINTS = "checkpoints"
+
+
+class ResumeError(ValueError):
+    """A checkpoint that this run cannot continue from; the message says which and why, in one line."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A checkpoint a run can continue from."""
+
+    path: Path
+    step: int
+    saved_replicas: int
+    replicas: int
+
+    @property
+    def layout_changed(self) -> bool:
+        return self.saved_replicas != self.replicas
+
+    def layout_line(self) -> str:
+        return (f"replica layout changed: the checkpoint has {self.saved_replicas} replica(s), this run "
+                f"{self.replicas}; replica r continues with saved replica r mod {self.saved_replicas}'s optimizer "
+                "state (the model is one at a sync point)")
+
+
+def identity(*, engine: str, zero_stage: int | None, model: dict[str, Any], replicas: int, ranks_per_replica: int,
+             explored: list[str]) -> dict[str, Any]:
+    """What a resumed run must share with the checkpoint (and what it may change: ``replicas``)."""
+    return {"engine": engine, "zero_stage": zero_stage, "model": model, "replicas": replicas,
+            "ranks_per_replica": ranks_per_replica, "explored": sorted(explored)}
+
+
+def version() -> str:
+    try:
+        return metadata.version("hdet_scale")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def write_manifest(directory: Path, run: dict[str, Any], step: int) -> None:
+    """Writes ``directory/run.json`` for the complete checkpoint in ``directory`` (one rank, after every rank
+    wrote its files): the run's identity, the step, and every file with its size."""
+    files = {str(path.relative_to(directory)): path.stat().st_size
+             for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
+    staging = directory / (MANIFEST + ".tmp")
+    staging.write_text(json.dumps({**run, "step": step, "hdet_scale": version(), "files": files}, indent=1) + "\n")
+    staging.replace(directory / MANIFEST)
+
+
+def checkpoint_dir(out: Path) -> Path | None:
+    """The newest complete checkpoint under ``out/checkpoints``, of either engine: FSDP2's ``latest`` folder,
+    or the folder DeepSpeed's ``latest`` file names; None when there is none."""
+    root = out / CHECKPOINTS
+    latest = root / "latest"
+    if latest.is_dir():
+        return latest
+    if latest.is_file():
+        return root / latest.read_text().strip()
+    return None
+
+
+def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
+    """The checkpoint under ``out`` this run (``identity``) continues from, None when there is none; raises
+    ``ResumeError`` naming the checkpoint and the cause when it cannot be continued. Reads files only."""
+    path = checkpoint_dir(out)
+    if path is None:
+        return None
+    where = f"--resume: the checkpoint {path}"
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise ResumeError(f"{where} has no {MANIFEST} (it is incomplete, or was not written by this train.py); "
+                          f"remove {out / CHECKPOINTS} to start afresh, or use another --out")
+    try:
+        saved = json.loads(manifest.read_text())
+    except json.JSONDecodeError as error:
+        raise ResumeError(f"{where}: {MANIFEST} is not valid JSON ({error})") from error
+    _check_same(where, saved, run)
+    for name, size in saved["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise ResumeError(f"{where} is incomplete: {name} is missing; resume from a complete checkpoint or remove "
+                              f"{out / CHECKPOINTS} to start afresh")
+        if file.stat().st_size != size:
+            raise ResumeError(f"{where} is damaged: {name} has {file.stat().st_size} bytes, {size} were written; "
+                              f"resume from a complete checkpoint or remove {out / CHECKPOINTS} to start afresh")
+    return ResumePoint(path=path, step=int(saved["step"]), saved_replicas=int(saved["replicas"]),
+                       replicas=int(run["replicas"]))
+
+
+def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
+    def engine(identity: dict[str, Any]) -> str:
+        return identity["engine"] + ("" if identity["zero_stage"] is None else f" ZeRO-{identity['zero_stage']}")
+
+    if (saved["engine"], saved["zero_stage"]) != (run["engine"], run["zero_stage"]):
+        raise ResumeError(f"{where} was written by {engine(saved)}, this run uses {engine(run)}: resume with the "
+                          "engine that wrote it, or use another --out")
+    if saved["model"] != run["model"]:
+        changed = ", ".join(f"{key} {saved['model'].get(key)} -> {run['model'].get(key)}"
+                            for key in sorted(set(saved["model"]) | set(run["model"]))
+                            if saved["model"].get(key) != run["model"].get(key))
+        raise ResumeError(f"{where} holds another model ({changed}): resume with the model it was trained with, or "
+                          "use another --out")
+    if saved["explored"] != run["explored"]:
+        raise ResumeError(f"{where} explores {saved['explored']}, this run {run['explored']}: resume with the same "
+                          "explore settings and param groups, or use another --out")
+    if run["engine"] == "deepspeed" and run["zero_stage"] and saved["ranks_per_replica"] != run["ranks_per_replica"]:
+        raise ResumeError(f"{where} was sharded over {saved['ranks_per_replica']} rank(s) per replica, this run "
+                          f"{run['ranks_per_replica']}: ZeRO partitions do not reshape; keep ranks_per_replica (more "
+                          "or fewer replicas are fine)")
+
+
+def remove_leftover_staging(out: Path) -> list[Path]:
+    """Removes what an interrupted save left (DeepSpeed's ``latest.tmp``, FSDP2's ``latest.tmp`` and
+    ``latest.old``, a half-written manifest); returns what was removed."""
+    root = out / CHECKPOINTS
+    removed = []
+    for name in ("latest.tmp", "latest.old"):
+        leftover = root / name
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover)
+            removed.append(leftover)
+        elif leftover.exists():
+            os.remove(leftover)
+            removed.append(leftover)
+    return removed
+
+
+def check_free_space(out: Path) -> None:
+    """Raises OSError when the file system of ``out/checkpoints`` has less room than the last checkpoint took
+    (the new one is written beside it before the old one goes): before any rank writes a byte, so a full disk
+    stops the run in one line instead of in the middle of a save."""
+    path = checkpoint_dir(out)
+    manifest = path / MANIFEST if path is not None else None
+    if manifest is None or not manifest.is_file():
+        return
+    needed = sum(json.loads(manifest.read_text())["files"].values())
+    free = shutil.disk_usage(out / CHECKPOINTS).free
+    if free < needed:
+        raise OSError(f"no room for a checkpoint in {out / CHECKPOINTS}: the last one took {needed / 2**30:.2f} GiB, "
+                      f"{free / 2**30:.2f} GiB are free; free some space (the last checkpoint is kept)")

@@ -1,0 +1,48 @@
+"""Ctrl-C and SIGTERM as train.py's ranks see them (``hdet_scale.lm.preemption.StopSignal``), in a child process
+that signals itself: the first asks for a clean stop, the same Ctrl-C delivered twice at once is one request,
+and a second press later aborts at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from hdet_scale.lm.preemption import StopSignal
+
+    stop = StopSignal(group=None)
+    os.kill(os.getpid(), signal.{first})
+    os.kill(os.getpid(), signal.SIGINT)  # the terminal's and the launcher's copy of the same Ctrl-C
+    time.sleep(0.2)
+    print("asked to stop:", stop.received == signal.{first}, flush=True)
+    if {press_again}:
+        time.sleep(StopSignal.REPEAT_SECONDS + 0.5)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C pressed again
+        time.sleep(5)
+        print("still running", flush=True)
+""")
+
+
+def run_child(first: str, press_again: bool) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CHILD.format(first=first, press_again=press_again)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_first_ctrl_c_asks_for_a_checkpoint_and_a_repeat_at_once_does_not_abort():
+    result = run_child("SIGINT", press_again=False)
+    assert result.returncode == 0, result.stderr
+    assert "asked to stop: True" in result.stdout and "Traceback" not in result.stderr
+    assert result.stderr.count("received SIGINT; stopping at the next safe point to checkpoint") == 1
+
+
+def test_a_second_ctrl_c_later_stops_at_once_without_a_checkpoint():
+    result = run_child("SIGINT", press_again=True)
+    assert result.returncode == 130 and "still running" not in result.stdout
+    assert "SIGINT again; stopping now, without a checkpoint" in result.stderr
+
+
+def test_sigterm_is_a_clean_stop_too():
+    result = run_child("SIGTERM", press_again=False)
+    assert result.returncode == 0 and "asked to stop: True" in result.stdout
