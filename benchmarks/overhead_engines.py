@@ -72,10 +72,12 @@ def build_model(settings: Settings, device: torch.device) -> ResidualMLP:
 
 
 def hdet_config(settings: Settings, sync_interval: int, *, gradient_mode: str = "global",
-                bucket_mb: float = 25.0) -> HDETConfig:
-    """Paper spread, no metrics file, and the controller updating at every sync (its worst case)."""
+                bucket_mb: float = 25.0, auto_lr: dict[str, Any] | None = None) -> HDETConfig:
+    """Paper spread, no metrics file, and the controller updating at every sync (its worst case); ``auto_lr``
+    adds controller settings (a signal)."""
     return HDETConfig.from_dict({"sync_interval": sync_interval, "gradient_mode": gradient_mode, "bucket_mb": bucket_mb,
-                                 "ranks_per_replica": settings.ranks_per_replica, "auto_lr": {"warmup_steps": 0}})
+                                 "ranks_per_replica": settings.ranks_per_replica,
+                                 "auto_lr": {"warmup_steps": 0, **(auto_lr or {})}})
 
 
 # ---------------------------------------------------------------------------------------------- clock

@@ -1,6 +1,6 @@
-"""The overhead benchmark's section 4: peak memory of the plain engine and of HDET in both gradient modes, and
-the meter it reads (CUDA's allocator statistics, or on CPU the kernel's peak resident set size). Run in a
-launch of its own (see ``overhead.py``)."""
+"""The overhead benchmark's section 4: peak memory of the plain engine, of HDET in both gradient modes and with
+the controller signals that keep copies of the weights, and the meter it reads (CUDA's allocator statistics,
+or on CPU the kernel's peak resident set size). Run in a launch of its own (see ``overhead.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from overhead_engines import Settings, Trainer, build_engines, hdet_config
 from overhead_timing import gather
 
@@ -101,5 +102,23 @@ def measure_memory(settings: Settings, device: torch.device) -> dict[str, dict[s
     return {engine.part: {"plain": plain[engine.part], **{
         f"hdet_{mode}": after_warmup(lambda engine=engine, mode=mode: engine.hdet_trainer(
             mode, hdet_config(settings, MEMORY_SYNC_INTERVAL, gradient_mode=mode)))
-        for mode in ("global", "local")}} for engine in engines}
+        for mode in ("global", "local")}, **{
+        f"hdet_{name}": after_warmup(lambda engine=engine, name=name, auto_lr=auto_lr: probed(
+            settings, device, engine.hdet_trainer(name, hdet_config(settings, MEMORY_SYNC_INTERVAL, auto_lr=auto_lr))))
+        for name, auto_lr in SIGNALS.items()}} for engine in engines}
+
+
+SIGNALS = {"averaged": {"average_window": 0.5}, "displacement": {"displacement": 1.0}}
+"""Controller signals whose memory is measured (global gradient mode, a probe batch scoring the replicas): the
+probe scoring each replica's weights averaged over the last half of the interval (one more copy of this rank's
+local parameters), and the displacement signal (two)."""
+
+
+def probed(settings: Settings, device: torch.device, trainer: Trainer) -> Trainer:
+    """``trainer`` with a probe: the loss on one fixed batch, the same on every replica."""
+    generator = torch.Generator().manual_seed(4000)
+    x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
+    y = torch.randint(0, 16, (settings.batch,), generator=generator).to(device)
+    trainer.hdet.set_probe(lambda: F.cross_entropy(trainer.model(x), y))
+    return trainer
 

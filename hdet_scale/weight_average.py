@@ -63,14 +63,21 @@ class WindowAverage:
         if self.count == 0:
             yield False
             return
-        own = [tensor.clone() for tensor in tensors]
-        torch._foreach_copy_(list(tensors), self._mean)
+        self._swap(tensors)  # the tensors hold the mean, the mean's memory their own values
         refresh()
         try:
             yield True
         finally:
-            torch._foreach_copy_(list(tensors), own)
+            self._swap(tensors)
             refresh()
+
+    def _swap(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Exchanges the values of ``tensors`` and the mean one tensor at a time, so a swap needs memory for the
+        largest tensor only, not a third copy of them all."""
+        for tensor, mean in zip(tensors, self._mean, strict=True):
+            held = tensor.clone()
+            tensor.copy_(mean)
+            mean.copy_(held)
 
     def reset(self) -> None:
         """Starts a new interval (the memory of the mean is kept for the next one)."""

@@ -33,6 +33,9 @@ def test_window_average_by_hand():
     with window.swapped_in([tensor], lambda: refreshed.append(tensor.clone())) as swapped:
         assert swapped and torch.equal(tensor, torch.full((3,), 6.0))  # (4 + 8) / 2
     assert torch.equal(tensor, torch.full((3,), 8.0)) and len(refreshed) == 2  # its own values back, refreshed
+    with window.swapped_in([tensor], lambda: None):
+        assert torch.equal(tensor, torch.full((3,), 6.0))  # the mean survives being swapped in and out
+    assert torch.equal(tensor, torch.full((3,), 8.0))
     window.reset()
     with window.swapped_in([tensor], lambda: refreshed.append(None)) as swapped:
         assert not swapped  # nothing averaged since the reset (e.g. an early sync)
