@@ -68,8 +68,8 @@ class AutoLRConfig:
     interval (e.g. 0.5: its second half) instead of its last iterate, in [0, 1). Averaging removes the
     oscillation that a higher LR adds to the last iterate (noise that hides its faster progress), the bias
     that makes a short-horizon score prefer too-low LRs. Costs one copy of this rank's shard, one in-place
-    update per step inside the window and, at each sync, a second copy while the probe runs. 0: the last
-    iterate."""
+    update per step inside the window, and at each sync an exchange of the weights and their mean one tensor at a
+    time. 0: the last iterate."""
 
     displacement: float = 0.0
     """Weight of the displacement signal in the LR's hypergradient, >= 0 (0: off): the cosine of the last two

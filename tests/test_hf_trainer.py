@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,6 +263,40 @@ def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
         assert {run["engine"] for run in runs} == {"deepspeed"}
         assert {run["engine_class"] for run in runs} == {"DeepSpeedEngine"}
         check_run(runs, str(tmp_path / f"zero{stage}"), 4, per_replica, mode)
+
+
+# ------------------------------------------------------------------------------ the README's DeepSpeed recipe
+README = Path(__file__).resolve().parents[1] / "README.md"
+TRAINER_DS_CONFIG = "ds_configs/trainer_zero2.json"
+
+
+def readme_recipe_worker(rank: int, world: int, out_dir: str) -> dict:
+    """The README's Trainer example with its DeepSpeed line, as written (a shorter run, a tiny model)."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=8, learning_rate=3e-4,
+                             deepspeed=str(README.parent / TRAINER_DS_CONFIG), save_strategy="no",
+                             max_steps=4, use_cpu=True, report_to=[], disable_tqdm=True)
+    trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=token_dataset())
+    hdet = add_hdet(trainer, {"alpha": 0.25, "sync_interval": 2, "metrics_path": os.path.join(out_dir, "hdet.jsonl")})
+    trainer.train()
+    trainer.save_model()
+    return {"engine": type(trainer.model_wrapped).__name__, "replicas": hdet.topology.num_replicas,
+            "losses": hdet.last_report.replica_losses}
+
+
+def test_the_readmes_deepspeed_recipe_runs_as_written(tmp_path):
+    """transformers checks the DeepSpeed JSON against TrainingArguments: the file the README names passes."""
+    assert f'deepspeed="{TRAINER_DS_CONFIG}"' in README.read_text()
+    results = run_ranks(readme_recipe_worker, 2, str(tmp_path), timeout=600)
+    assert {result["engine"] for result in results} == {"DeepSpeedEngine"}
+    assert {result["replicas"] for result in results} == {2}  # one node of 2 ranks: 2 replicas of 1
+    assert len(results[0]["losses"]) == 2 and all(math.isfinite(loss) for loss in results[0]["losses"])
+    assert (tmp_path / "model.safetensors").is_file()
 
 
 # ---------------------------------------------------------------------------------------- warm init, resumed
