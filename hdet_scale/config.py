@@ -45,6 +45,12 @@ class AutoLRConfig:
     warmup_steps: int = 100_000
     """S_warm: optimizer steps before the controller starts updating (the spread applies from step 0)."""
 
+    start_fraction: float | None = None
+    """The controller's start as a share of the run instead of ``warmup_steps`` (0.05: after the first 5% of the
+    optimizer steps), in [0, 1): one setting for runs of any length. It needs the run's length: train.py,
+    ``add_hdet`` and ``HDETOneCycleLR`` know it; elsewhere call ``config.for_run(total_steps)`` before attaching.
+    null: ``warmup_steps``."""
+
     beta: float = 0.9
     """beta: momentum of the velocity (eq. 7), in [0, 1)."""
 
@@ -170,6 +176,11 @@ class HDETConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> HDETConfig:
         """Builds and validates a config from a (possibly nested) mapping; unknown keys are errors."""
+        auto_lr = values.get("auto_lr")  # (a start fraction beside the default warmup_steps is to_dict's output)
+        if isinstance(auto_lr, Mapping) and auto_lr.get("start_fraction") is not None \
+                and auto_lr.get("warmup_steps", AutoLRConfig.warmup_steps) != AutoLRConfig.warmup_steps:
+            raise HDETConfigError("auto_lr.warmup_steps and auto_lr.start_fraction both say when the controller "
+                                  "starts: give one of them")
         config = _build(cls, values, prefix="")
         config.validate()
         return config
@@ -215,6 +226,8 @@ class HDETConfig:
         _check_bool("auto_lr.enabled", lr.enabled)
         _check_choice("auto_lr.mode", lr.mode, CONTROLLER_MODES)
         _check_int("auto_lr.warmup_steps", lr.warmup_steps, low=0)
+        if lr.start_fraction is not None:
+            _check_number("auto_lr.start_fraction", lr.start_fraction, low=0.0, high=1.0, high_open=True)
         _check_number("auto_lr.beta", lr.beta, low=0.0, high=1.0, high_open=True)
         _check_number("auto_lr.sigma", lr.sigma, low=0.0, low_open=True)
         _check_number("auto_lr.step_size", lr.step_size, low=0.0)
@@ -266,6 +279,16 @@ class HDETConfig:
         """How many replicas ``world_size`` ranks form under this config."""
         self.validate_world_size(world_size, auto=auto)
         return world_size // self.resolved(auto=auto, world_size=world_size).ranks_per_replica
+
+    def for_run(self, total_steps: int) -> HDETConfig:
+        """This config for a run of ``total_steps`` optimizer steps: ``auto_lr.start_fraction`` becomes
+        ``auto_lr.warmup_steps`` (rounded). Unchanged without a start fraction."""
+        if self.auto_lr.start_fraction is None:
+            return self
+        _check_int("total_steps (the run's length, for auto_lr.start_fraction)", total_steps, low=1)
+        start = round(self.auto_lr.start_fraction * total_steps)
+        return dataclasses.replace(self, auto_lr=dataclasses.replace(self.auto_lr, warmup_steps=start,
+                                                                     start_fraction=None))
 
     def resolved(self, *, auto: str = "rank", world_size: int | None = None) -> HDETConfig:
         """This config with ``ranks_per_replica`` as a number: ``"node"`` read from the launcher's

@@ -22,7 +22,7 @@ import torch
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import all_finite, start_gather_rows
-from hdet_scale.config import HDETConfig
+from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.controller import Controller, PaperDecay
 from hdet_scale.displacement import DisplacementSignal
 from hdet_scale.explored import ExploredValue
@@ -409,6 +409,10 @@ def _check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: Repl
         )
     if getattr(adapter.optimizer, "_hdet_attached", False):
         raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
+    if config.auto_lr.enabled and config.auto_lr.start_fraction is not None:
+        raise HDETConfigError(
+            f"auto_lr.start_fraction={config.auto_lr.start_fraction} needs the run's length: pass "
+            "config.for_run(total_steps) (train.py, add_hdet and HDETOneCycleLR do), or set auto_lr.warmup_steps")
     num_groups = len(adapter.optimizer.param_groups)
     if config.auto_lr.enabled and config.auto_lr.mode == "paper" and paper_decay is None:
         raise ValueError(

@@ -109,7 +109,8 @@ class HDETOneCycleLR(OneCycleLR):
                          div_factor=div_factor, final_div_factor=final_div_factor, three_phase=three_phase,
                          last_epoch=last_epoch)
         floors = [PaperDecay(total_steps=self.total_steps, floor=group["min_lr"]) for group in optimizer.param_groups]
-        self.hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology, paper_decay=floors)
+        self.hdet = HDETEnsemble(config.for_run(self.total_steps), DDPAdapter(optimizer, model), topology=topology,
+                                 paper_decay=floors)
 
     def step(self, loss: LossLike | None = None) -> SyncReport | None:  # type: ignore[override]
         """Advances OneCycleLR, then HDET (which syncs every ``sync_interval`` calls)."""

@@ -156,7 +156,7 @@ def plan(args: argparse.Namespace) -> Plan:
     config = load_config(_hdet_values(args, ds_config), world_size=None)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
-                             world_size=world_size)
+                             world_size=world_size).for_run(args.steps)
     config.validate_world_size(world_size)
     if config.explore.dropout is not None and args.dropout == 0:
         raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "

@@ -118,3 +118,41 @@ def test_a_log_spread_takes_any_alpha():
     assert HDETConfig.from_dict({"alpha": 1.0, "spread": "log"}).alpha == 1.0  # multipliers 1/2 .. 2
     with pytest.raises(HDETConfigError, match="spread 'log' allows it"):
         HDETConfig.from_dict({"alpha": 1.0})
+
+
+def test_the_controller_start_as_a_share_of_the_run():
+    config = HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.05}})
+    assert config.auto_lr.start_fraction == 0.05
+    run = config.for_run(1500)
+    assert (run.auto_lr.warmup_steps, run.auto_lr.start_fraction) == (75, None)  # 0.05 x 1500
+    assert config.for_run(7).auto_lr.warmup_steps == 0  # round(0.35)
+    assert HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.1}}).for_run(7).auto_lr.warmup_steps == 1
+    plain = HDETConfig()
+    assert plain.for_run(10) is plain  # warmup_steps as given
+    with pytest.raises(HDETConfigError, match="give one of them"):
+        HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.1, "warmup_steps": 10}})
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start_fraction must be a number in \[0.0, 1.0\)"):
+        HDETConfig.from_dict({"auto_lr": {"start_fraction": 1.0}})
+    with pytest.raises(HDETConfigError, match="total_steps"):
+        config.for_run(0)
+
+
+def test_a_start_fraction_without_the_runs_length_is_refused():
+    import torch
+
+    from hdet_scale import HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    config = HDETConfig.from_dict({"ranks_per_replica": 1, "auto_lr": {"start_fraction": 0.1}})
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    topology = ReplicaTopology(world_size=1, rank=0, ranks_per_replica=1)
+    with pytest.raises(HDETConfigError, match=r"needs the run's length: pass config.for_run\(total_steps\)"):
+        HDETEnsemble(config, DDPAdapter(optimizer), topology=topology)
+    with pytest.warns(UserWarning, match="ONE replica"):
+        HDETEnsemble(config.for_run(100), DDPAdapter(optimizer), topology=topology).close()
+
+
+def test_a_start_fraction_survives_the_round_trip():
+    config = HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.2}})
+    assert HDETConfig.from_dict(config.to_dict()) == config

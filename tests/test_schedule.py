@@ -131,3 +131,9 @@ def test_bad_settings_fail_before_any_work():
     with pytest.raises(ValueError, match="ranks_per_replica=2 needs torch.distributed"):
         HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, ranks_per_replica=2)
     assert "initial_lr" not in optimizer.param_groups[0]  # OneCycleLR never started
+
+
+def test_onecycle_starts_the_controller_at_its_share_of_total_steps():
+    scheduler = HDETOneCycleLR(two_group_optimizer("adam"), max_lr=0.1, total_steps=40, sync_interval=5,
+                               auto_lr={"start_fraction": 0.25})
+    assert scheduler.hdet.config.auto_lr.warmup_steps == 10  # 0.25 x 40

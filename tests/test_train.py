@@ -305,6 +305,14 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
 
 
 @pytest.mark.usefixtures("single_process")
+def test_the_controller_starts_at_its_share_of_the_run(tmp_path):
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"sync_interval": 5, "auto_lr": {"start_fraction": 0.1}}))
+    checked = plan(parse_args(["--hdet_config", str(hdet), "--steps", "40"]))
+    assert checked.config.auto_lr.warmup_steps == 4 and checked.config.auto_lr.start_fraction is None
+
+
+@pytest.mark.usefixtures("single_process")
 def test_token_file_trains_the_vocabulary_it_names(tmp_path):
     tokens = (torch.arange(20_000) % 300).to(torch.int32)
     path = tmp_path / "tokens.u32"

@@ -307,6 +307,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     hdet = _hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     hdet = hdet.resolved(auto="rank" if stage == 0 else "node")
+    total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
+    if isinstance(total_steps, int) and not isinstance(total_steps, bool):  # the run's length, if DeepSpeed's
+        hdet = hdet.for_run(total_steps)                                     # scheduler knows it
     check_supported(ds_config, model)
     if "WORLD_SIZE" in os.environ:  # the launcher's: check the batch sizes before any set-up
         _check_batch_sizes(ds_config, int(os.environ["WORLD_SIZE"]))

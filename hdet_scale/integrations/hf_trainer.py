@@ -109,6 +109,7 @@ class HDETCallback(TrainerCallback):
                                    "hdet_scale.engines.deepspeed (engine.hdet.save_checkpoint / load_checkpoint)")
             self.ensemble = self.deepspeed.ensemble
         elif self.ensemble is None:
+            self.config = self.config.for_run(state.max_steps)
             self.ensemble = self._attach_ddp(kwargs["optimizer"],
                                              self._saved_state(args, state) if state.global_step else None)
 
@@ -266,6 +267,9 @@ def _hdet_deepspeed_initialize(trainer: Trainer, callback: HDETCallback) -> Iter
             return original(*args, **kwargs)
         deepspeed.initialize = original  # HDET's initialize builds the engine with DeepSpeed's own
         try:
+            # The run's length for auto_lr.start_fraction: Trainer sets its state only after this call.
+            steps = trainer.args.max_steps
+            callback.config = callback.config.for_run(steps) if steps > 0 else callback.config
             engine, optimizer, loader, scheduler = hdet_deepspeed.initialize(
                 **kwargs, hdet_config=callback.config, paper_decay=callback.paper_decay)
         finally:
