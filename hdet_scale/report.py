@@ -159,8 +159,10 @@ def heldout_curve(run: Run) -> tuple[list[int], list[float]]:
 
 
 def sync_records(run: Run) -> list[dict[str, Any]]:
-    """HDET's sync lines (those with ``replica_losses``)."""
-    return [record for record in run.records if "replica_losses" in record]
+    """HDET's sync lines (those with ``replica_losses``), one per step: where a file repeats a step (a run that
+    resumed and appended), the later line, which the continued run wrote."""
+    by_step = {record["step"]: record for record in run.records if "replica_losses" in record}
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def explored_names(run: Run) -> list[str]:
@@ -174,7 +176,7 @@ def explored_names(run: Run) -> list[str]:
 def value_series(run: Run, name: str) -> dict[str, Any]:
     """One explored value over the syncs: ``steps``, ``base``, ``scale`` and ``replicas`` (one list per replica of
     the values it trained with at the end of each interval; NaN where a line has fewer replicas)."""
-    rows = [(record["step"], record["values"][name]) for record in run.records
+    rows = [(record["step"], record["values"][name]) for record in sync_records(run)
             if name in (record.get("values") or {})]
     replica_rows = [entry.get("replica_values") or [] for _, entry in rows]
     width = max((len(values) for values in replica_rows), default=0)
@@ -219,7 +221,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     lines = [f"run {summary['label']} ({summary['path']}): {summary['lines']} lines, steps "
              f"{summary['first_step']}-{summary['last_step']}",
-             f"  final train loss {number(summary['final_loss'])}{at(summary['final_loss_step'])}; "
+             f"  last logged train loss {number(summary['final_loss'])}{at(summary['final_loss_step'])}; "
              f"final held-out loss {number(summary['final_heldout_loss'])}{at(summary['final_heldout_step'])}"]
     if summary["syncs"]:
         lines.append(f"  syncs {summary['syncs']} ({summary['replicas']} replicas)")

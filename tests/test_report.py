@@ -127,18 +127,18 @@ def test_report_writes_plots_and_summary(tmp_path, capsys):
     assert not (out / "schedules_baseline.png").exists()  # no HDET values in a plain run
 
     block = summary_block(stdout, "hdet high")
-    assert number_after(block, "final train loss") == pytest.approx(hdet_expected["loss"], rel=1e-5)
+    assert number_after(block, "last logged train loss") == pytest.approx(hdet_expected["loss"], rel=1e-5)
     assert "syncs 10 (4 replicas)" in block
     for name in NAMES:
         assert base_and_scale(block, name) == pytest.approx(hdet_expected[name], rel=1e-5)
 
     block = summary_block(stdout, "baseline")
-    assert number_after(block, "final train loss") == pytest.approx(base_expected["loss"], rel=1e-5)
+    assert number_after(block, "last logged train loss") == pytest.approx(base_expected["loss"], rel=1e-5)
     assert number_after(block, "final held-out loss") == pytest.approx(base_expected["heldout"], rel=1e-5)
     assert "syncs" not in block and f"{base_expected['lines']} lines, steps 10-100" in block
 
     block = summary_block(stdout, "real")
-    assert number_after(block, "final train loss") == pytest.approx(real_expected["loss"], rel=1e-5)
+    assert number_after(block, "last logged train loss") == pytest.approx(real_expected["loss"], rel=1e-5)
     assert "syncs 2 (1 replicas)" in block
     for name in ("lr/0", "weight_decay/0"):
         assert base_and_scale(block, name) == pytest.approx(real_expected[name], rel=1e-5)
@@ -169,7 +169,7 @@ def test_runs_as_a_module(tmp_path):
     result = subprocess.run([sys.executable, "-m", "hdet_scale.report", str(path), "--out", str(tmp_path / "o")],
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert number_after(summary_block(result.stdout, "base"), "final train loss") == pytest.approx(
+    assert number_after(summary_block(result.stdout, "base"), "last logged train loss") == pytest.approx(
         expected["loss"], rel=1e-5)
     check_png(tmp_path / "o" / "loss.png")
 
@@ -215,3 +215,19 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
         report.main([str(path), "--out", str(tmp_path / "o")])
     assert "pip install 'hdet_scale[plots]'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_step_written_twice_is_one_sync(tmp_path):
+    """A run that resumed and appended repeats the steps after its checkpoint: the later lines count, once."""
+    path, _ = hdet_run(tmp_path / "hdet.jsonl")
+    lines = path.read_text().splitlines()
+    repeated = [json.loads(line) for line in lines[6:]]
+    for record in repeated:
+        record["values"]["lr/embedding"]["scale"] += 1.0  # what the continued run wrote
+    write_lines(path, [*lines, *repeated])
+    run = report.load_run(path)
+    assert [record["step"] for record in report.sync_records(run)] == list(range(10, 101, 10))
+    assert report.summarize(run)["syncs"] == 10
+    series = report.value_series(run, "lr/embedding")
+    assert series["steps"] == list(range(10, 101, 10))
+    assert series["scale"][-1] == pytest.approx(1.0 + 0.05 * 10 + 1.0)
