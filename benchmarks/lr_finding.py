@@ -66,6 +66,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "log_averaged": {"hdet": {"alpha": 1.0, "spread": "log",
                               "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5}},
                      "probe": True},
+    # the same with a narrower spread ([0.67, 1.5] x base instead of [0.5, 2]): from a too-high start the widest
+    # replica of log_averaged trains at 20x the best LR
+    "log_averaged_narrow": {"hdet": {"alpha": 0.5, "spread": "log",
+                                     "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5}},
+                            "probe": True},
 }
 DEFAULT_VARIANT = "log_averaged"
 
