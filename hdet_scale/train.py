@@ -51,6 +51,7 @@ from hdet_scale.lm.corpus import Corpus, batch, load_corpus
 from hdet_scale.lm.model import PRESETS, build_model, check_preset
 from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
+from hdet_scale.lm.scalars import check_wandb_available
 
 TRAIN_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "sync_interval": 25, "auto_lr": {"warmup_steps": 100}}
 """HDET settings when no --hdet_config is given: suited to short runs (the paper's defaults suit long ones)."""
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the model's attention dropout (the presets have none; explore.dropout needs some)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    parser.add_argument("--wandb", metavar="PROJECT", default=None,
+                        help="also log the sync scalars to this Weights & Biases project (pip install "
+                        "'hdet_scale[wandb]'; WANDB_MODE=offline works without an account)")
     add_hdet_args(parser)
     # What the deepspeed launcher and DeepSpeed users pass, declared here so that an FSDP2 run never imports
     # DeepSpeed (which prints its accelerator on import, once per rank).
@@ -158,6 +162,8 @@ def plan(args: argparse.Namespace) -> Plan:
     config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
                              world_size=world_size).for_run(args.steps)
     config.validate_world_size(world_size)
+    if args.wandb:
+        check_wandb_available()
     if config.explore.dropout is not None and args.dropout == 0:
         raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
                          "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
@@ -308,7 +314,8 @@ class Run:
         cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.stop = StopSignal(cpu_group)
         self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
-                                 metrics_path=self.config.metrics_path)
+                                 metrics_path=self.config.metrics_path, wandb_project=args.wandb,
+                                 config={"train": _plain(vars(args)), "hdet": self.config.to_dict()})
         self.engine = checked.engine
 
     # ------------------------------------------------------------------------------------- loop
@@ -435,6 +442,12 @@ class Run:
         finally:
             if shown:
                 transformers_logging.enable_progress_bar()
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with what is not a JSON scalar (paths, dtypes) as text, for a run's recorded config."""
+    return {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+            for key, value in values.items()}
 
 
 def _mix(seed: int, step: int, rank: int) -> int:

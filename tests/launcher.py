@@ -21,7 +21,7 @@ from distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # --wandb: no network
 STEPS = 40
 SYNC_INTERVAL = 5
 EVAL_INTERVAL = 10

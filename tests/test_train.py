@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import wandb_records
 from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
 
 from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
@@ -212,7 +213,8 @@ def deepspeed_runs(tmp_path_factory):
     global_out.mkdir(), local_out.mkdir()
     zero2 = launch([*deepspeed(4), *SHORT, "--zero_stage", "2", "--hdet_config", hdet_config(root, "global", 2),
                     "--out", str(global_out)], cwd=global_out)
-    local_args = [*SHORT, "--zero_stage", "3", "--hdet_config", hdet_config(root, "local", 1), "--out", str(local_out)]
+    local_args = [*SHORT, "--zero_stage", "3", "--hdet_config", hdet_config(root, "local", 1), "--out", str(local_out),
+                  "--wandb", "hdet-test"]
     preempted = launch([*deepspeed(2), *local_args], cwd=local_out, sigterm_after_step=SYNC_INTERVAL,
                        metrics=local_out / "hdet_metrics.jsonl")
     checkpoints_after_preemption = sorted(p.name for p in (local_out / "checkpoints").iterdir() if p.is_dir())
@@ -260,6 +262,16 @@ def test_deepspeed_sigterm_syncs_now_and_resumes(deepspeed_runs):
     # Regular syncs, the early one at the preemption, then regular ones again up to the end.
     regular = list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
     assert steps == sorted(set(regular) | {stopped})
+    # --wandb: the resumed run logs into the preempted run's W&B run, a row per sync like the metrics file. The
+    # launcher stopped the preempted run's W&B service with its ranks: that run said so once and checkpointed.
+    assert preempted.stdout.count("W&B stopped logging") <= 1
+    out = deepspeed_runs["local"]
+    run_id = (out / "wandb_run_id").read_text().strip()
+    rows = [row for path in out.glob(f"wandb/offline-run-*/run-{run_id}.wandb") for row in wandb_records.history(path)]
+    losses = {row["_step"]: row["train/loss"] for row in rows if "train/loss" in row}
+    for line in metric_lines(out):
+        if line["step"] > stopped:
+            assert losses[line["step"]] == pytest.approx(sum(line["replica_losses"]) / 2)
 
 
 # -------------------------------------------------------------------------------------- bad input

@@ -1,5 +1,5 @@
 """What rank 0 shows and records while ``hdet_scale.train`` runs: a progress bar on a terminal, one line per
-sync (also in log files, where a bar is noise), and TensorBoard scalars when TensorBoard is installed."""
+sync (also in log files, where a bar is noise), and scalars for TensorBoard and W&B (``hdet_scale.lm.scalars``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hdet_scale.ensemble import SyncReport
+from hdet_scale.lm.scalars import ScalarSinks, sync_scalars
 from hdet_scale.metrics import MetricsWriter
 
 BAR_REFRESH_STEPS = 10  # the bar's loss needs a host sync: read it every few steps, not every step
@@ -19,14 +20,15 @@ BAR_REFRESH_STEPS = 10  # the bar's loss needs a host sync: read it every few st
 class Progress:
     """Rank 0's output; every method is a no-op on other ranks (``enabled=False``)."""
 
-    def __init__(self, out: Path, *, enabled: bool, bar: bool, total: int, metrics_path: str | None) -> None:
+    def __init__(self, out: Path, *, enabled: bool, bar: bool, total: int, metrics_path: str | None,
+                 wandb_project: str | None = None, config: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
         # Held-out losses go into the metrics file too, as {"step", "heldout_loss"} lines (hdet_scale.report
         # plots them next to the sync lines).
         self._metrics = MetricsWriter(metrics_path, is_writer=enabled)
         self.total = total
         self._bar: Any = None
-        self._board: Any = None
+        self._sinks: ScalarSinks | None = None
         self._started = time.perf_counter()
         self._first_step = 0
         self._tokens_per_step = 0
@@ -38,12 +40,7 @@ class Progress:
 
             # disable=None: no bar when stderr is not a terminal (Slurm logs get the sync lines only).
             self._bar = tqdm(total=total, disable=None, dynamic_ncols=True, unit="step")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # TensorBoard is optional
-            SummaryWriter = None  # noqa: N806
-        if SummaryWriter is not None:
-            self._board = SummaryWriter(str(out / "tensorboard"))
+        self._sinks = ScalarSinks(out, wandb_project=wandb_project, config=config or {})
 
     def start(self, step: int, tokens_per_step: int) -> None:
         """Starts the clock at ``step`` (non-zero after a resume)."""
@@ -85,24 +82,21 @@ class Progress:
             return
         lr = report.values.get("lr/0", {})
         self._scale = lr.get("scale", 1.0)
-        losses = [loss for loss in report.replica_losses if loss is not None]
-        mean = sum(losses) / len(losses) if losses else float("nan")
+        scalars = sync_scalars(report)
+        mean = scalars["train/loss"]
         self.line(f"sync step {report.step}  loss {mean:.4f}  replica losses "
                   f"[{', '.join('nan' if loss is None else f'{loss:.4f}' for loss in report.replica_losses)}]  "
                   f"base lr {lr.get('base', float('nan')):.3e}  scale {self._scale:.3f}  "
                   f"{self.tokens_per_second(report.step):.0f} tok/s  sync {report.sync_seconds * 1000:.0f} ms")
-        if self._board is not None:
-            self._board.add_scalar("train/loss", mean, report.step)
-            self._board.add_scalar("hdet/base_lr", lr.get("base", float("nan")), report.step)
-            self._board.add_scalar("hdet/scale", self._scale, report.step)
-            self._board.add_scalar("train/tokens_per_second", self.tokens_per_second(report.step), report.step)
+        if self._sinks is not None:
+            self._sinks.log({**scalars, "train/tokens_per_second": self.tokens_per_second(report.step)}, report.step)
 
     def heldout(self, step: int, loss: float, *, announce: bool = True) -> None:
         if announce:
             self.line(f"held-out loss {loss:.4f} at step {step}")
         self._metrics.write({"step": step, "heldout_loss": loss})
-        if self.enabled and self._board is not None:
-            self._board.add_scalar("eval/heldout_loss", loss, step)
+        if self.enabled and self._sinks is not None:
+            self._sinks.log({"eval/heldout_loss": loss}, step)
 
     def truncate_metrics(self, metrics_path: str | None, step: int) -> None:
         """Drops metrics lines past ``step`` (written by the run before it was interrupted after its last
@@ -117,6 +111,6 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._board is not None:
-            self._board.close()
-            self._board = None
+        if self._sinks is not None:
+            self._sinks.close()
+            self._sinks = None

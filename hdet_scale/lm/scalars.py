@@ -1,0 +1,93 @@
+"""The scalars rank 0 of ``hdet_scale.train`` records, and where they go: TensorBoard when it is installed,
+Weights & Biases when ``--wandb PROJECT`` asks for it. Both get the same names and values, those of the
+metrics file's sync lines (``hdet_metrics.jsonl``)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hdet_scale.ensemble import SyncReport
+
+WANDB_ID_FILE = "wandb_run_id"
+"""In the output directory: the W&B run id, so a resumed run goes on logging into the same W&B run."""
+
+
+def sync_scalars(report: SyncReport) -> dict[str, float]:
+    """One sync as named scalars: the replicas' mean loss and each replica's, and per explored value (``lr/0``,
+    ``weight_decay/0``, ...) its base, the controller's scale and each replica's value in the interval."""
+    losses = [loss for loss in report.replica_losses if loss is not None and math.isfinite(loss)]
+    scalars = {"train/loss": sum(losses) / len(losses) if losses else math.nan}
+    for replica, loss in enumerate(report.replica_losses):
+        if loss is not None and math.isfinite(loss):  # an excluded replica has no loss to show
+            scalars[f"train/replica_{replica}_loss"] = loss
+    for name, value in report.values.items():
+        scalars[f"hdet/{name}/base"] = value["base"]
+        scalars[f"hdet/{name}/scale"] = value["scale"]
+        for replica, replica_value in enumerate(value["replica_values"]):
+            scalars[f"hdet/{name}/replica_{replica}"] = replica_value
+    return scalars
+
+
+def check_wandb_available() -> None:
+    """Raises ``ValueError`` (train.py's one-line error) when ``--wandb`` is given without the package."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError as error:
+        raise ValueError("--wandb needs the wandb package: pip install 'hdet_scale[wandb]', or drop --wandb") \
+            from error
+
+
+class ScalarSinks:
+    """TensorBoard (``<out>/tensorboard``, when installed) and W&B (with a project); rank 0 only."""
+
+    def __init__(self, out: Path, *, wandb_project: str | None, config: dict[str, Any]) -> None:
+        self._board: Any = None
+        self._wandb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # TensorBoard is optional
+            SummaryWriter = None  # noqa: N806
+        if SummaryWriter is not None:
+            self._board = SummaryWriter(str(out / "tensorboard"))
+        if wandb_project:
+            import wandb
+
+            id_file = out / WANDB_ID_FILE
+            run_id = id_file.read_text().strip() if id_file.is_file() else None  # None: W&B draws one
+            self._wandb = wandb.init(project=wandb_project, id=run_id, resume="allow", dir=str(out), config=config)
+            id_file.write_text(self._wandb.id + "\n")
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        if self._board is not None:
+            for name, value in scalars.items():
+                self._board.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._to_wandb(lambda: self._wandb.log(scalars, step=step))
+
+    def close(self) -> None:
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+        if self._wandb is not None:
+            self._to_wandb(self._wandb.finish)
+            self._wandb = None
+
+    def _to_wandb(self, call: Callable[[], Any]) -> None:
+        """W&B's service process is a child of rank 0, and a launcher or Slurm that signals the job for a
+        preemption stops it too (the deepspeed launcher terminates its ranks' process trees): logging then fails,
+        and it must not fail the checkpoint that follows. One line says so; the metrics file has every sync."""
+        try:
+            call()
+        except Exception as error:  # whatever the lost connection raises
+            import wandb
+
+            print(f"W&B stopped logging ({type(error).__name__}: {error}); the metrics file has every sync",
+                  file=sys.stderr, flush=True)
+            self._wandb = None
+            with contextlib.suppress(Exception):  # else its exit hook reports the lost connection as a traceback
+                wandb.teardown()
