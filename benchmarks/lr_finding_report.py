@@ -97,7 +97,8 @@ def write_report(stem: Path, record: dict[str, Any]) -> None:
     s, m = record["setting"], record["machine"]
     lines = [
         "# LR finding: one HDET run from a wrong LR against the best run of an LR sweep", "",
-        f"Setting: preset `{s['preset']}` (hidden {s['hidden'] or 'preset'}, layers {s['layers'] or 'preset'}), "
+        f"Setting: preset `{s['preset']}`"
+        f"{''.join(f', {key} {s[key]}' for key in ('hidden', 'layers') if s[key] is not None)}, "
         f"{s['steps']} steps, {s['nproc']} ranks = replicas, batch {s['batch_size']} x {s['seq_len']} bytes per rank, "
         f"schedule `{s['schedule']}`, T = {s['sync_interval']}, controller from {s['controller_start']:.0%} of "
         f"the steps. Machine: {m['nproc']} CPUs, torch {m['torch']}, {m['date']}. Command: "
