@@ -71,6 +71,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "log_averaged_narrow": {"hdet": {"alpha": 0.5, "spread": "log",
                                      "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5}},
                             "probe": True},
+    # ... and holding the scale from 40% of the run: late in the cosine the greedy signal prefers lower LRs again
+    "log_averaged_held": {"hdet": {"alpha": 0.5, "spread": "log",
+                                   "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5,
+                                               "stop_fraction": 0.4}},
+                          "probe": True},
 }
 DEFAULT_VARIANT = "log_averaged"
 
@@ -127,6 +132,8 @@ def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) ->
         config = json.loads(json.dumps(variant["hdet"]))
         config.update(sync_interval=args.sync_interval, ranks_per_replica=1, gradient_mode="global", seed=run["seed"])
         config.setdefault("auto_lr", {})["warmup_steps"] = round(args.controller_start * args.steps)
+        if "stop_fraction" in config["auto_lr"]:  # as train.py resolves it (HDETConfig.for_run)
+            config["auto_lr"]["stop_steps"] = round(config["auto_lr"].pop("stop_fraction") * args.steps)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "hdet.json").write_text(json.dumps(checked_hdet_config(**config), indent=1) + "\n")
         words += ["--hdet_config", str(run_dir / "hdet.json")] + (["--probe"] if variant["probe"] else [])

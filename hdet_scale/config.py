@@ -51,6 +51,15 @@ class AutoLRConfig:
     ``add_hdet`` and ``HDETOneCycleLR`` know it; elsewhere call ``config.for_run(total_steps)`` before attaching.
     null: ``warmup_steps``."""
 
+    stop_steps: int | None = None
+    """Optimizer steps after which the controller holds its values (the spread and the averaging go on); null:
+    it moves until the end. Late in a decaying schedule the replicas' short-horizon losses favour lower values
+    again (see benchmarks/results/lr_finding.md): holding keeps what the controller found. Not with ``paper``
+    mode, whose controller also carries eq. 8's decay."""
+
+    stop_fraction: float | None = None
+    """``stop_steps`` as a share of the run, in (0, 1], resolved like ``start_fraction`` by ``for_run``."""
+
     beta: float = 0.9
     """beta: momentum of the velocity (eq. 7), in [0, 1)."""
 
@@ -228,6 +237,16 @@ class HDETConfig:
         _check_int("auto_lr.warmup_steps", lr.warmup_steps, low=0)
         if lr.start_fraction is not None:
             _check_number("auto_lr.start_fraction", lr.start_fraction, low=0.0, high=1.0, high_open=True)
+        if lr.stop_steps is not None:
+            _check_int("auto_lr.stop_steps", lr.stop_steps, low=0)
+        if lr.stop_fraction is not None:
+            _check_number("auto_lr.stop_fraction", lr.stop_fraction, low=0.0, high=1.0, low_open=True)
+        if lr.stop_steps is not None and lr.stop_fraction is not None:
+            raise HDETConfigError("auto_lr.stop_steps and auto_lr.stop_fraction both say when the controller "
+                                  "stops: give one of them")
+        if lr.mode == "paper" and (lr.stop_steps is not None or lr.stop_fraction is not None):
+            raise HDETConfigError("auto_lr.stop_steps/stop_fraction work in 'scale' and 'log' mode; the paper's "
+                                  "controller also decays the LR (eq. 8): remove them or choose another mode")
         _check_number("auto_lr.beta", lr.beta, low=0.0, high=1.0, high_open=True)
         _check_number("auto_lr.sigma", lr.sigma, low=0.0, low_open=True)
         _check_number("auto_lr.step_size", lr.step_size, low=0.0)
@@ -282,13 +301,17 @@ class HDETConfig:
 
     def for_run(self, total_steps: int) -> HDETConfig:
         """This config for a run of ``total_steps`` optimizer steps: ``auto_lr.start_fraction`` becomes
-        ``auto_lr.warmup_steps`` (rounded). Unchanged without a start fraction."""
-        if self.auto_lr.start_fraction is None:
+        ``auto_lr.warmup_steps`` and ``stop_fraction`` ``stop_steps`` (rounded). Unchanged without fractions."""
+        lr = self.auto_lr
+        if lr.start_fraction is None and lr.stop_fraction is None:
             return self
-        _check_int("total_steps (the run's length, for auto_lr.start_fraction)", total_steps, low=1)
-        start = round(self.auto_lr.start_fraction * total_steps)
-        return dataclasses.replace(self, auto_lr=dataclasses.replace(self.auto_lr, warmup_steps=start,
-                                                                     start_fraction=None))
+        _check_int("total_steps (the run's length, for auto_lr.start_fraction/stop_fraction)", total_steps, low=1)
+        changes: dict[str, Any] = {"start_fraction": None, "stop_fraction": None}
+        if lr.start_fraction is not None:
+            changes["warmup_steps"] = round(lr.start_fraction * total_steps)
+        if lr.stop_fraction is not None:
+            changes["stop_steps"] = round(lr.stop_fraction * total_steps)
+        return dataclasses.replace(self, auto_lr=dataclasses.replace(lr, **changes))
 
     def resolved(self, *, auto: str = "rank", world_size: int | None = None) -> HDETConfig:
         """This config with ``ranks_per_replica`` as a number: ``"node"`` read from the launcher's

@@ -320,7 +320,8 @@ class HDETEnsemble:
         returns the weights, or None when the controller does not update at this sync (off, warming up, one
         replica, or a replica without loss)."""
         cfg = self.config.auto_lr
-        if not cfg.enabled or self._step < cfg.warmup_steps or self.topology.num_replicas == 1:
+        stopped = cfg.stop_steps is not None and self._step > cfg.stop_steps
+        if not cfg.enabled or self._step < cfg.warmup_steps or stopped or self.topology.num_replicas == 1:
             return None
         signal = scores.controller_signal(cfg.probe_weight)
         if any(loss is None for loss in signal):
@@ -409,10 +410,11 @@ def _check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: Repl
         )
     if getattr(adapter.optimizer, "_hdet_attached", False):
         raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
-    if config.auto_lr.enabled and config.auto_lr.start_fraction is not None:
-        raise HDETConfigError(
-            f"auto_lr.start_fraction={config.auto_lr.start_fraction} needs the run's length: pass "
-            "config.for_run(total_steps) (train.py, add_hdet and HDETOneCycleLR do), or set auto_lr.warmup_steps")
+    for name, steps in (("start_fraction", "warmup_steps"), ("stop_fraction", "stop_steps")):
+        if config.auto_lr.enabled and getattr(config.auto_lr, name) is not None:
+            raise HDETConfigError(
+                f"auto_lr.{name}={getattr(config.auto_lr, name)} needs the run's length: pass "
+                f"config.for_run(total_steps) (train.py, add_hdet and HDETOneCycleLR do), or set auto_lr.{steps}")
     num_groups = len(adapter.optimizer.param_groups)
     if config.auto_lr.enabled and config.auto_lr.mode == "paper" and paper_decay is None:
         raise ValueError(

@@ -156,3 +156,16 @@ def test_a_start_fraction_without_the_runs_length_is_refused():
 def test_a_start_fraction_survives_the_round_trip():
     config = HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.2}})
     assert HDETConfig.from_dict(config.to_dict()) == config
+
+
+def test_the_controller_stop_as_steps_or_a_share_of_the_run():
+    config = HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.05, "stop_fraction": 0.5}}).for_run(1500)
+    assert (config.auto_lr.warmup_steps, config.auto_lr.stop_steps) == (75, 750)
+    assert (config.auto_lr.start_fraction, config.auto_lr.stop_fraction) == (None, None)
+    assert HDETConfig.from_dict({"auto_lr": {"stop_steps": 300}}).auto_lr.stop_steps == 300
+    with pytest.raises(HDETConfigError, match="give one of them"):
+        HDETConfig.from_dict({"auto_lr": {"stop_steps": 300, "stop_fraction": 0.5}})
+    with pytest.raises(HDETConfigError, match=r"auto_lr.stop_fraction must be a number in \(0.0, 1.0\]"):
+        HDETConfig.from_dict({"auto_lr": {"stop_fraction": 0.0}})
+    with pytest.raises(HDETConfigError, match="work in 'scale' and 'log' mode"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "paper", "stop_steps": 10}})

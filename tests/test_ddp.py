@@ -318,3 +318,31 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
         assert values["base"] == pytest.approx(base, rel=1e-6)
     # Without the velocity term the base would sit exactly on OneCycleLR's floor after K syncs.
     assert reference.get_last_lr()[0] * (1 - gamma) ** syncs_left == pytest.approx(floor)
+
+
+def held_controller_run(rank: int, world: int, metrics_path: str) -> None:
+    """Scale mode through HDETOneCycleLR: the controller from 20% to 60% of 40 steps, T = 4."""
+    config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": 4, "metrics_path": metrics_path, "auto_lr": {
+        "start_fraction": 0.2, "stop_fraction": 0.6, "sigma": 0.05, "step_size": 2.0}})
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(), config, topology)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = HDETOneCycleLR(optimizer, max_lr=0.05, total_steps=40, hdet_config=config, topology=topology,
+                               model=model)
+    for step in range(1, 41):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss)
+
+
+def test_the_controller_moves_between_its_start_and_stop_then_holds(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    run_ranks(held_controller_run, 2, str(metrics))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # start 0.2 x 40 = step 8, stop 0.6 x 40 = step 24: the syncs at 8 ... 24 update, the later ones hold
+    assert [r["controller_updated"] for r in records] == [False] + [True] * 5 + [False] * 4
+    scales = [r["values"]["lr/0"]["scale"] for r in records]
+    assert scales[0] == 1.0 and scales[5] != 1.0
+    assert scales[6:] == [scales[5]] * 4
