@@ -76,6 +76,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                    "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5,
                                                "stop_fraction": 0.4}},
                           "probe": True},
+    # ... with bolder steps (lambda 2.5, up to x1.65 per sync): from 10x too high the held variant needs 40% of
+    # the run to come down, and the damage is done by then
+    "log_averaged_held_fast": {"hdet": {"alpha": 0.5, "spread": "log",
+                                        "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                                    "average_window": 0.5, "stop_fraction": 0.4}},
+                               "probe": True},
 }
 DEFAULT_VARIANT = "log_averaged"
 
