@@ -68,9 +68,12 @@ def test_a_signalled_wandb_service_does_not_fail_the_run(tmp_path, monkeypatch, 
     monkeypatch.setenv("WANDB_SILENT", "true")
     progress = Progress(tmp_path, enabled=True, bar=False, total=15, metrics_path=None, wandb_project="hdet-test")
     progress.sync(report(5, [2.0, 3.0], 1.0))
-    for child in psutil.Process().children(recursive=True):
+    service = [child for child in psutil.Process().children(recursive=True)  # not this process's other children
+               if "wandb" in " ".join(child.cmdline())]                     # (the test ranks' forkserver)
+    assert service
+    for child in service:
         child.terminate()
-    psutil.wait_procs(psutil.Process().children(recursive=True), timeout=30)
+    psutil.wait_procs(service, timeout=30)
     progress.sync(report(10, [1.5, 2.5], 1.25))
     progress.close()
     assert capsys.readouterr().err.count("W&B stopped logging") == 1
