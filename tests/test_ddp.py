@@ -265,23 +265,30 @@ PAPER = {"alpha": 0.2, "sync_interval": 4, "warmup_steps": 12, "total_steps": 40
          "beta": 0.5, "sigma": 0.05, "step_size": 0.5}
 
 
+def train_under_onecycle(rank: int, config: HDETConfig, *, max_lr: float, total_steps: int,
+                         first_loss_step: int = 1) -> None:
+    """SGD on this rank's data through ``HDETOneCycleLR``; the loss reaches HDET from ``first_loss_step`` on."""
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(), config, topology)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = HDETOneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, hdet_config=config,
+                               topology=topology, model=model)
+    for step in range(1, total_steps + 1):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss if step >= first_loss_step else None)
+
+
 def paper_mode_run(rank: int, world: int, metrics_path: str) -> None:
     config = HDETConfig(alpha=PAPER["alpha"], sync_interval=PAPER["sync_interval"], metrics_path=metrics_path,
                         auto_lr=AutoLRConfig(mode="paper", warmup_steps=PAPER["warmup_steps"], beta=PAPER["beta"],
                                              sigma=PAPER["sigma"], step_size=PAPER["step_size"]))
-    topology = ReplicaTopology.build(config)
-    model = wrap_model(make_model(), config, topology)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scheduler = HDETOneCycleLR(optimizer, max_lr=PAPER["max_lr"], total_steps=PAPER["total_steps"],
-                               hdet_config=config, topology=topology, model=model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no loss before the warm-up is fine: no warning, no crash
-        for step in range(1, PAPER["total_steps"] + 1):
-            optimizer.zero_grad()
-            loss = loss_of(model, rank, step)
-            loss.backward()
-            optimizer.step()
-            scheduler.step(loss if step > 8 else None)
+        train_under_onecycle(rank, config, max_lr=PAPER["max_lr"], total_steps=PAPER["total_steps"],
+                             first_loss_step=9)
 
 
 def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
@@ -324,17 +331,7 @@ def held_controller_run(rank: int, world: int, metrics_path: str) -> None:
     """Scale mode through HDETOneCycleLR: the controller from 20% to 60% of 40 steps, T = 4."""
     config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": 4, "metrics_path": metrics_path, "auto_lr": {
         "start_fraction": 0.2, "stop_fraction": 0.6, "sigma": 0.05, "step_size": 2.0}})
-    topology = ReplicaTopology.build(config)
-    model = wrap_model(make_model(), config, topology)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scheduler = HDETOneCycleLR(optimizer, max_lr=0.05, total_steps=40, hdet_config=config, topology=topology,
-                               model=model)
-    for step in range(1, 41):
-        optimizer.zero_grad()
-        loss = loss_of(model, rank, step)
-        loss.backward()
-        optimizer.step()
-        scheduler.step(loss)
+    train_under_onecycle(rank, config, max_lr=0.05, total_steps=40)
 
 
 def test_the_controller_moves_between_its_start_and_stop_then_holds(tmp_path):
