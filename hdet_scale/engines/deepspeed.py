@@ -310,10 +310,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
     if isinstance(total_steps, int) and not isinstance(total_steps, bool):  # the run's length, if DeepSpeed's
         hdet = hdet.for_run(total_steps)                                     # scheduler knows it
-    check_supported(ds_config, model)
-    if "WORLD_SIZE" in os.environ:  # the launcher's: check the batch sizes before any set-up
-        _check_batch_sizes(ds_config, int(os.environ["WORLD_SIZE"]))
-        _per_replica_batch(ds_config, hdet.num_replicas(int(os.environ["WORLD_SIZE"])))
+    launched_world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # the launcher's
+    check_supported(ds_config, model, world_size=launched_world)  # batch sizes too, before any set-up
+    if launched_world is not None:
+        _per_replica_batch(ds_config, hdet.num_replicas(launched_world))
 
     deepspeed.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     world_size = dist.get_world_size()
@@ -361,9 +361,10 @@ def replica_dataloader(dataset: Dataset, micro_batch_size: int, *, collate_fn: C
 
 
 # ------------------------------------------------------------------------------------- validation
-def check_supported(ds_config: Mapping[str, Any], model: nn.Module) -> None:
-    """Raises, naming the setting, for DeepSpeed settings and models HDET cannot run with."""
-    check_ds_config(ds_config)
+def check_supported(ds_config: Mapping[str, Any], model: nn.Module, *, world_size: int | None = None) -> None:
+    """Raises, naming the setting, for DeepSpeed settings and models HDET cannot run with (with ``world_size``,
+    also batch sizes that do not add up over all ranks)."""
+    check_ds_config(ds_config, world_size)
     if any(hasattr(param, "ds_id") for param in model.parameters()):
         raise HDETConfigError("the model was built under deepspeed.zero.Init, which partitions it over every "
                               "rank; build it normally and let initialize shard it inside each replica")
