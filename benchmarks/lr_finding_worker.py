@@ -58,13 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("adamw", "schedulefree", "prodigy"), default="adamw")
     parser.add_argument("--weight_decay", type=float, default=0.01)
     parser.add_argument("--hdet_config", default=None, help="HDET JSON; none: plain data parallel")
+    parser.add_argument("--replay_scales", default=None,
+                        help="plain run whose LR is the schedule times the controller's scale path recorded in "
+                             "this result.json of an HDET run (tells the LR path's cost from HDET's own)")
     parser.add_argument("--probe", action="store_true", help="HDET: score the replicas on a shared probe batch")
     parser.add_argument("--probe_batch", type=int, default=32, help="windows in the probe batch")
     parser.add_argument("--corpus_mb", type=float, default=4.0, help="MiB of the stdlib corpus")
     parser.add_argument("--eval_batches", type=int, default=16, help="fixed batches for the final losses")
     parser.add_argument("--seed", type=int, default=0, help="model, data and HDET seed")
     parser.add_argument("--out", required=True, help="directory for result.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.replay_scales and (args.schedule == "onecycle" or args.hdet_config):
+        parser.error("--replay_scales replays on cosine or wsd, in a plain run (no --hdet_config)")
+    return args
 
 
 def schedule_factor(args: argparse.Namespace) -> Callable[[int], float]:
@@ -86,7 +92,21 @@ def schedule_factor(args: argparse.Namespace) -> Callable[[int], float]:
             return 1.0
         return 1.0 - (1.0 - low) * min(1.0, (s - decay_from + 1) / (steps - decay_from))
 
-    return cosine if args.schedule == "cosine" else wsd
+    shape = cosine if args.schedule == "cosine" else wsd
+    if not args.replay_scales:
+        return shape
+    # A scale recorded at the sync after step s applies from the next step on (0-based index s).
+    recorded = json.loads(Path(args.replay_scales).read_text())["scales"]
+
+    def replayed(s: int) -> float:
+        scale = 1.0
+        for step, value in recorded:
+            if step > s:
+                break
+            scale = value
+        return shape(s) * scale
+
+    return replayed
 
 
 def optimizer_and_schedule(args: argparse.Namespace, model: torch.nn.Module) -> tuple[Any, Any]:

@@ -14,7 +14,7 @@ from hdet_scale.config import (
 )
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
-from hdet_scale.schedule import HDETOneCycleLR, HDETScheduler
+from hdet_scale.schedule import HDETOneCycleLR, HDETScheduler, ReplaySchedule
 from hdet_scale.spread import multipliers
 from hdet_scale.topology import ReplicaTopology
 
@@ -26,6 +26,7 @@ __all__ = [
     "HDETOneCycleLR",
     "HDETScheduler",
     "PaperDecay",
+    "ReplaySchedule",
     "ReplicaTopology",
     "SyncReport",
     "WarmInitConfig",

@@ -107,7 +107,7 @@ class HDETEnsemble:
         step_scoped = [explored for explored in self._explored if explored.knob.step_scoped]
         self._step_scoped = StepScopedValues(
             adapter.optimizer, [(explored.knob.group_index, explored.knob.key) for explored in step_scoped],
-            lambda index, scheduled: step_scoped[index].value(self.topology.replica_index, scheduled))
+            lambda index, scheduled: step_scoped[index].applied_value(self.topology.replica_index, scheduled))
         self._apply_knobs()
         if state is not None:
             self.load_state_dict(state)
@@ -187,6 +187,9 @@ class HDETEnsemble:
         """
         self._interval.add_step(loss)
         self._step += 1
+        for explored in self._explored:
+            if not explored.knob.step_scoped:  # set at syncs only: its base held for the whole step
+                explored.applied_bases.append(explored.base())
         self._observe_window()
         if self._step % self.config.sync_interval == 0:
             return self.sync()
@@ -231,6 +234,9 @@ class HDETEnsemble:
         scores, sent = self._average(tensors, self._score_row(tensors))
         displacement = self._displacement_cosine()
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
+        applied = {explored.name: explored.applied_bases for explored in self._explored}
+        for explored in self._explored:
+            explored.applied_bases = []
         weights = self._update_values(scores, displacement)
         self._reassign()
         self._interval.reset()
@@ -238,7 +244,8 @@ class HDETEnsemble:
         self._last_sync_step = self._step
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,
-                            values={explored.name: explored.report(trained_with[explored.name])
+                            values={explored.name: explored.report(trained_with[explored.name],
+                                                                   applied[explored.name])
                                     for explored in self._explored},
                             sync_seconds=time.perf_counter() - started, bytes_averaged=sent,
                             bytes_gathered=scores.bytes_gathered, displacement=displacement)

@@ -28,6 +28,8 @@ class ExploredValue:
     permutation: list[int] = field(default_factory=list)
     """Entry r is the slot of replica r for the current interval."""
     state: ControllerState = field(default_factory=ControllerState)
+    applied_bases: list[float] = field(default_factory=list)
+    """The base every optimizer step of the current interval used, in order (the replay's record)."""
 
     @classmethod
     def start(cls, knob: Knob, *, seed: int, num_replicas: int, alpha: float, spread: str = "linear",
@@ -65,6 +67,12 @@ class ExploredValue:
         """rho_{pi(r)}: the multiplier replica ``replica`` trains with in the current interval."""
         return self.multipliers[self.permutation[replica]]
 
+    def applied_value(self, replica: int, scheduled: float | None = None) -> float:
+        """``value`` for the optimizer step about to run, recording that step's base in ``applied_bases``."""
+        base = self.base(scheduled)
+        self.applied_bases.append(base)
+        return self.knob.bounds.clamp(base * self.multiplier(replica))
+
     def replica_multipliers(self) -> list[float]:
         """Every replica's multiplier for the current interval, by replica."""
         return [self.multiplier(replica) for replica in range(self.num_replicas)]
@@ -90,11 +98,12 @@ class ExploredValue:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""
         self.permutation = self.stream.draw(self.num_replicas)
 
-    def report(self, trained_with: list[float]) -> dict[str, Any]:
-        """The metrics entry: what the replicas trained with (aligned with the interval's losses), the
-        controller's new state, and what they train with next."""
+    def report(self, trained_with: list[float], applied_bases: list[float]) -> dict[str, Any]:
+        """The metrics entry: what the replicas trained with (aligned with the interval's losses), the base every
+        step of the interval used, the controller's new state, and what the replicas train with next."""
         return {
             "replica_values": trained_with,
+            "applied_bases": applied_bases,
             "base": self.base(),
             "scale": self.state.scale,
             "delta": self.state.last_delta,

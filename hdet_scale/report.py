@@ -1,11 +1,13 @@
 """Plots and a summary of training runs from their metrics JSON lines.
 
     python -m hdet_scale.report runs/a/hdet_metrics.jsonl runs/b/baseline.jsonl --labels hdet baseline --out plots/
+    python -m hdet_scale.report runs/a/hdet_metrics.jsonl --export-schedule schedule.json
 
 Writes ``loss.png`` (training loss vs steps, one line per run, and held-out loss where the files have it: the
 paper's Figure 2), ``schedules_<label>.png`` for every run with HDET sync lines (per explored value, e.g.
 ``lr/0``, ``lr/embedding``, ``weight_decay/0``: the base value and each replica's value over steps, and the
-controller's scale: the paper's Figure 3) and ``summary.json``, and prints a short summary.
+controller's scale: the paper's Figure 3) and ``summary.json``, and prints a short summary. ``--export-schedule``
+writes the base values one HDET run applied at every step (``hdet_scale.replay``), for ``ReplaySchedule``.
 
 The format, one JSON object per line:
 
@@ -14,7 +16,8 @@ The format, one JSON object per line:
 - HDET's sync lines (``SyncReport.as_record``, written to ``metrics_path``): ``step``, ``replica_losses`` (each
   replica's mean training loss over the interval ending at ``step``; null for a replica without losses) and
   ``values`` (per explored value: ``replica_values`` the replicas trained with at the end of the interval,
-  the controller's new ``base`` and ``scale``). Their training loss is the mean of the finite replica losses;
+  the controller's new ``base`` and ``scale``, and ``applied_bases``, the base every step of the interval
+  used). Their training loss is the mean of the finite replica losses;
   a ``loss`` field, where present, takes precedence.
 
 Non-finite numbers may appear as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (how HDET writes them, since
@@ -32,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hdet_scale.replay import ScheduleFileError, schedule_from_records, write_schedule
 
 LOSS_FIELDS = ("loss", "replica_losses", "heldout_loss")
 PLOTS_EXTRA_HINT = "pip install 'hdet_scale[plots]'"  # quoted: shells such as zsh glob the brackets
@@ -363,9 +368,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "from metrics JSON lines, and print a summary. Format: one object per line with 'step' "
                     "and 'loss' (or HDET's 'replica_losses'), optionally 'heldout_loss'.")
     parser.add_argument("metrics", nargs="+", help="metrics JSONL files, one per run")
-    parser.add_argument("--out", required=True, help="directory for the PNGs and summary.json")
+    parser.add_argument("--out", help="directory for the PNGs and summary.json")
     parser.add_argument("--labels", nargs="+", help="one name per file (default: the file names)")
+    parser.add_argument("--export-schedule", dest="export_schedule", metavar="FILE",
+                        help="write the base values the run applied at every step (one HDET metrics file) to FILE, "
+                             "for hdet_scale.schedule.ReplaySchedule and train.py --replay_schedule")
     args = parser.parse_args(argv)
+    if args.out is None and args.export_schedule is None:
+        parser.error("give --out DIR (plots and summary) or --export-schedule FILE, or both")
+    if args.export_schedule is not None:
+        if len(args.metrics) != 1:
+            parser.error(f"--export-schedule reads one run's metrics file, got {len(args.metrics)}")
+        try:
+            run = load_run(args.metrics[0])
+            schedule = schedule_from_records(sync_records(run), str(run.path))
+        except (ReportError, ScheduleFileError) as error:
+            parser.error(str(error))
+        written = write_schedule(schedule, args.export_schedule)
+        print(f"wrote {written}: {', '.join(schedule['values'])} over {schedule['steps']} steps")
+        if args.out is None:
+            return 0
     try:
         summary = report(args.metrics, args.out, args.labels)
     except ReportError as error:

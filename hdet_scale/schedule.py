@@ -1,6 +1,7 @@
-"""HDET on a learning-rate scheduler: the paper's drop-in OneCycleLR, and a wrapper for any scheduler.
+"""HDET on a learning-rate scheduler: the paper's drop-in OneCycleLR, a wrapper for any scheduler, and the
+replay of a schedule an HDET run discovered.
 
-Both keep the scheduler's own behaviour for the base schedule (``get_last_lr()`` and ``param_groups``
+The first two keep the scheduler's own behaviour for the base schedule (``get_last_lr()`` and ``param_groups``
 always show the base values) and apply each replica's multiplier only inside ``optimizer.step()``, so
 multipliers cannot compound with chainable schedulers. ``step(loss)`` replaces ``step()``.
 """
@@ -8,6 +9,7 @@ multipliers cannot compound with chainable schedulers. ``step(loss)`` replaces `
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +21,8 @@ from hdet_scale.config import HDETConfig, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.knobs import group_names
+from hdet_scale.replay import ScheduleFileError, read_schedule
 from hdet_scale.topology import ReplicaTopology
 
 ConfigSource = HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None
@@ -127,3 +131,76 @@ class HDETOneCycleLR(OneCycleLR):
         hdet_state = state.pop("hdet_state")
         super().load_state_dict(state)
         self.hdet.load_state_dict(hdet_state)
+
+
+OPTIMIZER_KEYS = ("lr", "weight_decay")
+"""The optimizer entries HDET explores per param group (``lr/<group>``, ``weight_decay/<group>``)."""
+
+
+class ReplaySchedule(LRScheduler):
+    """Replays the schedule an HDET run discovered, without HDET: step k of this run uses, per param group, the
+    base LR (and weight decay, where it was explored) that step k of the HDET run used.
+
+    The file comes from ``python -m hdet_scale.report RUN.jsonl --export-schedule schedule.json``. It is a torch
+    LR scheduler: call ``step()`` after ``optimizer.step()``. Param groups are matched by name (their ``name``
+    entry, else their index), and every group needs its ``lr/<group>``. Past the file's last step the last
+    values hold, with one warning. Other explored values (``dropout``, ``label_smoothing``) are not optimizer
+    entries: read them with ``value(name)``.
+
+    Args:
+        optimizer: the optimizer whose param groups it sets.
+        schedule: the schedule file's path.
+        last_epoch: as for every torch LR scheduler (-1: a fresh start).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: str | os.PathLike[str],
+                 last_epoch: int = -1) -> None:
+        loaded = read_schedule(schedule)
+        self.steps: int = loaded["steps"]
+        self.values: dict[str, list[float]] = loaded["values"]
+        names = group_names(optimizer)
+        self._entries: dict[str, list[tuple[int, list[float]]]] = {key: [] for key in OPTIMIZER_KEYS}
+        for name, bases in self.values.items():
+            key, _, group = name.partition("/")
+            if key not in OPTIMIZER_KEYS or not group:
+                continue
+            if group not in names:
+                raise ScheduleFileError(f"{schedule}: {name!r} is for param group {group!r}; the optimizer's "
+                                        f"groups are {names} (group names must match the run that wrote it)")
+            self._entries[key].append((names.index(group), bases))
+        missing = sorted(set(range(len(names))) - {index for index, _ in self._entries["lr"]})
+        if missing:
+            raise ScheduleFileError(f"{schedule}: no lr for param group(s) {[names[i] for i in missing]} (it has "
+                                    f"{sorted(self.values)}): replay it on an optimizer with the run's groups")
+        self._warned_past_end = False
+        super().__init__(optimizer, last_epoch)
+
+    def _at(self, bases: list[float]) -> float:
+        if self.last_epoch >= self.steps and not self._warned_past_end:
+            self._warned_past_end = True
+            warnings.warn(f"ReplaySchedule: past the replayed schedule's {self.steps} steps; its last values hold",
+                          stacklevel=3)
+        return bases[min(self.last_epoch, self.steps - 1)]
+
+    def get_lr(self) -> list[float]:
+        """The bases of the optimizer step about to run (step ``last_epoch + 1`` of the replayed run)."""
+        lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
+        for index, bases in self._entries["lr"]:
+            lrs[index] = self._at(bases)
+        return lrs
+
+    def step(self, epoch: int | None = None) -> None:
+        """Moves to the next step: LRs through torch's scheduler machinery, weight decays alongside."""
+        super().step(epoch)
+        for index, bases in self._entries["weight_decay"]:
+            self.optimizer.param_groups[index]["weight_decay"] = self._at(bases)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and torch's scheduler state, without the schedule itself (it stays in its file)."""
+        return {key: value for key, value in super().state_dict().items() if key not in ("values", "_entries")}
+
+    def value(self, name: str) -> float:
+        """The replayed base of any explored value (e.g. ``"label_smoothing"``) for the step about to run."""
+        if name not in self.values:
+            raise KeyError(f"{name!r} is not in the replayed schedule; it has {sorted(self.values)}")
+        return self._at(self.values[name])

@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak LR of the warm-up + cosine schedule")
     parser.add_argument("--warmup_steps", type=int, default=30, help="linear LR warm-up steps")
     parser.add_argument("--min_lr_ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
+    parser.add_argument("--replay_schedule", metavar="FILE", default=None,
+                        help="a plain run (HDET's spread and controller off) on the LRs and weight decays an HDET run "
+                        "applied at every step, exported by python -m hdet_scale.report RUN.jsonl "
+                        "--export-schedule FILE; replaces --lr's warm-up + cosine")
     parser.add_argument("--weight_decay", type=float, default=0.1)
     parser.add_argument("--grad_clip", type=float, default=1.0, help="FSDP: max gradient norm (0: off); "
                         "DeepSpeed: gradient_clipping in its JSON")
@@ -157,6 +161,8 @@ def plan(args: argparse.Namespace) -> Plan:
     ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
     if engine == "fsdp" and args.deepspeed_config:
         raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
+    if args.replay_schedule:
+        _check_replay(args, ds_config)
     config = load_config(_hdet_values(args, ds_config), world_size=None)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
@@ -215,13 +221,41 @@ def _zero_stage(ds_config: dict[str, Any] | None) -> int:
     return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
 
 
+def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:
+    """A schedule to replay covers the run, holds only what a plain run can replay, and is the only schedule."""
+    from hdet_scale.replay import read_schedule
+
+    try:
+        schedule = read_schedule(args.replay_schedule)
+    except ValueError as error:
+        raise ValueError(f"--replay_schedule {error}") from None
+    if schedule["steps"] < args.steps:
+        raise ValueError(f"--replay_schedule {args.replay_schedule} covers {schedule['steps']} steps and --steps is "
+                         f"{args.steps}: train at most {schedule['steps']} steps, or export a longer run")
+    others = [name for name in schedule["values"] if name.partition("/")[0] not in ("lr", "weight_decay")]
+    if others:
+        raise ValueError(f"--replay_schedule {args.replay_schedule} also explored {others}: train.py replays LRs "
+                         "and weight decays only; export a run that explored those, or set them by hand")
+    if "scheduler" in (ds_config or {}):
+        raise ValueError("--replay_schedule and the DeepSpeed JSON's \"scheduler\" both set the LR: remove one")
+
+
 def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> dict[str, Any]:
     """The HDET settings (from --hdet_config, the DeepSpeed JSON's "hdet" section, or train.py's defaults)
-    with the metrics going to OUT unless they say otherwise."""
+    with the metrics going to OUT unless they say otherwise. A replay turns HDET's spread and controller off."""
     section = (ds_config or {}).pop("hdet", None)
     if section is not None and args.hdet_config:
         raise ValueError("HDET settings given twice: --hdet_config and the DeepSpeed JSON's \"hdet\" section; "
                          "keep one")
+    if args.replay_schedule:
+        if args.hdet_config or section is not None:
+            raise ValueError("--replay_schedule trains without HDET: drop --hdet_config (or the DeepSpeed JSON's "
+                             "\"hdet\" section)")
+        # One replica over every rank: plain FSDP2 / ZeRO. Its syncs only write the metrics lines, at every
+        # checkpoint and evaluation step.
+        every = math.gcd(args.checkpoint_interval, args.eval_interval) or TRAIN_DEFAULTS["sync_interval"]
+        return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
+                "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)), "auto_lr": {"enabled": False}}
     if args.hdet_config:
         values = _read_json(args.hdet_config, "--hdet_config")
     else:

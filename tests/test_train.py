@@ -13,6 +13,7 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,32 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(fsdp_runs):
         assert torch.equal(tensor, split[name]), name
     final = [line for line in resumed.stdout.splitlines() if line.startswith("final train loss")]
     assert final and final[0].split("(")[0] in fsdp_runs["uninterrupted"].stdout
+
+
+def applied_bases(out: Path) -> list[float]:
+    """The base LR of param group 0 at every step, from a run's sync lines."""
+    return [base for line in metric_lines(out) for base in line["values"]["lr/0"]["applied_bases"]]
+
+
+@pytest.mark.e2e
+def test_a_plain_run_replays_the_schedule_the_controller_found(fsdp_runs, tmp_path):
+    full, command = fsdp_runs["full"], fsdp_runs["command"]
+    scales = [line["values"]["lr/0"]["scale"] for line in metric_lines(full)]
+    assert len(set(scales)) > 2  # the controller moved: the schedule is not --lr's cosine
+    schedule = tmp_path / "schedule.json"
+    export = subprocess.run([sys.executable, "-m", "hdet_scale.report", str(full / "hdet_metrics.jsonl"),
+                             "--export-schedule", str(schedule)], capture_output=True, text=True, cwd=tmp_path)
+    assert export.returncode == 0, export.stderr
+    at = command.index("--hdet_config")
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    # Another --lr: only the file can give the run the HDET run's bases.
+    result = launch([*command[:at], *command[at + 2:], "--lr", "1e-5", "--replay_schedule", str(schedule),
+                     "--out", str(replay)], cwd=replay)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert applied_bases(replay) == applied_bases(full)
+    assert len(applied_bases(full)) == STEPS
+    assert "replicas=1 ranks_per_replica=4" in result.stdout  # one replica, no spread: a plain run
 
 
 def files_of(directory: Path) -> dict[str, tuple[int, int]]:
@@ -314,6 +341,26 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--hdet_config", str(bad_hdet)], "alpha")
     check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=25")
     check(["--steps", "0"], "--steps must be at least 1")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(tmp_path):
+    from hdet_scale.replay import SCHEDULE_FORMAT
+
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
+                                    "values": {"lr/0": [1e-3] * 10}}))
+    check(["--replay_schedule", str(schedule), "--steps", "20"], "covers 10 steps and --steps is 20")
+    check(["--replay_schedule", str(tmp_path / "none.json")], "--replay_schedule .*none.json: no such schedule file")
+    check(["--replay_schedule", str(schedule), "--steps", "10", "--hdet_config", str(schedule)],
+          "--replay_schedule trains without HDET: drop --hdet_config")
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "scheduler": {"type": "WarmupLR"}}))
+    check(["--replay_schedule", str(schedule), "--steps", "10", "--deepspeed_config", str(ds_config)],
+          "--replay_schedule and the DeepSpeed JSON's \"scheduler\" both set the LR")
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
+                                    "values": {"lr/0": [1e-3] * 10, "label_smoothing": [0.1] * 10}}))
+    check(["--replay_schedule", str(schedule), "--steps", "10"], r"also explored \['label_smoothing'\]")
 
 
 @pytest.mark.usefixtures("single_process")

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.lm.checkpoints import write_manifest
 from hdet_scale.lm.model import next_token_loss
+from hdet_scale.schedule import ReplaySchedule
 from hdet_scale.topology import ReplicaTopology
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -42,6 +43,13 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> C
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def base_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> LRScheduler:
+    """train.py's schedule: the replayed one (``--replay_schedule``), else warm-up + cosine."""
+    if args.replay_schedule:
+        return ReplaySchedule(optimizer, args.replay_schedule)
+    return LambdaLR(optimizer, warmup_cosine(args.steps, args.warmup_steps, args.min_lr_ratio))
 
 
 def adamw(parameters: Any, args: argparse.Namespace) -> torch.optim.AdamW:
@@ -131,7 +139,7 @@ class FSDPBackend(Backend):
         self.optimizer = adamw(self.model.parameters(), args)
         self.ensemble = self.hdet.attach(self.optimizer)
         self.topology = self.hdet.topology
-        self.scheduler = LambdaLR(self.optimizer, warmup_cosine(args.steps, args.warmup_steps, args.min_lr_ratio))
+        self.scheduler = base_schedule(self.optimizer, args)
 
     @property
     def micro_batches(self) -> int:
@@ -219,8 +227,7 @@ class DeepSpeedBackend(Backend):
         optimizer = None if "optimizer" in ds_config else adamw(model.parameters(), args)
         schedule = None
         if "scheduler" not in ds_config:
-            factor = warmup_cosine(args.steps, args.warmup_steps, args.min_lr_ratio)
-            schedule = lambda built: LambdaLR(built, factor)  # noqa: E731 (DeepSpeed calls it with its optimizer)
+            schedule = lambda built: base_schedule(built, args)  # noqa: E731 (DeepSpeed calls it with its optimizer)
         launch_args = argparse.Namespace(**{**vars(args), "deepspeed_config": None, "hdet_config": None})
         self.engine, _, _, _ = hdet_deepspeed.initialize(
             args=launch_args, model=model, optimizer=optimizer,

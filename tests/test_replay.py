@@ -1,0 +1,186 @@
+"""Replaying a discovered schedule: the bases HDET records per step, their export, and ReplaySchedule."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from distributed import run_ranks
+from hdet_scale import HDETConfig, HDETScheduler, ReplaySchedule, ReplicaTopology
+from hdet_scale.config import AutoLRConfig
+from hdet_scale.engines.ddp import wrap_model
+from hdet_scale.replay import SCHEDULE_FORMAT, ScheduleFileError, schedule_from_records, write_schedule
+from hdet_scale.report import load_run, main, sync_records
+
+
+def sync_line(step: int, bases: dict[str, list[float]]) -> dict:
+    return {"step": step, "replica_losses": [1.0, 1.1],
+            "values": {name: {"base": values[-1], "scale": 1.0, "replica_values": [values[-1]] * 2,
+                              "applied_bases": values} for name, values in bases.items()}}
+
+
+def write_lines(path, lines: list[dict]) -> None:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+# ------------------------------------------------------------------------------------------ export
+def test_the_export_joins_the_intervals_step_by_step_and_the_later_line_of_a_step_wins(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    write_lines(metrics, [
+        sync_line(3, {"lr/0": [0.1, 0.2, 0.3]}),
+        sync_line(6, {"lr/0": [9.0, 9.0, 9.0]}),  # from a run that was preempted after its checkpoint at 3
+        {"step": 4, "heldout_loss": 2.0},
+        sync_line(6, {"lr/0": [0.4, 0.5, 0.6]}),  # the resumed run's line for step 6
+        sync_line(8, {"lr/0": [0.7, 0.8]}),  # a last sync between regular ones (the run's end)
+    ])
+    schedule = schedule_from_records(sync_records(load_run(metrics)), "run.jsonl")
+    assert schedule == {"format": SCHEDULE_FORMAT, "source": "run.jsonl", "steps": 8,
+                        "values": {"lr/0": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]}}
+
+
+def test_the_export_refuses_gaps_and_files_without_bases(tmp_path):
+    gap = [sync_line(3, {"lr/0": [0.1, 0.2, 0.3]}), sync_line(9, {"lr/0": [0.7, 0.8, 0.9]})]
+    with pytest.raises(ScheduleFileError, match=r"'lr/0' has no base for steps 4\.\.6 \(3 steps\)"):
+        schedule_from_records(gap, "gap.jsonl")
+    old = sync_line(3, {"lr/0": [0.1]})
+    del old["values"]["lr/0"]["applied_bases"]
+    with pytest.raises(ScheduleFileError, match="old.jsonl: the sync line of step 3 has no applied_bases"):
+        schedule_from_records([old], "old.jsonl")
+    with pytest.raises(ScheduleFileError, match="no HDET sync lines"):
+        schedule_from_records([{"step": 3, "loss": 1.0}], "plain.jsonl")
+
+
+def test_the_command_line_writes_the_schedule_and_says_what_it_needs(tmp_path, capsys):
+    metrics = tmp_path / "run.jsonl"
+    write_lines(metrics, [sync_line(2, {"lr/0": [0.1, 0.2], "weight_decay/0": [0.01, 0.01]})])
+    assert main([str(metrics), "--export-schedule", str(tmp_path / "schedule.json")]) == 0
+    assert "lr/0, weight_decay/0 over 2 steps" in capsys.readouterr().out
+    assert json.loads((tmp_path / "schedule.json").read_text())["values"]["lr/0"] == [0.1, 0.2]
+    for argv, message in (([str(metrics)], "give --out DIR"),
+                          ([str(metrics), str(metrics), "--export-schedule", "x.json"], "reads one run's")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ ReplaySchedule
+def named_optimizer() -> torch.optim.Optimizer:
+    return torch.optim.AdamW([{"params": [nn.Parameter(torch.ones(2))], "name": "embedding"},
+                              {"params": [nn.Parameter(torch.ones(2))], "name": "transformer"}],
+                             lr=1.0, weight_decay=0.5)
+
+
+def applied_per_step(optimizer: torch.optim.Optimizer, scheduler: ReplaySchedule, steps: int) -> list[list[float]]:
+    """[lr of each group, weight decay of the second] as ``optimizer.step()`` saw them, step by step."""
+    seen = []
+    handle = optimizer.register_step_pre_hook(lambda opt, *_: seen.append(
+        [opt.param_groups[0]["lr"], opt.param_groups[1]["lr"], opt.param_groups[1]["weight_decay"]]))
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    handle.remove()
+    return seen
+
+
+SCHEDULE = {"format": SCHEDULE_FORMAT, "source": "run.jsonl", "steps": 3,
+            "values": {"lr/embedding": [0.1, 0.2, 0.3], "lr/transformer": [1.0, 2.0, 3.0],
+                       "weight_decay/transformer": [0.01, 0.02, 0.03], "label_smoothing": [0.1, 0.1, 0.2]}}
+
+
+def test_replay_applies_the_recorded_values_at_every_step_then_holds_the_last(tmp_path):
+    path = write_schedule(SCHEDULE, tmp_path / "schedule.json")
+    optimizer = named_optimizer()
+    scheduler = ReplaySchedule(optimizer, path)
+    assert scheduler.value("label_smoothing") == 0.1
+    with pytest.warns(UserWarning, match="past the replayed schedule's 3 steps"):
+        seen = applied_per_step(optimizer, scheduler, 5)
+    assert seen == [[0.1, 1.0, 0.01], [0.2, 2.0, 0.02], [0.3, 3.0, 0.03], [0.3, 3.0, 0.03], [0.3, 3.0, 0.03]]
+    assert optimizer.param_groups[0]["weight_decay"] == 0.5  # not in the schedule: left alone
+
+
+def test_replay_resumes_from_its_state_dict_without_storing_the_schedule(tmp_path):
+    path = write_schedule(SCHEDULE, tmp_path / "schedule.json")
+    optimizer = named_optimizer()
+    scheduler = ReplaySchedule(optimizer, path)
+    applied_per_step(optimizer, scheduler, 1)
+    state = scheduler.state_dict()
+    assert "values" not in state and state["last_epoch"] == 1
+    resumed_optimizer = named_optimizer()
+    resumed = ReplaySchedule(resumed_optimizer, path)
+    resumed.load_state_dict(state)
+    resumed.step()  # what a resumed loop's first step sees: the state after step 1, then one scheduler step ahead
+    assert resumed_optimizer.param_groups[0]["lr"] == 0.3
+
+
+def test_replay_refuses_other_param_groups_and_other_files(tmp_path):
+    path = write_schedule(SCHEDULE, tmp_path / "schedule.json")
+    plain = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=1.0)
+    with pytest.raises(ScheduleFileError, match="'lr/embedding' is for param group 'embedding'; the optimizer's "
+                                                r"groups are \['0'\]"):
+        ReplaySchedule(plain, path)
+    one_group = dict(SCHEDULE, values={"lr/embedding": [0.1, 0.2, 0.3]})
+    with pytest.raises(ScheduleFileError, match=r"no lr for param group\(s\) \['transformer'\]"):
+        ReplaySchedule(named_optimizer(), write_schedule(one_group, tmp_path / "one.json"))
+    short = dict(SCHEDULE, values={**SCHEDULE["values"], "lr/embedding": [0.1]})
+    with pytest.raises(ScheduleFileError, match=r"values\['lr/embedding'\] must be 3 finite numbers >= 0"):
+        ReplaySchedule(named_optimizer(), write_schedule(short, tmp_path / "short.json"))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(ScheduleFileError, match="not a JSON schedule"):
+        ReplaySchedule(named_optimizer(), tmp_path / "metrics.jsonl")
+    (tmp_path / "line.json").write_text('{"step": 1}\n')
+    with pytest.raises(ScheduleFileError, match="'format' must be 'hdet_scale.schedule/1'"):
+        ReplaySchedule(named_optimizer(), tmp_path / "line.json")
+
+
+# ------------------------------------------------------------------------------------------ what HDET records
+STEPS, SYNC, START = 12, 4, 4
+
+
+def hdet_run(rank: int, world: int, metrics: str) -> list[float]:
+    """Two replicas on a decaying LambdaLR with a moving controller; returns the LR each step really used."""
+    torch.manual_seed(0)
+    config = HDETConfig(alpha=0.5, spread="log", sync_interval=SYNC, metrics_path=metrics,
+                        auto_lr=AutoLRConfig(mode="log", warmup_steps=START, sigma=1.0, step_size=1.0, beta=0.0))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(nn.Linear(3, 1), config, topology)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = HDETScheduler(LambdaLR(optimizer, lambda s: 1.0 / (1 + s)), hdet_config=config, model=model,
+                              topology=topology)
+    used: list[float] = []
+    optimizer.register_step_pre_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))  # after HDET's
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        inputs = torch.randn(8, 3, generator=data)
+        loss = (model(inputs).squeeze(1) - inputs.sum(1) * (1 + rank)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss)
+    return used
+
+
+def test_every_sync_line_records_the_base_each_step_used(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    used = run_ranks(hdet_run, 2, str(metrics))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [4, 8, 12]
+    scales = [1.0] + [line["values"]["lr/0"]["scale"] for line in lines]
+    assert scales[2] != 1.0 and scales[3] != scales[2]  # the controller moved: the bases are not the schedule's
+    for index, line in enumerate(lines):
+        bases = line["values"]["lr/0"]["applied_bases"]
+        steps = range(index * SYNC, (index + 1) * SYNC)  # 0-based: LambdaLR's value for the s-th optimizer step
+        assert bases == pytest.approx([0.1 / (1 + s) * scales[index] for s in steps], rel=1e-12)
+        for rank_used in used:  # each rank: the base times one multiplier, the same over the interval
+            ratios = [lr / base for lr, base in zip(rank_used[index * SYNC:(index + 1) * SYNC], bases, strict=True)]
+            assert ratios == pytest.approx([ratios[0]] * SYNC, rel=1e-12)
+            assert abs(abs(math.log(ratios[0])) - math.log(1.5)) < 1e-9  # log spread, alpha 0.5: x1.5 or /1.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schedule = schedule_from_records(lines, "metrics.jsonl")
+    assert schedule["steps"] == STEPS and len(schedule["values"]["lr/0"]) == STEPS
