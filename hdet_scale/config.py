@@ -72,6 +72,12 @@ class AutoLRConfig:
     scale_min: float = 0.1
     """Floor of the multiplicative scale in ``scale`` mode (relative to the base schedule), > 0."""
 
+    initial_scale: float = 1.0
+    """``scale`` and ``log`` mode: the LR's scale from the first step (other explored values start at 1), in
+    [scale_min, scale_max]. Below 1 the run starts under the LR it was given and the controller climbs: a too-high
+    LR early does damage that no later LR undoes, a too-low one is climbed out of (see
+    benchmarks/results/lr_finding.md). Needs the controller on."""
+
     scale_max: float = 10.0
     """Ceiling of the multiplicative scale in ``scale`` mode, >= scale_min."""
 
@@ -260,11 +266,15 @@ class HDETConfig:
                                   "no such term: set auto_lr.displacement to 0 or choose another mode")
         _check_number("auto_lr.scale_max", lr.scale_max, low=lr.scale_min,
                       hint="scale_max must be at least auto_lr.scale_min")
-        if not lr.scale_min <= 1.0 <= lr.scale_max:
+        _check_number("auto_lr.initial_scale", lr.initial_scale, low=0.0, low_open=True)
+        if not lr.scale_min <= lr.initial_scale <= lr.scale_max:
             raise HDETConfigError(
-                f"auto_lr.scale_min={lr.scale_min} and auto_lr.scale_max={lr.scale_max} must bracket 1.0 "
-                "(the controller starts at scale 1, the base schedule itself)"
+                f"auto_lr.scale_min={lr.scale_min} and auto_lr.scale_max={lr.scale_max} must bracket "
+                f"auto_lr.initial_scale={lr.initial_scale} (where the controller starts; 1: the base schedule)"
             )
+        if lr.initial_scale != 1.0 and (lr.mode == "paper" or not lr.enabled):
+            raise HDETConfigError(f"auto_lr.initial_scale={lr.initial_scale} needs the controller on in 'scale' or "
+                                  "'log' mode (else the LR would stay at that scale): set it to 1 or turn auto_lr on")
         for name in ("weight_decay", "dropout", "attention_scale", "label_smoothing"):
             knob = getattr(self.explore, name)
             if knob is None:

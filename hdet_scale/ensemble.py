@@ -23,7 +23,7 @@ from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import all_finite, start_gather_rows
 from hdet_scale.config import HDETConfig, HDETConfigError
-from hdet_scale.controller import Controller, PaperDecay
+from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.displacement import DisplacementSignal
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
@@ -131,6 +131,8 @@ class HDETEnsemble:
         explored = ExploredValue.start(knob, seed=self.config.seed, num_replicas=self.topology.num_replicas,
                                        alpha=self.config.alpha if knob.alpha is None else knob.alpha,
                                        spread=self.config.spread, paper_decay=paper_decay)
+        if explored.is_lr:
+            explored.state = ControllerState(scale=self.config.auto_lr.initial_scale)
         self._explored.append(explored)
         return explored
 

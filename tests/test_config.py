@@ -57,7 +57,12 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"beta": -0.5}}, r"auto_lr.beta must be a number in \[0.0, 1.0\)"),
         ({"auto_lr": {"mode": "magic"}}, r"auto_lr.mode must be one of 'scale', 'paper'"),
         ({"auto_lr": {"warmup_steps": -1}}, r"auto_lr.warmup_steps must be an integer >= 0"),
-        ({"auto_lr": {"scale_min": 2.0}}, r"must bracket 1.0"),
+        ({"auto_lr": {"scale_min": 2.0}}, r"must bracket auto_lr.initial_scale=1.0"),
+        ({"auto_lr": {"initial_scale": 0.05}}, r"scale_min=0.1 and auto_lr.scale_max=10.0 must bracket "
+                                               r"auto_lr.initial_scale=0.05"),
+        ({"auto_lr": {"initial_scale": 0}}, r"auto_lr.initial_scale must be a number in \(0.0, inf\)"),
+        ({"auto_lr": {"initial_scale": 0.5, "mode": "paper"}}, r"initial_scale=0.5 needs the controller on"),
+        ({"auto_lr": {"initial_scale": 0.5, "enabled": False}}, r"initial_scale=0.5 needs the controller on"),
         ({"auto_lr": {"enabled": "yes"}}, r"auto_lr.enabled must be true or false"),
         ({"warm_init": {"nu": -0.01}}, r"warm_init.nu must be a number in \[0.0, inf\)"),
         ({"average_optimizer_state": 1}, r"average_optimizer_state must be true or false"),

@@ -96,6 +96,23 @@ def test_multipliers_never_compound_with_a_chainable_scheduler():
     assert used == pytest.approx([0.1 * 0.9**step * rho for step in range(20)], rel=1e-12)
 
 
+def test_the_lr_starts_at_the_controllers_initial_scale_and_other_values_at_one():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1, weight_decay=0.01)
+    replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
+    scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=replica_one_of_two, alpha=0.5,
+                              sync_interval=1000, explore={"weight_decay": {"alpha": 0.5}},
+                              auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01})
+    used = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(
+        (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
+    rho = scheduler.hdet.lr_multiplier()
+    for _ in range(3):
+        train_step(optimizer)
+        scheduler.step()
+    assert [lr for lr, _ in used] == pytest.approx([0.1 * 0.9**step * 0.25 * rho for step in range(3)], rel=1e-12)
+    assert {round(decay / 0.01, 9) for _, decay in used} <= {round(m, 9) for m in multipliers(2, 0.5)}
+
+
 def test_state_loads_into_a_different_number_of_replicas():
     def ensemble(num_replicas: int) -> HDETEnsemble:
         optimizer = two_group_optimizer("sgd")
