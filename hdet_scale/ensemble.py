@@ -189,8 +189,11 @@ class HDETEnsemble:
         """
         self._interval.add_step(loss)
         self._step += 1
+        steps_in_interval = self._step - (self._last_sync_step or 0)
         for explored in self._explored:
-            if not explored.knob.step_scoped:  # set at syncs only: its base held for the whole step
+            # Values set at syncs held their base for the whole step. A step-scoped value's base was recorded in
+            # optimizer.step(), unless that step did not run (an AMP overflow skip): then its base as of now.
+            if len(explored.applied_bases) < steps_in_interval:
                 explored.applied_bases.append(explored.base())
         self._observe_window()
         if self._step % self.config.sync_interval == 0:
@@ -236,7 +239,8 @@ class HDETEnsemble:
         scores, sent = self._average(tensors, self._score_row(tensors))
         displacement = self._displacement_cosine()
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
-        applied = {explored.name: explored.applied_bases for explored in self._explored}
+        applied = {explored.name: (explored.applied_bases, explored.replica_multipliers())
+                   for explored in self._explored}
         for explored in self._explored:
             explored.applied_bases = []
         weights = self._update_values(scores, displacement)
@@ -247,7 +251,7 @@ class HDETEnsemble:
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,
                             values={explored.name: explored.report(trained_with[explored.name],
-                                                                   applied[explored.name])
+                                                                   *applied[explored.name])
                                     for explored in self._explored},
                             sync_seconds=time.perf_counter() - started, bytes_averaged=sent,
                             bytes_gathered=scores.bytes_gathered, displacement=displacement)

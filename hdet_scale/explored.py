@@ -98,12 +98,15 @@ class ExploredValue:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""
         self.permutation = self.stream.draw(self.num_replicas)
 
-    def report(self, trained_with: list[float], applied_bases: list[float]) -> dict[str, Any]:
+    def report(self, trained_with: list[float], applied_bases: list[float],
+               trained_multipliers: list[float]) -> dict[str, Any]:
         """The metrics entry: what the replicas trained with (aligned with the interval's losses), the base every
-        step of the interval used, the controller's new state, and what the replicas train with next."""
+        step of the interval used and each replica's multiplier on it, the controller's new state, and what the
+        replicas train with next."""
         return {
             "replica_values": trained_with,
             "applied_bases": applied_bases,
+            "replica_multipliers": trained_multipliers,
             "base": self.base(),
             "scale": self.state.scale,
             "delta": self.state.last_delta,

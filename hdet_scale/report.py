@@ -191,6 +191,52 @@ def value_series(run: Run, name: str) -> dict[str, Any]:
             "scale": [_float(entry.get("scale")) for _, entry in rows], "replicas": replicas}
 
 
+def applied_series(run: Run, name: str) -> dict[str, Any] | None:
+    """One explored value step by step, from sync lines that carry ``applied_bases`` and ``replica_multipliers``:
+    ``steps``, ``base`` (the base each step used), ``replicas`` (each replica's value at each step, the base times
+    its multiplier of that interval before the value's bounds; NaN where a replica was left out or absent) and
+    ``excluded`` ((sync step, value) of every interval a replica was left out of for non-finite loss or weights).
+    None for a file written without those fields (an older hdet_scale)."""
+    steps: list[int] = []
+    base: list[float] = []
+    replicas: list[list[float]] = []
+    excluded: list[tuple[int, float]] = []
+    for record in sync_records(run):
+        entry = (record.get("values") or {}).get(name)
+        if entry is None:
+            continue
+        bases, multipliers = entry.get("applied_bases"), entry.get("replica_multipliers")
+        if bases is None or multipliers is None:
+            return None
+        left_out = set(record.get("excluded_replicas") or [])
+        while len(replicas) < len(multipliers):  # a run resumed with more replicas
+            replicas.append([math.nan] * len(steps))
+        first = record["step"] - len(bases) + 1
+        for offset, value in enumerate(bases):
+            steps.append(first + offset)
+            base.append(_float(value))
+            for replica, series in enumerate(replicas):
+                inside = replica < len(multipliers) and replica not in left_out
+                series.append(base[-1] * _float(multipliers[replica]) if inside else math.nan)
+        excluded += [(record["step"], base[-1] * _float(multipliers[replica])) for replica in sorted(left_out)
+                     if replica < len(multipliers)]
+    return {"steps": steps, "base": base, "replicas": replicas, "excluded": excluded}
+
+
+VALUE_WORDS = {"lr": "learning rate", "weight_decay": "weight decay", "dropout": "dropout",
+               "attention_scale": "attention scale", "label_smoothing": "label smoothing"}
+
+
+def value_title(name: str) -> str:
+    """An explored value's name in words: ``lr/0`` is "learning rate of param group 0", ``lr/embedding``
+    "learning rate of the embedding group"."""
+    key, _, group = name.partition("/")
+    words = VALUE_WORDS.get(key, key.replace("_", " "))
+    if not group:
+        return words
+    return f"{words} of param group {group}" if group.isdigit() else f"{words} of the {group} group"
+
+
 def _float(value: Any) -> float:
     number = _number(value, "", "value")
     return math.nan if number is None else number
@@ -297,22 +343,36 @@ def plot_schedules(run: Run, path: str | Path) -> Path:
     for row, name in enumerate(names):
         series = value_series(run, name)
         left, right = axes[row]
-        edges = _interval_edges(series["steps"])
-        for replica, values in enumerate(series["replicas"]):
-            # A replica held its value over the whole interval that ends at the sync: draw it as a step.
-            left.stairs(values, edges, color=f"C{replica % 10}", linewidth=0.8, alpha=0.8, baseline=None,
-                        label=f"replica {replica}")
-        left.plot(series["steps"], series["base"], color="black", linewidth=2, label="base")
-        left.set_title(f"{run.label}: {name}")
-        left.set_ylabel(name.split("/")[0])
+        _draw_values(left, series, applied_series(run, name))
+        left.set_title(f"{run.label}: {value_title(name)}")
+        left.set_ylabel(VALUE_WORDS.get(name.partition("/")[0], name))
         right.plot(series["steps"], series["scale"], color="black", marker="." if len(series["steps"]) < 40 else None)
         right.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-        right.set_title(f"controller scale: {name}")
+        right.set_title("the controller's scale at each sync")
         for ax in (left, right):
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
         left.legend(fontsize="small", ncol=2 if len(series["replicas"]) > 4 else 1)
     return _save(fig, path)
+
+
+def _draw_values(ax: Any, series: dict[str, Any], applied: dict[str, Any] | None) -> None:
+    """Each replica's value and the base where they applied: step by step when the lines carry it, else (older
+    files) each replica's value at the end of an interval held over the whole interval."""
+    if applied is None:
+        edges = _interval_edges(series["steps"])
+        for replica, values in enumerate(series["replicas"]):
+            ax.stairs(values, edges, color=f"C{replica % 10}", linewidth=0.8, alpha=0.8, baseline=None,
+                      label=f"replica {replica}")
+        ax.plot(series["steps"], series["base"], color="black", linewidth=2, label="base")
+        return
+    for replica, values in enumerate(applied["replicas"]):
+        ax.plot(applied["steps"], values, color=f"C{replica % 10}", linewidth=0.8, alpha=0.8,
+                label=f"replica {replica}")
+    ax.plot(applied["steps"], applied["base"], color="black", linewidth=2, label="base")
+    if applied["excluded"]:
+        steps, values = zip(*applied["excluded"], strict=True)
+        ax.scatter(steps, values, marker="x", color="red", zorder=3, label="left out (non-finite)")
 
 
 def _interval_edges(steps: list[int]) -> list[float]:

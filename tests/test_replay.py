@@ -12,9 +12,9 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from distributed import run_ranks
-from hdet_scale import HDETConfig, HDETScheduler, ReplaySchedule, ReplicaTopology
+from hdet_scale import HDETConfig, HDETEnsemble, HDETScheduler, ReplaySchedule, ReplicaTopology
 from hdet_scale.config import AutoLRConfig
-from hdet_scale.engines.ddp import wrap_model
+from hdet_scale.engines.ddp import DDPAdapter, wrap_model
 from hdet_scale.replay import SCHEDULE_FORMAT, ScheduleFileError, schedule_from_records, write_schedule
 from hdet_scale.report import load_run, main, sync_records
 
@@ -139,6 +139,21 @@ def test_replay_refuses_other_param_groups_and_other_files(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ what HDET records
+def test_a_step_without_an_optimizer_step_still_gets_its_base(tmp_path):
+    """An AMP overflow skips optimizer.step(): the line still has one base per step, so the steps stay aligned."""
+    metrics = tmp_path / "metrics.jsonl"
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(sync_interval=3, metrics_path=str(metrics)), DDPAdapter(optimizer),
+                        topology=ReplicaTopology.single_process())
+    for lr, skipped in ((0.1, False), (0.2, True), (0.3, False)):
+        optimizer.param_groups[0]["lr"] = lr
+        if not skipped:
+            optimizer.step()
+        hdet.step(1.0)
+    hdet.close()
+    assert json.loads(metrics.read_text())["values"]["lr/0"]["applied_bases"] == [0.1, 0.2, 0.3]
+
+
 STEPS, SYNC, START = 12, 4, 4
 
 

@@ -231,3 +231,44 @@ def test_a_step_written_twice_is_one_sync(tmp_path):
     series = report.value_series(run, "lr/embedding")
     assert series["steps"] == list(range(10, 101, 10))
     assert series["scale"][-1] == pytest.approx(1.0 + 0.05 * 10 + 1.0)
+
+
+def test_values_are_drawn_where_they_applied_step_by_step(tmp_path):
+    """Each replica's value at each step is the base that step used times the replica's multiplier of its
+    interval; a replica left out of a sync is NaN over that interval and marked; a resume with more replicas
+    starts their lines there."""
+    def line(step: int, bases: list[float], multipliers: list[float], excluded: list[int]) -> dict:
+        entry = {"replica_values": [bases[-1] * m for m in multipliers], "base": bases[-1], "scale": 1.0,
+                 "applied_bases": bases, "replica_multipliers": multipliers}
+        return {"step": step, "replica_losses": [1.0] * len(multipliers), "excluded_replicas": excluded,
+                "values": {"lr/0": entry}}
+
+    path = write_lines(tmp_path / "m.jsonl", [line(2, [0.1, 0.2], [0.5, 2.0], []),
+                                              line(4, [0.3, 0.4], [2.0, 0.5], [1]),
+                                              line(5, [0.5], [1.0, 2.0, 0.5], [])])
+    series = report.applied_series(report.load_run(path), "lr/0")
+    nan = math.nan
+    assert series["steps"] == [1, 2, 3, 4, 5]
+    assert series["base"] == [0.1, 0.2, 0.3, 0.4, 0.5]
+    expected = [[0.05, 0.1, 0.6, 0.8, 0.5], [0.2, 0.4, nan, nan, 1.0], [nan, nan, nan, nan, 0.25]]
+    for got, want in zip(series["replicas"], expected, strict=True):
+        assert got == pytest.approx(want, nan_ok=True)
+    assert series["excluded"] == [(4, pytest.approx(0.2))]
+    old = json.loads(path.read_text().splitlines()[0])
+    del old["values"]["lr/0"]["replica_multipliers"]
+    assert report.applied_series(report.load_run(write_lines(tmp_path / "old.jsonl", [old])), "lr/0") is None
+
+
+def test_values_are_named_in_words():
+    assert report.value_title("lr/0") == "learning rate of param group 0"
+    assert report.value_title("lr/embedding") == "learning rate of the embedding group"
+    assert report.value_title("weight_decay/3") == "weight decay of param group 3"
+    assert report.value_title("label_smoothing") == "label smoothing"
+
+
+def test_a_real_runs_lines_give_every_step_from_the_first(tmp_path):
+    path, _ = real_hdet_run(tmp_path / "hdet_metrics.jsonl")
+    run = report.load_run(path)
+    series = report.applied_series(run, "lr/0")
+    assert series["steps"] == list(range(1, report.sync_records(run)[-1]["step"] + 1))
+    assert not series["excluded"]
