@@ -52,7 +52,10 @@ from hdet_scale.lm.model import PRESETS, build_model, check_preset
 from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
 from hdet_scale.lm.scalars import check_wandb_available
+from hdet_scale.probe import batch_probe
 
+PROBE_SEED = 777
+"""Where --probe_batch draws its held-out windows (fixed: the same probe whatever the training seed)."""
 TRAIN_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "sync_interval": 25, "auto_lr": {"warmup_steps": 100}}
 """HDET settings when no --hdet_config is given: suited to short runs (the paper's defaults suit long ones)."""
 SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -106,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="the model's attention dropout (the presets have none; explore.dropout needs some)")
+    parser.add_argument("--probe_batch", type=int, default=0,
+                        help="held-out sequences every replica is scored on at each sync, the same for all (the "
+                        "controller's signal, and what auto_lr.average_window needs); 0: no probe, the replicas' "
+                        "training losses")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     parser.add_argument("--wandb", metavar="PROJECT", default=None,
@@ -146,7 +153,7 @@ def plan(args: argparse.Namespace) -> Plan:
     for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "eval_batches"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    for name in ("checkpoint_interval", "eval_interval", "warmup_steps"):
+    for name in ("checkpoint_interval", "eval_interval", "warmup_steps", "probe_batch"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if not 0.0 <= args.min_lr_ratio <= 1.0:
@@ -344,6 +351,8 @@ class Run:
             FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
             else DeepSpeedBackend(model, checked.config, args, checked.ds_config or {}, device))
         self.config = self.backend.ensemble.config
+        if args.probe_batch:
+            self._set_probe()
         self.step = 0
         cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.stop = StopSignal(cpu_group)
@@ -351,6 +360,13 @@ class Run:
                                  metrics_path=self.config.metrics_path, wandb_project=args.wandb,
                                  config={"train": _plain(vars(args)), "hdet": self.config.to_dict()})
         self.engine = checked.engine
+
+    def _set_probe(self) -> None:
+        """Scores every replica at each sync on --probe_batch held-out windows (rank 0's draw, shared by all)."""
+        windows = batch(self.corpus.heldout, micro_batch_size=self.args.probe_batch, seq_len=self.args.seq_len,
+                        generator=torch.Generator().manual_seed(PROBE_SEED))
+        self.backend.ensemble.set_probe(batch_probe(self.backend.module, windows,
+                                                    lambda _, probe: self.backend.loss(probe)))
 
     # ------------------------------------------------------------------------------------- loop
     def train(self) -> None:

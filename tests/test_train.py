@@ -239,7 +239,7 @@ def deepspeed_runs(tmp_path_factory):
     global_out, local_out = root / "global", root / "local"
     global_out.mkdir(), local_out.mkdir()
     zero2 = launch([*deepspeed(4), *SHORT, "--zero_stage", "2", "--hdet_config", hdet_config(root, "global", 2),
-                    "--out", str(global_out)], cwd=global_out)
+                    "--probe_batch", "4", "--out", str(global_out)], cwd=global_out)
     local_args = [*SHORT, "--zero_stage", "3", "--hdet_config", hdet_config(root, "local", 1), "--out", str(local_out),
                   "--wandb", "hdet-test"]
     preempted = launch([*deepspeed(2), *local_args], cwd=local_out, sigterm_after_step=SYNC_INTERVAL,
@@ -253,8 +253,11 @@ def deepspeed_runs(tmp_path_factory):
 @pytest.mark.e2e
 def test_deepspeed_global_run_end_to_end(deepspeed_runs):
     result, out = deepspeed_runs["zero2"], deepspeed_runs["global"]
-    assert_two_replica_run(result, out, "deepspeed")
+    lines = assert_two_replica_run(result, out, "deepspeed")
     quiet(result)
+    probes = [line["probe_losses"] for line in lines]  # --probe_batch: each replica scored on the same windows
+    assert all(len(losses) == 2 and all(0 < loss < 10 for loss in losses) for losses in probes)
+    assert probes[0][0] != probes[0][1]
     assert (out / "checkpoints" / "latest").read_text() == f"step{STEPS}"
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [f"step{STEPS}"]  # older gone
 

@@ -95,6 +95,11 @@ class Backend(ABC):
     def train(self, mode: bool) -> None:
         """Training or evaluation mode."""
 
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """What a forward pass runs: the wrapped model (FSDP2) or the engine (DeepSpeed)."""
+
     @abstractmethod
     def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         """A checkpoint at a sync point in ``directory`` (collective), with ``run`` (what made it) in its
@@ -178,6 +183,10 @@ class FSDPBackend(Backend):
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model
 
     def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         from hdet_scale.engines.fsdp_checkpoint import save_checkpoint
@@ -267,6 +276,10 @@ class DeepSpeedBackend(Backend):
 
     def train(self, mode: bool) -> None:
         self.engine.train(mode)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine
 
     def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         tag = f"{DEEPSPEED_TAG_PREFIX}{self.ensemble.global_step}"

@@ -1,0 +1,157 @@
+"""HDET for PyTorch Lightning: one callback adds it to a ``Trainer`` under ``DDPStrategy``.
+
+    trainer = Trainer(strategy="ddp", devices=4, callbacks=[HDETCallback({"alpha": 0.25, "sync_interval": 100})])
+    trainer.fit(module, datamodule)        # under torchrun, srun, or Lightning's own launcher
+
+Every rank, or every group of ``ranks_per_replica`` ranks, is a replica. DDP averages gradients over all ranks
+(``gradient_mode: "global"``, where a diverged replica's gradient is left out) or, in ``local`` mode, inside the
+replica only: the callback gives Lightning's DDP model that communication hook before the first step.
+
+Where it reaches Lightning:
+
+- ``on_fit_start``: the optimizer (one, automatic optimization) and the DDP model exist; HDET is attached, and a
+  checkpoint's HDET state (restored through this callback's ``state_dict``) is continued without new warm-init
+  noise.
+- ``on_train_batch_end``: the micro-batch loss (Lightning hands it over divided by ``accumulate_grad_batches``:
+  multiplied back here); after the batch that stepped the optimizer (``on_before_optimizer_step`` saw it), HDET
+  steps, and syncs every ``sync_interval`` optimizer steps.
+- ``on_train_epoch_end`` and ``on_train_end``: the replicas are averaged, so the checkpoint that Lightning writes
+  after an epoch and the model after ``fit`` are one model. A checkpoint written between syncs (e.g.
+  ``ModelCheckpoint(every_n_train_steps=k)`` with ``k`` not a multiple of ``sync_interval``) holds rank 0's
+  replica only: the callback warns.
+
+Refused with one line before training: manual optimization, several optimizers, ``FSDPStrategy`` (FSDP1, which
+needs a GPU) and every strategy other than DDP (``DeepSpeedStrategy``: use ``hdet_scale.engines.deepspeed``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from hdet_scale.config import HDETConfig, HDETConfigError
+from hdet_scale.engines.ddp import DDPAdapter, install_gradient_mean
+from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.schedule import resolve_config
+from hdet_scale.topology import ReplicaTopology
+
+
+class HDETCallback(pl.Callback):
+    """Hyperparameter-Divergent Ensemble Training in a Lightning ``Trainer``.
+
+    Args:
+        hdet_config: an HDETConfig, a dict, a JSON path, or None for defaults.
+        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
+
+    After ``fit`` starts, ``ensemble`` is the ``HDETEnsemble`` and ``last_report`` the last sync's report.
+    """
+
+    def __init__(self, hdet_config: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                 **hdet_fields: Any) -> None:
+        self.config = resolve_config(hdet_config, hdet_fields)
+        self.ensemble: HDETEnsemble | None = None
+        self.last_report: SyncReport | None = None
+        self._restored: dict[str, Any] | None = None
+        self._stepped = False
+
+    # ------------------------------------------------------------------------------------ checks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_strategy(trainer.strategy)
+        if not pl_module.automatic_optimization:
+            raise HDETConfigError("HDETCallback needs automatic optimization (the callback steps HDET after "
+                                  "Lightning's optimizer step); with manual optimization use "
+                                  "hdet_scale.engines.ddp.attach and call ensemble.step(loss) yourself")
+
+    # ------------------------------------------------------------------------------------ events
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(trainer.optimizers) != 1:
+            raise HDETConfigError(f"HDETCallback explores one optimizer's param groups; configure_optimizers "
+                                  f"returned {len(trainer.optimizers)}")
+        self.config = self.config.for_run(int(trainer.estimated_stepping_batches))
+        topology = ReplicaTopology.build(self.config)
+        if topology.world_size > 1:
+            # Lightning's DDP averages over all ranks: HDET's hook leaves a diverged replica out (global mode) or
+            # averages inside the replica only (local mode).
+            install_gradient_mean(trainer.strategy.model, self.config, topology)
+        optimizer = trainer.optimizers[0]
+        self.ensemble = HDETEnsemble(self.config, DDPAdapter(optimizer, pl_module), topology=topology,
+                                     state=self._restored)
+        self._restored = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        self._stepped = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        ensemble = self._attached()
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            ensemble.observe(loss.detach() * trainer.accumulate_grad_batches)
+        if self._stepped:
+            self._stepped = False
+            self._record(ensemble.step())
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync_if_apart()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync_if_apart()
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if self.ensemble is not None and not self.ensemble.at_sync_point and trainer.global_rank == 0:
+            warnings.warn(f"HDETCallback: checkpoint at step {trainer.global_step}, between syncs (every "
+                          f"{self.config.sync_interval} steps): the replicas differ and it holds rank 0's only; "
+                          "checkpoint every a multiple of sync_interval steps, or at epoch ends", stacklevel=2)
+
+    # ------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """HDET's state (controller, permutations, step), saved in Lightning's checkpoint."""
+        if self.ensemble is not None:
+            return self.ensemble.state_dict()
+        return dict(self._restored or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continues a checkpoint's HDET state (kept until ``fit`` attaches HDET, when it is restored first)."""
+        if self.ensemble is not None:
+            self.ensemble.load_state_dict(state_dict)
+        else:
+            self._restored = dict(state_dict)
+
+    # ------------------------------------------------------------------------------------ internals
+    def _attached(self) -> HDETEnsemble:
+        if self.ensemble is None:
+            raise RuntimeError("HDETCallback has not attached yet: it attaches in on_fit_start")
+        return self.ensemble
+
+    def _sync_if_apart(self) -> None:
+        if self.ensemble is not None and not self.ensemble.at_sync_point:
+            self._record(self.ensemble.sync())
+
+    def _record(self, report: SyncReport | None) -> None:
+        if report is not None:
+            self.last_report = report
+
+
+def check_strategy(strategy: Any) -> None:
+    """DDP (several processes) or one device; anything else is refused in one line."""
+    name = type(strategy).__name__
+    if name == "FSDPStrategy":
+        raise HDETConfigError("HDETCallback does not support FSDPStrategy (FSDP1, which needs a GPU): use "
+                              "strategy='ddp', or FSDP2 through hdet_scale.engines.fsdp in your own loop")
+    if name == "DeepSpeedStrategy":
+        raise HDETConfigError("HDETCallback does not support DeepSpeedStrategy: use hdet_scale.engines.deepspeed "
+                              "(deepspeed.initialize with HDET's replica groups) in your own loop")
+    if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):  # DeepSpeedStrategy is a DDPStrategy too
+        return
+    raise HDETConfigError(f"HDETCallback supports DDPStrategy (strategy='ddp'), not {name}")
+

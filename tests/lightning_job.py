@@ -1,0 +1,114 @@
+"""A Lightning run with HDETCallback for tests/test_lightning.py, launched under torchrun on CPU ranks.
+
+    torchrun --nproc_per_node 4 tests/lightning_job.py --out DIR --mode global --ranks_per_replica 1 --epochs 2
+
+A small regression model, AdamW, 10 batches per rank per epoch, HDET syncing every 5 optimizer steps. Rank 0
+writes ``DIR/record.pt``: every rank's flat parameters after each optimizer step (after HDET's step, so after a
+sync on sync steps) and just before each sync, each rank's micro-batch losses as training_step computed them,
+and the final parameters. Checkpoints go to ``DIR/checkpoints`` (``last.ckpt`` at every epoch end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+from torch.utils.data import DataLoader, TensorDataset
+
+from hdet_scale.integrations.lightning import HDETCallback
+
+SYNC_INTERVAL = 5
+BATCHES_PER_EPOCH = 10
+
+
+class Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = (self.net(inputs).squeeze(1) - targets).pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.02)
+        return {"optimizer": optimizer, "lr_scheduler": {
+            "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.05 * s)),
+            "interval": "step"}}
+
+
+class Recorder(pl.Callback):
+    """Gathers every rank's parameters after each optimizer step and before each sync (listed after HDET's
+    callback, so its hooks run after HDET's)."""
+
+    def __init__(self, hdet: HDETCallback) -> None:
+        self.hdet = hdet
+        self.after: dict[int, torch.Tensor] = {}
+        self.before_sync: dict[int, torch.Tensor] = {}
+        self._last_step = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.hdet.ensemble.add_pre_sync_hook(lambda step: self.before_sync.__setitem__(step, rows(pl_module)))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = self.hdet.ensemble.global_step
+        if step != self._last_step:
+            self._last_step = step
+            self.after[step] = rows(pl_module)
+
+
+def rows(module: nn.Module) -> torch.Tensor:
+    """Every rank's flat parameters, one row per rank (a collective)."""
+    flat = parameters_to_vector(module.parameters()).detach()
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return torch.stack(gathered)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mode", default="global")
+    parser.add_argument("--ranks_per_replica", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(world * BATCHES_PER_EPOCH * 4, 8, generator=generator)
+    data = TensorDataset(inputs, inputs.sum(1).sin())
+    hdet = HDETCallback({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": args.mode,
+                         "ranks_per_replica": args.ranks_per_replica, "metrics_path": str(args.out / "hdet.jsonl"),
+                         "auto_lr": {"warmup_steps": SYNC_INTERVAL, "mode": "log", "sigma": 1.0}})
+    recorder = Recorder(hdet)
+    checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_epochs=args.epochs,
+                         accumulate_grad_batches=args.accumulate, callbacks=[hdet, recorder, checkpoints],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    module = Regression()
+    trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=args.resume)
+    losses = [None] * world
+    dist.all_gather_object(losses, module.losses)
+    final = rows(module)
+    if trainer.global_rank == 0:
+        torch.save({"after": recorder.after, "before_sync": recorder.before_sync, "losses": losses, "final": final,
+                    "hdet_step": hdet.ensemble.global_step}, args.out / "record.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""HDETCallback in real multi-process Lightning runs (torchrun, 4 CPU ranks, DDPStrategy on gloo).
+
+Each launch is ``tests/lightning_job.py``; its record holds every rank's parameters after each optimizer step
+and just before each sync, so the checks compare with averages computed here.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import BIN, launch
+
+from distributed import free_port
+
+pytest.importorskip("lightning")
+
+JOB = Path(__file__).with_name("lightning_job.py")
+SYNC = 5
+
+
+def run_job(out: Path, *args: str, nproc: int = 4) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(JOB), "--out", str(out), *args]
+    result = launch(command, cwd=out)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return torch.load(out / "record.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lightning")
+    first_epoch = run_job(root / "first", "--epochs", "1")
+    return {
+        "global": run_job(root / "global", "--epochs", "2"),
+        "local": run_job(root / "local", "--mode", "local", "--ranks_per_replica", "2", "--accumulate", "2"),
+        "first_epoch": first_epoch,
+        "resumed": run_job(root / "resumed", "--epochs", "2", "--resume",
+                           str(root / "first" / "checkpoints" / "last.ckpt")),
+        "root": root,
+    }
+
+
+def assert_syncs_average(record: dict, replicas_of: list[int]) -> None:
+    """Between syncs the replicas differ (ranks of one replica agree); right after each sync every rank holds
+    the mean of the replicas' parameters before it."""
+    for step, rows in record["after"].items():
+        if step % SYNC:
+            for rank, replica in enumerate(replicas_of):
+                same = [other for other, r in enumerate(replicas_of) if r == replica]
+                assert all(torch.equal(rows[rank], rows[other]) for other in same)
+                assert all(not torch.allclose(rows[rank], rows[other], atol=1e-6)
+                           for other, r in enumerate(replicas_of) if r != replica), step
+    assert sorted(record["before_sync"]) == list(range(SYNC, max(record["after"]) + 1, SYNC))
+    for step, before in record["before_sync"].items():
+        by_replica = torch.stack([before[replicas_of.index(r)] for r in sorted(set(replicas_of))])
+        expected = by_replica.double().mean(0).float()
+        for row in record["after"][step]:
+            torch.testing.assert_close(row, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.e2e
+def test_global_mode_every_rank_a_replica(runs):
+    record = runs["global"]
+    assert max(record["after"]) == 20 and record["hdet_step"] == 20
+    assert_syncs_average(record, [0, 1, 2, 3])
+
+
+@pytest.mark.e2e
+def test_local_mode_replicas_of_two_ranks_with_accumulation(runs, tmp_path):
+    record = runs["local"]
+    assert max(record["after"]) == 10  # 2 epochs of 10 batches, 2 batches per optimizer step
+    assert_syncs_average(record, [0, 0, 1, 1])
+    # The interval loss HDET recorded is the replica's mean micro-batch loss as training_step computed it (not
+    # Lightning's loss divided by accumulate_grad_batches).
+    lines = [json.loads(line) for line in (runs["root"] / "local" / "hdet.jsonl").read_text().splitlines()]
+    per_sync = SYNC * 2
+    for index, line in enumerate(lines):
+        for replica, ranks in enumerate(([0, 1], [2, 3])):
+            micro = [loss for rank in ranks for loss in record["losses"][rank][index * per_sync:(index + 1) * per_sync]]
+            assert line["replica_losses"][replica] == pytest.approx(statistics.fmean(micro), rel=1e-5)
+
+
+@pytest.mark.e2e
+def test_a_resumed_fit_continues_the_same_run(runs):
+    """One epoch, then a resume from its last.ckpt for the second: the parameters and HDET's step end where an
+    uninterrupted two-epoch run ends."""
+    resumed, straight = runs["resumed"], runs["global"]
+    assert runs["first_epoch"]["hdet_step"] == 10 and resumed["hdet_step"] == 20
+    assert min(resumed["after"]) == 11
+    torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=1e-6)
+    lines = [json.loads(line) for line in (runs["root"] / "resumed" / "hdet.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [15, 20]
+
+
+def test_strategies_and_loops_it_cannot_serve_are_refused():
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    from hdet_scale.config import HDETConfigError
+    from hdet_scale.integrations.lightning import HDETCallback, check_strategy
+
+    with pytest.raises(HDETConfigError, match="does not support FSDPStrategy \\(FSDP1, which needs a GPU\\)"):
+        check_strategy(FSDPStrategy())
+    with pytest.raises(HDETConfigError, match="does not support DeepSpeedStrategy"):
+        check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))  # its constructor wants DeepSpeed's GPU build
+    import lightning.pytorch as pl
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(HDETConfigError, match="needs automatic optimization"):
+        HDETCallback().setup(trainer, Manual(), "fit")
