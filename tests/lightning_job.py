@@ -19,19 +19,22 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, TensorDataset
 
-from hdet_scale.integrations.lightning import HDETCallback
+from hdet_scale.integrations.lightning import HDETCallback, shard
 
 SYNC_INTERVAL = 5
 BATCHES_PER_EPOCH = 10
 
 
 class Regression(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, sharded: bool = False) -> None:
         super().__init__()
+        self.sharded = sharded
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.losses: list[float] = []
@@ -41,6 +44,10 @@ class Regression(pl.LightningModule):
         loss = (self.net(inputs).squeeze(1) - targets).pow(2).mean()
         self.losses.append(loss.item())
         return loss
+
+    def configure_model(self) -> None:
+        if self.sharded:
+            self.net = shard(self, self.net, block_classes=[nn.Linear])
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.02)
@@ -71,8 +78,9 @@ class Recorder(pl.Callback):
 
 
 def rows(module: nn.Module) -> torch.Tensor:
-    """Every rank's flat parameters, one row per rank (a collective)."""
-    flat = parameters_to_vector(module.parameters()).detach()
+    """Every rank's flat (full, unsharded) parameters, one row per rank (a collective)."""
+    flat = parameters_to_vector([param.full_tensor() if isinstance(param, DTensor) else param
+                                 for param in module.parameters()]).detach()
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return torch.stack(gathered)
@@ -86,6 +94,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--strategy", choices=("ddp", "model_parallel"), default="ddp")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     world = int(__import__("os").environ["WORLD_SIZE"])
@@ -97,10 +106,13 @@ def main() -> None:
                          "auto_lr": {"warmup_steps": SYNC_INTERVAL, "mode": "log", "sigma": 1.0}})
     recorder = Recorder(hdet)
     checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_epochs=args.epochs,
+    # Lightning's mesh only splits the data here (every rank its own batches); HDET shards inside its replicas.
+    strategy = "ddp" if args.strategy == "ddp" else ModelParallelStrategy(data_parallel_size=world,
+                                                                           tensor_parallel_size=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=args.epochs,
                          accumulate_grad_batches=args.accumulate, callbacks=[hdet, recorder, checkpoints],
                          logger=False, enable_progress_bar=False, enable_model_summary=False)
-    module = Regression()
+    module = Regression(sharded=args.strategy == "model_parallel")
     trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=args.resume)
     losses = [None] * world
     dist.all_gather_object(losses, module.losses)

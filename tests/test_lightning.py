@@ -35,12 +35,18 @@ def run_job(out: Path, *args: str, nproc: int = 4) -> dict:
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lightning")
     first_epoch = run_job(root / "first", "--epochs", "1")
+    fsdp2 = ["--strategy", "model_parallel", "--ranks_per_replica", "2"]
+    fsdp2_first_epoch = run_job(root / "fsdp2_first", *fsdp2, "--epochs", "1")
     return {
         "global": run_job(root / "global", "--epochs", "2"),
         "local": run_job(root / "local", "--mode", "local", "--ranks_per_replica", "2", "--accumulate", "2"),
         "first_epoch": first_epoch,
         "resumed": run_job(root / "resumed", "--epochs", "2", "--resume",
                            str(root / "first" / "checkpoints" / "last.ckpt")),
+        "fsdp2": run_job(root / "fsdp2", *fsdp2, "--epochs", "2"),
+        "fsdp2_first_epoch": fsdp2_first_epoch,
+        "fsdp2_resumed": run_job(root / "fsdp2_resumed", *fsdp2, "--epochs", "2", "--resume",
+                                 str(root / "fsdp2_first" / "checkpoints" / "last.ckpt")),
         "root": root,
     }
 
@@ -95,6 +101,22 @@ def test_a_resumed_fit_continues_the_same_run(runs):
     torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=1e-6)
     lines = [json.loads(line) for line in (runs["root"] / "resumed" / "hdet.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [15, 20]
+
+
+@pytest.mark.e2e
+def test_model_parallel_fsdp2_replicas_of_two_shards(runs):
+    """ModelParallelStrategy with shard() in configure_model: 2 replicas x 2 FSDP2 shards, global gradients."""
+    record = runs["fsdp2"]
+    assert record["hdet_step"] == 20
+    assert_syncs_average(record, [0, 0, 1, 1])
+
+
+@pytest.mark.e2e
+def test_a_resumed_model_parallel_fit_continues_the_same_run(runs):
+    """Lightning's distributed checkpoint of the sharded replicas, resumed: it ends where the straight run ends."""
+    resumed, straight = runs["fsdp2_resumed"], runs["fsdp2"]
+    assert runs["fsdp2_first_epoch"]["hdet_step"] == 10 and resumed["hdet_step"] == 20 and min(resumed["after"]) == 11
+    torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=1e-6)
 
 
 def test_strategies_and_loops_it_cannot_serve_are_refused():

@@ -1,11 +1,17 @@
-"""HDET for PyTorch Lightning: one callback adds it to a ``Trainer`` under ``DDPStrategy``.
+"""HDET for PyTorch Lightning: one callback adds it to a ``Trainer`` under ``DDPStrategy`` or, with FSDP2 replicas
+of several ranks, under ``ModelParallelStrategy``.
 
     trainer = Trainer(strategy="ddp", devices=4, callbacks=[HDETCallback({"alpha": 0.25, "sync_interval": 100})])
     trainer.fit(module, datamodule)        # under torchrun, srun, or Lightning's own launcher
 
-Every rank, or every group of ``ranks_per_replica`` ranks, is a replica. DDP averages gradients over all ranks
-(``gradient_mode: "global"``, where a diverged replica's gradient is left out) or, in ``local`` mode, inside the
-replica only: the callback gives Lightning's DDP model that communication hook before the first step.
+``DDPStrategy``: every rank, or every group of ``ranks_per_replica`` ranks, is a replica. DDP averages gradients
+over all ranks (``gradient_mode: "global"``, where a diverged replica's gradient is left out) or, in ``local``
+mode, inside the replica only: the callback gives Lightning's DDP model that communication hook before the
+first step.
+
+``ModelParallelStrategy``: each replica shards the model with FSDP2 over its ``ranks_per_replica`` ranks; the
+module's ``configure_model`` does it in one line, ``self.model = shard(self, self.model)`` (Lightning's own
+device mesh is not used).
 
 Where it reaches Lightning:
 
@@ -21,7 +27,8 @@ Where it reaches Lightning:
   replica only: the callback warns.
 
 Refused with one line before training: manual optimization, several optimizers, ``FSDPStrategy`` (FSDP1, which
-needs a GPU) and every strategy other than DDP (``DeepSpeedStrategy``: use ``hdet_scale.engines.deepspeed``).
+needs a GPU), ``ModelParallelStrategy`` without ``shard`` and every other strategy (``DeepSpeedStrategy``: use
+``hdet_scale.engines.deepspeed``).
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch import nn
 
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.engines.ddp import DDPAdapter, install_gradient_mean
+from hdet_scale.engines.fsdp import HDETFSDP
+from hdet_scale.engines.fsdp import wrap as fsdp_wrap
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.schedule import resolve_config
 from hdet_scale.topology import ReplicaTopology
@@ -59,6 +69,7 @@ class HDETCallback(pl.Callback):
         self.last_report: SyncReport | None = None
         self._restored: dict[str, Any] | None = None
         self._stepped = False
+        self._fsdp: HDETFSDP | None = None  # set by shard() under ModelParallelStrategy
 
     # ------------------------------------------------------------------------------------ checks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -76,6 +87,17 @@ class HDETCallback(pl.Callback):
             raise HDETConfigError(f"HDETCallback explores one optimizer's param groups; configure_optimizers "
                                   f"returned {len(trainer.optimizers)}")
         self.config = self.config.for_run(int(trainer.estimated_stepping_batches))
+        if type(trainer.strategy).__name__ == "ModelParallelStrategy":
+            if self._fsdp is None:
+                raise HDETConfigError("under ModelParallelStrategy, shard the model with "
+                                      "hdet_scale.integrations.lightning.shard in configure_model: "
+                                      "self.model = shard(self, self.model)")
+            self._fsdp.config = self.config.resolved(auto="node", world_size=trainer.world_size)
+            self.ensemble = self._fsdp.attach(trainer.optimizers[0])
+            if self._restored is not None:
+                self.ensemble.load_state_dict(self._restored)
+            self._restored = None
+            return
         topology = ReplicaTopology.build(self.config)
         if topology.world_size > 1:
             # Lightning's DDP averages over all ranks: HDET's hook leaves a diverged replica out (global mode) or
@@ -142,9 +164,32 @@ class HDETCallback(pl.Callback):
             self.last_report = report
 
 
+def shard(pl_module: pl.LightningModule, model: nn.Module, **fsdp_options: Any) -> nn.Module:
+    """``configure_model``'s one line under ``ModelParallelStrategy``: ``self.model = shard(self, self.model)``.
+
+    Shards ``model`` (a submodule of ``pl_module``) with FSDP2 inside each replica of the ``HDETCallback`` in the
+    module's Trainer (``hdet_scale.engines.fsdp.wrap``; ``fsdp_options`` are its keyword arguments, e.g.
+    ``mp_policy``, ``block_classes``). Called again (Lightning may call ``configure_model`` once per stage), it
+    returns the model already sharded.
+    """
+    callbacks = [callback for callback in pl_module.trainer.callbacks if isinstance(callback, HDETCallback)]
+    if len(callbacks) != 1:
+        raise HDETConfigError(f"shard() needs exactly one HDETCallback in the Trainer's callbacks, found "
+                              f"{len(callbacks)}")
+    callback = callbacks[0]
+    if callback._fsdp is not None:
+        return callback._fsdp.model
+    device_type = pl_module.trainer.strategy.root_device.type
+    wrapped, callback._fsdp = fsdp_wrap(model, callback.config, device_type=device_type, **fsdp_options)
+    return wrapped
+
+
 def check_strategy(strategy: Any) -> None:
-    """DDP (several processes) or one device; anything else is refused in one line."""
+    """DDP (several processes), FSDP2 replicas (``ModelParallelStrategy``) or one device; anything else is refused
+    in one line."""
     name = type(strategy).__name__
+    if name == "ModelParallelStrategy":
+        return
     if name == "FSDPStrategy":
         raise HDETConfigError("HDETCallback does not support FSDPStrategy (FSDP1, which needs a GPU): use "
                               "strategy='ddp', or FSDP2 through hdet_scale.engines.fsdp in your own loop")
