@@ -33,6 +33,7 @@ needs a GPU), ``ModelParallelStrategy`` without ``shard`` and every other strate
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -86,7 +87,13 @@ class HDETCallback(pl.Callback):
         if len(trainer.optimizers) != 1:
             raise HDETConfigError(f"HDETCallback explores one optimizer's param groups; configure_optimizers "
                                   f"returned {len(trainer.optimizers)}")
-        self.config = self.config.for_run(int(trainer.estimated_stepping_batches))
+        steps = trainer.estimated_stepping_batches
+        if math.isfinite(steps):
+            self.config = self.config.for_run(int(steps))
+        elif self.config.auto_lr.start_fraction is not None or self.config.auto_lr.stop_fraction is not None:
+            raise HDETConfigError("auto_lr.start_fraction/stop_fraction are shares of the run, and this Trainer's "
+                                  "length is unknown (an iterable dataset without max_steps): set max_steps, or "
+                                  "give auto_lr.warmup_steps/stop_steps")
         if type(trainer.strategy).__name__ == "ModelParallelStrategy":
             if self._fsdp is None:
                 raise HDETConfigError("under ModelParallelStrategy, shard the model with "
