@@ -348,7 +348,7 @@ def plot_schedules(run: Run, path: str | Path) -> Path:
         left.set_ylabel(VALUE_WORDS.get(name.partition("/")[0], name))
         right.plot(series["steps"], series["scale"], color="black", marker="." if len(series["steps"]) < 40 else None)
         right.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-        right.set_title("the controller's scale at each sync")
+        right.set_title("controller scale (per sync)")
         for ax in (left, right):
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -366,9 +366,17 @@ def _draw_values(ax: Any, series: dict[str, Any], applied: dict[str, Any] | None
                       label=f"replica {replica}")
         ax.plot(series["steps"], series["base"], color="black", linewidth=2, label="base")
         return
+    # A replica's multiplier changes at a sync: break its line there instead of drawing a jump.
+    syncs = {step for step, _ in applied["excluded"]} | set(series["steps"])
     for replica, values in enumerate(applied["replicas"]):
-        ax.plot(applied["steps"], values, color=f"C{replica % 10}", linewidth=0.8, alpha=0.8,
-                label=f"replica {replica}")
+        steps, broken = [], []
+        for step, value in zip(applied["steps"], values, strict=True):
+            steps.append(step)
+            broken.append(value)
+            if step in syncs:
+                steps.append(step + 0.5)
+                broken.append(math.nan)
+        ax.plot(steps, broken, color=f"C{replica % 10}", linewidth=0.8, alpha=0.8, label=f"replica {replica}")
     ax.plot(applied["steps"], applied["base"], color="black", linewidth=2, label="base")
     if applied["excluded"]:
         steps, values = zip(*applied["excluded"], strict=True)
