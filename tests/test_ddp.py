@@ -122,7 +122,8 @@ def test_replicas_fan_out_and_converge(tmp_path, mode, per_replica):
         assert len(line["replica_losses"]) == WORLD // per_replica
         assert math.fsum(line["weights"]) == pytest.approx(1.0)
         assert set(line["values"]["lr/0"]) == {"base", "scale", "replica_values", "delta", "velocity",
-                                                   "next_replica_values"}
+                                                   "next_replica_values", "applied_bases", "replica_multipliers"}
+        assert len(line["values"]["lr/0"]["applied_bases"]) == 3  # one base per step of the interval
         assert line["sync_seconds"] > 0 and line["bytes_averaged"] > 0
 
 

@@ -279,7 +279,7 @@ def smoothing_step(rank: int, world: int) -> tuple[float, float]:
     config = HDETConfig.from_dict({"alpha": 0.5, "ranks_per_replica": 1, "explore": {
         "label_smoothing": {"base": 0.2, "alpha": 0.5}}})
     args = argparse.Namespace(dtype="fp32", grad_accum=1, micro_batch_size=2, lr=1e-3, weight_decay=0.0, steps=10,
-                              warmup_steps=1, min_lr_ratio=0.1, grad_clip=0.0)
+                              warmup_steps=1, min_lr_ratio=0.1, grad_clip=0.0, replay_schedule=None)
     torch.manual_seed(0)
     backend = FSDPBackend(build_model("tiny", vocab_size=64, seq_len=16), config, args, torch.device("cpu"))
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))

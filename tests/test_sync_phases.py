@@ -55,8 +55,9 @@ def test_update_moves_the_scale_by_the_weighted_multipliers():
     assert explored.state.velocity == pytest.approx(0.1875)
     assert explored.state.scale == pytest.approx(1.375)
     trained_with = explored.replica_values()
-    report = explored.report(trained_with)
+    report = explored.report(trained_with, [0.1, 0.1], [0.5, 1.0, 1.5])
     assert report["base"] == pytest.approx(0.1375) and report["scale"] == pytest.approx(1.375)
+    assert report["applied_bases"] == [0.1, 0.1] and report["replica_multipliers"] == [0.5, 1.0, 1.5]
     assert report["next_replica_values"] == pytest.approx([0.06875, 0.1375, 0.20625])
 
 
