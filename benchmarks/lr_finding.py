@@ -103,7 +103,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                   "initial_scale": 1 / SQRT10}},
                              "probe": True},
 }
-DEFAULT_VARIANT = "log_averaged"
+DEFAULT_VARIANT = "low_start_early_hold"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

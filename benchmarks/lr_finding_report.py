@@ -139,10 +139,12 @@ def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, 
             lines.setdefault((method, name), []).append((factor, mean))
         elif method == "prodigy" and math.isfinite(mean):
             ax.axhline(mean, color="gray", linestyle=":", label="Prodigy (LR 1.0)")
-    for (method, name), points in sorted(lines.items()):
+    palette = plt.get_cmap("tab20").colors  # more lines than the default cycle's 10 colours
+    for index, ((method, name), points) in enumerate(sorted(lines.items())):
         points.sort()
-        style = "-" if name == record["default_variant"] else "--"
-        ax.plot(*zip(*points, strict=True), style, marker=".", label=name if method == "hdet" else method)
+        default = name == record["default_variant"]
+        ax.plot(*zip(*points, strict=True), "-" if default else "--", marker=".", color=palette[index % 20],
+                linewidth=2.5 if default else 1.2, label=name if method == "hdet" else method)
     ax.set_xscale("log")
     ax.set_xlabel("start LR / sweep-best LR")
     ax.set_ylabel("final held-out loss (mean over seeds)")
