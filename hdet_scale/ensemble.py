@@ -57,6 +57,22 @@ class SyncReport:
     def as_record(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def scalars(self) -> dict[str, float]:
+        """This sync as named scalars for loggers (TensorBoard, W&B, Lightning's): the replicas' mean loss and
+        each replica's, and per explored value (``lr/0``, ``weight_decay/0``, ...) its base, the controller's
+        scale and each replica's value in the interval."""
+        losses = [loss for loss in self.replica_losses if loss is not None and math.isfinite(loss)]
+        scalars = {"train/loss": sum(losses) / len(losses) if losses else math.nan}
+        for replica, loss in enumerate(self.replica_losses):
+            if loss is not None and math.isfinite(loss):  # an excluded replica has no loss to show
+                scalars[f"train/replica_{replica}_loss"] = loss
+        for name, value in self.values.items():
+            scalars[f"hdet/{name}/base"] = value["base"]
+            scalars[f"hdet/{name}/scale"] = value["scale"]
+            for replica, replica_value in enumerate(value["replica_values"]):
+                scalars[f"hdet/{name}/replica_{replica}"] = replica_value
+        return scalars
+
 
 class HDETEnsemble:
     """Hyperparameter-Divergent Ensemble Training over any engine.

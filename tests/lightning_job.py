@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -111,7 +112,8 @@ def main() -> None:
                                                                            tensor_parallel_size=1)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=args.epochs,
                          accumulate_grad_batches=args.accumulate, callbacks=[hdet, recorder, checkpoints],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+                         logger=CSVLogger(args.out, name="csv", version=0), enable_progress_bar=False,
+                         enable_model_summary=False)
     module = Regression(sharded=args.strategy == "model_parallel")
     trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=args.resume)
     losses = [None] * world

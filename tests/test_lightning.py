@@ -6,6 +6,7 @@ and just before each sync, so the checks compare with averages computed here.
 
 from __future__ import annotations
 
+import csv
 import json
 import statistics
 from pathlib import Path
@@ -74,6 +75,16 @@ def test_global_mode_every_rank_a_replica(runs):
     record = runs["global"]
     assert max(record["after"]) == 20 and record["hdet_step"] == 20
     assert_syncs_average(record, [0, 1, 2, 3])
+    # The Trainer's logger (CSV here; W&B and TensorBoard alike) got each sync's scalars: the metrics lines'.
+    out = runs["root"] / "global"
+    lines = [json.loads(line) for line in (out / "hdet.jsonl").read_text().splitlines()]
+    with open(out / "csv" / "version_0" / "metrics.csv") as table:
+        logged = [row for row in csv.DictReader(table) if row.get("hdet/lr/0/base")]
+    assert [int(row["step"]) for row in logged] == [line["step"] for line in lines]
+    for row, line in zip(logged, lines, strict=True):
+        assert float(row["hdet/lr/0/base"]) == pytest.approx(line["values"]["lr/0"]["base"], rel=1e-6)
+        assert float(row["hdet/lr/0/replica_3"]) == pytest.approx(line["values"]["lr/0"]["replica_values"][3],
+                                                                  rel=1e-6)
 
 
 @pytest.mark.e2e

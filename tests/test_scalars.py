@@ -11,7 +11,7 @@ import wandb_records
 
 from hdet_scale.ensemble import SyncReport
 from hdet_scale.lm.progress import Progress
-from hdet_scale.lm.scalars import WANDB_ID_FILE, sync_scalars
+from hdet_scale.lm.scalars import WANDB_ID_FILE
 
 
 def report(step: int, losses: list[float | None], scale: float) -> SyncReport:
@@ -23,15 +23,15 @@ def report(step: int, losses: list[float | None], scale: float) -> SyncReport:
                       controller_updated=True, values=values, sync_seconds=0.01, bytes_averaged=8, bytes_gathered=8)
 
 
-def test_sync_scalars_by_hand():
-    assert sync_scalars(report(10, [2.0, 3.0], 1.5)) == pytest.approx({
+def test_sync_report_scalars_by_hand():
+    assert report(10, [2.0, 3.0], 1.5).scalars() == pytest.approx({
         "train/loss": 2.5, "train/replica_0_loss": 2.0, "train/replica_1_loss": 3.0,
         "hdet/lr/0/base": 0.0045, "hdet/lr/0/scale": 1.5, "hdet/lr/0/replica_0": 0.003, "hdet/lr/0/replica_1": 0.006,
         "hdet/weight_decay/0/base": 0.1, "hdet/weight_decay/0/scale": 1.0,
         "hdet/weight_decay/0/replica_0": 0.05, "hdet/weight_decay/0/replica_1": 0.15})
-    excluded = sync_scalars(report(10, [2.0, None], 1.0))  # a non-finite replica, left out of the average
+    excluded = report(10, [2.0, None], 1.0).scalars()  # a non-finite replica, left out of the average
     assert excluded["train/loss"] == 2.0 and "train/replica_1_loss" not in excluded
-    assert math.isnan(sync_scalars(report(10, [None, None], 1.0))["train/loss"])
+    assert math.isnan(report(10, [None, None], 1.0).scalars()["train/loss"])
 
 
 def test_wandb_gets_the_sync_scalars_and_a_resumed_run_continues_it(tmp_path, monkeypatch):
@@ -53,7 +53,7 @@ def test_wandb_gets_the_sync_scalars_and_a_resumed_run_continues_it(tmp_path, mo
     syncs = [row for row in rows if "train/loss" in row]
     assert [row["_step"] for row in syncs] == [5, 10, 15]
     for row, sync in zip(syncs, reports, strict=True):
-        expected = sync_scalars(sync)
+        expected = sync.scalars()
         assert {name: row[name] for name in expected} == pytest.approx(expected)
         assert row["train/tokens_per_second"] >= 0
     assert [row["eval/heldout_loss"] for row in rows if "eval/heldout_loss" in row] == [4.0, 4.0]

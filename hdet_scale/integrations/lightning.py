@@ -127,13 +127,13 @@ class HDETCallback(pl.Callback):
             ensemble.observe(loss.detach() * trainer.accumulate_grad_batches)
         if self._stepped:
             self._stepped = False
-            self._record(ensemble.step())
+            self._record(ensemble.step(), trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync_if_apart()
+        self._sync_if_apart(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync_if_apart()
+        self._sync_if_apart(trainer)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -162,13 +162,18 @@ class HDETCallback(pl.Callback):
             raise RuntimeError("HDETCallback has not attached yet: it attaches in on_fit_start")
         return self.ensemble
 
-    def _sync_if_apart(self) -> None:
+    def _sync_if_apart(self, trainer: pl.Trainer) -> None:
         if self.ensemble is not None and not self.ensemble.at_sync_point:
-            self._record(self.ensemble.sync())
+            self._record(self.ensemble.sync(), trainer)
 
-    def _record(self, report: SyncReport | None) -> None:
-        if report is not None:
-            self.last_report = report
+    def _record(self, report: SyncReport | None, trainer: pl.Trainer) -> None:
+        """Keeps the sync's report and logs its scalars (loss, base, scale, replica values) to the Trainer's
+        loggers (W&B, TensorBoard, CSV: whatever the Trainer has; they write on rank 0)."""
+        if report is None:
+            return
+        self.last_report = report
+        for logger in trainer.loggers:
+            logger.log_metrics(report.scalars(), step=trainer.global_step)
 
 
 def shard(pl_module: pl.LightningModule, model: nn.Module, **fsdp_options: Any) -> nn.Module:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hdet_scale.ensemble import SyncReport
-from hdet_scale.lm.scalars import ScalarSinks, sync_scalars
+from hdet_scale.lm.scalars import ScalarSinks
 from hdet_scale.metrics import MetricsWriter
 
 BAR_REFRESH_STEPS = 10  # the bar's loss needs a host sync: read it every few steps, not every step
@@ -82,7 +82,7 @@ class Progress:
             return
         lr = report.values.get("lr/0", {})
         self._scale = lr.get("scale", 1.0)
-        scalars = sync_scalars(report)
+        scalars = report.scalars()
         mean = scalars["train/loss"]
         self.line(f"sync step {report.step}  loss {mean:.4f}  replica losses "
                   f"[{', '.join('nan' if loss is None else f'{loss:.4f}' for loss in report.replica_losses)}]  "

@@ -5,32 +5,13 @@ metrics file's sync lines (``hdet_metrics.jsonl``)."""
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.ensemble import SyncReport
-
 WANDB_ID_FILE = "wandb_run_id"
 """In the output directory: the W&B run id, so a resumed run goes on logging into the same W&B run."""
-
-
-def sync_scalars(report: SyncReport) -> dict[str, float]:
-    """One sync as named scalars: the replicas' mean loss and each replica's, and per explored value (``lr/0``,
-    ``weight_decay/0``, ...) its base, the controller's scale and each replica's value in the interval."""
-    losses = [loss for loss in report.replica_losses if loss is not None and math.isfinite(loss)]
-    scalars = {"train/loss": sum(losses) / len(losses) if losses else math.nan}
-    for replica, loss in enumerate(report.replica_losses):
-        if loss is not None and math.isfinite(loss):  # an excluded replica has no loss to show
-            scalars[f"train/replica_{replica}_loss"] = loss
-    for name, value in report.values.items():
-        scalars[f"hdet/{name}/base"] = value["base"]
-        scalars[f"hdet/{name}/scale"] = value["scale"]
-        for replica, replica_value in enumerate(value["replica_values"]):
-            scalars[f"hdet/{name}/replica_{replica}"] = replica_value
-    return scalars
 
 
 def check_wandb_available() -> None:
