@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 SCHEDULE_FORMAT = "hdet_scale.schedule/1"
+OPTIMIZER_KEYS = ("lr", "weight_decay")
+"""The optimizer entries HDET explores per param group (``lr/<group>``, ``weight_decay/<group>``)."""
 
 
 class ScheduleFileError(ValueError):
@@ -54,6 +56,13 @@ def schedule_from_records(records: Iterable[Mapping[str, Any]], source: str) -> 
                                     f"({len(missing)} steps): the file lacks the sync lines that cover them")
         values[name] = [by_step[step] for step in range(1, last_step + 1)]
     return {"format": SCHEDULE_FORMAT, "source": source, "steps": last_step, "values": values}
+
+
+def optimizer_entry(name: str) -> tuple[str, str] | None:
+    """(key, param group) of an explored value an optimizer holds (``"lr/embedding"``: ``("lr", "embedding")``);
+    None for the others (``dropout``, ``label_smoothing``)."""
+    key, _, group = name.partition("/")
+    return (key, group) if key in OPTIMIZER_KEYS and group else None
 
 
 def write_schedule(schedule: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:

@@ -367,7 +367,7 @@ def _draw_values(ax: Any, series: dict[str, Any], applied: dict[str, Any] | None
         ax.plot(series["steps"], series["base"], color="black", linewidth=2, label="base")
         return
     # A replica's multiplier changes at a sync: break its line there instead of drawing a jump.
-    syncs = {step for step, _ in applied["excluded"]} | set(series["steps"])
+    syncs = set(series["steps"])
     for replica, values in enumerate(applied["replicas"]):
         steps, broken = [], []
         for step, value in zip(applied["steps"], values, strict=True):

@@ -22,7 +22,7 @@ from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
 from hdet_scale.knobs import group_names
-from hdet_scale.replay import ScheduleFileError, read_schedule
+from hdet_scale.replay import OPTIMIZER_KEYS, ScheduleFileError, optimizer_entry, read_schedule
 from hdet_scale.topology import ReplicaTopology
 
 ConfigSource = HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None
@@ -133,10 +133,6 @@ class HDETOneCycleLR(OneCycleLR):
         self.hdet.load_state_dict(hdet_state)
 
 
-OPTIMIZER_KEYS = ("lr", "weight_decay")
-"""The optimizer entries HDET explores per param group (``lr/<group>``, ``weight_decay/<group>``)."""
-
-
 class ReplaySchedule(LRScheduler):
     """Replays the schedule an HDET run discovered, without HDET: step k of this run uses, per param group, the
     base LR (and weight decay, where it was explored) that step k of the HDET run used.
@@ -161,9 +157,10 @@ class ReplaySchedule(LRScheduler):
         names = group_names(optimizer)
         self._entries: dict[str, list[tuple[int, list[float]]]] = {key: [] for key in OPTIMIZER_KEYS}
         for name, bases in self.values.items():
-            key, _, group = name.partition("/")
-            if key not in OPTIMIZER_KEYS or not group:
+            entry = optimizer_entry(name)
+            if entry is None:
                 continue
+            key, group = entry
             if group not in names:
                 raise ScheduleFileError(f"{schedule}: {name!r} is for param group {group!r}; the optimizer's "
                                         f"groups are {names} (group names must match the run that wrote it)")

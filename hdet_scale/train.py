@@ -230,7 +230,7 @@ def _zero_stage(ds_config: dict[str, Any] | None) -> int:
 
 def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:
     """A schedule to replay covers the run, holds only what a plain run can replay, and is the only schedule."""
-    from hdet_scale.replay import read_schedule
+    from hdet_scale.replay import optimizer_entry, read_schedule
 
     try:
         schedule = read_schedule(args.replay_schedule)
@@ -239,7 +239,7 @@ def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) ->
     if schedule["steps"] < args.steps:
         raise ValueError(f"--replay_schedule {args.replay_schedule} covers {schedule['steps']} steps and --steps is "
                          f"{args.steps}: train at most {schedule['steps']} steps, or export a longer run")
-    others = [name for name in schedule["values"] if name.partition("/")[0] not in ("lr", "weight_decay")]
+    others = [name for name in schedule["values"] if optimizer_entry(name) is None]
     if others:
         raise ValueError(f"--replay_schedule {args.replay_schedule} also explored {others}: train.py replays LRs "
                          "and weight decays only; export a run that explored those, or set them by hand")

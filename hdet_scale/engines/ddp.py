@@ -90,6 +90,23 @@ def install_gradient_mean(model: DistributedDataParallel, config: HDETConfig, to
         model.register_comm_hook(topology.intra_replica_group, allreduce_hook)
 
 
+def attach_to_wrapped(wrapped: nn.Module, optimizer: torch.optim.Optimizer, config: HDETConfig, *,
+                      paper_decay: Sequence[PaperDecay] | None = None,
+                      state: dict[str, Any] | None = None) -> HDETEnsemble:
+    """Attaches HDET to a model that a framework (accelerate, Lightning) wrapped in DDP over all ranks: DDP's
+    gradient average becomes ``config.gradient_mode``'s (``install_gradient_mean``) and the ensemble is built over
+    ``optimizer``. DDP has broadcast rank 0's weights already, so the replicas start identical; ``state``
+    continues a checkpoint's HDET state (no new warm-init noise)."""
+    topology = ReplicaTopology.build(config)
+    if topology.world_size > 1:
+        if not isinstance(wrapped, DistributedDataParallel):
+            raise RuntimeError(f"HDET needs the model wrapped in DDP on {topology.world_size} ranks, got "
+                               f"{type(wrapped).__name__}")
+        install_gradient_mean(wrapped, config, topology)
+    return HDETEnsemble(config, DDPAdapter(optimizer, wrapped), topology=topology, paper_decay=paper_decay,
+                        state=state)
+
+
 def attach(model: nn.Module | None, optimizer: torch.optim.Optimizer, config: HDETConfig, *,
            topology: ReplicaTopology | None = None,
            paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:

@@ -46,12 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from hdet_scale.config import HDETConfig, HDETConfigError, load_config
 from hdet_scale.controller import PaperDecay
-from hdet_scale.engines.ddp import DDPAdapter, install_gradient_mean
+from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.topology import ReplicaTopology
 
@@ -155,21 +154,11 @@ class HDETCallback(TrainerCallback):
 
     # ------------------------------------------------------------------------------------ internals
     def _attach_ddp(self, optimizer: Any, state: dict[str, Any] | None) -> HDETEnsemble:
-        """Builds the ensemble over the torch optimizer inside accelerate's wrapper; DDP has broadcast rank 0's
-        weights already, so replicas start identical (and warm-init noise comes after, on a fresh start only:
-        a resumed run's ``state`` continues from the checkpoint's weights, which Trainer has loaded)."""
-        base = getattr(optimizer, "optimizer", optimizer)
-        topology = ReplicaTopology.build(self.config)
-        if topology.world_size > 1:
-            wrapped = self.trainer.model_wrapped
-            if not isinstance(wrapped, nn.parallel.DistributedDataParallel):
-                raise RuntimeError(f"HDET needs the model wrapped in DDP on {topology.world_size} ranks, got "
-                                   f"{type(wrapped).__name__}")
-            # Accelerate's DDP averages over all ranks: HDET's hook leaves a diverged replica out (global mode)
-            # or averages over the replica's ranks only (local mode).
-            install_gradient_mean(wrapped, self.config, topology)
-        return HDETEnsemble(self.config, DDPAdapter(base, self.trainer.model), topology=topology,
-                            paper_decay=self.paper_decay, state=state)
+        """Builds the ensemble over the torch optimizer inside accelerate's wrapper, on accelerate's DDP model
+        (warm-init noise on a fresh start only: a resumed run's ``state`` continues from the checkpoint's
+        weights, which Trainer has loaded)."""
+        return attach_to_wrapped(self.trainer.model_wrapped, getattr(optimizer, "optimizer", optimizer), self.config,
+                                 paper_decay=self.paper_decay, state=state)
 
     def _attach_deepspeed(self, engine: Any) -> None:
         self.deepspeed = engine.hdet

@@ -45,12 +45,11 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 
 from hdet_scale.config import HDETConfig, HDETConfigError
-from hdet_scale.engines.ddp import DDPAdapter, install_gradient_mean
+from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.engines.fsdp import HDETFSDP
 from hdet_scale.engines.fsdp import wrap as fsdp_wrap
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.schedule import resolve_config
-from hdet_scale.topology import ReplicaTopology
 
 
 class HDETCallback(pl.Callback):
@@ -105,14 +104,8 @@ class HDETCallback(pl.Callback):
                 self.ensemble.load_state_dict(self._restored)
             self._restored = None
             return
-        topology = ReplicaTopology.build(self.config)
-        if topology.world_size > 1:
-            # Lightning's DDP averages over all ranks: HDET's hook leaves a diverged replica out (global mode) or
-            # averages inside the replica only (local mode).
-            install_gradient_mean(trainer.strategy.model, self.config, topology)
-        optimizer = trainer.optimizers[0]
-        self.ensemble = HDETEnsemble(self.config, DDPAdapter(optimizer, pl_module), topology=topology,
-                                     state=self._restored)
+        self.ensemble = attach_to_wrapped(trainer.strategy.model, trainer.optimizers[0], self.config,
+                                          state=self._restored)
         self._restored = None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
