@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +57,8 @@ from hdet_scale.probe import batch_probe
 
 PROBE_SEED = 777
 """Where --probe_batch draws its held-out windows (fixed: the same probe whatever the training seed)."""
+BAD_INPUT_GRACE_S = 20.0
+"""How long a rank other than 0 waits for its launcher to stop it after a bad input (see refuse_bad_input)."""
 TRAIN_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "sync_interval": 25, "auto_lr": {"warmup_steps": 100}}
 """HDET settings when no --hdet_config is given: suited to short runs (the paper's defaults suit long ones)."""
 SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -279,10 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(SINGLE_PROCESS)
     try:
         checked = plan(args)
-    except (ValueError, FileNotFoundError) as error:  # every rank finds it; global rank 0 says it, once
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train.py: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except (ValueError, FileNotFoundError) as error:
+        refuse_bad_input(error)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -302,6 +303,22 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
+
+
+def refuse_bad_input(error: Exception) -> None:
+    """Stop this rank over a bad input that every rank finds; global rank 0 says it, once.
+
+    A launcher (torchrun, deepspeed) stops all of a node's ranks as soon as one exits with an error. A rank
+    other than 0 that exited at once could have rank 0 killed before it printed (seen under load), so it
+    waits for its launcher to stop it after rank 0 has exited. Still running after BAD_INPUT_GRACE_S, it
+    found an error rank 0 did not (a file missing on its node only) and says it itself.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(BAD_INPUT_GRACE_S)
+    where = "" if rank == 0 else f" (rank {rank})"
+    print(f"train.py: error{where}: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
 
 
 def one_line(error: BaseException) -> str:

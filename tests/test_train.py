@@ -22,6 +22,7 @@ import torch.distributed as dist
 import wandb_records
 from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
 
+from hdet_scale import train
 from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
 
 
@@ -383,6 +384,22 @@ def test_token_file_trains_the_vocabulary_it_names(tmp_path):
     assert checked.corpus.vocab_size == 300
     assert len(checked.corpus.train) + len(checked.corpus.heldout) == 20_000
     assert int(checked.corpus.train[299]) == 299  # read as uint32, in order
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_speaks_at_once_about_a_bad_input(rank, tmp_path, monkeypatch, capsys):
+    """Rank 0 says why and exits at once. Another rank first waits for its launcher to stop it, so that it
+    cannot end the launch before rank 0 has spoken; still running after the grace, it says why itself."""
+    for name, value in {**SINGLE_PROCESS, "RANK": str(rank), "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    waits = []
+    monkeypatch.setattr(train.time, "sleep", waits.append)
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+    assert stop.value.code == 2 and not dist.is_initialized()
+    assert waits == ([] if rank == 0 else [train.BAD_INPUT_GRACE_S])
+    where = "" if rank == 0 else " (rank 1)"
+    assert capsys.readouterr().err.startswith(f"train.py: error{where}: --data ")
 
 
 @pytest.mark.e2e
