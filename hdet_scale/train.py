@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     except RunFailed as failure:
         if dist.get_rank() == 0:
             print(f"train.py: error: {failure}", file=sys.stderr, flush=True)
+        dist.barrier()  # no rank exits, and gets rank 0 stopped by the launcher, before rank 0 has said why
         raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
