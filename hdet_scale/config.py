@@ -76,7 +76,8 @@ class AutoLRConfig:
     """``scale`` and ``log`` mode: the LR's scale from the first step (other explored values start at 1), in
     [scale_min, scale_max]. Below 1 the run starts under the LR it was given and the controller climbs: a too-high
     LR early does damage that no later LR undoes, a too-low one is climbed out of (see
-    benchmarks/results/lr_finding.md). Needs the controller on."""
+    benchmarks/results/lr_finding.md). Needs the controller on; with one replica (no controller) the LR starts
+    at 1 whatever this says."""
 
     scale_max: float = 10.0
     """Ceiling of the multiplicative scale in ``scale`` mode, >= scale_min."""

@@ -147,8 +147,9 @@ class HDETEnsemble:
         explored = ExploredValue.start(knob, seed=self.config.seed, num_replicas=self.topology.num_replicas,
                                        alpha=self.config.alpha if knob.alpha is None else knob.alpha,
                                        spread=self.config.spread, paper_decay=paper_decay)
-        if explored.is_lr:
-            explored.state = ControllerState(scale=self.config.auto_lr.initial_scale)
+        if explored.is_lr:  # one replica has no controller to climb from a low start
+            explored.state = ControllerState(scale=self.config.auto_lr.initial_scale
+                                             if self.topology.num_replicas > 1 else 1.0)
         self._explored.append(explored)
         return explored
 

@@ -113,6 +113,20 @@ def test_the_lr_starts_at_the_controllers_initial_scale_and_other_values_at_one(
     assert {round(decay / 0.01, 9) for _, decay in used} <= {round(m, 9) for m in multipliers(2, 0.5)}
 
 
+def test_one_replica_trains_at_the_lr_it_was_given_whatever_the_initial_scale():
+    """One replica has no controller to climb from a low start: its LR would stay at the initial scale."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.warns(UserWarning, match="ONE replica"):
+        scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=ReplicaTopology.single_process(),
+                                  auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01})
+    used = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    for _ in range(3):
+        train_step(optimizer)
+        scheduler.step()
+    assert used == pytest.approx([0.1 * 0.9**step for step in range(3)], rel=1e-12)
+
+
 def test_state_loads_into_a_different_number_of_replicas():
     def ensemble(num_replicas: int) -> HDETEnsemble:
         optimizer = two_group_optimizer("sgd")
