@@ -71,7 +71,7 @@ class ExploredValue:
         """``value`` for the optimizer step about to run, recording that step's base in ``applied_bases``."""
         base = self.base(scheduled)
         self.applied_bases.append(base)
-        return self.knob.bounds.clamp(base * self.multiplier(replica))
+        return self._on_base(base, replica)
 
     def replica_multipliers(self) -> list[float]:
         """Every replica's multiplier for the current interval, by replica."""
@@ -79,7 +79,10 @@ class ExploredValue:
 
     def value(self, replica: int, scheduled: float | None = None) -> float:
         """Replica ``replica``'s value: base times its multiplier, inside the knob's bounds."""
-        return self.knob.bounds.clamp(self.base(scheduled) * self.multiplier(replica))
+        return self._on_base(self.base(scheduled), replica)
+
+    def _on_base(self, base: float, replica: int) -> float:
+        return self.knob.bounds.clamp(base * self.multiplier(replica))
 
     def replica_values(self) -> list[float]:
         """Every replica's value now, by replica."""

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def refuse_bad_input(error: Exception) -> None:
+def refuse_bad_input(error: Exception) -> NoReturn:
     """Stop this rank over a bad input that every rank finds; global rank 0 says it, once.
 
     A launcher (torchrun, deepspeed) stops all of a node's ranks as soon as one exits with an error. A rank
