@@ -114,12 +114,33 @@ def repo_relative(path: str | Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ runs
+MEASURED_DEFAULTS: dict[str, Any] = {"alpha": 1.0 / 9.0, "spread": "linear"}
+MEASURED_CONTROLLER_DEFAULTS: dict[str, Any] = {"mode": "scale", "sigma": 0.1, "step_size": 0.5, "max_log_step": 0.25,
+                                                "average_window": 0.0}
+"""The library's defaults when the recorded benchmark rows were measured (before the lr_finding default variant
+became the library's): written into every benchmark config, so that a row means what it measured."""
+
+
+def with_measured_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` over ``MEASURED_DEFAULTS``: also the controller starting at step 100,000, never holding, and
+    from a scale of 1, unless ``settings`` say otherwise (a ``log`` controller's stop is then a share of the
+    run: the worker passes the run's length)."""
+    auto_lr = {**MEASURED_CONTROLLER_DEFAULTS, **(settings.get("auto_lr") or {})}
+    if "warmup_steps" not in auto_lr and "start_fraction" not in auto_lr:
+        auto_lr["warmup_steps"] = 100_000
+    if "stop_steps" not in auto_lr and "stop_fraction" not in auto_lr and auto_lr["mode"] == "log":
+        auto_lr["stop_fraction"] = 1.0  # (its default now holds from a quarter of the run)
+    auto_lr.setdefault("initial_scale", 1.0)
+    return {**MEASURED_DEFAULTS, **settings, "auto_lr": auto_lr}
+
+
 def hdet_config(**settings: Any) -> dict[str, Any]:
-    """An HDET JSON config holding just ``settings`` (sections such as ``auto_lr`` as dicts); the library's
-    defaults fill in the rest when a run loads it. Checked against ``hdet_scale``'s config dataclasses
-    (``HDETConfig.from_dict``), so a misspelt key or a bad value fails here, before any run starts."""
+    """An HDET JSON config holding ``settings`` (sections such as ``auto_lr`` as dicts) over
+    ``with_measured_defaults``. Checked against ``hdet_scale``'s config dataclasses (``HDETConfig.from_dict``), so a
+    misspelt key or a bad value fails here, before any run starts."""
     from hdet_scale.config import HDETConfig
 
+    settings = with_measured_defaults(settings)
     HDETConfig.from_dict(settings)
     return json.loads(json.dumps(settings))
 

@@ -102,6 +102,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                   "average_window": 0.5, "stop_fraction": 0.25,
                                                   "initial_scale": 1 / SQRT10}},
                              "probe": True},
+    # ... without a probe batch (what an integration that sets none gets): the interval training losses drive it
+    "low_start_early_hold_no_probe": {"hdet": {"alpha": 0.5, "spread": "log",
+                                               "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5,
+                                                           "max_log_step": 0.5, "stop_fraction": 0.25,
+                                                           "initial_scale": 1 / SQRT10}},
+                                      "probe": False},
+    # ... starting at a tenth of the given LR: from 10x, a third is still 3x too high for the first quarter
+    "tenth_start_early_hold": {"hdet": {"alpha": 0.5, "spread": "log",
+                                        "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                                    "average_window": 0.5, "stop_fraction": 0.25,
+                                                    "initial_scale": 0.1}},
+                               "probe": True},
 }
 DEFAULT_VARIANT = "low_start_early_hold"
 

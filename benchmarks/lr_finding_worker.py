@@ -150,7 +150,8 @@ def train_one(args: argparse.Namespace, backend: str) -> None:
         model = wrap_model(model, config, topology)
         optimizer, schedule = optimizer_and_schedule(args, model)
         floor = [PaperDecay(args.steps, args.lr * args.min_lr_ratio)] if config.auto_lr.mode == "paper" else None
-        hdet = HDETScheduler(schedule, hdet_config=config, model=model, topology=topology, paper_decay=floor)
+        hdet = HDETScheduler(schedule, hdet_config=config, model=model, topology=topology, paper_decay=floor,
+                             total_steps=args.steps)
         schedule = hdet
         if args.probe:
             set_heldout_probe(hdet.hdet, model, corpus, args, rank)

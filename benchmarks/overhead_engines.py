@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import with_measured_defaults
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
@@ -75,9 +76,9 @@ def hdet_config(settings: Settings, sync_interval: int, *, gradient_mode: str = 
                 bucket_mb: float = 25.0, auto_lr: dict[str, Any] | None = None) -> HDETConfig:
     """Paper spread, no metrics file, and the controller updating at every sync (its worst case); ``auto_lr``
     adds controller settings (a signal)."""
-    return HDETConfig.from_dict({"sync_interval": sync_interval, "gradient_mode": gradient_mode, "bucket_mb": bucket_mb,
-                                 "ranks_per_replica": settings.ranks_per_replica,
-                                 "auto_lr": {"warmup_steps": 0, **(auto_lr or {})}})
+    return HDETConfig.from_dict(with_measured_defaults(
+        {"sync_interval": sync_interval, "gradient_mode": gradient_mode, "bucket_mb": bucket_mb,
+         "ranks_per_replica": settings.ranks_per_replica, "auto_lr": {"warmup_steps": 0, **(auto_lr or {})}}))
 
 
 # ---------------------------------------------------------------------------------------------- clock

@@ -1,8 +1,11 @@
-"""HDET configuration: dataclasses with the paper's defaults, strict loading and validation.
+"""HDET configuration: dataclasses with strict loading and validation.
 
-Every field carries the paper's symbol where it has one (arXiv 2604.24708, section 3). A config is loaded
-from a JSON file (``--hdet_config PATH``), a mapping, or built in code; unknown keys are errors, and
-``validate()`` names the field, the allowed range and the value it got.
+The defaults are the controller that found the LR best from either side in ``benchmarks/lr_finding.py``
+(``low_start_early_hold``, see benchmarks/results/lr_finding.md): a log spread, the scale-free ``log``
+controller from a third of the given LR, moving between 5% and 25% of the run. ``HDETConfig.paper()`` gives
+the paper's settings. Every field carries the paper's symbol where it has one (arXiv 2604.24708, section 3).
+A config is loaded from a JSON file (``--hdet_config PATH``), a mapping, or built in code; unknown keys are
+errors, and ``validate()`` names the field, the allowed range and the value it got.
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ from typing import Any
 GRADIENT_MODES = ("global", "local")
 CONTROLLER_MODES = ("scale", "paper", "log")
 SPREADS = ("linear", "log")
+DEFAULT_START_FRACTION = 0.05
+"""Where the controller starts when neither ``warmup_steps`` nor ``start_fraction`` is given."""
+MODE_DEFAULTS: dict[str, dict[str, float | None]] = {
+    "log": {"sigma": 1.0, "step_size": 2.5, "initial_scale": 1.0 / math.sqrt(10.0), "stop_fraction": 0.25},
+    "scale": {"sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None},
+    "paper": {"sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None},
+}
+"""What ``sigma``, ``step_size``, ``initial_scale`` and the stop are when left unset, per controller mode: ``log``'s
+from benchmarks/lr_finding.py, ``scale``'s and ``paper``'s the paper's (eqs. 4, 7)."""
+DEFAULT_AVERAGE_WINDOW = 0.5
+"""``average_window`` when unset, in ``log`` mode with a probe."""
 
 
 class HDETConfigError(ValueError):
@@ -34,7 +48,7 @@ class AutoLRConfig:
     enabled: bool = True
     """Move the base values from the replicas' relative losses. Off: spread and averaging only."""
 
-    mode: str = "scale"
+    mode: str = "log"
     """``scale``: keep the base schedule's shape and move a multiplicative scale on it (any scheduler).
     ``paper``: after the warm-up the controller owns the base value and decays it geometrically to
     OneCycleLR's floor over the remaining syncs (eqs. 7-8, with eq. 8's sign fixed). ``log``: scale-free,
@@ -42,56 +56,60 @@ class AutoLRConfig:
     in units of that spread), the hypergradient is the weighted mean of log multipliers, and the scale moves
     by ``exp(lambda * v)``, at most ``max_log_step`` per sync either way: up and down alike."""
 
-    warmup_steps: int = 100_000
-    """S_warm: optimizer steps before the controller starts updating (the spread applies from step 0)."""
+    warmup_steps: int | None = None
+    """S_warm: optimizer steps before the controller starts updating (the spread applies from step 0). null:
+    ``start_fraction``."""
 
     start_fraction: float | None = None
     """The controller's start as a share of the run instead of ``warmup_steps`` (0.05: after the first 5% of the
-    optimizer steps), in [0, 1): one setting for runs of any length. It needs the run's length: train.py,
-    ``add_hdet`` and ``HDETOneCycleLR`` know it; elsewhere call ``config.for_run(total_steps)`` before attaching.
-    null: ``warmup_steps``."""
+    optimizer steps), in [0, 1): one setting for runs of any length. It needs the run's length: train.py, the
+    integrations and ``HDETOneCycleLR`` know it; elsewhere pass ``total_steps`` when attaching (or call
+    ``config.for_run(total_steps)``). Neither this nor ``warmup_steps`` given: 0.05."""
 
     stop_steps: int | None = None
-    """Optimizer steps after which the controller holds its values (the spread and the averaging go on); null:
-    it moves until the end. Late in a decaying schedule the replicas' short-horizon losses favour lower values
-    again (see benchmarks/results/lr_finding.md): holding keeps what the controller found. Not with ``paper``
-    mode, whose controller also carries eq. 8's decay."""
+    """Optimizer steps after which the controller holds its values (the spread and the averaging go on). Once
+    the schedule is past its first quarter or so the replicas' short-horizon losses favour lower values again
+    (see benchmarks/results/lr_finding.md): holding keeps what the controller found. Not with ``paper`` mode,
+    whose controller also carries eq. 8's decay."""
 
     stop_fraction: float | None = None
-    """``stop_steps`` as a share of the run, in (0, 1], resolved like ``start_fraction`` by ``for_run``."""
+    """``stop_steps`` as a share of the run, in (0, 1] (1: never hold), resolved like ``start_fraction``. Neither
+    this nor ``stop_steps`` given: 0.25 in ``log`` mode, no stop in the others."""
 
     beta: float = 0.9
     """beta: momentum of the velocity (eq. 7), in [0, 1)."""
 
-    sigma: float = 0.1
-    """sigma: softmax temperature on loss differences (eq. 4), > 0. Smaller trusts small differences more."""
+    sigma: float | None = None
+    """sigma: softmax temperature on loss differences (eq. 4), > 0. Smaller trusts small differences more.
+    null: 1.0 in ``log`` mode (in units of the losses' spread), the paper's 0.1 in the others."""
 
-    step_size: float = 0.5
-    """lambda: how far one sync moves the base along the velocity (eq. 7), >= 0."""
+    step_size: float | None = None
+    """lambda: how far one sync moves the base along the velocity (eq. 7), >= 0. null: 2.5 in ``log`` mode
+    (at most ``max_log_step`` per sync anyway), the paper's 0.5 in the others."""
 
     scale_min: float = 0.1
     """Floor of the multiplicative scale in ``scale`` mode (relative to the base schedule), > 0."""
 
-    initial_scale: float = 1.0
+    initial_scale: float | None = None
     """``scale`` and ``log`` mode: the LR's scale from the first step (other explored values start at 1), in
     [scale_min, scale_max]. Below 1 the run starts under the LR it was given and the controller climbs: a too-high
     LR early does damage that no later LR undoes, a too-low one is climbed out of (see
     benchmarks/results/lr_finding.md). Needs the controller on; with one replica (no controller) the LR starts
-    at 1 whatever this says."""
+    at 1 whatever this says. null: 1/sqrt(10) in ``log`` mode with the controller on, else 1."""
 
     scale_max: float = 10.0
     """Ceiling of the multiplicative scale in ``scale`` mode, >= scale_min."""
 
-    max_log_step: float = 0.25
-    """``log`` mode: the largest change of log(scale) at one sync (0.25: x1.28 or /1.28), > 0."""
+    max_log_step: float = 0.5
+    """``log`` mode: the largest change of log(scale) at one sync (0.5: x1.65 or /1.65), > 0."""
 
-    average_window: float = 0.0
+    average_window: float | None = None
     """With a probe set: score each replica's weights averaged over the last ``average_window`` of the
     interval (e.g. 0.5: its second half) instead of its last iterate, in [0, 1). Averaging removes the
     oscillation that a higher LR adds to the last iterate (noise that hides its faster progress), the bias
     that makes a short-horizon score prefer too-low LRs. Costs one copy of this rank's shard, one in-place
     update per step inside the window, and at each sync an exchange of the weights and their mean one tensor at a
-    time. 0: the last iterate."""
+    time. 0: the last iterate. null: 0.5 with the ``log`` controller on and a probe set, else 0."""
 
     displacement: float = 0.0
     """Weight of the displacement signal in the LR's hypergradient, >= 0 (0: off): the cosine of the last two
@@ -103,6 +121,29 @@ class AutoLRConfig:
     """With a probe set (``HDETEnsemble.set_probe``): the weight of the replicas' probe-batch losses in the
     controller's signal, in [0, 1]; the interval training losses get the rest. The probe scores every replica
     on the same held-out batch, so the signal carries no batch-to-batch noise. Without a probe: unused."""
+
+    def filled(self) -> AutoLRConfig:
+        """This config with every unset field at its default for the mode (``MODE_DEFAULTS``, the start at
+        ``DEFAULT_START_FRACTION``): what the controller runs with. The unset fields stay None in the config
+        itself, so that a dict of overrides merged onto it (``resolve_config``) is read as given."""
+        defaults = MODE_DEFAULTS.get(self.mode, MODE_DEFAULTS["scale"])  # an unknown mode: validate names it
+        changes: dict[str, Any] = {}
+        for name in ("sigma", "step_size"):
+            if getattr(self, name) is None:
+                changes[name] = defaults[name]
+        if self.initial_scale is None:
+            changes["initial_scale"] = defaults["initial_scale"] if self.enabled is True else 1.0
+        if self.warmup_steps is None and self.start_fraction is None:
+            changes["start_fraction"] = DEFAULT_START_FRACTION
+        if self.stop_steps is None and self.stop_fraction is None:
+            changes["stop_fraction"] = defaults["stop_fraction"]
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def window(self, probing: bool) -> float:
+        """The share of the interval whose weights the probe scores: ``average_window``, or its default."""
+        if self.average_window is not None:
+            return self.average_window
+        return DEFAULT_AVERAGE_WINDOW if probing and self.enabled and self.mode == "log" else 0.0
 
 
 @dataclass
@@ -147,11 +188,11 @@ class ExploreConfig:
 class HDETConfig:
     """Everything HDET needs besides the model, optimizer and schedule."""
 
-    alpha: float = 1.0 / 9.0
+    alpha: float = 0.5
     """alpha: spread ratio of the LR multipliers (eq. 1), in [0, 1) (``spread="log"``: any alpha >= 0). 0 is plain
-    data parallel."""
+    data parallel. The paper's: 1/9 with a linear spread."""
 
-    spread: str = "linear"
+    spread: str = "log"
     """How the multipliers spread around 1: ``linear``, eq. 1's [1 - alpha, 1 + alpha] (arithmetic mean 1);
     ``log``, evenly in log space over [1/(1 + alpha), 1 + alpha] (geometric mean 1: as far up as down)."""
 
@@ -192,14 +233,16 @@ class HDETConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> HDETConfig:
         """Builds and validates a config from a (possibly nested) mapping; unknown keys are errors."""
-        auto_lr = values.get("auto_lr")  # (a start fraction beside the default warmup_steps is to_dict's output)
-        if isinstance(auto_lr, Mapping) and auto_lr.get("start_fraction") is not None \
-                and auto_lr.get("warmup_steps", AutoLRConfig.warmup_steps) != AutoLRConfig.warmup_steps:
-            raise HDETConfigError("auto_lr.warmup_steps and auto_lr.start_fraction both say when the controller "
-                                  "starts: give one of them")
         config = _build(cls, values, prefix="")
         config.validate()
         return config
+
+    @classmethod
+    def paper(cls, **changes: Any) -> HDETConfig:
+        """The paper's settings (section 4): alpha 1/9 on a linear spread, T = 1000, the ``paper`` controller
+        from step 100,000 with sigma 0.1 and lambda 0.5; ``changes`` replace top-level fields."""
+        return dataclasses.replace(cls(alpha=1.0 / 9.0, spread="linear", sync_interval=1000,
+                                       auto_lr=AutoLRConfig(mode="paper", warmup_steps=100_000)), **changes)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> HDETConfig:
@@ -241,7 +284,11 @@ class HDETConfig:
         lr = self.auto_lr
         _check_bool("auto_lr.enabled", lr.enabled)
         _check_choice("auto_lr.mode", lr.mode, CONTROLLER_MODES)
-        _check_int("auto_lr.warmup_steps", lr.warmup_steps, low=0)
+        if lr.warmup_steps is not None:
+            _check_int("auto_lr.warmup_steps", lr.warmup_steps, low=0)
+        if lr.warmup_steps is not None and lr.start_fraction is not None:
+            raise HDETConfigError("auto_lr.warmup_steps and auto_lr.start_fraction both say when the controller "
+                                  "starts: give one of them")
         if lr.start_fraction is not None:
             _check_number("auto_lr.start_fraction", lr.start_fraction, low=0.0, high=1.0, high_open=True)
         if lr.stop_steps is not None:
@@ -254,13 +301,18 @@ class HDETConfig:
         if lr.mode == "paper" and (lr.stop_steps is not None or lr.stop_fraction is not None):
             raise HDETConfigError("auto_lr.stop_steps/stop_fraction work in 'scale' and 'log' mode; the paper's "
                                   "controller also decays the LR (eq. 8): remove them or choose another mode")
+        if lr.initial_scale is not None and lr.initial_scale != 1.0 and (lr.mode == "paper" or not lr.enabled):
+            raise HDETConfigError(f"auto_lr.initial_scale={lr.initial_scale} needs the controller on in 'scale' or "
+                                  "'log' mode (else the LR would stay at that scale): set it to 1 or turn auto_lr on")
+        lr = lr.filled()  # the values the controller runs with, the mode's defaults included
         _check_number("auto_lr.beta", lr.beta, low=0.0, high=1.0, high_open=True)
         _check_number("auto_lr.sigma", lr.sigma, low=0.0, low_open=True)
         _check_number("auto_lr.step_size", lr.step_size, low=0.0)
         _check_number("auto_lr.scale_min", lr.scale_min, low=0.0, low_open=True)
         _check_number("auto_lr.probe_weight", lr.probe_weight, low=0.0, high=1.0)
         _check_number("auto_lr.max_log_step", lr.max_log_step, low=0.0, low_open=True)
-        _check_number("auto_lr.average_window", lr.average_window, low=0.0, high=1.0, high_open=True)
+        if lr.average_window is not None:
+            _check_number("auto_lr.average_window", lr.average_window, low=0.0, high=1.0, high_open=True)
         _check_number("auto_lr.displacement", lr.displacement, low=0.0)
         if lr.displacement and lr.mode == "paper":
             raise HDETConfigError("auto_lr.displacement works in 'scale' and 'log' mode; the paper's controller has "
@@ -269,13 +321,12 @@ class HDETConfig:
                       hint="scale_max must be at least auto_lr.scale_min")
         _check_number("auto_lr.initial_scale", lr.initial_scale, low=0.0, low_open=True)
         if not lr.scale_min <= lr.initial_scale <= lr.scale_max:
+            given = "" if self.auto_lr.initial_scale is not None else f" (the '{lr.mode}' mode's default)"
             raise HDETConfigError(
                 f"auto_lr.scale_min={lr.scale_min} and auto_lr.scale_max={lr.scale_max} must bracket "
-                f"auto_lr.initial_scale={lr.initial_scale} (where the controller starts; 1: the base schedule)"
+                f"auto_lr.initial_scale={lr.initial_scale:g}{given} (where the controller starts; 1: the base "
+                "schedule)"
             )
-        if lr.initial_scale != 1.0 and (lr.mode == "paper" or not lr.enabled):
-            raise HDETConfigError(f"auto_lr.initial_scale={lr.initial_scale} needs the controller on in 'scale' or "
-                                  "'log' mode (else the LR would stay at that scale): set it to 1 or turn auto_lr on")
         for name in ("weight_decay", "dropout", "attention_scale", "label_smoothing"):
             knob = getattr(self.explore, name)
             if knob is None:
@@ -312,10 +363,11 @@ class HDETConfig:
 
     def for_run(self, total_steps: int) -> HDETConfig:
         """This config for a run of ``total_steps`` optimizer steps: ``auto_lr.start_fraction`` becomes
-        ``auto_lr.warmup_steps`` and ``stop_fraction`` ``stop_steps`` (rounded). Unchanged without fractions."""
-        lr = self.auto_lr
+        ``auto_lr.warmup_steps`` and ``stop_fraction`` ``stop_steps`` (rounded), the unset controller fields
+        their mode's defaults (``AutoLRConfig.filled``)."""
+        lr = self.auto_lr.filled()
         if lr.start_fraction is None and lr.stop_fraction is None:
-            return self
+            return self if lr is self.auto_lr else dataclasses.replace(self, auto_lr=lr)
         _check_int("total_steps (the run's length, for auto_lr.start_fraction/stop_fraction)", total_steps, low=1)
         changes: dict[str, Any] = {"start_fraction": None, "stop_fraction": None}
         if lr.start_fraction is not None:
@@ -323,6 +375,16 @@ class HDETConfig:
         if lr.stop_fraction is not None:
             changes["stop_steps"] = round(lr.stop_fraction * total_steps)
         return dataclasses.replace(self, auto_lr=dataclasses.replace(lr, **changes))
+
+    def run_length_error(self, num_replicas: int, fix: str) -> HDETConfigError | None:
+        """The error to raise when the controller would run (on, 2+ replicas) and its start or stop is still a
+        share of a run whose length is unknown (``for_run`` not applied); ``fix`` says how to give the length."""
+        lr = self.auto_lr.filled()
+        for name, steps in (("start_fraction", "warmup_steps"), ("stop_fraction", "stop_steps")):
+            if lr.enabled and num_replicas > 1 and getattr(lr, name) is not None:
+                return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} needs the run's length: {fix}, or set "
+                                       f"auto_lr.{steps}")
+        return None
 
     def resolved(self, *, auto: str = "rank", world_size: int | None = None) -> HDETConfig:
         """This config with ``ranks_per_replica`` as a number: ``"node"`` read from the launcher's

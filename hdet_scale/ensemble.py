@@ -22,7 +22,7 @@ import torch
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import all_finite, start_gather_rows
-from hdet_scale.config import HDETConfig, HDETConfigError
+from hdet_scale.config import HDETConfig
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.displacement import DisplacementSignal
 from hdet_scale.explored import ExploredValue
@@ -88,12 +88,19 @@ class HDETEnsemble:
         topology: the replica layout; built from the default process group when omitted.
         paper_decay: per param group, the schedule's floor and length, for ``auto_lr.mode='paper'``.
         state: the ``state_dict()`` of the run this one continues (no warm init), or None for a fresh start.
+        total_steps: the run's length in optimizer steps, for the controller's start and stop given as shares of
+            the run (``auto_lr.start_fraction``/``stop_fraction``, the defaults): ``config.for_run(total_steps)``.
     """
 
     def __init__(self, config: HDETConfig, adapter: EngineAdapter, *, topology: ReplicaTopology | None = None,
-                 paper_decay: Sequence[PaperDecay] | None = None, state: Mapping[str, Any] | None = None) -> None:
+                 paper_decay: Sequence[PaperDecay] | None = None, state: Mapping[str, Any] | None = None,
+                 total_steps: int | None = None) -> None:
         config.validate()
         config = config.resolved()
+        if total_steps is not None:
+            config = config.for_run(total_steps)
+        else:  # the values the controller runs with; shares of the run stay (refused below if it would run)
+            config = dataclasses.replace(config, auto_lr=config.auto_lr.filled())
         self.config = config
         self.adapter = adapter
         self.topology = topology or ReplicaTopology.build(config)
@@ -113,7 +120,7 @@ class HDETEnsemble:
         self._warned_no_loss = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._probe: Callable[[], LossLike] | None = None
-        self._window = WindowAverage(config.auto_lr.average_window, config.sync_interval)
+        self._window = WindowAverage(config.auto_lr.window(probing=False), config.sync_interval)
         self._displacement = DisplacementSignal() if config.auto_lr.displacement > 0 else None
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
         self._warned_no_probe = False
@@ -130,6 +137,8 @@ class HDETEnsemble:
         adapter.optimizer._hdet_attached = True
         if self.topology.rank == 0 and self.single_replica_warning:
             warnings.warn(self.single_replica_warning, stacklevel=2)
+        if self.topology.rank == 0 and self.few_updates_warning:
+            warnings.warn(self.few_updates_warning, stacklevel=2)
 
     @property
     def single_replica_warning(self) -> str | None:
@@ -140,6 +149,19 @@ class HDETEnsemble:
         return (f"HDET has ONE replica ({topo.world_size} rank(s), ranks_per_replica={topo.ranks_per_replica}): no "
                 "spread, no averaging and no auto-LR, it trains as plain data parallel. Give it 2 replicas or more: "
                 "a ranks_per_replica that divides the world size into 2+ parts (e.g. half a node), or more nodes")
+
+    @property
+    def few_updates_warning(self) -> str | None:
+        """What the controller cannot do when fewer than 4 syncs fall between its start and its stop; else None."""
+        cfg, interval = self.config.auto_lr, self.config.sync_interval
+        if not cfg.enabled or cfg.stop_steps is None or self.topology.num_replicas == 1:
+            return None
+        updates = len(range(-(-max(cfg.warmup_steps, 1) // interval) * interval, cfg.stop_steps + 1, interval))
+        if updates >= 4:
+            return None
+        return (f"the auto-LR controller moves only between steps {cfg.warmup_steps} and {cfg.stop_steps}, where "
+                f"sync_interval={interval} gives it {updates} update(s): set sync_interval to about "
+                f"{max(1, (cfg.stop_steps - cfg.warmup_steps) // 10)} for ten")
 
     def _explore(self, knob: Knob, paper_decay: PaperDecay | None = None) -> ExploredValue:
         if any(explored.name == knob.name for explored in self._explored):
@@ -238,8 +260,10 @@ class HDETEnsemble:
         """Scores every replica at each sync, before averaging: ``probe()`` returns this rank's loss on a
         held-out batch that is the same on every replica (see ``hdet_scale.probe.batch_probe``), and the
         controller is driven by those losses (blended with the interval losses by ``auto_lr.probe_weight``).
-        Called on every rank, inside ``torch.no_grad()``; None removes the probe."""
+        Called on every rank, inside ``torch.no_grad()``, before the first step (the window of averaged weights,
+        ``auto_lr.average_window``, follows it); None removes the probe."""
         self._probe = probe
+        self._window = WindowAverage(self.config.auto_lr.window(probing=probe is not None), self.config.sync_interval)
 
     # ------------------------------------------------------------------------------------ a sync
     def sync(self) -> SyncReport:
@@ -351,7 +375,7 @@ class HDETEnsemble:
         replica, or a replica without loss)."""
         cfg = self.config.auto_lr
         stopped = cfg.stop_steps is not None and self._step > cfg.stop_steps
-        if not cfg.enabled or self._step < cfg.warmup_steps or stopped or self.topology.num_replicas == 1:
+        if self.topology.num_replicas == 1 or not cfg.enabled or stopped or self._step < cfg.warmup_steps:
             return None
         signal = scores.controller_signal(cfg.probe_weight)
         if any(loss is None for loss in signal):
@@ -440,11 +464,10 @@ def _check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: Repl
         )
     if getattr(adapter.optimizer, "_hdet_attached", False):
         raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
-    for name, steps in (("start_fraction", "warmup_steps"), ("stop_fraction", "stop_steps")):
-        if config.auto_lr.enabled and getattr(config.auto_lr, name) is not None:
-            raise HDETConfigError(
-                f"auto_lr.{name}={getattr(config.auto_lr, name)} needs the run's length: pass "
-                f"config.for_run(total_steps) (train.py, add_hdet and HDETOneCycleLR do), or set auto_lr.{steps}")
+    error = config.run_length_error(topology.num_replicas, "pass total_steps= when attaching (train.py, the "
+                                    "integrations and HDETOneCycleLR do)")
+    if error is not None:
+        raise error
     num_groups = len(adapter.optimizer.param_groups)
     if config.auto_lr.enabled and config.auto_lr.mode == "paper" and paper_decay is None:
         raise ValueError(

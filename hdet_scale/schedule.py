@@ -54,16 +54,18 @@ class HDETScheduler:
         model: optional model whose floating-point buffers are averaged with the parameters.
         topology: the replica layout; built from the default process group when omitted.
         paper_decay: per param group, for ``auto_lr.mode='paper'``.
+        total_steps: the run's length in optimizer steps (the default controller starts and stops at shares of
+            it; the scheduler does not say).
         **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
     """
 
     def __init__(self, scheduler: LRScheduler, *, hdet_config: ConfigSource = None, model: nn.Module | None = None,
                  topology: ReplicaTopology | None = None, paper_decay: list[PaperDecay] | None = None,
-                 **hdet_fields: Any) -> None:
+                 total_steps: int | None = None, **hdet_fields: Any) -> None:
         config = resolve_config(hdet_config, hdet_fields)
         self.scheduler = scheduler
         self.hdet = HDETEnsemble(config, DDPAdapter(scheduler.optimizer, model), topology=topology,
-                                 paper_decay=paper_decay)
+                                 paper_decay=paper_decay, total_steps=total_steps)
 
     def step(self, loss: LossLike | None = None) -> SyncReport | None:
         """Advances the base schedule, then HDET (which syncs every ``sync_interval`` calls)."""

@@ -59,8 +59,9 @@ PROBE_SEED = 777
 """Where --probe_batch draws its held-out windows (fixed: the same probe whatever the training seed)."""
 BAD_INPUT_GRACE_S = 20.0
 """How long a rank other than 0 waits for its launcher to stop it after a bad input (see refuse_bad_input)."""
-TRAIN_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "sync_interval": 25, "auto_lr": {"warmup_steps": 100}}
-"""HDET settings when no --hdet_config is given: suited to short runs (the paper's defaults suit long ones)."""
+TRAIN_DEFAULTS: dict[str, Any] = {"sync_interval": 10}
+"""HDET settings when no --hdet_config is given: the library's defaults, syncing every 10 steps, so that the
+controller gets several updates in a run of a few hundred steps (the library's T = 1000 suits long runs)."""
 SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29512")}
 """The launcher's environment for a run started without one."""
@@ -112,10 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="the model's attention dropout (the presets have none; explore.dropout needs some)")
-    parser.add_argument("--probe_batch", type=int, default=0,
+    parser.add_argument("--probe_batch", type=int, default=16,
                         help="held-out sequences every replica is scored on at each sync, the same for all (the "
-                        "controller's signal, and what auto_lr.average_window needs); 0: no probe, the replicas' "
-                        "training losses")
+                        "controller's signal, with the replica's weights averaged over auto_lr.average_window); "
+                        "0: no probe, the replicas' training losses")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     parser.add_argument("--wandb", metavar="PROJECT", default=None,
@@ -369,7 +370,7 @@ class Run:
             FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
             else DeepSpeedBackend(model, checked.config, args, checked.ds_config or {}, device))
         self.config = self.backend.ensemble.config
-        if args.probe_batch:
+        if args.probe_batch and self.backend.ensemble.topology.num_replicas > 1:
             self._set_probe()
         self.step = 0
         cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")

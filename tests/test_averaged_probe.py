@@ -44,8 +44,8 @@ def test_window_average_by_hand():
 
 
 def hdet_settings(per_replica: int) -> dict:
-    return {"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
-            "auto_lr": {"warmup_steps": 0, "average_window": WINDOW, "displacement": 0.1}}
+    return {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
+            "auto_lr": {"mode": "scale", "warmup_steps": 0, "average_window": WINDOW, "displacement": 0.1}}
 
 
 def test_displacement_cosine_by_hand():

@@ -3,18 +3,67 @@ import json
 
 import pytest
 
+from benchmark_modules import load_benchmark
+
 from hdet_scale import HDETConfig, HDETConfigError, add_hdet_args, load_config
+from hdet_scale.config import AutoLRConfig
+from hdet_scale.schedule import resolve_config
 
 
-def test_defaults_are_the_papers():
-    config = HDETConfig()
-    assert config.alpha == pytest.approx(1 / 9)
-    assert config.sync_interval == 1000
-    assert config.auto_lr.warmup_steps == 100_000
-    assert (config.auto_lr.beta, config.auto_lr.sigma, config.auto_lr.step_size) == (0.9, 0.1, 0.5)
-    assert config.warm_init.nu == 0.01
-    assert config.gradient_mode == "global" and config.auto_lr.mode == "scale"
-    config.validate(world_size=8)
+def test_defaults_are_the_lr_finding_benchmarks_default_variant():
+    """The library's defaults are the controller benchmarks/lr_finding.py measured best (its DEFAULT_VARIANT),
+    filled in for the run the way its runs start the controller (5% of the steps)."""
+    lr_finding = load_benchmark("lr_finding")
+    variant = lr_finding.VARIANTS[lr_finding.DEFAULT_VARIANT]
+    assert variant["probe"]  # a probe set: the averaged-weight window applies
+    controller = dict(variant["hdet"]["auto_lr"])
+    assert AutoLRConfig().window(probing=True) == controller.pop("average_window") == 0.5
+    measured = HDETConfig.from_dict({**variant["hdet"], "auto_lr": {**controller, "start_fraction": 0.05}})
+    for steps in (1500, 300_000):
+        assert HDETConfig().for_run(steps) == measured.for_run(steps)
+    config = HDETConfig().for_run(1500)
+    assert (config.alpha, config.spread, config.auto_lr.mode) == (0.5, "log", "log")
+    assert (config.auto_lr.warmup_steps, config.auto_lr.stop_steps) == (75, 375)
+    assert (config.auto_lr.sigma, config.auto_lr.step_size, config.auto_lr.max_log_step) == (1.0, 2.5, 0.5)
+    assert config.auto_lr.initial_scale == pytest.approx(10 ** -0.5)
+    assert AutoLRConfig().window(probing=False) == 0.0  # no probe: nothing to score averaged weights
+    HDETConfig().validate(world_size=8)
+
+
+def test_the_papers_settings():
+    config = HDETConfig.paper()
+    assert (config.alpha, config.spread, config.sync_interval) == (pytest.approx(1 / 9), "linear", 1000)
+    lr = config.for_run(10**6).auto_lr
+    assert (lr.mode, lr.warmup_steps, lr.stop_steps, lr.beta, lr.sigma, lr.step_size, lr.initial_scale) == \
+        ("paper", 100_000, None, 0.9, 0.1, 0.5, 1.0)
+    assert config.warm_init.nu == 0.01 and config.gradient_mode == "global"
+    assert HDETConfig.paper(sync_interval=50).sync_interval == 50
+
+
+@pytest.mark.parametrize(("mode", "sigma", "step_size", "initial_scale", "stop_steps"), [
+    ("log", 1.0, 2.5, 10 ** -0.5, 250), ("scale", 0.1, 0.5, 1.0, None), ("paper", 0.1, 0.5, 1.0, None)])
+def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_size, initial_scale, stop_steps):
+    lr = HDETConfig.from_dict({"auto_lr": {"mode": mode}}).for_run(1000).auto_lr
+    assert (lr.sigma, lr.step_size, lr.stop_steps, lr.warmup_steps) == (sigma, step_size, stop_steps, 50)
+    assert lr.initial_scale == pytest.approx(initial_scale)
+    # what the user gives wins, and a start or stop in steps replaces the default share
+    lr = HDETConfig.from_dict({"auto_lr": {"mode": mode, "sigma": 0.3, "warmup_steps": 7}}).for_run(1000).auto_lr
+    assert (lr.sigma, lr.warmup_steps) == (0.3, 7)
+    assert HDETConfig.from_dict({"auto_lr": {"enabled": False}}).for_run(1000).auto_lr.initial_scale == 1.0
+
+
+def test_overrides_merge_onto_the_given_fields_not_the_filled_ones():
+    """A dict of overrides (HDETScheduler's keywords, the tests' launcher) changes the mode or the start as if
+    given with the rest: the first config's unset fields stay unset."""
+    merged = resolve_config(HDETConfig(), {"auto_lr": {"mode": "scale", "warmup_steps": 10}})
+    lr = merged.for_run(1000).auto_lr
+    assert (lr.mode, lr.warmup_steps, lr.sigma, lr.stop_steps, lr.initial_scale) == ("scale", 10, 0.1, None, 1.0)
+
+
+def test_a_scale_range_that_leaves_out_the_default_start_names_it():
+    with pytest.raises(HDETConfigError, match=r"must bracket auto_lr.initial_scale=0.316228 \(the 'log' mode's "
+                                              r"default\)"):
+        HDETConfig.from_dict({"auto_lr": {"scale_min": 0.5}})
 
 
 def test_round_trip_through_dict_and_json(tmp_path):
@@ -43,8 +92,9 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"alpha": -0.1}, r"alpha must be a number in \[0.0, 1.0\), got -0.1"),
-        ({"alpha": 1.0}, r"alpha must be a number in \[0.0, 1.0\), got 1.0 \(alpha >= 1 makes the lowest"),
+        ({"alpha": -0.1, "spread": "linear"}, r"alpha must be a number in \[0.0, 1.0\), got -0.1"),
+        ({"alpha": -0.1}, r"alpha must be a number in \[0.0, inf\), got -0.1"),
+        ({"alpha": 1.0, "spread": "linear"}, r"alpha must be a number in \[0.0, 1.0\), got 1.0 \(alpha >= 1 makes the lowest"),
         ({"sync_interval": 0}, r"sync_interval must be an integer >= 1, got 0"),
         ({"sync_interval": 2.5}, r"sync_interval must be an integer >= 1, got 2.5"),
         ({"ranks_per_replica": 0}, r"ranks_per_replica must be an integer >= 1 or one of 'auto', 'node', got 0"),
@@ -57,7 +107,7 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"beta": -0.5}}, r"auto_lr.beta must be a number in \[0.0, 1.0\)"),
         ({"auto_lr": {"mode": "magic"}}, r"auto_lr.mode must be one of 'scale', 'paper'"),
         ({"auto_lr": {"warmup_steps": -1}}, r"auto_lr.warmup_steps must be an integer >= 0"),
-        ({"auto_lr": {"scale_min": 2.0}}, r"must bracket auto_lr.initial_scale=1.0"),
+        ({"auto_lr": {"scale_min": 2.0, "mode": "scale"}}, r"must bracket auto_lr.initial_scale=1 \(the 'scale'"),
         ({"auto_lr": {"initial_scale": 0.05}}, r"scale_min=0.1 and auto_lr.scale_max=10.0 must bracket "
                                                r"auto_lr.initial_scale=0.05"),
         ({"auto_lr": {"initial_scale": 0}}, r"auto_lr.initial_scale must be a number in \(0.0, inf\)"),
@@ -122,7 +172,7 @@ def test_bad_json_files(tmp_path):
 def test_a_log_spread_takes_any_alpha():
     assert HDETConfig.from_dict({"alpha": 1.0, "spread": "log"}).alpha == 1.0  # multipliers 1/2 .. 2
     with pytest.raises(HDETConfigError, match="spread 'log' allows it"):
-        HDETConfig.from_dict({"alpha": 1.0})
+        HDETConfig.from_dict({"alpha": 1.0, "spread": "linear"})
 
 
 def test_the_controller_start_as_a_share_of_the_run():
@@ -132,8 +182,8 @@ def test_the_controller_start_as_a_share_of_the_run():
     assert (run.auto_lr.warmup_steps, run.auto_lr.start_fraction) == (75, None)  # 0.05 x 1500
     assert config.for_run(7).auto_lr.warmup_steps == 0  # round(0.35)
     assert HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.1}}).for_run(7).auto_lr.warmup_steps == 1
-    plain = HDETConfig()
-    assert plain.for_run(10) is plain  # warmup_steps as given
+    fixed = HDETConfig.from_dict({"auto_lr": {"warmup_steps": 5, "stop_steps": 8}}).for_run(10).auto_lr
+    assert (fixed.warmup_steps, fixed.stop_steps) == (5, 8)  # as given
     with pytest.raises(HDETConfigError, match="give one of them"):
         HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.1, "warmup_steps": 10}})
     with pytest.raises(HDETConfigError, match=r"auto_lr.start_fraction must be a number in \[0.0, 1.0\)"):
@@ -149,13 +199,20 @@ def test_a_start_fraction_without_the_runs_length_is_refused():
     from hdet_scale.engines.ddp import DDPAdapter
     from hdet_scale.topology import ReplicaTopology
 
-    config = HDETConfig.from_dict({"ranks_per_replica": 1, "auto_lr": {"start_fraction": 0.1}})
+    config = HDETConfig.from_dict({"ranks_per_replica": 1})  # the defaults: start and stop are shares of the run
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    topology = ReplicaTopology(world_size=1, rank=0, ranks_per_replica=1)
-    with pytest.raises(HDETConfigError, match=r"needs the run's length: pass config.for_run\(total_steps\)"):
-        HDETEnsemble(config, DDPAdapter(optimizer), topology=topology)
+    two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start_fraction=0.05 needs the run's length: pass "
+                                              r"total_steps= when attaching"):
+        HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas)
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas, total_steps=100)
+    assert (hdet.config.auto_lr.warmup_steps, hdet.config.auto_lr.stop_steps) == (5, 25)
+    hdet.close()
+    # one replica has no controller: nothing to place, and the LR is the one given (no low start)
     with pytest.warns(UserWarning, match="ONE replica"):
-        HDETEnsemble(config.for_run(100), DDPAdapter(optimizer), topology=topology).close()
+        alone = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology(world_size=1, rank=0, ranks_per_replica=1))
+    assert alone.current_lrs() == [0.1]
+    alone.close()
 
 
 def test_a_start_fraction_survives_the_round_trip():
@@ -174,3 +231,26 @@ def test_the_controller_stop_as_steps_or_a_share_of_the_run():
         HDETConfig.from_dict({"auto_lr": {"stop_fraction": 0.0}})
     with pytest.raises(HDETConfigError, match="work in 'scale' and 'log' mode"):
         HDETConfig.from_dict({"auto_lr": {"mode": "paper", "stop_steps": 10}})
+
+
+@pytest.mark.parametrize(("sync_interval", "updates"), [(5, 5), (10, 2), (1000, 0)])
+def test_a_controller_window_with_few_syncs_says_so(sync_interval, updates):
+    """Start 5, stop 25 (the default shares of 100 steps): the syncs at 5, 10, ..., 25 update the controller
+    (every T-th step from the start up to and including the stop)."""
+    import torch
+
+    from hdet_scale import HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    config = HDETConfig(sync_interval=sync_interval, ranks_per_replica=1)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=100,
+                        topology=ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1))
+    if updates >= 4:
+        assert hdet.few_updates_warning is None
+    else:
+        assert hdet.few_updates_warning == (
+            f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
+            f"it {updates} update(s): set sync_interval to about 2 for ten")
+    hdet.close()

@@ -80,7 +80,7 @@ def test_paper_mode_takes_over_then_decays_with_velocity():
 
 
 def test_scale_mode_moves_relative_to_the_base_and_clamps():
-    controller = Controller(AutoLRConfig(beta=0.9, step_size=0.5, scale_min=0.5, scale_max=2.0))
+    controller = Controller(AutoLRConfig(mode="scale", beta=0.9, step_size=0.5, scale_min=0.5, scale_max=2.0))
     state = controller.update(ControllerState(), weights=[0.0, 1.0], replica_multipliers=[0.5, 1.5],
                               scheduled_value=3.0, step=10, sync_interval=5)
     assert state.last_delta == pytest.approx(0.5)  # the 1.5x replica took all the weight
@@ -142,7 +142,7 @@ def test_log_mode_moves_the_log_scale_and_caps_the_step():
 
 
 def test_an_extra_delta_adds_to_the_hypergradient():
-    scale = Controller(AutoLRConfig(beta=0.5, step_size=1.0))
+    scale = Controller(AutoLRConfig(mode="scale", beta=0.5, step_size=1.0))
     state = scale.update(ControllerState(), weights=[0.5, 0.5], replica_multipliers=[0.5, 1.5], scheduled_value=1.0,
                          step=10, sync_interval=5, extra_delta=0.2)
     assert state.last_delta == pytest.approx(0.2) and state.scale == pytest.approx(1.0 + 0.5 * 0.2)

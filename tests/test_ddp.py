@@ -52,8 +52,8 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------- fan-out and converge
 def fanout_and_converge(rank: int, world: int, mode: str, per_replica: int, metrics_path: str) -> dict:
-    config = HDETConfig(alpha=0.5, sync_interval=3, ranks_per_replica=per_replica, gradient_mode=mode,
-                        metrics_path=metrics_path, auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=per_replica, gradient_mode=mode,
+                        metrics_path=metrics_path, auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.01))
     topology = ReplicaTopology.build(config)
     model = wrap_model(make_model(seed=rank), config, topology)  # different seeds: the wrap must align them
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -129,8 +129,8 @@ def test_replicas_fan_out_and_converge(tmp_path, mode, per_replica):
 
 # ----------------------------------------------------------------------------- alpha = 0 is plain DDP
 def alpha_zero_matches_ddp(rank: int, world: int, per_replica: int) -> None:
-    config = HDETConfig(alpha=0.0, sync_interval=2, ranks_per_replica=per_replica,
-                        auto_lr=AutoLRConfig(warmup_steps=0))
+    config = HDETConfig(spread="linear", alpha=0.0, sync_interval=2, ranks_per_replica=per_replica,
+                        auto_lr=AutoLRConfig(mode="scale", warmup_steps=0))
     topology = ReplicaTopology.build(config)
     plain = nn.parallel.DistributedDataParallel(make_model())
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
@@ -174,8 +174,8 @@ def train(model, optimizer, scheduler, rank: int, steps: range) -> list[float]:
 
 
 def resume_matches(rank: int, world: int) -> None:
-    config = HDETConfig(alpha=0.5, sync_interval=3, ranks_per_replica=2, gradient_mode="local",
-                        auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=2, gradient_mode="local",
+                        auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.01))
     topology = ReplicaTopology.build(config)
     straight = build_run(config, topology, seed=0)
     straight_losses = train(*straight, rank, range(1, 11))
@@ -209,8 +209,8 @@ def test_resume_continues_exactly():
 
 # ------------------------------------------------------------------------------- non-finite replicas
 def non_finite_replicas(rank: int, world: int) -> None:
-    config = HDETConfig(alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local",
-                        auto_lr=AutoLRConfig(warmup_steps=0))
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local",
+                        auto_lr=AutoLRConfig(mode="scale", warmup_steps=0))
     topology = ReplicaTopology.build(config)
     model = wrap_model(make_model(), config, topology)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -283,7 +283,7 @@ def train_under_onecycle(rank: int, config: HDETConfig, *, max_lr: float, total_
 
 
 def paper_mode_run(rank: int, world: int, metrics_path: str) -> None:
-    config = HDETConfig(alpha=PAPER["alpha"], sync_interval=PAPER["sync_interval"], metrics_path=metrics_path,
+    config = HDETConfig(spread="linear", alpha=PAPER["alpha"], sync_interval=PAPER["sync_interval"], metrics_path=metrics_path,
                         auto_lr=AutoLRConfig(mode="paper", warmup_steps=PAPER["warmup_steps"], beta=PAPER["beta"],
                                              sigma=PAPER["sigma"], step_size=PAPER["step_size"]))
     with warnings.catch_warnings():
@@ -330,7 +330,7 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
 
 def held_controller_run(rank: int, world: int, metrics_path: str) -> None:
     """Scale mode through HDETOneCycleLR: the controller from 20% to 60% of 40 steps, T = 4."""
-    config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": 4, "metrics_path": metrics_path, "auto_lr": {
+    config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": 4, "metrics_path": metrics_path, "auto_lr": {"mode": "scale", 
         "start_fraction": 0.2, "stop_fraction": 0.6, "sigma": 0.05, "step_size": 2.0}})
     train_under_onecycle(rank, config, max_lr=0.05, total_steps=40)
 

@@ -136,7 +136,7 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
     extra = {"data_types": {"grad_accum_dtype": "fp32"}} if stage == 1 else {}
     syncs_per_variant = []
     for mode, bf16 in variants:
-        hdet = {"alpha": 0.5, "sync_interval": 3, "gradient_mode": mode, "auto_lr": {"enabled": False}}
+        hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 3, "gradient_mode": mode, "auto_lr": {"enabled": False}}
         engine = build(ds_config(stage, bf16=bf16, hdet=hdet, **(extra if bf16 else {})), seed=rank)
         assert engine.hdet.topology.num_replicas == replicas  # "auto": a rank on ZeRO-0, a node on 1-3
         start = gather_rows(full_fp32(engine))
@@ -208,7 +208,7 @@ def losses_and_parameters(rank: int, world: int, plain: bool) -> dict[int, tuple
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     results = {}
     for stage in ALPHA_ZERO_STAGES:
-        hdet = {"alpha": 0.0, "sync_interval": 2, "gradient_mode": "global", "auto_lr": {"enabled": False}}
+        hdet = {"alpha": 0.0, "spread": "linear", "sync_interval": 2, "gradient_mode": "global", "auto_lr": {"enabled": False}}
         engine = build(ds_config(stage, hdet=None if plain else hdet), seed=rank, plain=plain, lr=0.05)
         losses = [train_step(engine, rank, step) for step in range(1, 6)]
         results[stage] = (losses, full_fp32(engine).tolist())  # plain lists: tensors do not outlive the rank
@@ -256,7 +256,7 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
     Also: training_data is split over the global rank, so every replica reads different samples."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 replicas of 2 ranks
     checked = []
-    hdet = {"alpha": 0.5, "sync_interval": 2, "auto_lr": {"enabled": False}}
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 2, "auto_lr": {"enabled": False}}
     for name in [*DS_SCHEDULERS, "LambdaLR"]:
         extra = {} if name == "LambdaLR" else {"scheduler": {"type": name, "params": DS_SCHEDULERS[name]}}
         config = ds_config(1, hdet=hdet, **extra)
@@ -324,9 +324,9 @@ def launcher_env(monkeypatch):
 @pytest.mark.parametrize(("config", "kwargs", "message"), [
     (ds_config(2, hdet={"ranks_per_replica": 3}), {}, "ranks_per_replica=3 does not divide the world size 4"),
     (ds_config(2, hdet={"sync_intreval": 3}), {}, "unknown HDET setting 'sync_intreval'; did you mean 'sync_interval'"),
-    (ds_config(2, hdet={"alpha": 1.5}), {}, r"alpha must be a number in \[0.0, 1.0\)"),
+    (ds_config(2, hdet={"alpha": 1.5, "spread": "linear"}), {}, r"alpha must be a number in \[0.0, 1.0\)"),
     (ds_config(2, hdet=[1]), {}, "the 'hdet' section of the DeepSpeed config must be a JSON object"),
-    (ds_config(2, hdet={}), {"hdet_config": {"alpha": 0.2}}, "HDET settings given more than once"),
+    (ds_config(2, hdet={}), {"hdet_config": {"alpha": 0.2, "spread": "linear"}}, "HDET settings given more than once"),
     (ds_config(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}), {},
      "zero_optimization.offload_optimizer.device='cpu'.*does not support offload"),
     (ds_config(3, zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), {},

@@ -82,7 +82,7 @@ def test_a_step_that_raises_leaves_the_scheduled_lr_in_place():
     param = nn.Parameter(torch.ones(1))
     optimizer = torch.optim.SGD([param], lr=0.1)
     replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
-    hdet = HDETEnsemble(HDETConfig(alpha=0.5), DDPAdapter(optimizer), topology=replica_one_of_two)
+    hdet = HDETEnsemble(HDETConfig(spread="linear", alpha=0.5), DDPAdapter(optimizer), topology=replica_one_of_two)
     rho = hdet.lr_multiplier()
     assert rho != 1.0
 

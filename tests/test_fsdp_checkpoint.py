@@ -13,8 +13,8 @@ from hdet_scale import AutoLRConfig, HDETConfig
 from hdet_scale.engines.fsdp import wrap
 from hdet_scale.engines.fsdp_checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_pretrained
 
-CONFIG = HDETConfig(alpha=0.5, sync_interval=3, ranks_per_replica=PER_REPLICA, gradient_mode="local",
-                    auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.01))
+CONFIG = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=PER_REPLICA, gradient_mode="local",
+                    auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.01))
 
 
 def build(seed: int):

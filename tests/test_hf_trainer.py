@@ -77,7 +77,7 @@ def fresh_trainer(out_dir: str, stage: int | None = None, seed: int = 0, **overr
 
 
 def hdet_settings(out_dir: str, mode: str, per_replica: int, metrics: str = "metrics.jsonl") -> dict:
-    return {"alpha": ALPHA, "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica, "gradient_mode": mode,
+    return {"alpha": ALPHA, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica, "gradient_mode": mode,
             "metrics_path": os.path.join(out_dir, metrics), "auto_lr": {"warmup_steps": 0, "sigma": 0.05}}
 
 
@@ -184,7 +184,7 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
         "epoch saves": error_of(lambda: added("epoch", save_strategy="epoch")),
         "saves between syncs": error_of(lambda: added("steps", save_strategy="steps", save_steps=4)),
         "replica size": error_of(lambda: added("size", hdet_settings(out_dir, "global", 3))),
-        "bad field": error_of(lambda: added("field", {"alpha": 1.5})),
+        "bad field": error_of(lambda: added("field", {"alpha": 1.5, "spread": "linear"})),
     }
     twice = fresh_trainer(os.path.join(out_dir, "twice"))
     add_hdet(twice, hdet_settings(out_dir, "global", 1))
@@ -282,7 +282,7 @@ def readme_recipe_worker(rank: int, world: int, out_dir: str) -> dict:
                              deepspeed=str(README.parent / TRAINER_DS_CONFIG), save_strategy="no",
                              max_steps=4, use_cpu=True, report_to=[], disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=token_dataset())
-    hdet = add_hdet(trainer, {"alpha": 0.25, "sync_interval": 2, "metrics_path": os.path.join(out_dir, "hdet.jsonl")})
+    hdet = add_hdet(trainer, {"alpha": 0.25, "spread": "linear", "sync_interval": 2, "metrics_path": os.path.join(out_dir, "hdet.jsonl")})
     trainer.train()
     trainer.save_model()
     return {"engine": type(trainer.model_wrapped).__name__, "replicas": hdet.topology.num_replicas,

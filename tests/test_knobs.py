@@ -59,7 +59,7 @@ def test_each_knob_changes_what_each_replica_computes():
     for replica in range(REPLICAS):
         model = tiny_llama()
         optimizer = two_groups(model)
-        config = HDETConfig.from_dict({"alpha": 0.3, "explore": EXPLORE})
+        config = HDETConfig.from_dict({"alpha": 0.3, "spread": "linear", "explore": EXPLORE})
         topology = ReplicaTopology(rank=replica, world_size=REPLICAS, ranks_per_replica=1)
         hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology)
         attention = [module for module in model.modules() if type(module).__name__ == "LlamaAttention"]
@@ -138,7 +138,7 @@ def quadratic_knob(rank: int, world: int, start: float) -> list[float]:
     """A user knob h whose best value is 1 by construction: each replica's loss is (h_r - 1)^2. From below
     the controller must raise the base, from above lower it. The LR of a quadratic f(x) = x^2 / 2 with SGD
     is explored alongside (best LR 1: one step to the minimum) and must move toward 1 the same way."""
-    config = HDETConfig(alpha=0.5, sync_interval=1, auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.05),
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=1, auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.05),
                         explore=ExploreConfig(label_smoothing=KnobConfig(base=0.2)))
     point = nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([point], lr=start)
@@ -200,7 +200,7 @@ def knob_values_on(rank: int, world: int, engine: str) -> list[float]:
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 "nodes" of 2 ranks: one replica per node
     model = tiny_llama()
-    hdet_settings = {"alpha": 0.3, "explore": EXPLORE, "ranks_per_replica": 2}
+    hdet_settings = {"alpha": 0.3, "spread": "linear", "explore": EXPLORE, "ranks_per_replica": 2}
     if engine == "fsdp":
         from hdet_scale.engines.fsdp import wrap
 

@@ -28,7 +28,7 @@ def candidate_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def probed_training(rank: int, world: int, probe_weight: float) -> int:
-    config = HDETConfig(alpha=0.5, sync_interval=3, auto_lr=AutoLRConfig(warmup_steps=0, sigma=0.05,
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.05,
                                                                          probe_weight=probe_weight))
     topology = ReplicaTopology.build(config)
     torch.manual_seed(0)
@@ -82,4 +82,4 @@ def test_probe_losses_drive_the_controller(probe_weight):
 
 def test_probe_weight_is_validated():
     with pytest.raises(HDETConfigError, match=r"auto_lr.probe_weight must be a number in \[0.0, 1.0\]"):
-        HDETConfig.from_dict({"auto_lr": {"probe_weight": 1.5}})
+        HDETConfig.from_dict({"auto_lr": {"mode": "scale", "probe_weight": 1.5}})

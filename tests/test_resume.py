@@ -144,7 +144,7 @@ def fsdp_save(rank: int, world: int, directory: str) -> None:
     from hdet_scale.engines.fsdp import wrap
     from hdet_scale.engines.fsdp_checkpoint import save_checkpoint
 
-    config = HDETConfig(alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local")
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local")
     model, hdet = wrap(tiny_llama(seed=0), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hdet.attach(optimizer)
@@ -173,7 +173,7 @@ def fsdp_load(rank: int, world: int, directory: str, per_replica: int) -> None:
     from hdet_scale.engines.fsdp import wrap
     from hdet_scale.engines.fsdp_checkpoint import load_checkpoint
 
-    config = HDETConfig(alpha=0.5, sync_interval=2, ranks_per_replica=per_replica, gradient_mode="local")
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=per_replica, gradient_mode="local")
     model, hdet = wrap(tiny_llama(seed=7), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hdet.attach(optimizer)

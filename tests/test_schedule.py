@@ -131,7 +131,7 @@ def test_state_loads_into_a_different_number_of_replicas():
     def ensemble(num_replicas: int) -> HDETEnsemble:
         optimizer = two_group_optimizer("sgd")
         topology = ReplicaTopology(rank=0, world_size=num_replicas, ranks_per_replica=1)
-        return HDETEnsemble(HDETConfig(alpha=0.3, sync_interval=100), DDPAdapter(optimizer), topology=topology)
+        return HDETEnsemble(HDETConfig(spread="linear", alpha=0.3, sync_interval=100), DDPAdapter(optimizer), topology=topology)
 
     four = ensemble(4)
     for _ in range(3):

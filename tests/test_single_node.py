@@ -45,7 +45,7 @@ def test_one_replica_is_said_once_where_hdet_would_explore():
     assert "plain data parallel" in hdet.single_replica_warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        quiet = ensemble(HDETConfig(alpha=0.0, auto_lr=AutoLRConfig(enabled=False)))  # nothing to explore: nothing lost
+        quiet = ensemble(HDETConfig(spread="linear", alpha=0.0, auto_lr=AutoLRConfig(mode="scale", enabled=False)))  # nothing to explore: nothing lost
     assert quiet.single_replica_warning is None
 
 

@@ -48,7 +48,7 @@ def test_values_stay_inside_the_bounds():
 
 def test_update_moves_the_scale_by_the_weighted_multipliers():
     explored = lr_value(permutation=[0, 1, 2])  # replicas train at 0.5, 1.0, 1.5
-    controller = Controller(AutoLRConfig(beta=0.5, step_size=2.0))
+    controller = Controller(AutoLRConfig(mode="scale", beta=0.5, step_size=2.0))
     explored.update(controller, weights=[0.0, 0.25, 0.75], step=10, sync_interval=5)
     # Delta = 0.25 * 0 + 0.75 * 0.5 = 0.375; v = 0.5 * 0 + 0.5 * 0.375 = 0.1875; scale = 1 + 2 * 0.1875 = 1.375
     assert explored.state.last_delta == pytest.approx(0.375)

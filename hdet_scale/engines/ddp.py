@@ -92,11 +92,12 @@ def install_gradient_mean(model: DistributedDataParallel, config: HDETConfig, to
 
 def attach_to_wrapped(wrapped: nn.Module, optimizer: torch.optim.Optimizer, config: HDETConfig, *,
                       paper_decay: Sequence[PaperDecay] | None = None,
-                      state: dict[str, Any] | None = None) -> HDETEnsemble:
+                      state: dict[str, Any] | None = None, total_steps: int | None = None) -> HDETEnsemble:
     """Attaches HDET to a model that a framework (accelerate, Lightning) wrapped in DDP over all ranks: DDP's
     gradient average becomes ``config.gradient_mode``'s (``install_gradient_mean``) and the ensemble is built over
     ``optimizer``. DDP has broadcast rank 0's weights already, so the replicas start identical; ``state``
-    continues a checkpoint's HDET state (no new warm-init noise)."""
+    continues a checkpoint's HDET state (no new warm-init noise); ``total_steps`` is the run's length (see
+    ``HDETEnsemble``)."""
     topology = ReplicaTopology.build(config)
     if topology.world_size > 1:
         if not isinstance(wrapped, DistributedDataParallel):
@@ -104,11 +105,14 @@ def attach_to_wrapped(wrapped: nn.Module, optimizer: torch.optim.Optimizer, conf
                                f"{type(wrapped).__name__}")
         install_gradient_mean(wrapped, config, topology)
     return HDETEnsemble(config, DDPAdapter(optimizer, wrapped), topology=topology, paper_decay=paper_decay,
-                        state=state)
+                        state=state, total_steps=total_steps)
 
 
 def attach(model: nn.Module | None, optimizer: torch.optim.Optimizer, config: HDETConfig, *,
            topology: ReplicaTopology | None = None,
-           paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:
-    """Attaches HDET to a DDP training loop; call ``ensemble.step(loss)`` after every ``optimizer.step()``."""
-    return HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology, paper_decay=paper_decay)
+           paper_decay: Sequence[PaperDecay] | None = None, total_steps: int | None = None) -> HDETEnsemble:
+    """Attaches HDET to a DDP training loop; call ``ensemble.step(loss)`` after every ``optimizer.step()``.
+    ``total_steps``: the run's length in optimizer steps (the default controller starts and stops at shares
+    of it)."""
+    return HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology, paper_decay=paper_decay,
+                        total_steps=total_steps)

@@ -281,7 +281,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                collate_fn: Callable | None = None, config: str | Mapping[str, Any] | None = None,
                mesh_param: Any = None, config_params: str | Mapping[str, Any] | None = None, *,
                hdet_config: HDETConfig | Mapping[str, Any] | str | None = None,
-               paper_decay: Sequence[PaperDecay] | None = None) -> tuple[Any, Any, DataLoader | None, Any]:
+               paper_decay: Sequence[PaperDecay] | None = None,
+               total_steps: int | None = None) -> tuple[Any, Any, DataLoader | None, Any]:
     """``deepspeed.initialize`` with HDET attached; same arguments and return values.
 
     The HDET settings come from ``hdet_config``, ``args.hdet_config`` or an ``"hdet"`` section of the
@@ -290,7 +291,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     ``training_data`` is read through a sampler over the global rank, so every rank (and replica) reads
     different samples. The model's weights are taken from global rank 0, so replicas start identical (with
     ``warm_init`` each replica then adds its own eq. 10 noise, after DeepSpeed's own broadcast).
-    ``engine.hdet`` is the ``HDETDeepSpeed`` handle.
+    ``engine.hdet`` is the ``HDETDeepSpeed`` handle. ``total_steps``, the run's length in optimizer steps
+    (default: the DeepSpeed scheduler's ``total_num_steps``), places the controller's start and stop, which
+    the defaults give as shares of the run.
 
     Everything is checked before the process group and the engine are built: a bad HDET field, an
     ``"hdet"`` section with an unknown key, a replica size that does not divide the world, and DeepSpeed
@@ -307,13 +310,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     hdet = _hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     hdet = hdet.resolved(auto="rank" if stage == 0 else "node")
-    total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
-    if isinstance(total_steps, int) and not isinstance(total_steps, bool):  # the run's length, if DeepSpeed's
-        hdet = hdet.for_run(total_steps)                                     # scheduler knows it
+    if total_steps is None:  # the run's length, if DeepSpeed's scheduler knows it
+        total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
+    if isinstance(total_steps, int) and not isinstance(total_steps, bool):
+        hdet = hdet.for_run(total_steps)
     launched_world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # the launcher's
     check_supported(ds_config, model, world_size=launched_world)  # batch sizes too, before any set-up
     if launched_world is not None:
         _per_replica_batch(ds_config, hdet.num_replicas(launched_world))
+        error = hdet.run_length_error(hdet.num_replicas(launched_world), "pass total_steps= to initialize (or "
+                                      "give DeepSpeed a scheduler with total_num_steps)")
+        if error is not None:
+            raise error
 
     deepspeed.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     world_size = dist.get_world_size()

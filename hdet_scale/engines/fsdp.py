@@ -148,15 +148,16 @@ class HDETFSDP:
         self.gradient_bytes_across_replicas += self._gradient_mean(gradient)
 
     def attach(self, optimizer: torch.optim.Optimizer, *,
-               paper_decay: Sequence[PaperDecay] | None = None) -> HDETEnsemble:
+               paper_decay: Sequence[PaperDecay] | None = None, total_steps: int | None = None) -> HDETEnsemble:
         """Attaches HDET to the optimizer built over the wrapped model's parameters; with ``warm_init.enabled``
-        this adds each replica's eq. 10 noise to the shards (collective: every rank calls it)."""
+        this adds each replica's eq. 10 noise to the shards (collective: every rank calls it). ``total_steps``:
+        the run's length in optimizer steps (the default controller starts and stops at shares of it)."""
         model_params = {id(p) for p in self.model.parameters()}
         if not any(id(p) in model_params for group in optimizer.param_groups for p in group["params"]):
             raise ValueError("the optimizer holds none of the wrapped model's parameters: build it from "
                              "model.parameters() after wrap()")
         self.ensemble = HDETEnsemble(self.config, FSDPAdapter(self.model, optimizer), topology=self.topology,
-                                     paper_decay=paper_decay)
+                                     paper_decay=paper_decay, total_steps=total_steps)
         return self.ensemble
 
     def attached(self) -> HDETEnsemble:

@@ -89,7 +89,7 @@ class HDETCallback(pl.Callback):
         steps = trainer.estimated_stepping_batches
         if math.isfinite(steps):
             self.config = self.config.for_run(int(steps))
-        elif self.config.auto_lr.start_fraction is not None or self.config.auto_lr.stop_fraction is not None:
+        elif {self.config.auto_lr.filled().start_fraction, self.config.auto_lr.filled().stop_fraction} != {None}:
             raise HDETConfigError("auto_lr.start_fraction/stop_fraction are shares of the run, and this Trainer's "
                                   "length is unknown (an iterable dataset without max_steps): set max_steps, or "
                                   "give auto_lr.warmup_steps/stop_steps")
