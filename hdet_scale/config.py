@@ -376,6 +376,15 @@ class HDETConfig:
             changes["stop_steps"] = round(lr.stop_fraction * total_steps)
         return dataclasses.replace(self, auto_lr=dataclasses.replace(lr, **changes))
 
+    def controller_updates(self) -> int | None:
+        """How many syncs the controller updates at: those from ``auto_lr.warmup_steps`` to ``stop_steps``
+        inclusive, in steps (``for_run`` applied); None where it has no stop."""
+        lr = self.auto_lr
+        if lr.stop_steps is None:
+            return None
+        first = -(-max(lr.warmup_steps, 1) // self.sync_interval) * self.sync_interval
+        return len(range(first, lr.stop_steps + 1, self.sync_interval))
+
     def run_length_error(self, num_replicas: int, fix: str) -> HDETConfigError | None:
         """The error to raise when the controller would run (on, 2+ replicas) and its start or stop is still a
         share of a run whose length is unknown (``for_run`` not applied); ``fix`` says how to give the length."""

@@ -2,7 +2,6 @@ import argparse
 import json
 
 import pytest
-
 from benchmark_modules import load_benchmark
 
 from hdet_scale import HDETConfig, HDETConfigError, add_hdet_args, load_config
@@ -94,7 +93,8 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
     [
         ({"alpha": -0.1, "spread": "linear"}, r"alpha must be a number in \[0.0, 1.0\), got -0.1"),
         ({"alpha": -0.1}, r"alpha must be a number in \[0.0, inf\), got -0.1"),
-        ({"alpha": 1.0, "spread": "linear"}, r"alpha must be a number in \[0.0, 1.0\), got 1.0 \(alpha >= 1 makes the lowest"),
+        ({"alpha": 1.0, "spread": "linear"},
+         r"alpha must be a number in \[0.0, 1.0\), got 1.0 \(alpha >= 1 makes the lowest"),
         ({"sync_interval": 0}, r"sync_interval must be an integer >= 1, got 0"),
         ({"sync_interval": 2.5}, r"sync_interval must be an integer >= 1, got 2.5"),
         ({"ranks_per_replica": 0}, r"ranks_per_replica must be an integer >= 1 or one of 'auto', 'node', got 0"),
@@ -210,7 +210,7 @@ def test_a_start_fraction_without_the_runs_length_is_refused():
     hdet.close()
     # one replica has no controller: nothing to place, and the LR is the one given (no low start)
     with pytest.warns(UserWarning, match="ONE replica"):
-        alone = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology(world_size=1, rank=0, ranks_per_replica=1))
+        alone = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
     assert alone.current_lrs() == [0.1]
     alone.close()
 
@@ -254,3 +254,17 @@ def test_a_controller_window_with_few_syncs_says_so(sync_interval, updates):
             f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
             f"it {updates} update(s): set sync_interval to about 2 for ten")
     hdet.close()
+
+
+@pytest.mark.parametrize(("auto_lr", "updates"), [({"warmup_steps": 0, "stop_steps": 30}, 3),
+                                                  ({"warmup_steps": 11, "stop_steps": 29}, 1),
+                                                  ({"warmup_steps": 20, "stop_steps": 20}, 1),
+                                                  ({"warmup_steps": 21, "stop_steps": 29}, 0)])
+def test_controller_updates_counts_the_syncs_from_start_to_stop(auto_lr, updates):
+    """T = 10: syncs at 10, 20, 30; step 0 is no sync, and the start and the stop both count."""
+    config = HDETConfig.from_dict({"sync_interval": 10, "auto_lr": {"mode": "scale", **auto_lr}})
+    assert config.controller_updates() == updates
+
+
+def test_controller_updates_is_none_without_a_stop():
+    assert HDETConfig.paper().controller_updates() is None

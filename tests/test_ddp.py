@@ -283,7 +283,8 @@ def train_under_onecycle(rank: int, config: HDETConfig, *, max_lr: float, total_
 
 
 def paper_mode_run(rank: int, world: int, metrics_path: str) -> None:
-    config = HDETConfig(spread="linear", alpha=PAPER["alpha"], sync_interval=PAPER["sync_interval"], metrics_path=metrics_path,
+    config = HDETConfig(spread="linear", alpha=PAPER["alpha"], sync_interval=PAPER["sync_interval"],
+                        metrics_path=metrics_path,
                         auto_lr=AutoLRConfig(mode="paper", warmup_steps=PAPER["warmup_steps"], beta=PAPER["beta"],
                                              sigma=PAPER["sigma"], step_size=PAPER["step_size"]))
     with warnings.catch_warnings():
@@ -330,8 +331,8 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
 
 def held_controller_run(rank: int, world: int, metrics_path: str) -> None:
     """Scale mode through HDETOneCycleLR: the controller from 20% to 60% of 40 steps, T = 4."""
-    config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": 4, "metrics_path": metrics_path, "auto_lr": {"mode": "scale", 
-        "start_fraction": 0.2, "stop_fraction": 0.6, "sigma": 0.05, "step_size": 2.0}})
+    config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": 4, "metrics_path": metrics_path, "auto_lr": {
+        "mode": "scale", "start_fraction": 0.2, "stop_fraction": 0.6, "sigma": 0.05, "step_size": 2.0}})
     train_under_onecycle(rank, config, max_lr=0.05, total_steps=40)
 
 

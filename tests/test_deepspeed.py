@@ -136,7 +136,8 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
     extra = {"data_types": {"grad_accum_dtype": "fp32"}} if stage == 1 else {}
     syncs_per_variant = []
     for mode, bf16 in variants:
-        hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 3, "gradient_mode": mode, "auto_lr": {"enabled": False}}
+        hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 3, "gradient_mode": mode,
+                "auto_lr": {"enabled": False}}
         engine = build(ds_config(stage, bf16=bf16, hdet=hdet, **(extra if bf16 else {})), seed=rank)
         assert engine.hdet.topology.num_replicas == replicas  # "auto": a rank on ZeRO-0, a node on 1-3
         start = gather_rows(full_fp32(engine))
@@ -208,7 +209,8 @@ def losses_and_parameters(rank: int, world: int, plain: bool) -> dict[int, tuple
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     results = {}
     for stage in ALPHA_ZERO_STAGES:
-        hdet = {"alpha": 0.0, "spread": "linear", "sync_interval": 2, "gradient_mode": "global", "auto_lr": {"enabled": False}}
+        hdet = {"alpha": 0.0, "spread": "linear", "sync_interval": 2, "gradient_mode": "global",
+                "auto_lr": {"enabled": False}}
         engine = build(ds_config(stage, hdet=None if plain else hdet), seed=rank, plain=plain, lr=0.05)
         losses = [train_step(engine, rank, step) for step in range(1, 6)]
         results[stage] = (losses, full_fp32(engine).tolist())  # plain lists: tensors do not outlive the rank

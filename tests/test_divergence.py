@@ -21,8 +21,8 @@ SYNC_INTERVAL, STEPS, POISONED_AFTER = 4, 8, 2
 
 
 def config(per_replica: int) -> HDETConfig:
-    return HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=per_replica, gradient_mode="global",
-                      auto_lr=AutoLRConfig(mode="scale", warmup_steps=0))
+    return HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=per_replica,
+                      gradient_mode="global", auto_lr=AutoLRConfig(mode="scale", warmup_steps=0))
 
 
 def run_and_check(rank: int, train_step: Callable[[int], None], full_weights: Callable[[], torch.Tensor],
@@ -123,8 +123,8 @@ def zero_run(rank: int, world: int, stage: int) -> list[list[int]]:
     from test_deepspeed import train_step as deepspeed_step
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2, "gradient_mode": "global",
-            "auto_lr": {"mode": "scale", "warmup_steps": 0}}
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2,
+            "gradient_mode": "global", "auto_lr": {"mode": "scale", "warmup_steps": 0}}
     engine = build(ds_config(stage, hdet=hdet), seed=rank)
 
     def train_step(step: int):

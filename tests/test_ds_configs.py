@@ -84,8 +84,8 @@ def test_deepspeed_json_passes_deepspeeds_parser_and_hdets_checks(name):
     model = nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=values["optimizer"]["params"]["lr"])
     scheduler = getattr(lr_schedules, parsed.scheduler_name)(optimizer, **parsed.scheduler_params)
-    assert scheduler.total_num_steps > read(MATCHING_HDET[name])["auto_lr"]["warmup_steps"], (
-        "the schedule ends before HDET's controller starts")
+    hdet = HDETConfig.from_json(CONFIGS / MATCHING_HDET[name]).for_run(scheduler.total_num_steps)
+    assert hdet.controller_updates() >= 10, "the schedule gives HDET's controller too few syncs to move the LR"
     check_supported(values, model)
 
 
@@ -165,9 +165,11 @@ def train_launched(ds_name: str, ds_path: str, hdet_path: str) -> list[float]:
         if boundary:
             held = gather_rows(torch.tensor([hdet.lr_multiplier()], dtype=torch.float64))[:, 0]
             assert sorted(held[[ranks[0] for ranks in replicas]].tolist()) == pytest.approx(
-                multipliers(len(replicas), hdet.config.alpha))  # eq. 1, one multiplier per replica
+                multipliers(len(replicas), hdet.config.alpha, hdet.config.spread))  # one per replica
             lr_used = hdet.current_lrs()[0]
-            assert lr_used == pytest.approx(engine.get_lr()[0] * hdet.lr_multiplier())
+            # Four steps give the controller no update (its stop is at step 1 of 4): the LR stays at its start.
+            start = hdet.ensemble.config.auto_lr.initial_scale
+            assert lr_used == pytest.approx(engine.get_lr()[0] * start * hdet.lr_multiplier())
         loss = engine(inputs_batch, targets)
         engine.backward(loss)
         engine.step()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from settings import lr_held_at_given
 from torch import nn
 
 from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
@@ -82,7 +83,8 @@ def test_a_step_that_raises_leaves_the_scheduled_lr_in_place():
     param = nn.Parameter(torch.ones(1))
     optimizer = torch.optim.SGD([param], lr=0.1)
     replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
-    hdet = HDETEnsemble(HDETConfig(spread="linear", alpha=0.5), DDPAdapter(optimizer), topology=replica_one_of_two)
+    hdet = HDETEnsemble(HDETConfig(spread="linear", alpha=0.5, auto_lr=lr_held_at_given()),
+                        DDPAdapter(optimizer), topology=replica_one_of_two)
     rho = hdet.lr_multiplier()
     assert rho != 1.0
 

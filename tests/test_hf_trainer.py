@@ -77,8 +77,9 @@ def fresh_trainer(out_dir: str, stage: int | None = None, seed: int = 0, **overr
 
 
 def hdet_settings(out_dir: str, mode: str, per_replica: int, metrics: str = "metrics.jsonl") -> dict:
-    return {"alpha": ALPHA, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica, "gradient_mode": mode,
-            "metrics_path": os.path.join(out_dir, metrics), "auto_lr": {"warmup_steps": 0, "sigma": 0.05}}
+    return {"alpha": ALPHA, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
+            "gradient_mode": mode, "metrics_path": os.path.join(out_dir, metrics),
+            "auto_lr": {"mode": "scale", "warmup_steps": 0, "sigma": 0.05}}
 
 
 def error_of(build) -> str:
@@ -282,7 +283,7 @@ def readme_recipe_worker(rank: int, world: int, out_dir: str) -> dict:
                              deepspeed=str(README.parent / TRAINER_DS_CONFIG), save_strategy="no",
                              max_steps=4, use_cpu=True, report_to=[], disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=token_dataset())
-    hdet = add_hdet(trainer, {"alpha": 0.25, "spread": "linear", "sync_interval": 2, "metrics_path": os.path.join(out_dir, "hdet.jsonl")})
+    hdet = add_hdet(trainer, {"alpha": 0.25, "sync_interval": 2, "metrics_path": os.path.join(out_dir, "hdet.jsonl")})
     trainer.train()
     trainer.save_model()
     return {"engine": type(trainer.model_wrapped).__name__, "replicas": hdet.topology.num_replicas,

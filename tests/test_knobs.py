@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from settings import LR_HELD_AT_GIVEN
 from torch import nn
 
 from distributed import run_ranks
@@ -59,7 +60,8 @@ def test_each_knob_changes_what_each_replica_computes():
     for replica in range(REPLICAS):
         model = tiny_llama()
         optimizer = two_groups(model)
-        config = HDETConfig.from_dict({"alpha": 0.3, "spread": "linear", "explore": EXPLORE})
+        config = HDETConfig.from_dict({"alpha": 0.3, "spread": "linear", "explore": EXPLORE,
+                                        "auto_lr": LR_HELD_AT_GIVEN})
         topology = ReplicaTopology(rank=replica, world_size=REPLICAS, ranks_per_replica=1)
         hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology)
         attention = [module for module in model.modules() if type(module).__name__ == "LlamaAttention"]
@@ -91,7 +93,8 @@ def test_each_knob_changes_what_each_replica_computes():
 def test_knob_guard_rails_and_clear_errors():
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # SGD has weight_decay; 0 stays 0
-    config = HDETConfig.from_dict({"explore": {"dropout": {"alpha": 0.5}}})
+    config = HDETConfig.from_dict({"spread": "linear", "explore": {"dropout": {"alpha": 0.5}},
+                                   "auto_lr": LR_HELD_AT_GIVEN})
     values = set()
     for replica in range(REPLICAS):
         topology = ReplicaTopology(rank=replica, world_size=REPLICAS, ranks_per_replica=1)
@@ -101,7 +104,7 @@ def test_knob_guard_rails_and_clear_errors():
         hdet.close()
     assert len(values) == REPLICAS - 1 and max(values) < 1.0  # the two multipliers above 1/0.9 both clamp
     resting = torch.optim.SGD(model.parameters(), lr=0.0)  # e.g. a warm-up's first step: 0 stays 0
-    assert HDETEnsemble(HDETConfig(), DDPAdapter(resting), topology=topology).current_lrs() == [0.0]
+    assert HDETEnsemble(HDETConfig(), DDPAdapter(resting), topology=topology, total_steps=100).current_lrs() == [0.0]
     with pytest.raises(HDETConfigError, match="explore.attention_scale cannot apply to Sequential"):
         HDETEnsemble(HDETConfig.from_dict({"explore": {"attention_scale": {}}}), DDPAdapter(optimizer, model),
                      topology=ReplicaTopology.single_process())
@@ -138,7 +141,8 @@ def quadratic_knob(rank: int, world: int, start: float) -> list[float]:
     """A user knob h whose best value is 1 by construction: each replica's loss is (h_r - 1)^2. From below
     the controller must raise the base, from above lower it. The LR of a quadratic f(x) = x^2 / 2 with SGD
     is explored alongside (best LR 1: one step to the minimum) and must move toward 1 the same way."""
-    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=1, auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.05),
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=1,
+                        auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.05),
                         explore=ExploreConfig(label_smoothing=KnobConfig(base=0.2)))
     point = nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([point], lr=start)
@@ -200,7 +204,8 @@ def knob_values_on(rank: int, world: int, engine: str) -> list[float]:
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 "nodes" of 2 ranks: one replica per node
     model = tiny_llama()
-    hdet_settings = {"alpha": 0.3, "spread": "linear", "explore": EXPLORE, "ranks_per_replica": 2}
+    hdet_settings = {"alpha": 0.3, "spread": "linear", "explore": EXPLORE, "ranks_per_replica": 2,
+                     "auto_lr": LR_HELD_AT_GIVEN}
     if engine == "fsdp":
         from hdet_scale.engines.fsdp import wrap
 

@@ -28,8 +28,8 @@ def candidate_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def probed_training(rank: int, world: int, probe_weight: float) -> int:
-    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.05,
-                                                                         probe_weight=probe_weight))
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3,
+                        auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.05, probe_weight=probe_weight))
     topology = ReplicaTopology.build(config)
     torch.manual_seed(0)
     model = wrap_model(nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1)), config, topology)

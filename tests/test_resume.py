@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from settings import LR_HELD_AT_GIVEN, lr_held_at_given
 
 from distributed import gather_rows, run_ranks
 from hdet_scale.lm.checkpoints import (
@@ -144,7 +145,8 @@ def fsdp_save(rank: int, world: int, directory: str) -> None:
     from hdet_scale.engines.fsdp import wrap
     from hdet_scale.engines.fsdp_checkpoint import save_checkpoint
 
-    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local")
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local",
+                        auto_lr=lr_held_at_given())
     model, hdet = wrap(tiny_llama(seed=0), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hdet.attach(optimizer)
@@ -173,7 +175,8 @@ def fsdp_load(rank: int, world: int, directory: str, per_replica: int) -> None:
     from hdet_scale.engines.fsdp import wrap
     from hdet_scale.engines.fsdp_checkpoint import load_checkpoint
 
-    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=per_replica, gradient_mode="local")
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=per_replica,
+                        gradient_mode="local", auto_lr=lr_held_at_given())
     model, hdet = wrap(tiny_llama(seed=7), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hdet.attach(optimizer)
@@ -208,7 +211,8 @@ def zero_engine(seed: int):
     from test_deepspeed import build, ds_config
 
     os.environ["LOCAL_WORLD_SIZE"] = "1"
-    hdet = {"alpha": 0.5, "sync_interval": 2, "ranks_per_replica": 1, "gradient_mode": "local"}
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 2, "ranks_per_replica": 1, "gradient_mode": "local",
+            "auto_lr": LR_HELD_AT_GIVEN}
     return build(ds_config(1, hdet=hdet), seed=seed)
 
 
@@ -276,7 +280,7 @@ def smoothing_step(rank: int, world: int) -> tuple[float, float]:
     from hdet_scale.lm.backends import FSDPBackend
     from hdet_scale.lm.model import build_model
 
-    config = HDETConfig.from_dict({"alpha": 0.5, "ranks_per_replica": 1, "explore": {
+    config = HDETConfig.from_dict({"alpha": 0.5, "spread": "linear", "ranks_per_replica": 1, "explore": {
         "label_smoothing": {"base": 0.2, "alpha": 0.5}}})
     args = argparse.Namespace(dtype="fp32", grad_accum=1, micro_batch_size=2, lr=1e-3, weight_decay=0.0, steps=10,
                               warmup_steps=1, min_lr_ratio=0.1, grad_clip=0.0, replay_schedule=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from settings import LR_HELD_AT_GIVEN, lr_held_at_given
 from torch import nn
 from torch.optim.lr_scheduler import ExponentialLR, OneCycleLR
 
@@ -84,7 +85,7 @@ def test_multipliers_never_compound_with_a_chainable_scheduler():
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
     replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
     scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=replica_one_of_two,
-                              alpha=0.5, sync_interval=1000)
+                              alpha=0.5, spread="linear", sync_interval=1000, auto_lr=LR_HELD_AT_GIVEN)
     used = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
     rho = scheduler.hdet.lr_multiplier()
@@ -101,7 +102,7 @@ def test_the_lr_starts_at_the_controllers_initial_scale_and_other_values_at_one(
     replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
     scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=replica_one_of_two, alpha=0.5,
                               sync_interval=1000, explore={"weight_decay": {"alpha": 0.5}},
-                              auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01})
+                              auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01}, total_steps=1000)
     used = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(
         (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
@@ -110,7 +111,7 @@ def test_the_lr_starts_at_the_controllers_initial_scale_and_other_values_at_one(
         train_step(optimizer)
         scheduler.step()
     assert [lr for lr, _ in used] == pytest.approx([0.1 * 0.9**step * 0.25 * rho for step in range(3)], rel=1e-12)
-    assert {round(decay / 0.01, 9) for _, decay in used} <= {round(m, 9) for m in multipliers(2, 0.5)}
+    assert {round(decay / 0.01, 9) for _, decay in used} <= {round(m, 9) for m in multipliers(2, 0.5, "log")}
 
 
 def test_one_replica_trains_at_the_lr_it_was_given_whatever_the_initial_scale():
@@ -131,7 +132,8 @@ def test_state_loads_into_a_different_number_of_replicas():
     def ensemble(num_replicas: int) -> HDETEnsemble:
         optimizer = two_group_optimizer("sgd")
         topology = ReplicaTopology(rank=0, world_size=num_replicas, ranks_per_replica=1)
-        return HDETEnsemble(HDETConfig(spread="linear", alpha=0.3, sync_interval=100), DDPAdapter(optimizer), topology=topology)
+        config = HDETConfig(spread="linear", alpha=0.3, sync_interval=100, auto_lr=lr_held_at_given())
+        return HDETEnsemble(config, DDPAdapter(optimizer), topology=topology)
 
     four = ensemble(4)
     for _ in range(3):

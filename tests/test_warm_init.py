@@ -44,8 +44,9 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def config(per_replica: int) -> HDETConfig:
-    return HDETConfig(spread="linear", alpha=0.0, sync_interval=1000, ranks_per_replica=per_replica, gradient_mode="global", seed=SEED,
-                      auto_lr=AutoLRConfig(mode="scale", enabled=False), warm_init=WarmInitConfig(enabled=True, nu=NU))
+    return HDETConfig(spread="linear", alpha=0.0, sync_interval=1000, ranks_per_replica=per_replica,
+                      gradient_mode="global", seed=SEED, auto_lr=AutoLRConfig(mode="scale", enabled=False),
+                      warm_init=WarmInitConfig(enabled=True, nu=NU))
 
 
 def small_noise_chunks() -> None:

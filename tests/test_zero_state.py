@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from settings import LR_HELD_AT_GIVEN
 from torch import nn
 
 from distributed import gather_rows, run_ranks
@@ -77,8 +78,8 @@ def zero3_padding(rank: int, world: int) -> list[int]:
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 replicas of 2 ranks
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))  # the last bias: 3 values, 2 + 1 padded
-    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2, "gradient_mode": "local",
-            "average_optimizer_state": True, "auto_lr": {"mode": "scale", "warmup_steps": 0}}
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2,
+            "gradient_mode": "local", "average_optimizer_state": True, "auto_lr": {"mode": "scale", "warmup_steps": 0}}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "hdet": hdet}
     engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config)
@@ -148,7 +149,8 @@ def zero1_plain_checkpoint(rank: int, world: int, directory: str) -> list[tuple[
 
     model, optimizer = model_and_optimizer()
     # seed 1: the two groups' first permutations differ, so each replica has two different multipliers
-    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 10, "ranks_per_replica": 1, "seed": 1}
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 10, "ranks_per_replica": 1, "seed": 1,
+            "auto_lr": LR_HELD_AT_GIVEN}
     engine, *_ = hdet_deepspeed.initialize(model=model, optimizer=optimizer, config={**config, "hdet": hdet})
     with hdet_deepspeed.replica_groups(engine.mpu):
         engine.load_checkpoint(f"{directory}/rank{rank}", "plain")  # a warm start, saved without HDET

@@ -142,7 +142,7 @@ class FSDPBackend(Backend):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.model, self.hdet = fsdp.wrap(model.to(device), config, mp_policy=policy, device_type=device.type)
         self.optimizer = adamw(self.model.parameters(), args)
-        self.ensemble = self.hdet.attach(self.optimizer)
+        self.ensemble = self.hdet.attach(self.optimizer, total_steps=args.steps)
         self.topology = self.hdet.topology
         self.scheduler = base_schedule(self.optimizer, args)
 
@@ -241,7 +241,7 @@ class DeepSpeedBackend(Backend):
         self.engine, _, _, _ = hdet_deepspeed.initialize(
             args=launch_args, model=model, optimizer=optimizer,
             model_parameters=model.parameters() if optimizer is None else None, lr_scheduler=schedule,
-            config=ds_config, hdet_config=config)
+            config=ds_config, hdet_config=config, total_steps=args.steps)
         self.hdet = self.engine.hdet
         self.ensemble = self.hdet.ensemble
         self.topology = self.hdet.topology
