@@ -207,6 +207,11 @@ class HDETEnsemble:
         return self._step
 
     @property
+    def wants_probe(self) -> bool:
+        """True where a probe would drive a controller (it is on, with 2+ replicas) and none is set."""
+        return self._probe is None and self.config.auto_lr.enabled and self.topology.num_replicas > 1
+
+    @property
     def at_sync_point(self) -> bool:
         """True right after a sync (or at the start, unless warm init has made the replicas differ), where every
         replica holds the same parameters: the only place a checkpoint of one model is the whole truth."""

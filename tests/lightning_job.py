@@ -27,24 +27,36 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, TensorDataset
 
 from hdet_scale.integrations.lightning import HDETCallback, shard
+from hdet_scale.probe import batch_probe
 
 SYNC_INTERVAL = 5
 BATCHES_PER_EPOCH = 10
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, sharded: bool = False) -> None:
+    def __init__(self, sharded: bool = False, probe: bool = False) -> None:
         super().__init__()
         self.sharded = sharded
+        self.probe = probe
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.losses: list[float] = []
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def loss(self, batch: Any) -> torch.Tensor:
         inputs, targets = batch
-        loss = (self.net(inputs).squeeze(1) - targets).pow(2).mean()
+        return (self.net(inputs).squeeze(1) - targets).pow(2).mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
         self.losses.append(loss.item())
         return loss
+
+    def on_fit_start(self) -> None:
+        """With --probe: the README's way to give HDETCallback a probe (this runs after the callback's)."""
+        if self.probe:
+            hdet = next(callback for callback in self.trainer.callbacks if isinstance(callback, HDETCallback))
+            hdet.ensemble.set_probe(batch_probe(self.trainer.strategy.model, held_out_batch(),
+                                                lambda _, batch: self.loss(batch)))
 
     def configure_model(self) -> None:
         if self.sharded:
@@ -65,10 +77,13 @@ class Recorder(pl.Callback):
         self.hdet = hdet
         self.after: dict[int, torch.Tensor] = {}
         self.before_sync: dict[int, torch.Tensor] = {}
+        self.held_out_before_sync: dict[int, list[float]] = {}
         self._last_step = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.hdet.ensemble.add_pre_sync_hook(lambda step: self.before_sync.__setitem__(step, rows(pl_module)))
+        self.hdet.ensemble.add_pre_sync_hook(lambda step: self.held_out_before_sync.__setitem__(
+            step, held_out_losses(pl_module)))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -76,6 +91,23 @@ class Recorder(pl.Callback):
         if step != self._last_step:
             self._last_step = step
             self.after[step] = rows(pl_module)
+
+
+def held_out_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The same 16 samples on every rank."""
+    inputs = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
+    return inputs, inputs.sum(1).sin()
+
+
+def held_out_losses(module: Regression) -> list[float]:
+    """Every rank's loss on ``held_out_batch`` (a collective), in eval mode and without gradients, as a probe."""
+    module.eval()
+    with torch.no_grad():
+        loss = float(module.loss(held_out_batch()))
+    module.train()
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, loss)
+    return losses
 
 
 def rows(module: nn.Module) -> torch.Tensor:
@@ -96,6 +128,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--strategy", choices=("ddp", "model_parallel"), default="ddp")
+    parser.add_argument("--probe", action="store_true", help="a probe set in the module's on_fit_start")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     world = int(__import__("os").environ["WORLD_SIZE"])
@@ -104,7 +137,8 @@ def main() -> None:
     data = TensorDataset(inputs, inputs.sum(1).sin())
     hdet = HDETCallback({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": args.mode,
                          "ranks_per_replica": args.ranks_per_replica, "metrics_path": str(args.out / "hdet.jsonl"),
-                         "auto_lr": {"warmup_steps": SYNC_INTERVAL, "mode": "log", "sigma": 1.0}})
+                         "auto_lr": {"warmup_steps": SYNC_INTERVAL, "mode": "log", "sigma": 1.0,
+                                     "average_window": 0}})  # the probe scores the last iterate
     recorder = Recorder(hdet)
     checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)
     # Lightning's mesh only splits the data here (every rank its own batches); HDET shards inside its replicas.
@@ -114,14 +148,15 @@ def main() -> None:
                          accumulate_grad_batches=args.accumulate, callbacks=[hdet, recorder, checkpoints],
                          logger=CSVLogger(args.out, name="csv", version=0), enable_progress_bar=False,
                          enable_model_summary=False)
-    module = Regression(sharded=args.strategy == "model_parallel")
+    module = Regression(sharded=args.strategy == "model_parallel", probe=args.probe)
     trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=args.resume)
     losses = [None] * world
     dist.all_gather_object(losses, module.losses)
     final = rows(module)
     if trainer.global_rank == 0:
         torch.save({"after": recorder.after, "before_sync": recorder.before_sync, "losses": losses, "final": final,
-                    "hdet_step": hdet.ensemble.global_step}, args.out / "record.pt")
+                    "hdet_step": hdet.ensemble.global_step, "held_out_before_sync": recorder.held_out_before_sync},
+                   args.out / "record.pt")
 
 
 if __name__ == "__main__":

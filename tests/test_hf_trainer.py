@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,11 @@ def tiny_llama(seed: int):
 def token_dataset(rows: int = 256) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [{"input_ids": row, "labels": row} for row in torch.randint(0, VOCAB, (rows, SEQ), generator=generator)]
+
+
+PROBE_ROW = torch.arange(SEQ) % VOCAB
+"""The one sequence of the eval dataset: whichever samples the probe batch draws, each replica's probe loss is its
+model's loss on this row, computed by hand in ``train_run``."""
 
 
 def zero_config(stage: int) -> dict:
@@ -72,8 +78,9 @@ def fresh_trainer(out_dir: str, stage: int | None = None, seed: int = 0, **overr
 
     AcceleratorState._reset_state(reset_partial_state=False)
     deepspeed = None if stage is None else overrides.pop("deepspeed", zero_config(stage))
+    eval_dataset = overrides.pop("eval_dataset", None)
     return Trainer(model=tiny_llama(seed), args=training_args(out_dir, deepspeed, **overrides),
-                   train_dataset=token_dataset())
+                   train_dataset=token_dataset(), eval_dataset=eval_dataset)
 
 
 def hdet_settings(out_dir: str, mode: str, per_replica: int, metrics: str = "metrics.jsonl") -> dict:
@@ -91,21 +98,34 @@ def error_of(build) -> str:
     return ""
 
 
-def train_run(rank: int, out_dir: str, stage: int | None, mode: str, per_replica: int, **overrides) -> dict:
-    """Trains with HDET and records, on every step, this replica's LRs and every rank's master copy."""
+def train_run(rank: int, out_dir: str, stage: int | None, mode: str, per_replica: int, *, probed: bool = False,
+              **overrides) -> dict:
+    """Trains with HDET and records, on every step, this replica's LRs and every rank's master copy; ``probed``:
+    with an eval dataset of ``PROBE_ROW``, and each rank's loss on that row before every sync."""
     from transformers import TrainerCallback
 
     from hdet_scale.integrations.hf_trainer import add_hdet
 
     # Each rank builds different weights: the engine must start every replica from rank 0's.
-    trainer = fresh_trainer(out_dir, stage, seed=rank, **overrides)
+    eval_dataset = [{"input_ids": PROBE_ROW, "labels": PROBE_ROW}] * 8 if probed else None
+    trainer = fresh_trainer(out_dir, stage, seed=rank, eval_dataset=eval_dataset, **overrides)
     hdet = add_hdet(trainer, hdet_settings(out_dir, mode, per_replica))
-    record: dict = {"pre_sync": {}, "after_step": {}, "lrs": {}, "base_lr": {}}
+    record: dict = {"pre_sync": {}, "after_step": {}, "lrs": {}, "base_lr": {}, "probe_by_hand": {}}
+
+    def probe_by_hand(step: int) -> None:
+        model = trainer.model_wrapped
+        model.eval()
+        with torch.no_grad():
+            loss = model(input_ids=PROBE_ROW[None], labels=PROBE_ROW[None]).loss
+        model.train()
+        record["probe_by_hand"][step] = gathered(loss.reshape(1))[:, 0].tolist()
 
     class Recorder(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             hdet.ensemble.add_pre_sync_hook(lambda step: record["pre_sync"].__setitem__(step, gathered(
                 master_vector(hdet))))
+            if probed:
+                hdet.ensemble.add_pre_sync_hook(probe_by_hand)
             record["after_step"][0] = gathered(master_vector(hdet))
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -117,7 +137,10 @@ def train_run(rank: int, out_dir: str, stage: int | None, mode: str, per_replica
             record["after_step"][state.global_step] = gathered(master_vector(hdet))
 
     trainer.add_callback(Recorder())
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    record["warnings"] = [str(warning.message) for warning in caught if "HDET" in str(warning.message)]
     record["engine"] = hdet.engine
     record["engine_class"] = type(trainer.model_wrapped).__name__
     if rank != 0:  # the gathered tensors are the same on every rank
@@ -170,6 +193,18 @@ def check_run(results: list[dict], out_dir: str, world: int, per_replica: int, m
     for line in lines:
         assert len(line["replica_losses"]) == replicas
         assert all(abs(loss - math.log(VOCAB)) < 0.7 for loss in line["replica_losses"]), line["replica_losses"]
+    # The probe: each replica scored on the eval batch, its loss the one computed by hand before the sync.
+    by_hand = first["probe_by_hand"]
+    if by_hand:
+        for line in lines:
+            ranks = by_hand[line["step"]]
+            expected = [sum(ranks[r * per_replica:(r + 1) * per_replica]) / per_replica for r in range(replicas)]
+            assert line["probe_losses"] == pytest.approx(expected, rel=1e-5), line["step"]
+        assert len(set(expected)) == replicas  # the replicas differ: a probe that scored one model would not
+        assert not first["warnings"]
+    else:
+        assert all(line["probe_losses"] is None for line in lines)
+        assert any("the Trainer has no eval_dataset" in warning for warning in first["warnings"]), first["warnings"]
 
 
 # --------------------------------------------------------------------------------------------------- DDP
@@ -198,7 +233,7 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
     hdet = add_hdet(resumed, hdet_settings(global_dir, "global", 1, metrics="resumed.jsonl"))
     resumed.train(resume_from_checkpoint=os.path.join(global_dir, f"checkpoint-{2 * SYNC_INTERVAL}"))
     final = gathered(master_vector(hdet)).numpy()
-    runs["local"] = train_run(rank, local_dir, None, "local", 2)
+    runs["local"] = train_run(rank, local_dir, None, "local", 2, probed=True)
     return {"errors": errors, "runs": runs, "resumed_final": final, "resumed_step": hdet.ensemble.global_step}
 
 
@@ -229,6 +264,7 @@ def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed
 DEEPSPEED_RUNS = [(3, "global", 2), (2, "local", 2), (1, "global", 2), (0, "local", 1)]
+PROBED_STAGE = 3
 """(ZeRO stage, gradient mode, ranks per replica) on 4 ranks: ZeRO-1/2/3 replicas of two ranks each."""
 
 
@@ -246,7 +282,8 @@ def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
         "replica size": error_of(lambda: add_hdet(fresh_trainer(os.path.join(out_dir, "size"), 2),
                                                   hdet_settings(out_dir, "global", 3))),
     }
-    runs = {f"zero{stage}": train_run(rank, os.path.join(out_dir, f"zero{stage}"), stage, mode, per_replica)
+    runs = {f"zero{stage}": train_run(rank, os.path.join(out_dir, f"zero{stage}"), stage, mode, per_replica,
+                                      probed=stage == PROBED_STAGE)
             for stage, mode, per_replica in DEEPSPEED_RUNS}
     return {"errors": errors, "runs": runs}
 

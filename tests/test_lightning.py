@@ -29,7 +29,7 @@ def run_job(out: Path, *args: str, nproc: int = 4) -> dict:
                "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(JOB), "--out", str(out), *args]
     result = launch(command, cwd=out)
     assert result.returncode == 0, result.stdout[-5000:]
-    return torch.load(out / "record.pt")
+    return {**torch.load(out / "record.pt"), "stdout": result.stdout}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,8 @@ def runs(tmp_path_factory) -> dict:
     fsdp2_first_epoch = run_job(root / "fsdp2_first", *fsdp2, "--epochs", "1")
     return {
         "global": run_job(root / "global", "--epochs", "2"),
-        "local": run_job(root / "local", "--mode", "local", "--ranks_per_replica", "2", "--accumulate", "2"),
+        "local": run_job(root / "local", "--mode", "local", "--ranks_per_replica", "2", "--accumulate", "2",
+                         "--probe"),
         "first_epoch": first_epoch,
         "resumed": run_job(root / "resumed", "--epochs", "2", "--resume",
                            str(root / "first" / "checkpoints" / "last.ckpt")),
@@ -100,6 +101,13 @@ def test_local_mode_replicas_of_two_ranks_with_accumulation(runs, tmp_path):
         for replica, ranks in enumerate(([0, 1], [2, 3])):
             micro = [loss for rank in ranks for loss in record["losses"][rank][index * per_sync:(index + 1) * per_sync]]
             assert line["replica_losses"][replica] == pytest.approx(statistics.fmean(micro), rel=1e-5)
+    # The probe the module set in on_fit_start scored each replica on the held-out batch before the sync.
+    for line in lines:
+        by_hand = record["held_out_before_sync"][line["step"]]
+        assert line["probe_losses"] == pytest.approx([by_hand[0], by_hand[2]], rel=1e-5)
+        assert by_hand[0] == by_hand[1] and by_hand[2] == by_hand[3] and by_hand[0] != by_hand[2]
+    assert "HDETCallback has no probe" not in record["stdout"]
+    assert "HDETCallback has no probe" in runs["global"]["stdout"]
 
 
 @pytest.mark.e2e
@@ -150,3 +158,22 @@ def test_strategies_and_loops_it_cannot_serve_are_refused():
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
     with pytest.raises(HDETConfigError, match="needs automatic optimization"):
         HDETCallback().setup(trainer, Manual(), "fit")
+
+
+def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
+    """An iterable dataset without max_steps: Lightning estimates an infinite run, so the default controller
+    start (5% of the run) has no step; with 2 replicas the callback says so before HDET attaches."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from hdet_scale.config import HDETConfigError
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    trainer = SimpleNamespace(optimizers=[optimizer], estimated_stepping_batches=float("inf"), world_size=2,
+                              strategy=DDPStrategy())
+    with pytest.raises(HDETConfigError, match=r"^auto_lr.start_fraction=0.05 needs the run's length: this "
+                                              r"Trainer's length is unknown .*: set max_steps, or set "
+                                              r"auto_lr.warmup_steps$"):
+        HDETCallback().on_fit_start(trainer, None)

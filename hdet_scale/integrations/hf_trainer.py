@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from hdet_scale.config import HDETConfig, HDETConfigError, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.probe import batch_probe, no_probe_warning
 from hdet_scale.topology import ReplicaTopology
 
 STATE_FILE = "hdet_state.pt"
@@ -70,12 +72,14 @@ class HDETCallback(TrainerCallback):
     """
 
     def __init__(self, trainer: Trainer, config: HDETConfig, engine: str, *,
-                 paper_decay: Sequence[PaperDecay] | None = None, sync_at_end: bool = True) -> None:
+                 paper_decay: Sequence[PaperDecay] | None = None, sync_at_end: bool = True,
+                 probe: bool = True) -> None:
         self.trainer = trainer
         self.config = config
         self.engine = engine
         self.paper_decay = paper_decay
         self.sync_at_end = sync_at_end
+        self.probe = probe
         self.ensemble: HDETEnsemble | None = None
         self.deepspeed: Any = None
         self.last_report: SyncReport | None = None
@@ -111,6 +115,8 @@ class HDETCallback(TrainerCallback):
             self.config = self.config.for_run(state.max_steps)
             self.ensemble = self._attach_ddp(kwargs["optimizer"],
                                              self._saved_state(args, state) if state.global_step else None)
+        if self.probe:
+            self._set_probe(self.ensemble)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -153,6 +159,24 @@ class HDETCallback(TrainerCallback):
             self.last_report = report
 
     # ------------------------------------------------------------------------------------ internals
+    def _set_probe(self, ensemble: HDETEnsemble) -> None:
+        """Scores the replicas at every sync on the first batch of the Trainer's eval dataloader (rank 0's, the
+        first dataset of a dict), with the Trainer's own loss; without an eval_dataset, says so once."""
+        if not ensemble.wants_probe:
+            return
+        trainer = self.trainer
+        dataset = trainer.eval_dataset
+        if dataset is None:
+            if ensemble.topology.rank == 0:
+                warnings.warn(no_probe_warning("the Trainer has no eval_dataset", "give it one (add_hdet's probe "
+                                               "scores its first batch), or pass probe=False to add_hdet"),
+                              stacklevel=3)
+            return
+        loader = trainer.get_eval_dataloader(next(iter(dataset)) if isinstance(dataset, dict) else None)
+        ensemble.set_probe(batch_probe(trainer.model_wrapped, next(iter(loader)),
+                                       lambda model, inputs: trainer.compute_loss(model, inputs),
+                                       device=trainer.args.device))
+
     def _attach_ddp(self, optimizer: Any, state: dict[str, Any] | None) -> HDETEnsemble:
         """Builds the ensemble over the torch optimizer inside accelerate's wrapper, on accelerate's DDP model
         (warm-init noise on a fresh start only: a resumed run's ``state`` continues from the checkpoint's
@@ -199,7 +223,8 @@ class HDETCallback(TrainerCallback):
 
 
 def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-             *, paper_decay: Sequence[PaperDecay] | None = None, sync_at_end: bool = True) -> HDETCallback:
+             *, paper_decay: Sequence[PaperDecay] | None = None, sync_at_end: bool = True,
+             probe: bool = True) -> HDETCallback:
     """Adds HDET to ``trainer`` and returns its callback; call it before ``trainer.train()`` on every rank.
 
     Args:
@@ -208,6 +233,9 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
         paper_decay: per param group, the schedule's floor and length, for ``auto_lr.mode='paper'``.
         sync_at_end: average the replicas when training ends between syncs, so the Trainer's model after
             ``train()`` is the ensemble's model on every rank.
+        probe: score every replica at each sync on the first batch of ``trainer.eval_dataset`` (the same batch
+            on every replica, the controller's low-noise signal; ``per_device_eval_batch_size`` samples). With
+            no eval_dataset the controller uses the training losses, and rank 0 warns once.
 
     Raises:
         HDETConfigError: a bad HDET field, a replica size that does not divide the world, a Trainer setting HDET
@@ -217,7 +245,8 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
         raise ValueError("HDET is added to this Trainer already")
     config = load_config(hdet_config, world_size=None)
     engine = check_trainer(trainer, config)
-    callback = HDETCallback(trainer, config, engine, paper_decay=paper_decay, sync_at_end=sync_at_end)
+    callback = HDETCallback(trainer, config, engine, paper_decay=paper_decay, sync_at_end=sync_at_end,
+                            probe=probe)
     trainer.add_callback(callback)
     trainer._hdet_callback = callback
 

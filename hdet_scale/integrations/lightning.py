@@ -49,6 +49,7 @@ from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.engines.fsdp import HDETFSDP
 from hdet_scale.engines.fsdp import wrap as fsdp_wrap
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.probe import no_probe_warning
 from hdet_scale.schedule import resolve_config
 
 
@@ -87,13 +88,16 @@ class HDETCallback(pl.Callback):
             raise HDETConfigError(f"HDETCallback explores one optimizer's param groups; configure_optimizers "
                                   f"returned {len(trainer.optimizers)}")
         steps = trainer.estimated_stepping_batches
+        sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
         if math.isfinite(steps):
             self.config = self.config.for_run(int(steps))
-        elif {self.config.auto_lr.filled().start_fraction, self.config.auto_lr.filled().stop_fraction} != {None}:
-            raise HDETConfigError("auto_lr.start_fraction/stop_fraction are shares of the run, and this Trainer's "
-                                  "length is unknown (an iterable dataset without max_steps): set max_steps, or "
-                                  "give auto_lr.warmup_steps/stop_steps")
-        if type(trainer.strategy).__name__ == "ModelParallelStrategy":
+        else:
+            replicas = self.config.num_replicas(trainer.world_size, auto="node" if sharded else "rank")
+            error = self.config.run_length_error(replicas, "this Trainer's length is unknown (an iterable dataset "
+                                                           "without max_steps): set max_steps")
+            if error is not None:
+                raise error
+        if sharded:
             if self._fsdp is None:
                 raise HDETConfigError("under ModelParallelStrategy, shard the model with "
                                       "hdet_scale.integrations.lightning.shard in configure_model: "
@@ -107,6 +111,14 @@ class HDETCallback(pl.Callback):
         self.ensemble = attach_to_wrapped(trainer.strategy.model, trainer.optimizers[0], self.config,
                                           state=self._restored)
         self._restored = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ensemble = self._attached()
+        if ensemble.wants_probe and trainer.global_rank == 0:
+            warnings.warn(no_probe_warning(
+                "HDETCallback has no probe", "set one in the LightningModule's on_fit_start (it runs after the "
+                "callback's): hdet.ensemble.set_probe(batch_probe(self.trainer.strategy.model, held_out_batch, "
+                "loss_fn)), from hdet_scale.probe"), stacklevel=2)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
