@@ -54,13 +54,13 @@ class MainJob:
 
 def run_main_job(root: Path) -> MainJob:
     """Runs the README's main job into ``root/out``, shortened: STEPS short steps, with its own HDET config but
-    syncing every SYNC_INTERVAL steps with a controller warm-up of 10, evaluating every EVAL_INTERVAL steps and
-    checkpointing every 20 (tests/test_train.py resumes a preempted copy of it)."""
+    syncing every SYNC_INTERVAL steps with the controller moving from step 10 to 30, evaluating every
+    EVAL_INTERVAL steps and checkpointing every 20 (tests/test_train.py resumes a preempted copy of it)."""
     words = readme_launch()
     at = words.index("--hdet_config") + 1
     hdet = json.loads((ROOT / words[at]).read_text())
     hdet.update(sync_interval=SYNC_INTERVAL, gradient_mode="global",
-                auto_lr={**hdet.get("auto_lr", {}), "warmup_steps": 10})
+                auto_lr={**hdet.get("auto_lr", {}), "warmup_steps": 10, "stop_steps": 30})
     config = root / "hdet.json"
     config.write_text(json.dumps(hdet))
     command = [str(BIN / Path(words[0]).name), *words[1:at], str(config), *words[at + 1:], *SHORT,

@@ -137,8 +137,9 @@ def main() -> None:
     data = TensorDataset(inputs, inputs.sum(1).sin())
     hdet = HDETCallback({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": args.mode,
                          "ranks_per_replica": args.ranks_per_replica, "metrics_path": str(args.out / "hdet.jsonl"),
-                         "auto_lr": {"warmup_steps": SYNC_INTERVAL, "mode": "log", "sigma": 1.0,
-                                     "average_window": 0}})  # the probe scores the last iterate
+                         # one run whatever --epochs (no shares of the run); the probe scores the last iterate
+                         "auto_lr": {"warmup_steps": SYNC_INTERVAL, "stop_steps": 100, "mode": "log", "sigma": 1.0,
+                                     "average_window": 0}})
     recorder = Recorder(hdet)
     checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)
     # Lightning's mesh only splits the data here (every rank its own batches); HDET shards inside its replicas.

@@ -83,3 +83,37 @@ def test_probe_losses_drive_the_controller(probe_weight):
 def test_probe_weight_is_validated():
     with pytest.raises(HDETConfigError, match=r"auto_lr.probe_weight must be a number in \[0.0, 1.0\]"):
         HDETConfig.from_dict({"auto_lr": {"mode": "scale", "probe_weight": 1.5}})
+
+
+
+def fsdp2_training_losses(rank: int, world: int, probed: bool) -> list[float]:
+    """train.py's FSDP2 backend, 2 replicas x 2 shards of a tiny Llama, 6 steps synced every 2, the controller
+    held; with or without a probe."""
+    import argparse
+
+    from hdet_scale.lm.backends import FSDPBackend
+    from hdet_scale.lm.model import build_model
+
+    config = HDETConfig(ranks_per_replica=2, sync_interval=2, auto_lr=AutoLRConfig(mode="scale",
+                                                                                   warmup_steps=100_000))
+    args = argparse.Namespace(dtype="fp32", grad_accum=1, micro_batch_size=2, lr=1e-2, weight_decay=0.0, steps=6,
+                              warmup_steps=1, min_lr_ratio=0.1, grad_clip=0.0, replay_schedule=None)
+    torch.manual_seed(0)
+    backend = FSDPBackend(build_model("tiny", vocab_size=64, seq_len=16), config, args, torch.device("cpu"))
+    if probed:
+        held_out = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(99))
+        backend.ensemble.set_probe(batch_probe(backend.module, (held_out[:, :-1], held_out[:, 1:]),
+                                               lambda _, batch: backend.loss(batch)))
+    data, losses = torch.Generator().manual_seed(rank), []
+    for _ in range(6):
+        tokens = torch.randint(0, 64, (2, 17), generator=data)
+        loss, _ = backend.train_step([(tokens[:, :-1], tokens[:, 1:])])
+        losses.append(float(loss))
+    return losses
+
+
+def test_a_probe_changes_nothing_in_fsdp2_training():
+    """A probe only reads: with the controller held, training is the same with and without one. FSDP2 keeps the
+    root module's parameters unsharded after a forward that no backward follows (the probe's), and the average
+    edits the shards: the next forward must gather them again, not train on the replica's pre-average values."""
+    assert run_ranks(fsdp2_training_losses, 4, True) == run_ranks(fsdp2_training_losses, 4, False)

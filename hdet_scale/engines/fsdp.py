@@ -108,6 +108,11 @@ class FSDPAdapter(EngineAdapter):
             shards.append(ParameterShard(param.shape, param.to_local(), _flat_offset(param)))
         return shards
 
+    def after_average(self) -> None:
+        # A forward that no backward follows (the probe's, an evaluation's) leaves the root module's parameters
+        # unsharded, holding the values from before the average: the next forward would train on them.
+        self._reshard()
+
     def _reshard(self) -> None:
         # Parameters left unsharded (reshard_after_forward=False) are resharded first: the registered
         # DTensors must be the shards, or ranks would edit different things.
