@@ -154,8 +154,10 @@ class HDETEnsemble:
     def few_updates_warning(self) -> str | None:
         """What the controller cannot do when fewer than 4 syncs fall between its start and its stop; else None."""
         cfg, interval = self.config.auto_lr, self.config.sync_interval
+        if not cfg.enabled or self.topology.num_replicas == 1:  # no controller (its start may be an unplaced share)
+            return None
         updates = self.config.controller_updates()
-        if not cfg.enabled or updates is None or updates >= 4 or self.topology.num_replicas == 1:
+        if updates is None or updates >= 4:
             return None
         return (f"the auto-LR controller moves only between steps {cfg.warmup_steps} and {cfg.stop_steps}, where "
                 f"sync_interval={interval} gives it {updates} update(s): set sync_interval to about "

@@ -268,3 +268,26 @@ def test_controller_updates_counts_the_syncs_from_start_to_stop(auto_lr, updates
 
 def test_controller_updates_is_none_without_a_stop():
     assert HDETConfig.paper().controller_updates() is None
+
+
+def test_a_run_without_a_controller_needs_no_run_length_even_with_a_stop():
+    """One replica (or auto_lr off): the default start stays a share of an unknown run, and an explicit stop is
+    no reason to place it; the LR is the one given."""
+    import torch
+
+    from hdet_scale import HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    alone = ReplicaTopology.single_process()
+    with pytest.warns(UserWarning, match="ONE replica"):
+        hdet = HDETEnsemble(HDETConfig.from_dict({"auto_lr": {"stop_steps": 300}}), DDPAdapter(optimizer),
+                            topology=alone)
+    assert hdet.few_updates_warning is None and hdet.current_lrs() == [0.1]
+    hdet.close()
+    off = HDETConfig.from_dict({"auto_lr": {"enabled": False, "stop_steps": 300}})
+    hdet = HDETEnsemble(off, DDPAdapter(optimizer), topology=ReplicaTopology(world_size=2, rank=0,
+                                                                             ranks_per_replica=1))
+    assert hdet.few_updates_warning is None
+    hdet.close()
