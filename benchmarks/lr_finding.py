@@ -114,6 +114,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                     "average_window": 0.5, "stop_fraction": 0.25,
                                                     "initial_scale": 0.1}},
                                "probe": True},
+    # from a tenth of the best LR, tenth_start_early_hold ends +0.07: its start (0.01x the best) is climbed out of
+    # too slowly, limited by the signal (x1.4-x5 per 100 steps) rather than by max_log_step (x7.4). Three ways
+    # to a stronger or longer climb:
+    # ... twice the step (lambda 5)
+    "tenth_step5": {"hdet": {"alpha": 0.5, "spread": "log",
+                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 5.0, "max_log_step": 0.5,
+                                         "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1}},
+                    "probe": True},
+    # ... the wider spread ([0.5, 2] x base): the replicas' losses differ more
+    "tenth_wide": {"hdet": {"alpha": 1.0, "spread": "log",
+                            "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                        "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1}},
+                   "probe": True},
+    # ... starting the controller at 2% of the run instead of 5% (inside the LR warm-up)
+    "tenth_early": {"hdet": {"alpha": 0.5, "spread": "log",
+                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                         "average_window": 0.5, "start_fraction": 0.02, "stop_fraction": 0.25,
+                                         "initial_scale": 0.1}},
+                    "probe": True},
 }
 DEFAULT_VARIANT = "low_start_early_hold"
 
@@ -169,7 +188,8 @@ def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) ->
         variant = VARIANTS[run["variant"]]
         config = json.loads(json.dumps(variant["hdet"]))
         config.update(sync_interval=args.sync_interval, ranks_per_replica=1, gradient_mode="global", seed=run["seed"])
-        config.setdefault("auto_lr", {})["warmup_steps"] = round(args.controller_start * args.steps)
+        start = config.setdefault("auto_lr", {}).pop("start_fraction", args.controller_start)  # a variant's own
+        config["auto_lr"]["warmup_steps"] = round(start * args.steps)
         if "stop_fraction" in config["auto_lr"]:  # as train.py resolves it (HDETConfig.for_run)
             config["auto_lr"]["stop_steps"] = round(config["auto_lr"].pop("stop_fraction") * args.steps)
         run_dir.mkdir(parents=True, exist_ok=True)
