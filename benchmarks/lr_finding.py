@@ -134,7 +134,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          "initial_scale": 0.1}},
                     "probe": True},
 }
-DEFAULT_VARIANT = "low_start_early_hold"
+DEFAULT_VARIANT = "tenth_start_early_hold"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

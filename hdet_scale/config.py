@@ -1,8 +1,8 @@
 """HDET configuration: dataclasses with strict loading and validation.
 
 The defaults are the controller that found the LR best from either side in ``benchmarks/lr_finding.py``
-(``low_start_early_hold``, see benchmarks/results/lr_finding.md): a log spread, the scale-free ``log``
-controller from a third of the given LR, moving between 5% and 25% of the run. ``HDETConfig.paper()`` gives
+(``tenth_start_early_hold``, see benchmarks/results/lr_finding.md): a log spread, the scale-free ``log``
+controller from a tenth of the given LR, moving between 5% and 25% of the run. ``HDETConfig.paper()`` gives
 the paper's settings. Every field carries the paper's symbol where it has one (arXiv 2604.24708, section 3).
 A config is loaded from a JSON file (``--hdet_config PATH``), a mapping, or built in code; unknown keys are
 errors, and ``validate()`` names the field, the allowed range and the value it got.
@@ -27,7 +27,7 @@ SPREADS = ("linear", "log")
 DEFAULT_START_FRACTION = 0.05
 """Where the controller starts when neither ``warmup_steps`` nor ``start_fraction`` is given."""
 MODE_DEFAULTS: dict[str, dict[str, float | None]] = {
-    "log": {"sigma": 1.0, "step_size": 2.5, "initial_scale": 1.0 / math.sqrt(10.0), "stop_fraction": 0.25},
+    "log": {"sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "stop_fraction": 0.25},
     "scale": {"sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None},
     "paper": {"sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None},
 }
@@ -95,7 +95,7 @@ class AutoLRConfig:
     [scale_min, scale_max]. Below 1 the run starts under the LR it was given and the controller climbs: a too-high
     LR early does damage that no later LR undoes, a too-low one is climbed out of (see
     benchmarks/results/lr_finding.md). Needs the controller on; with one replica (no controller) the LR starts
-    at 1 whatever this says. null: 1/sqrt(10) in ``log`` mode with the controller on, else 1."""
+    at 1 whatever this says. null: 0.1 in ``log`` mode with the controller on, else 1."""
 
     scale_max: float = 10.0
     """Ceiling of the multiplicative scale in ``scale`` mode, >= scale_min."""

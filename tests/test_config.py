@@ -24,7 +24,7 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant():
     assert (config.alpha, config.spread, config.auto_lr.mode) == (0.5, "log", "log")
     assert (config.auto_lr.warmup_steps, config.auto_lr.stop_steps) == (75, 375)
     assert (config.auto_lr.sigma, config.auto_lr.step_size, config.auto_lr.max_log_step) == (1.0, 2.5, 0.5)
-    assert config.auto_lr.initial_scale == pytest.approx(10 ** -0.5)
+    assert config.auto_lr.initial_scale == pytest.approx(0.1)
     assert AutoLRConfig().window(probing=False) == 0.0  # no probe: nothing to score averaged weights
     HDETConfig().validate(world_size=8)
 
@@ -40,7 +40,7 @@ def test_the_papers_settings():
 
 
 @pytest.mark.parametrize(("mode", "sigma", "step_size", "initial_scale", "stop_steps"), [
-    ("log", 1.0, 2.5, 10 ** -0.5, 250), ("scale", 0.1, 0.5, 1.0, None), ("paper", 0.1, 0.5, 1.0, None)])
+    ("log", 1.0, 2.5, 0.1, 250), ("scale", 0.1, 0.5, 1.0, None), ("paper", 0.1, 0.5, 1.0, None)])
 def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_size, initial_scale, stop_steps):
     lr = HDETConfig.from_dict({"auto_lr": {"mode": mode}}).for_run(1000).auto_lr
     assert (lr.sigma, lr.step_size, lr.stop_steps, lr.warmup_steps) == (sigma, step_size, stop_steps, 50)
@@ -60,7 +60,7 @@ def test_overrides_merge_onto_the_given_fields_not_the_filled_ones():
 
 
 def test_a_scale_range_that_leaves_out_the_default_start_names_it():
-    with pytest.raises(HDETConfigError, match=r"must bracket auto_lr.initial_scale=0.316228 \(the 'log' mode's "
+    with pytest.raises(HDETConfigError, match=r"must bracket auto_lr.initial_scale=0.1 \(the 'log' mode's "
                                               r"default\)"):
         HDETConfig.from_dict({"auto_lr": {"scale_min": 0.5}})
 
