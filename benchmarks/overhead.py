@@ -33,7 +33,10 @@ the results. Measured:
    hooks are most of the work). DeepSpeed's hot path also holds the all-reduce of the gradients across
    replicas that HDET adds in global mode, counted at the time of ``average_tensors`` in section 2 (same
    bytes); the estimate leaves out that ZeRO then shards over a replica instead of all ranks, which the
-   direct ratios include. The auto-LR controller runs at every sync (``warmup_steps = 0``).
+   direct ratios include. The auto-LR controller runs at every sync (``warmup_steps = 0``). In the same
+   round-robin, HDET at the shortest T with each controller signal of ``overhead_engines.SIGNALS`` (a probe
+   batch scoring the replicas, the averaged-weight probe, the displacement signal), estimated from their own
+   hot path and syncs (section 1b).
 2. Sync time. ``hdet.sync()`` (bucketed averaging of all parameters, FSDP and DeepSpeed: of each rank's
    local shards, over the cross-replica group, the tiny loss gather, the finiteness check and the
    controller) at several ``bucket_mb``, and ``comm.average_tensors`` alone at the default bucket, against
@@ -45,16 +48,15 @@ the results. Measured:
    handle's all-reduce hook, DeepSpeed: by ``engine.hdet``, next to the estimate "gradient bytes = parameter
    bytes", FSDP and DeepSpeed: shard bytes), and the resulting cross-replica bytes per step for each T. These
    are payload bytes; a ring all-reduce moves about 2(n-1)/n times the payload per rank.
-4. Peak memory, in a launch of its own before the timed one. The plain engine, HDET in global and HDET in
-   local gradient mode, each built from a fresh model and trained ``MEMORY_STEPS`` steps at
-   T = ``MEMORY_SYNC_INTERVAL`` (so the window holds syncs) inside one measurement window, after one
-   unmetered run of the same variant (one-time set-up is left out): the peak of the memory in use in the
-   window above its start (model, engine, gradients, optimizer states, HDET's state and the sync's buckets)
-   and what is still in use at its end, the maximum over ranks. CUDA: the caching allocator's statistics.
-   CPU: the kernel's peak resident set size, reset at the window's start, with glibc told to map every
-   block of 64 KiB or more by itself, so a freed tensor leaves the resident set and the next variant's
-   tensors are not served from memory an earlier one freed. Memory does not depend on T beyond whether a
-   sync happens, so one T.
+4. Peak memory, in a launch of its own before the timed one. The plain engine, HDET in global and HDET in local
+   gradient mode, HDET with each controller signal, each built from a fresh model and trained ``MEMORY_STEPS``
+   steps at T = ``MEMORY_SYNC_INTERVAL`` (so the window holds syncs) inside one measurement window, after one
+   unmetered run of the same variant (one-time set-up is left out): the peak of the memory in use in the window
+   above its start (model, engine, gradients, optimizer states, HDET's state and the sync's buckets) and what is
+   still in use at its end, the maximum over ranks. CUDA: the caching allocator's statistics. CPU: the kernel's
+   peak resident set size, reset at the window's start, with glibc told to map every block of 64 KiB or more by
+   itself, so a freed tensor leaves the resident set and the next variant's tensors are not served from memory an
+   earlier one freed. Memory does not depend on T beyond whether a sync happens, so one T.
 
 All timings are ratios against a baseline measured in the same run. Rank 0 writes
 ``<out>/overhead_<engine>_<cpu|gpu>[_quick].json`` and ``.md`` with the machine, the command and the tables
@@ -98,6 +100,7 @@ from overhead_timing import (
     run_bytes,
     run_step_benchmark,
     run_sync_benchmark,
+    signal_costs,
 )
 
 DEEPSPEED_STAGES = (1, 2, 3)
@@ -260,6 +263,8 @@ def measure(settings: Settings, device: torch.device, started: float) -> tuple[d
             "sync_time": sync,
             "estimated_overhead": estimates(steps, sync, hooks, settings.sync_intervals,
                                             gradient_average=engine.gradient_average_in_hot_path),
+            "signal_costs": signal_costs(steps, sync, hooks, settings.sync_intervals[0],
+                                         gradient_average=engine.gradient_average_in_hot_path),
             "bytes": run_bytes(settings, engine, device, trainers[1].reports),
         }
         progress(started, " ".join(filter(None, (engine.part, "sync time and bytes"))))

@@ -22,6 +22,12 @@ from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology, SyncReport
 from hdet_scale.engines import ddp, fsdp
 
 LR = 1e-3  # AdamW's LR in every variant
+SIGNALS: dict[str, dict[str, Any]] = {"probe": {}, "averaged": {"average_window": 0.5},
+                                      "displacement": {"displacement": 1.0}}
+"""Controller signals whose cost is measured, each with a probe batch scoring the replicas at every sync (global
+gradient mode): the probe alone on the last iterate (one forward per sync), the probe scoring each replica's
+weights averaged over the last half of the interval (one more copy of this rank's local parameters, an in-place
+update per step inside the window), and the displacement signal (two copies)."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,16 @@ class Engine(ABC):
 
     @abstractmethod
     def hdet_trainer(self, name: str, config: HDETConfig) -> Trainer: ...
+
+    def signal_trainer(self, name: str, sync_interval: int, signal: str) -> Trainer:
+        """HDET with the controller signal ``signal`` (a key of ``SIGNALS``) and a probe: the loss on one fixed
+        batch, the same on every replica."""
+        trainer = self.hdet_trainer(name, hdet_config(self.settings, sync_interval, auto_lr=SIGNALS[signal]))
+        generator = torch.Generator().manual_seed(4000)
+        x = torch.randn(self.settings.batch, self.settings.width, generator=generator).to(self.device)
+        y = torch.randint(0, 16, (self.settings.batch,), generator=generator).to(self.device)
+        trainer.hdet.set_probe(lambda: F.cross_entropy(trainer.model(x), y))
+        return trainer
 
     @abstractmethod
     def counting(self) -> tuple[Trainer, Callable[[], int]]:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from overhead_engines import Settings, Trainer, build_engines, hdet_config
+from overhead_engines import SIGNALS, Settings, Trainer, build_engines, hdet_config
 from overhead_timing import gather
 
 MEMORY_SYNC_INTERVAL, MEMORY_STEPS = 2, 4  # two syncs in the window
@@ -88,7 +87,8 @@ def metered(settings: Settings, device: torch.device, build: Callable[[], Traine
 
 
 def measure_memory(settings: Settings, device: torch.device) -> dict[str, dict[str, dict[str, int]]]:
-    """Section 4 of every engine part: the plain engine, then HDET in both gradient modes."""
+    """Section 4 of every engine part: the plain engine, HDET in both gradient modes, then with each controller
+    signal (``SIGNALS``)."""
     engines = build_engines(settings, device)
 
     def after_warmup(build: Callable[[], Trainer]) -> dict[str, int]:
@@ -103,22 +103,5 @@ def measure_memory(settings: Settings, device: torch.device) -> dict[str, dict[s
         f"hdet_{mode}": after_warmup(lambda engine=engine, mode=mode: engine.hdet_trainer(
             mode, hdet_config(settings, MEMORY_SYNC_INTERVAL, gradient_mode=mode)))
         for mode in ("global", "local")}, **{
-        f"hdet_{name}": after_warmup(lambda engine=engine, name=name, auto_lr=auto_lr: probed(
-            settings, device, engine.hdet_trainer(name, hdet_config(settings, MEMORY_SYNC_INTERVAL, auto_lr=auto_lr))))
-        for name, auto_lr in SIGNALS.items()}} for engine in engines}
-
-
-SIGNALS = {"averaged": {"average_window": 0.5}, "displacement": {"displacement": 1.0}}
-"""Controller signals whose memory is measured (global gradient mode, a probe batch scoring the replicas): the
-probe scoring each replica's weights averaged over the last half of the interval (one more copy of this rank's
-local parameters), and the displacement signal (two)."""
-
-
-def probed(settings: Settings, device: torch.device, trainer: Trainer) -> Trainer:
-    """``trainer`` with a probe: the loss on one fixed batch, the same on every replica."""
-    generator = torch.Generator().manual_seed(4000)
-    x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
-    y = torch.randint(0, 16, (settings.batch,), generator=generator).to(device)
-    trainer.hdet.set_probe(lambda: F.cross_entropy(trainer.model(x), y))
-    return trainer
-
+        f"hdet_{name}": after_warmup(lambda engine=engine, name=name: engine.signal_trainer(
+            name, MEMORY_SYNC_INTERVAL, name)) for name in SIGNALS}} for engine in engines}

@@ -86,6 +86,7 @@ def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], label: str, part:
     named = f"{label} " if label else ""
     return [
         *step_markdown(cfg, part, heading, gradient_average), "",
+        *signals_markdown(cfg, part, heading, gradient_average), "",
         *sync_markdown(cfg, part["sync_time"], heading, per_rank, gradient_average), "",
         *bytes_markdown(cfg, part["bytes"], heading, per_rank), "", *note(f"{named}bytes"), "",
         *memory_markdown(part["memory"], heading, per_rank), "", *note(f"{named}memory"), "",
@@ -113,12 +114,11 @@ def step_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gradi
                       "hot-path ratio vs plain, median over rounds (IQR)", "total-time ratio",
                       "estimate from components", "target"),
     ]
-    for name, entry in steps.items():
+    lines.append(table_row("plain", steps["plain"]["syncs_timed"], _ms(steps["plain"]["step_s"]), 1, 1, 1, ""))
+    for interval in cfg["sync_intervals"]:
+        name = f"hdet_T{interval}"
+        entry = steps[name]
         row = table_row(name, entry["syncs_timed"], _ms(entry["step_s"]))
-        if name == "plain":
-            lines.append(row + " 1 | 1 | 1 | |")
-            continue
-        interval = int(name.removeprefix("hdet_T"))
         target = f"<= {1 + TARGETS[interval]:.3f}" if interval in TARGETS else ""
         lines.append(row + f" {_ratio(entry['block_median_ratio'])} | {entry['total_time_ratio']:.3f} "
                      f"| {1 + part['estimated_overhead'][name]:.4f} | {target} |")
@@ -141,17 +141,46 @@ def step_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gradi
            if gradient_average else ""),
         "",
         *table_header("hot-path component", "median µs"),
-        *[table_row(f"{hdet_step}, non-sync step, {name}", f"{entry['hdet_step_call_s']['median'] * US:.1f}")
-          for name, entry in steps.items() if name != "plain"],
+        *[table_row(f"{hdet_step}, non-sync step, {name}", f"{steps[name]['hdet_step_call_s']['median'] * US:.1f}")
+          for name in (f"hdet_T{interval}" for interval in cfg["sync_intervals"])],
         table_row(f"LR hooks around `optimizer.step()` (hooked {hooks['hooked_step_s'] * US:.1f} - plain "
                   f"{hooks['plain_step_s'] * US:.1f}, no gradients)", f"{hooks['hook_s'] * US:.1f}"),
         *gradient_row,
         "",
         "Sync steps in training (step time of the steps that synced, median): " + ", ".join(
-            f"{name} {entry['sync_step_s']['median'] * MS:.1f} ms over {entry['sync_step_s']['n']}"
-            for name, entry in steps.items() if "sync_step_s" in entry) +
+            f"{name} {steps[name]['sync_step_s']['median'] * MS:.1f} ms over {steps[name]['sync_step_s']['n']}"
+            for name in (f"hdet_T{interval}" for interval in cfg["sync_intervals"]) if "sync_step_s" in steps[name])
+        +
         f"; plain median step {steps['plain']['step_s']['median'] * MS:.1f} ms. These include the rank skew "
         "that a plain step absorbs in the next gradient all-reduce.",
+    ]
+
+
+def signals_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gradient_average: bool) -> list[str]:
+    """Section 1, continued: the step-time cost of each controller signal against HDET without one."""
+    interval = cfg["sync_intervals"][0]
+    steps, costs = part["step_time"], part["signal_costs"]
+    base = costs[f"hdet_T{interval}"]
+    lines = [
+        f"{heading} 1b. Controller signals (T = {interval}, in the same round-robin)",
+        "",
+        *table_header("variant", "hot-path ratio vs plain (IQR)", "total-time ratio", "hot path µs",
+                      "own sync ms (median)", "estimate from components", "estimate minus no signal's"),
+    ]
+    for name, cost in costs.items():
+        entry = steps[name]
+        lines.append(table_row(name, _ratio(entry["block_median_ratio"]), f"{entry['total_time_ratio']:.3f}",
+                               f"{cost['hot_path_s'] * US:.1f}", f"{cost['sync_s'] * MS:.2f}",
+                               f"{1 + cost['estimate']:.4f}", f"{cost['estimate'] - base['estimate']:+.4f}"))
+    return [
+        *lines,
+        "",
+        "Each signal variant scores the replicas on a probe batch at every sync (one forward); `averaged` also "
+        "adds each step's weights in the second half of the interval to a running mean and "
+        "swaps that mean in for the probe, `displacement` keeps two more copies and compares the "
+        "sync-to-sync moves. Own sync: the median `SyncReport.sync_seconds` of the variant's syncs in training "
+        "(rank 0). Estimate: as above, with the variant's own sync time"
+        + (" and the gradient all-reduce across replicas" if gradient_average else "") + ".",
     ]
 
 

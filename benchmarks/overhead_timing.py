@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common import MiB
-from overhead_engines import Engine, Settings, Trainer, hdet_config
+from overhead_engines import SIGNALS, Engine, Settings, Trainer, hdet_config
 
 from hdet_scale import HDETEnsemble, SyncReport
 from hdet_scale.averaging import average_tensors
@@ -40,9 +40,14 @@ def per_index(lists: list[list[float]], reduce: Callable[[list[float]], float]) 
 
 # --------------------------------------------------------------------------------- 1. step time
 def hdet_trainers(settings: Settings, engine: Engine) -> list[Trainer]:
-    """HDET at each sync interval."""
-    return [engine.hdet_trainer(f"hdet_T{interval}", hdet_config(settings, interval))
-            for interval in settings.sync_intervals]
+    """HDET at each sync interval, then with each controller signal at the shortest one (``signal_name``)."""
+    interval = settings.sync_intervals[0]
+    return [*[engine.hdet_trainer(f"hdet_T{t}", hdet_config(settings, t)) for t in settings.sync_intervals],
+            *[engine.signal_trainer(signal_name(interval, signal), interval, signal) for signal in SIGNALS]]
+
+
+def signal_name(interval: int, signal: str) -> str:
+    return f"hdet_T{interval}_{signal}"
 
 
 def run_step_benchmark(settings: Settings, trainers: list[Trainer], device: torch.device) -> int:
@@ -203,9 +208,30 @@ def estimates(steps: dict[str, Any], sync: dict[str, Any], hooks: dict[str, floa
     path with HDET's gradient all-reduce across replicas when ``gradient_average``."""
     plain = steps["plain"]["step_s"]["median"]
     sync_seconds = sync["ops"]["hdet.sync bucket_mb=25"]["seconds"]["median"]
-    hot = hooks["hook_s"]
-    if gradient_average:
-        hot += sync["ops"]["average_tensors bucket_mb=25"]["seconds"]["median"]
+    hot = _hot_path_beside_step(sync, hooks, gradient_average)
     return {f"hdet_T{t}": (steps[f"hdet_T{t}"]["hdet_step_call_s"]["median"] + hot + sync_seconds / t) / plain
             for t in intervals}
+
+
+def signal_costs(steps: dict[str, Any], sync: dict[str, Any], hooks: dict[str, float], interval: int, *,
+                 gradient_average: bool) -> dict[str, dict[str, float]]:
+    """For HDET at T = ``interval`` and each signal variant: the hot path (the median of the ensemble's step on
+    non-sync steps), the median of its own syncs (``SyncReport.sync_seconds``: the probe's forward and the
+    averaged weights' swap included) and the overhead estimated from those, as in ``estimates``."""
+    plain = steps["plain"]["step_s"]["median"]
+    beside = _hot_path_beside_step(sync, hooks, gradient_average)
+    costs = {}
+    for name in (f"hdet_T{interval}", *(signal_name(interval, signal) for signal in SIGNALS)):
+        hot, own_sync = steps[name]["hdet_step_call_s"]["median"], steps[name]["sync_seconds_report"]["median"]
+        costs[name] = {"hot_path_s": hot, "sync_s": own_sync, "estimate": (hot + beside + own_sync / interval) / plain}
+    return costs
+
+
+def _hot_path_beside_step(sync: dict[str, Any], hooks: dict[str, float], gradient_average: bool) -> float:
+    """What HDET adds to every step besides its own step call: the LR hooks, and the gradient all-reduce
+    across replicas when ``gradient_average``."""
+    extra = hooks["hook_s"]
+    if gradient_average:
+        extra += sync["ops"]["average_tensors bucket_mb=25"]["seconds"]["median"]
+    return extra
 

@@ -1,0 +1,43 @@
+"""The overhead benchmark's overhead estimates from measured components, against values worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+from benchmark_modules import load_benchmark
+
+timing = load_benchmark("overhead_timing")
+
+
+def _median(seconds: float) -> dict[str, float]:
+    return {"median": seconds}
+
+
+STEPS = {
+    "plain": {"step_s": _median(0.010)},
+    "hdet_T10": {"hdet_step_call_s": _median(50e-6), "sync_seconds_report": _median(0.040)},
+    "hdet_T10_probe": {"hdet_step_call_s": _median(50e-6), "sync_seconds_report": _median(0.050)},
+    "hdet_T10_averaged": {"hdet_step_call_s": _median(650e-6), "sync_seconds_report": _median(0.055)},
+    "hdet_T10_displacement": {"hdet_step_call_s": _median(60e-6), "sync_seconds_report": _median(0.056)},
+}
+SYNC = {"ops": {"hdet.sync bucket_mb=25": {"seconds": _median(0.030)},
+                "average_tensors bucket_mb=25": {"seconds": _median(0.002)}}}
+HOOKS = {"hook_s": 20e-6}
+
+
+def test_each_signal_is_estimated_from_its_own_hot_path_and_syncs():
+    costs = timing.signal_costs(STEPS, SYNC, HOOKS, 10, gradient_average=False)
+    assert list(costs) == ["hdet_T10", "hdet_T10_probe", "hdet_T10_averaged", "hdet_T10_displacement"]
+    # (hot path 650 us + hooks 20 us + sync 55 ms / 10) / plain 10 ms
+    assert costs["hdet_T10_averaged"]["estimate"] == pytest.approx((650 + 20 + 5500) / 10_000)
+    assert costs["hdet_T10"]["estimate"] == pytest.approx((50 + 20 + 4000) / 10_000)
+    assert (costs["hdet_T10_probe"]["hot_path_s"], costs["hdet_T10_probe"]["sync_s"]) == (50e-6, 0.050)
+
+
+def test_the_gradient_all_reduce_counts_on_every_step_where_hdet_runs_it():
+    costs = timing.signal_costs(STEPS, SYNC, HOOKS, 10, gradient_average=True)
+    assert costs["hdet_T10_displacement"]["estimate"] == pytest.approx((60 + 20 + 2000 + 5600) / 10_000)
+    # the intervals' estimates use section 2's sync time instead: (50 + 20 + 2000 + 30000 / 10) / 10000
+    steps = {**STEPS, "hdet_T100": {"hdet_step_call_s": _median(50e-6)}}
+    estimates = timing.estimates(steps, SYNC, HOOKS, (10, 100), gradient_average=True)
+    assert estimates == pytest.approx({"hdet_T10": (50 + 20 + 2000 + 3000) / 10_000,
+                                       "hdet_T100": (50 + 20 + 2000 + 300) / 10_000})
