@@ -3,8 +3,8 @@
 The tables, and the legends that say what they show, are generated here. What the numbers mean is written by
 hand into note blocks of the results' Markdown, which a rewrite keeps (``common.save_markdown``): ``noise``
 (how far this machine's timings can be trusted) and, per engine part, ``bytes`` (what crosses replicas in
-local mode) and ``memory`` (why HDET's memory differs from the baseline's), named after the part where a run
-measures several (``ZeRO-2 memory``).
+local mode), ``signals`` (what each controller signal costs) and ``memory`` (why HDET's memory differs from the
+baseline's), named after the part where a run measures several (``ZeRO-2 memory``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], label: str, part:
     named = f"{label} " if label else ""
     return [
         *step_markdown(cfg, part, heading, gradient_average), "",
-        *signals_markdown(cfg, part, heading, gradient_average), "",
+        *signals_markdown(cfg, part, heading, gradient_average), "", *note(f"{named}signals"), "",
         *sync_markdown(cfg, part["sync_time"], heading, per_rank, gradient_average), "",
         *bytes_markdown(cfg, part["bytes"], heading, per_rank), "", *note(f"{named}bytes"), "",
         *memory_markdown(part["memory"], heading, per_rank), "", *note(f"{named}memory"), "",
