@@ -95,11 +95,24 @@ class HealthyMean:
         self.group = group
         self.size = dist.get_world_size(group)
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._used: set[tuple[int, torch.dtype]] = set()
 
     def packed(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` packed (``pack_healthy``) into a pooled or new buffer; ``release`` it after unpacking."""
-        pool = self._free.get((tensor.numel(), tensor.dtype)) if tensor.device.type == "cpu" else None
+        key = (tensor.numel(), tensor.dtype)
+        self._used.add(key)
+        pool = self._free.get(key) if tensor.device.type == "cpu" else None
         return pack_healthy(tensor, self.size, pool.pop() if pool else None)
+
+    def keep_only_used(self) -> None:
+        """Drops the pooled buffers of sizes not packed since the last call: DDP rebuilds its buckets after the
+        first step, and the first step's sizes would otherwise hold a copy of the gradients for good."""
+        self._free = {key: pool for key, pool in self._free.items() if key in self._used}
+        self._used = set()
+
+    def pooled_bytes(self) -> int:
+        """Bytes held in the pool now."""
+        return sum(buffer.numel() * buffer.element_size() for pool in self._free.values() for buffer in pool)
 
     def release(self, packed: torch.Tensor, tensor: torch.Tensor) -> None:
         """Returns ``packed`` (done with, after unpacking into ``tensor``) to the CPU pool."""
@@ -121,6 +134,8 @@ def healthy_mean_hook(state: HealthyMean, bucket: dist.GradBucket) -> torch.futu
     gradient bucket becomes the mean over the ranks of the group whose bucket is all finite."""
     buffer = bucket.buffer()
     packed = state.packed(buffer)
+    if bucket.is_last():  # the step's last bucket: every size this step uses has been packed
+        state.keep_only_used()
 
     def unpack(_: torch.futures.Future) -> torch.Tensor:
         unpack_healthy_mean(packed, buffer, state.size)

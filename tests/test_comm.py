@@ -11,7 +11,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from hdet_scale import HDETConfig, ReplicaTopology
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import HealthyMean, gather_rows, pack_healthy, unpack_healthy_mean
+from hdet_scale.comm import HealthyMean, gather_rows, healthy_mean_hook, pack_healthy, unpack_healthy_mean
 
 SHAPES_AND_DTYPES = [
     ((3, 5), torch.float32),
@@ -135,6 +135,25 @@ def healthy_means(rank: int, world: int) -> None:
 
 def test_gradient_mean_leaves_out_non_finite_members():
     run_ranks(healthy_means, 4)
+
+
+def pool_after_ddp_steps(rank: int, world: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])  # 3.2 MB of gradients
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = HealthyMean(dist.group.WORLD)
+    ddp.register_comm_hook(state, healthy_mean_hook)
+    for _ in range(3):
+        ddp(torch.randn(4, 512)).sum().backward()
+    return state.pooled_bytes(), sum(p.numel() for p in model.parameters())
+
+
+def test_the_ddp_hooks_pool_keeps_one_buffer_per_bucket_after_ddp_rebuilds_them():
+    """DDP rebuilds its buckets after the first step (in the order the gradients came). The pool keeps the
+    buffers the later steps use, one copy of the gradients, not the first step's too (a second copy)."""
+    for pooled, parameters in run_ranks(pool_after_ddp_steps, 2):
+        buckets = pooled // 4 - parameters  # each fp32 bucket packs its gradients and one contributor count
+        assert pooled == (parameters + buckets) * 4 and 1 <= buckets <= 6  # 6 parameter tensors
 
 
 def test_packing_counts_exactly_in_low_precision():
