@@ -32,6 +32,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -296,6 +297,14 @@ def main(argv: list[str] | None = None) -> None:
 
         deepspeed.init_distributed(timeout=timedelta(minutes=10))
     try:
+        train_on_every_rank(args, checked, device)
+    finally:
+        shut_down()
+
+
+def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
+    """The run; a ``RunFailed`` on any rank exits every rank with status 1 after rank 0 has said why."""
+    try:
         Run(args, checked, device).train()
         dist.barrier()  # every rank is past its last collective before any tears the groups down
     except RunFailed as failure:
@@ -303,8 +312,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"train.py: error: {failure}", file=sys.stderr, flush=True)
         dist.barrier()  # no rank exits, and gets rank 0 stopped by the launcher, before rank 0 has said why
         raise SystemExit(1) from None
-    finally:
-        dist.destroy_process_group()
+
+
+def shut_down() -> None:
+    """Tears the distributed state down in order while the interpreter is whole: what the run built (models,
+    optimizers, HDET's state, held in reference cycles), then the process groups, then their objects. Left to
+    interpreter exit, a gloo thread that drops a tensor after Python has finalized aborts the process
+    (``terminate called without an active exception``: a failed job after a complete run)."""
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def refuse_bad_input(error: Exception) -> NoReturn:
