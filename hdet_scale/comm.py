@@ -8,6 +8,8 @@ one diverging replica never poisons the others. The sync's bucketed averaging is
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -88,7 +90,8 @@ class HealthyMean:
     Call it on a tensor to average it in place (FSDP2's all-reduce hook), or register it with DDP as the state
     of ``healthy_mean_hook``. On the CPU, packing buffers go back to a pool once their all-reduce is unpacked and
     are reused (a fresh multi-MB buffer every step costs page faults there), so it holds as many as are in flight
-    at once; on an accelerator the caching allocator reuses memory, in stream order.
+    at once; on an accelerator the caching allocator reuses memory, in stream order. DDP releases buffers from
+    gloo's callback thread while its main thread packs the next bucket: the pool is changed under a lock.
     """
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -96,28 +99,37 @@ class HealthyMean:
         self.size = dist.get_world_size(group)
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._used: set[tuple[int, torch.dtype]] = set()
+        self._lock = threading.Lock()
 
     def packed(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` packed (``pack_healthy``) into a pooled or new buffer; ``release`` it after unpacking."""
         key = (tensor.numel(), tensor.dtype)
-        self._used.add(key)
-        pool = self._free.get(key) if tensor.device.type == "cpu" else None
-        return pack_healthy(tensor, self.size, pool.pop() if pool else None)
+        buffer = None
+        with self._lock:
+            self._used.add(key)
+            pool = self._free.get(key) if tensor.device.type == "cpu" else None
+            if pool:
+                buffer = pool.pop()
+        return pack_healthy(tensor, self.size, buffer)
 
     def keep_only_used(self) -> None:
         """Drops the pooled buffers of sizes not packed since the last call: DDP rebuilds its buckets after the
         first step, and the first step's sizes would otherwise hold a copy of the gradients for good."""
-        self._free = {key: pool for key, pool in self._free.items() if key in self._used}
-        self._used = set()
+        with self._lock:
+            for key in [key for key in self._free if key not in self._used]:
+                del self._free[key]
+            self._used.clear()
 
     def pooled_bytes(self) -> int:
         """Bytes held in the pool now."""
-        return sum(buffer.numel() * buffer.element_size() for pool in self._free.values() for buffer in pool)
+        with self._lock:
+            return sum(buffer.numel() * buffer.element_size() for pool in self._free.values() for buffer in pool)
 
     def release(self, packed: torch.Tensor, tensor: torch.Tensor) -> None:
         """Returns ``packed`` (done with, after unpacking into ``tensor``) to the CPU pool."""
         if packed.device.type == "cpu":
-            self._free.setdefault((tensor.numel(), tensor.dtype), []).append(packed)
+            with self._lock:
+                self._free.setdefault((tensor.numel(), tensor.dtype), []).append(packed)
 
     def __call__(self, tensor: torch.Tensor) -> int:
         """Replaces ``tensor`` by the healthy members' mean (collective; one all-reduce, no host synchronization);
@@ -183,3 +195,17 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     for tensor in tensors:
         flags.setdefault(tensor.device, []).append(all_finite_flag(tensor))
     return all(bool(torch.stack(values).all()) for values in flags.values())
+
+
+def shut_down() -> None:
+    """Ends a process's distributed state in order, while the interpreter is whole: call it last, on every rank.
+
+    What the run built (models, optimizers, HDET's state, held in reference cycles through optimizer hooks) is
+    collected while the process groups live, then every group is destroyed, then their objects are collected.
+    Left to interpreter exit (Lightning's ``Trainer`` destroys no group), a gloo thread that drops a tensor after
+    Python has finalized can abort a finished run: ``terminate called without an active exception``, SIGABRT,
+    a failed job."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()

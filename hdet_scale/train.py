@@ -32,7 +32,6 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hdet_scale.comm import shut_down
 from hdet_scale.config import HDETConfig, add_hdet_args
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import ResumePoint, check_free_space, check_resume, identity, remove_leftover_staging
@@ -312,16 +312,6 @@ def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.d
             print(f"train.py: error: {failure}", file=sys.stderr, flush=True)
         dist.barrier()  # no rank exits, and gets rank 0 stopped by the launcher, before rank 0 has said why
         raise SystemExit(1) from None
-
-
-def shut_down() -> None:
-    """Tears the distributed state down in order while the interpreter is whole: what the run built (models,
-    optimizers, HDET's state, held in reference cycles), then the process groups, then their objects. Left to
-    interpreter exit, a gloo thread that drops a tensor after Python has finalized aborts the process
-    (``terminate called without an active exception``: a failed job after a complete run)."""
-    gc.collect()
-    dist.destroy_process_group()
-    gc.collect()
 
 
 def refuse_bad_input(error: Exception) -> NoReturn:
