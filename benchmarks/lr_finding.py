@@ -133,6 +133,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          "average_window": 0.5, "start_fraction": 0.02, "stop_fraction": 0.25,
                                          "initial_scale": 0.1}},
                     "probe": True},
+    # The velocity's momentum (beta 0.9, the paper's) averages Delta over ~10 syncs, while the controller runs for
+    # 12 (5% to 25% of the run at T = 25): from a hundredth of the best LR the step ramps up as 1 - 0.9^n and the
+    # climb is over before it reaches full speed (at most x31 in 12 syncs), and from nearer the optimum the velocity
+    # carries the scale on after Delta turns. A momentum with a time constant of ~2 syncs:
+    "tenth_beta5": {"hdet": {"alpha": 0.5, "spread": "log",
+                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                         "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
+                                         "beta": 0.5}},
+                    "probe": True},
+    # ... and none: each sync's Delta alone
+    "tenth_beta0": {"hdet": {"alpha": 0.5, "spread": "log",
+                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                         "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
+                                         "beta": 0.0}},
+                    "probe": True},
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
