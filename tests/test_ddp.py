@@ -6,14 +6,17 @@ import copy
 import json
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.optim.lr_scheduler import CosineAnnealingLR, OneCycleLR
 
 from distributed import gather_rows, run_ranks, train_steps
+from settings import lr_held_at_given
 from hdet_scale import (
     AutoLRConfig,
     HDETConfig,
@@ -22,6 +25,7 @@ from hdet_scale import (
     ReplicaTopology,
     multipliers,
 )
+from hdet_scale.comm import shut_down
 from hdet_scale.engines.ddp import attach, wrap_model
 
 WORLD = 4
@@ -345,3 +349,28 @@ def test_the_controller_moves_between_its_start_and_stop_then_holds(tmp_path):
     scales = [r["values"]["lr/0"]["scale"] for r in records]
     assert scales[0] == 1.0 and scales[5] != 1.0
     assert scales[6:] == [scales[5]] * 4
+
+
+# ------------------------------------------------------------------------------------------- shut-down
+def shut_down_in_order(rank: int, world: int) -> dict:
+    """A trained HDET run dropped in one piece, then ``shut_down``: when was the run collected?"""
+    config = HDETConfig(alpha=0.5, sync_interval=2, auto_lr=lr_held_at_given())
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(), config, topology)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    hdet = attach(model, optimizer, config, topology=topology)
+    train_steps(model, optimizer, hdet, loss_of, rank, range(4))
+    seen = {}
+    collected = weakref.finalize(hdet, lambda: seen.update(groups_alive=dist.is_initialized()))
+    del model, optimizer, hdet
+    in_a_cycle = collected.alive  # the optimizer's step hooks hold the ensemble: only the collector frees it
+    shut_down()
+    return {"in_a_cycle": in_a_cycle, "collected": not collected.alive, **seen,
+            "initialized_after": dist.is_initialized()}
+
+
+def test_shut_down_collects_the_run_while_its_groups_live_then_destroys_them():
+    """Issue 16 item 9: a run left to interpreter exit can be torn down after its process groups, by a gloo
+    thread of a finalizing interpreter (SIGABRT after a complete run). ``shut_down`` collects it first."""
+    for result in run_ranks(shut_down_in_order, 2):
+        assert result == {"in_a_cycle": True, "collected": True, "groups_alive": True, "initialized_after": False}
