@@ -148,6 +148,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
                                          "beta": 0.0}},
                     "probe": True},
+    # Seed 0 of both: from 1/10 the scale climbs at max_log_step's pace to the best LR by step 300 (tenth_beta5:
+    # 1.166, +0.009); from the best LR it follows the signal up to 2x the best LR by step 250 and down to 0.42x
+    # (beta 0.5) or 0.26x (beta 0) by the hold at step 375 (+0.08, +0.12). A responsive controller follows the
+    # signal's own drift: it leans above the best LR early and below it from ~15% of the run on. In between:
+    "tenth_beta7": {"hdet": {"alpha": 0.5, "spread": "log",
+                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                         "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
+                                         "beta": 0.7}},
+                    "probe": True},
+    # ... and beta 0.5 held from a fifth of the run, before the drift down (chosen from seed 0's paths)
+    "tenth_beta5_stop20": {"hdet": {"alpha": 0.5, "spread": "log",
+                                    "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                                "average_window": 0.5, "stop_fraction": 0.2, "initial_scale": 0.1,
+                                                "beta": 0.5}},
+                           "probe": True},
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
