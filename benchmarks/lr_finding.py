@@ -163,6 +163,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                 "average_window": 0.5, "stop_fraction": 0.2, "initial_scale": 0.1,
                                                 "beta": 0.5}},
                            "probe": True},
+    # ... beta 0.5 holding the geometric mean of the scales over the second half of its window (auto_lr.hold_average)
+    # instead of where the drift left it at the stop: on seed 0's paths of tenth_beta5, 0.71x, 1.09x and 1.01x the
+    # best LR from 1/10, 1 and 10 x, against the 0.95x, 0.42x and 1.00x held at the stop
+    "tenth_beta5_hold": {"hdet": {"alpha": 0.5, "spread": "log",
+                                  "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                              "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
+                                              "beta": 0.5, "hold_average": 0.5}},
+                         "probe": True},
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 

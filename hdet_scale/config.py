@@ -103,6 +103,15 @@ class AutoLRConfig:
     max_log_step: float = 0.5
     """``log`` mode: the largest change of log(scale) at one sync (0.5: x1.65 or /1.65), > 0."""
 
+    hold_average: float = 0.0
+    """With a stop (``stop_steps`` / ``stop_fraction``): the scale held after it is the geometric mean of the
+    scales the controller reached over the last ``hold_average`` share of its window (its updates from
+    ``stop - hold_average * (stop - start)`` to the stop) instead of the last one, in [0, 1] (0: the last).
+    A controller that follows its signal closely also follows the signal's drift (above the best LR early in
+    the run, below it later; see benchmarks/results/lr_finding.md): the average of where it went is steadier
+    than where it happened to be at the stop (Polyak-Ruppert averaging of a stochastic approximation's
+    iterates). Not with ``paper`` mode."""
+
     average_window: float | None = None
     """With a probe set: score each replica's weights averaged over the last ``average_window`` of the
     interval (e.g. 0.5: its second half) instead of its last iterate, in [0, 1). Averaging removes the
@@ -311,6 +320,11 @@ class HDETConfig:
         _check_number("auto_lr.scale_min", lr.scale_min, low=0.0, low_open=True)
         _check_number("auto_lr.probe_weight", lr.probe_weight, low=0.0, high=1.0)
         _check_number("auto_lr.max_log_step", lr.max_log_step, low=0.0, low_open=True)
+        _check_number("auto_lr.hold_average", lr.hold_average, low=0.0, high=1.0)
+        if lr.hold_average and (lr.mode == "paper" or (lr.stop_steps is None and lr.stop_fraction is None)):
+            raise HDETConfigError("auto_lr.hold_average averages the scale the controller holds after its stop: it "
+                                  "needs auto_lr.stop_steps or stop_fraction, in 'scale' or 'log' mode; set it to 0 "
+                                  "or give a stop")
         if lr.average_window is not None:
             _check_number("auto_lr.average_window", lr.average_window, low=0.0, high=1.0, high_open=True)
         _check_number("auto_lr.displacement", lr.displacement, low=0.0)

@@ -105,6 +105,12 @@ class ControllerState:
     """The last Delta (for metrics): relative in ``scale`` mode, in log units in ``log`` mode, absolute in
     ``paper`` mode."""
 
+    log_scale_sum: float = 0.0
+    """``auto_lr.hold_average``: the sum of log(scale) over the updates inside the averaged part of the window."""
+
+    scales_averaged: int = 0
+    """``auto_lr.hold_average``: how many updates ``log_scale_sum`` holds."""
+
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -150,13 +156,15 @@ class Controller:
             delta_log = log_hypergradient(weights, replica_multipliers) + extra_delta
             velocity = momentum(state.velocity, delta_log, cfg.beta)
             log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
-            scale = min(max(state.scale * math.exp(log_step), cfg.scale_min), cfg.scale_max)
-            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log)
+            scale = self._clamp(state.scale * math.exp(log_step))
+            return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_log),
+                              step, sync_interval)
         delta_rel = relative_hypergradient(weights, replica_multipliers) + extra_delta
         if cfg.mode == "scale":
             velocity = momentum(state.velocity, delta_rel, cfg.beta)
-            scale = min(max(state.scale * (1.0 + cfg.step_size * velocity), cfg.scale_min), cfg.scale_max)
-            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel)
+            scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity))
+            return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel),
+                              step, sync_interval)
         if paper_decay is None:
             raise ValueError(
                 "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, or pass "
@@ -171,3 +179,22 @@ class Controller:
         velocity = momentum(state.velocity, delta, cfg.beta)
         new_base = max(base * (1.0 - gamma) + cfg.step_size * velocity, paper_decay.floor)
         return ControllerState(velocity=velocity, owned_base=new_base, gamma=gamma, last_delta=delta)
+
+    def _clamp(self, scale: float) -> float:
+        return min(max(scale, self.config.scale_min), self.config.scale_max)
+
+    def _held(self, before: ControllerState, after: ControllerState, step: int, sync_interval: int) -> ControllerState:
+        """``after`` with ``auto_lr.hold_average`` applied: an update inside the averaged part of the window adds
+        its log scale to the running sum, and the last update before the stop (the next sync would be past
+        ``stop_steps``) replaces the scale by the sum's geometric mean, the value held from then on."""
+        cfg = self.config
+        if not cfg.hold_average or cfg.stop_steps is None:
+            return after
+        start = cfg.warmup_steps or 0
+        if step < cfg.stop_steps - cfg.hold_average * (cfg.stop_steps - start):
+            return after
+        after.log_scale_sum = before.log_scale_sum + math.log(after.scale)
+        after.scales_averaged = before.scales_averaged + 1
+        if step + sync_interval > cfg.stop_steps:
+            after.scale = self._clamp(math.exp(after.log_scale_sum / after.scales_averaged))
+        return after

@@ -123,6 +123,10 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"max_log_step": 0}}, r"auto_lr.max_log_step must be a number in \(0.0, inf\)"),
         ({"auto_lr": {"average_window": 1.0}}, r"auto_lr.average_window must be a number in \[0.0, 1.0\)"),
         ({"auto_lr": {"displacement": -1}}, r"auto_lr.displacement must be a number in \[0.0, inf\)"),
+        ({"auto_lr": {"hold_average": 1.5}}, r"auto_lr.hold_average must be a number in \[0.0, 1.0\], got 1.5"),
+        ({"auto_lr": {"hold_average": 0.5, "mode": "scale"}}, r"auto_lr.hold_average averages the scale .* needs "
+                                                              r"auto_lr.stop_steps or stop_fraction"),
+        ({"auto_lr": {"hold_average": 0.5, "mode": "paper"}}, r"auto_lr.hold_average .* in 'scale' or 'log' mode"),
         ({"auto_lr": {"displacement": 0.5, "mode": "paper"}}, r"auto_lr.displacement works in 'scale' and 'log'"),
     ],
 )

@@ -150,3 +150,45 @@ def test_an_extra_delta_adds_to_the_hypergradient():
     state = log.update(ControllerState(), weights=[0.5, 0.5], replica_multipliers=[0.5, 2.0], scheduled_value=1.0,
                        step=10, sync_interval=5, extra_delta=-0.3)
     assert state.last_delta == pytest.approx(-0.3) and state.scale == pytest.approx(math.exp(-0.3))
+
+
+def test_the_held_scale_is_the_geometric_mean_over_the_windows_last_part():
+    """Start 10, stop 50, T = 10, hold_average 0.5: the updates at steps 30, 40 and 50 (>= 50 - 0.5 x 40) are
+    averaged, and the one at 50 (the next sync, 60, is past the stop) holds their geometric mean."""
+    config = AutoLRConfig(mode="log", beta=0.0, step_size=1.0, max_log_step=1.0, warmup_steps=10, stop_steps=50,
+                          hold_average=0.5, initial_scale=1.0)
+    controller = Controller(config)
+    rhos = [0.5, 2.0]
+    weights = {10: [0.2, 0.8], 20: [0.2, 0.8], 30: [0.2, 0.8], 40: [0.7, 0.3], 50: [0.9, 0.1]}
+    log_scale, logs, state = 0.0, [], ControllerState()
+    for step, w in weights.items():
+        state = controller.update(state, weights=w, replica_multipliers=rhos, scheduled_value=1.0, step=step,
+                                  sync_interval=10)
+        log_scale += w[0] * math.log(0.5) + w[1] * math.log(2.0)  # beta 0, lambda 1: the step is Delta
+        logs.append(log_scale)
+        if step < 50:
+            assert state.scale == pytest.approx(math.exp(log_scale))  # not held yet: the controller's own
+    assert state.scales_averaged == 3
+    assert state.scale == pytest.approx(math.exp((logs[2] + logs[3] + logs[4]) / 3))
+    assert state.scale != pytest.approx(math.exp(logs[4]))
+    # 0: the last scale is held; the mean is clamped into [scale_min, scale_max] like any scale
+    last = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, max_log_step=1.0, warmup_steps=10,
+                                   stop_steps=50, initial_scale=1.0))
+    state = ControllerState()
+    for step, w in weights.items():
+        state = last.update(state, weights=w, replica_multipliers=rhos, scheduled_value=1.0, step=step,
+                            sync_interval=10)
+    assert state.scale == pytest.approx(math.exp(logs[4])) and state.scales_averaged == 0
+
+
+def test_a_stop_off_the_sync_grid_holds_at_the_last_update_before_it():
+    """Stop 37 with T = 10: the update at 30 is the last before it (the next, 40, is past it) and holds the mean."""
+    controller = Controller(AutoLRConfig(mode="scale", beta=0.0, step_size=1.0, warmup_steps=0, stop_steps=37,
+                                         hold_average=0.5, sigma=0.1))
+    state, scales = ControllerState(), []
+    for step in (10, 20, 30):
+        state = controller.update(state, weights=[0.0, 1.0], replica_multipliers=[0.5, 1.5], scheduled_value=1.0,
+                                  step=step, sync_interval=10)
+        scales.append(scales[-1] * 1.5 if scales else 1.5)  # Delta = +0.5: scale x 1.5 per update
+    # averaged: steps >= 37 - 0.5 x 37 = 18.5, i.e. 20 and 30
+    assert state.scale == pytest.approx(math.sqrt(scales[1] * scales[2]))
