@@ -27,12 +27,15 @@ SPREADS = ("linear", "log")
 DEFAULT_START_FRACTION = 0.05
 """Where the controller starts when neither ``warmup_steps`` nor ``start_fraction`` is given."""
 MODE_DEFAULTS: dict[str, dict[str, float | None]] = {
-    "log": {"sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "stop_fraction": 0.25},
-    "scale": {"sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None},
-    "paper": {"sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None},
+    "log": {"beta": 0.9, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "stop_fraction": 0.25,
+            "hold_average": 0.0},
+    "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
+              "hold_average": 0.0},
+    "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
+              "hold_average": 0.0},
 }
-"""What ``sigma``, ``step_size``, ``initial_scale`` and the stop are when left unset, per controller mode: ``log``'s
-from benchmarks/lr_finding.py, ``scale``'s and ``paper``'s the paper's (eqs. 4, 7)."""
+"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop and ``hold_average`` are when left unset, per
+controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s and ``paper``'s the paper's (eqs. 4, 7)."""
 DEFAULT_AVERAGE_WINDOW = 0.5
 """``average_window`` when unset, in ``log`` mode with a probe."""
 
@@ -76,8 +79,8 @@ class AutoLRConfig:
     """``stop_steps`` as a share of the run, in (0, 1] (1: never hold), resolved like ``start_fraction``. Neither
     this nor ``stop_steps`` given: 0.25 in ``log`` mode, no stop in the others."""
 
-    beta: float = 0.9
-    """beta: momentum of the velocity (eq. 7), in [0, 1)."""
+    beta: float | None = None
+    """beta: momentum of the velocity (eq. 7), in [0, 1). null: the mode's default (``MODE_DEFAULTS``)."""
 
     sigma: float | None = None
     """sigma: softmax temperature on loss differences (eq. 4), > 0. Smaller trusts small differences more.
@@ -103,14 +106,14 @@ class AutoLRConfig:
     max_log_step: float = 0.5
     """``log`` mode: the largest change of log(scale) at one sync (0.5: x1.65 or /1.65), > 0."""
 
-    hold_average: float = 0.0
+    hold_average: float | None = None
     """With a stop (``stop_steps`` / ``stop_fraction``): the scale held after it is the geometric mean of the
     scales the controller reached over the last ``hold_average`` share of its window (its updates from
     ``stop - hold_average * (stop - start)`` to the stop) instead of the last one, in [0, 1] (0: the last).
     A controller that follows its signal closely also follows the signal's drift (above the best LR early in
     the run, below it later; see benchmarks/results/lr_finding.md): the average of where it went is steadier
     than where it happened to be at the stop (Polyak-Ruppert averaging of a stochastic approximation's
-    iterates). Not with ``paper`` mode."""
+    iterates). Not with ``paper`` mode. null: the mode's default (``MODE_DEFAULTS``)."""
 
     average_window: float | None = None
     """With a probe set: score each replica's weights averaged over the last ``average_window`` of the
@@ -137,7 +140,7 @@ class AutoLRConfig:
         itself, so that a dict of overrides merged onto it (``resolve_config``) is read as given."""
         defaults = MODE_DEFAULTS.get(self.mode, MODE_DEFAULTS["scale"])  # an unknown mode: validate names it
         changes: dict[str, Any] = {}
-        for name in ("sigma", "step_size"):
+        for name in ("beta", "sigma", "step_size", "hold_average"):
             if getattr(self, name) is None:
                 changes[name] = defaults[name]
         if self.initial_scale is None:

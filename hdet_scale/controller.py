@@ -136,7 +136,7 @@ class Controller:
     """Applies eqs. 5-8 to one explored value's state; stateless itself."""
 
     def __init__(self, config: AutoLRConfig) -> None:
-        self.config = config
+        self.config = config.filled()
 
     def weights(self, losses: Sequence[float]) -> list[float]:
         """Eq. 4's weights of the replicas' losses (``log`` mode: of their z-scores)."""

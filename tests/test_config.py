@@ -69,7 +69,8 @@ def test_round_trip_through_dict_and_json(tmp_path):
     config = HDETConfig.from_dict({"alpha": 0.25, "sync_interval": 10, "ranks_per_replica": 2,
                                    "gradient_mode": "local", "auto_lr": {"mode": "paper", "sigma": 0.05},
                                    "warm_init": {"enabled": True}})
-    assert config.auto_lr.sigma == 0.05 and config.auto_lr.beta == 0.9 and config.warm_init.enabled
+    assert config.auto_lr.sigma == 0.05 and config.auto_lr.beta is None and config.warm_init.enabled
+    assert config.auto_lr.filled().beta == 0.9
     path = tmp_path / "hdet.json"
     path.write_text(json.dumps(config.to_dict()))
     assert HDETConfig.from_json(path) == config
