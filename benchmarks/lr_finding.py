@@ -171,6 +171,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                               "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
                                               "beta": 0.5, "hold_average": 0.5}},
                          "probe": True},
+    # From 3x and 10x, tenth_beta5_stop20 follows the early signal up to 2.5x the best LR by steps 125-175 and
+    # ends +0.02 to +0.05 however well it holds: is the early lean above the best LR the averaged weights' (half
+    # the interval)? The same with a quarter of the interval averaged:
+    "tenth_beta5_stop20_w25": {"hdet": {"alpha": 0.5, "spread": "log",
+                                        "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                                    "average_window": 0.25, "stop_fraction": 0.2,
+                                                    "initial_scale": 0.1, "beta": 0.5}},
+                               "probe": True},
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
