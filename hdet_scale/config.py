@@ -113,7 +113,8 @@ class AutoLRConfig:
     A controller that follows its signal closely also follows the signal's drift (above the best LR early in
     the run, below it later; see benchmarks/results/lr_finding.md): the average of where it went is steadier
     than where it happened to be at the stop (Polyak-Ruppert averaging of a stochastic approximation's
-    iterates). Not with ``paper`` mode. null: the mode's default (``MODE_DEFAULTS``)."""
+    iterates); measured no better than the last in benchmarks/results/lr_finding.md (``tenth_beta5_hold``). Not with
+    ``paper`` mode. null: the mode's default (``MODE_DEFAULTS``)."""
 
     average_window: float | None = None
     """With a probe set: score each replica's weights averaged over the last ``average_window`` of the
