@@ -179,6 +179,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                     "average_window": 0.25, "stop_fraction": 0.2,
                                                     "initial_scale": 0.1, "beta": 0.5}},
                                "probe": True},
+    # ... and the other way: most of the interval averaged (0.9), with beta 0.5 held at a quarter: does a long window
+    # keep the signal from pulling the LR under the best one late in the controller's window?
+    "tenth_beta5_w90": {"hdet": {"alpha": 0.5, "spread": "log",
+                                 "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                             "average_window": 0.9, "stop_fraction": 0.25, "initial_scale": 0.1,
+                                             "beta": 0.5}},
+                        "probe": True},
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
