@@ -40,9 +40,12 @@ def test_peak_memory_counts_the_most_in_use_at_once_and_what_is_left():
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(BENCHMARKS)], capture_output=True, text=True,
                           check=True)
     peak, retained = map(int, done.stdout.split())
-    # The kernel updates its resident-set counters in batches of up to 64 pages per thread.
-    assert peak == pytest.approx(18 * MB, abs=64 * PAGE)
-    assert retained == pytest.approx(2 * MB - 4 * MB, abs=64 * PAGE)
+    # The kernel's resident-set counters are per-CPU counters folded in batches of up to 64 pages, and a read
+    # sums them approximately: each of the two reads (start, end) can be that far off on every CPU (seen: 65
+    # pages low on 2 CPUs under load).
+    slack = 64 * PAGE * (os.cpu_count() or 1)
+    assert peak == pytest.approx(18 * MB, abs=slack)
+    assert retained == pytest.approx(2 * MB - 4 * MB, abs=slack)
 
 
 def test_resident_bytes_reads_both_sizes_and_the_peak_is_at_least_the_current():
