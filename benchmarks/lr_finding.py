@@ -186,6 +186,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                              "average_window": 0.9, "stop_fraction": 0.25, "initial_scale": 0.1,
                                              "beta": 0.5}},
                         "probe": True},
+    # A quarter-interval window leans lower through the run (from 3x: early peak 1.9x the best LR, then 0.39x at the
+    # stop), a 0.9 one higher (early peak 3.3-3.8x, still 1.6-2.2x at the stop): the window growing from a quarter
+    # at the controller's start to 0.9 at its stop (auto_lr.average_window_late), with beta 0.5
+    "tenth_beta5_grow": {"hdet": {"alpha": 0.5, "spread": "log",
+                                  "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                              "average_window": 0.25, "average_window_late": 0.9,
+                                              "stop_fraction": 0.25, "initial_scale": 0.1, "beta": 0.5}},
+                         "probe": True},
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 

@@ -124,6 +124,12 @@ class AutoLRConfig:
     update per step inside the window, and at each sync an exchange of the weights and their mean one tensor at a
     time. 0: the last iterate. null: 0.5 with the ``log`` controller on and a probe set, else 0."""
 
+    average_window_late: float | None = None
+    """With a window (``average_window``) and a stop: the window grows linearly from ``average_window`` at the
+    controller's start to this share at its stop, in [0, 1) (null: it stays). A longer window makes the signal
+    lean to higher LRs all through the run, a shorter one to lower (benchmarks/results/lr_finding.md); the
+    signal leans high early in the run and low later, so a window that grows over the run may offset both."""
+
     displacement: float = 0.0
     """Weight of the displacement signal in the LR's hypergradient, >= 0 (0: off): the cosine of the last two
     sync-to-sync moves of the averaged weights (moving on the same way: the LR may rise; turning back: it should
@@ -152,11 +158,17 @@ class AutoLRConfig:
             changes["stop_fraction"] = defaults["stop_fraction"]
         return dataclasses.replace(self, **changes) if changes else self
 
-    def window(self, probing: bool) -> float:
-        """The share of the interval whose weights the probe scores: ``average_window``, or its default."""
-        if self.average_window is not None:
-            return self.average_window
-        return DEFAULT_AVERAGE_WINDOW if probing and self.enabled and self.mode == "log" else 0.0
+    def window(self, probing: bool, step: int = 0) -> float:
+        """The share of the interval after ``step`` whose weights the probe scores: ``average_window`` (or its
+        default), growing to ``average_window_late`` between the controller's start and stop when that is set."""
+        early = self.average_window
+        if early is None:
+            early = DEFAULT_AVERAGE_WINDOW if probing and self.enabled and self.mode == "log" else 0.0
+        if self.average_window_late is None or early == 0.0 or self.stop_steps is None:
+            return early
+        start = self.warmup_steps or 0
+        progress = min(max((step - start) / max(self.stop_steps - start, 1), 0.0), 1.0)
+        return early + (self.average_window_late - early) * progress
 
 
 @dataclass
@@ -331,6 +343,11 @@ class HDETConfig:
                                   "or give a stop")
         if lr.average_window is not None:
             _check_number("auto_lr.average_window", lr.average_window, low=0.0, high=1.0, high_open=True)
+        if lr.average_window_late is not None:
+            _check_number("auto_lr.average_window_late", lr.average_window_late, low=0.0, high=1.0, high_open=True)
+            if lr.stop_steps is None and lr.stop_fraction is None:
+                raise HDETConfigError("auto_lr.average_window_late grows the window up to the controller's stop: it "
+                                      "needs auto_lr.stop_steps or stop_fraction; remove it or give a stop")
         _check_number("auto_lr.displacement", lr.displacement, low=0.0)
         if lr.displacement and lr.mode == "paper":
             raise HDETConfigError("auto_lr.displacement works in 'scale' and 'log' mode; the paper's controller has "

@@ -268,7 +268,8 @@ class HDETEnsemble:
         Called on every rank, inside ``torch.no_grad()``, before the first step (the window of averaged weights,
         ``auto_lr.average_window``, follows it); None removes the probe."""
         self._probe = probe
-        self._window = WindowAverage(self.config.auto_lr.window(probing=probe is not None), self.config.sync_interval)
+        self._window = WindowAverage(self.config.auto_lr.window(probe is not None, self._step),
+                                     self.config.sync_interval)
 
     # ------------------------------------------------------------------------------------ a sync
     def sync(self) -> SyncReport:
@@ -293,6 +294,7 @@ class HDETEnsemble:
         self._reassign()
         self._interval.reset()
         self._window.reset()
+        self._window.resize(self.config.auto_lr.window(self._probe is not None, self._step))
         self._last_sync_step = self._step
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,

@@ -74,11 +74,13 @@ def check_displacement(after_sync: list[torch.Tensor], reports: list) -> None:
     assert reports[2].displacement == pytest.approx(expected, rel=1e-4, abs=1e-6)
 
 
-def check_scores(records: dict[int, torch.Tensor], reports: list, probe_loss, replica_of: torch.Tensor) -> None:
+def check_scores(records: dict[int, torch.Tensor], reports: list, probe_loss, replica_of: torch.Tensor,
+                 windows: tuple[int, ...] = (2, 2, 2)) -> None:
     """``records[step]``: every rank's full weights after that step (before its sync); each report's probe losses
-    must be the probe loss of each replica's weights averaged over the window's steps."""
-    for report in reports:
-        window = [report.step - 1, report.step]
+    must be the probe loss of each replica's weights averaged over the window's steps (the last ``windows[i]``
+    steps of interval i)."""
+    for report, size in zip(reports, windows, strict=True):
+        window = list(range(report.step - size + 1, report.step + 1))
         for replica, score in enumerate(report.probe_losses):
             rank = int((replica_of == replica).nonzero()[0])
             mean = torch.stack([records[step][rank] for step in window]).double().mean(0).float()
@@ -102,11 +104,19 @@ def mlp_probe_loss(flat: torch.Tensor) -> float:
         return float(model(PROBE_X).pow(2).mean())
 
 
-def ddp_run(rank: int, world: int) -> None:
+# A window growing from a quarter of the interval at the controller's start (step 0) to three quarters at its
+# stop (step 12): the interval after the sync at step t averages ceil(4 x (0.25 + 0.5 t / 12)) steps: 1, 2, 3.
+GROWING = {"average_window": 0.25, "average_window_late": 0.75, "stop_steps": STEPS}
+
+
+def ddp_run(rank: int, world: int, growing: bool) -> None:
     from hdet_scale import HDETConfig, ReplicaTopology
     from hdet_scale.engines.ddp import attach, wrap_model
 
-    config = HDETConfig.from_dict(hdet_settings(1))
+    settings = hdet_settings(1)
+    if growing:
+        settings["auto_lr"].update(GROWING)
+    config = HDETConfig.from_dict(settings)
     topology = ReplicaTopology.build(config)
     model = wrap_model(mlp(), config, topology)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -127,12 +137,13 @@ def ddp_run(rank: int, world: int) -> None:
             assert torch.allclose(after[0], records[step].double().mean(0).float(), atol=1e-6)
             after_sync.append(after[0])
     assert len(reports) == 3
-    check_scores(records, reports, mlp_probe_loss, torch.arange(world))
+    check_scores(records, reports, mlp_probe_loss, torch.arange(world), (1, 2, 3) if growing else (2, 2, 2))
     check_displacement(after_sync, reports)
 
 
-def test_ddp_scores_each_replicas_averaged_weights():
-    run_ranks(ddp_run, 2)
+@pytest.mark.parametrize("growing", [False, True])
+def test_ddp_scores_each_replicas_averaged_weights(growing):
+    run_ranks(ddp_run, 2, growing)
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2

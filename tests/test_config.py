@@ -65,6 +65,18 @@ def test_a_scale_range_that_leaves_out_the_default_start_names_it():
         HDETConfig.from_dict({"auto_lr": {"scale_min": 0.5}})
 
 
+def test_the_window_grows_from_the_controllers_start_to_its_stop():
+    lr = HDETConfig.from_dict({"auto_lr": {"average_window": 0.2, "average_window_late": 0.8, "warmup_steps": 100,
+                                           "stop_steps": 400}}).for_run(1000).auto_lr
+    # 0.2 + 0.6 x (step - 100) / 300, held at both ends
+    assert [lr.window(True, step) for step in (0, 100, 250, 400, 900)] == pytest.approx([0.2, 0.2, 0.5, 0.8, 0.8])
+    assert AutoLRConfig(average_window=0.3).window(True, 500) == 0.3  # no late window: it stays
+    assert AutoLRConfig(average_window_late=0.8, stop_steps=10).window(False, 5) == 0.0  # no window, none grows
+    with pytest.raises(HDETConfigError, match=r"auto_lr.average_window_late grows the window up to the controller's "
+                                              r"stop: it needs auto_lr.stop_steps or stop_fraction"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "scale", "average_window_late": 0.8}})
+
+
 def test_round_trip_through_dict_and_json(tmp_path):
     config = HDETConfig.from_dict({"alpha": 0.25, "sync_interval": 10, "ranks_per_replica": 2,
                                    "gradient_mode": "local", "auto_lr": {"mode": "paper", "sigma": 0.05},
