@@ -194,6 +194,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                               "average_window": 0.25, "average_window_late": 0.9,
                                               "stop_fraction": 0.25, "initial_scale": 0.1, "beta": 0.5}},
                          "probe": True},
+    # ... and the 0.9 window with beta 0.7: a slower velocity for a smaller early peak from 10x (3.8x with beta 0.5)
+    "tenth_beta7_w90": {"hdet": {"alpha": 0.5, "spread": "log",
+                                 "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                             "average_window": 0.9, "stop_fraction": 0.25, "initial_scale": 0.1,
+                                             "beta": 0.7}},
+                        "probe": True},
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
