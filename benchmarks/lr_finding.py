@@ -54,6 +54,17 @@ from lr_finding_report import write_report
 
 WORKER = BENCHMARKS / "lr_finding_worker.py"
 SQRT10 = math.sqrt(10.0)
+
+
+def tenth(alpha: float = 0.5, **auto_lr: Any) -> dict[str, Any]:
+    """``tenth_start_early_hold`` (the ``log`` controller on half-interval averaged weights scored on a probe batch,
+    starting at a tenth of the given LR, moving from 5% to 25% of the run) with ``auto_lr`` fields changed."""
+    return {"hdet": {"alpha": alpha, "spread": "log",
+                     "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
+                                 "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1, **auto_lr}},
+            "probe": True}
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
     # whether a probe batch scores the replicas
@@ -109,97 +120,47 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                            "initial_scale": 1 / SQRT10}},
                                       "probe": False},
     # ... starting at a tenth of the given LR: from 10x, a third is still 3x too high for the first quarter
-    "tenth_start_early_hold": {"hdet": {"alpha": 0.5, "spread": "log",
-                                        "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                                    "average_window": 0.5, "stop_fraction": 0.25,
-                                                    "initial_scale": 0.1}},
-                               "probe": True},
+    "tenth_start_early_hold": tenth(),
     # from a tenth of the best LR, tenth_start_early_hold ends +0.07: its start (0.01x the best) is climbed out of
-    # too slowly, limited by the signal (x1.4-x5 per 100 steps) rather than by max_log_step (x7.4). Three ways
-    # to a stronger or longer climb:
+    # too slowly (x1.4-x5 per 100 steps) though max_log_step allows x7.4 (the limit is the velocity's momentum, see
+    # tenth_beta5 below). Three ways to a stronger or longer climb:
     # ... twice the step (lambda 5)
-    "tenth_step5": {"hdet": {"alpha": 0.5, "spread": "log",
-                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 5.0, "max_log_step": 0.5,
-                                         "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1}},
-                    "probe": True},
+    "tenth_step5": tenth(step_size=5.0),
     # ... the wider spread ([0.5, 2] x base): the replicas' losses differ more
-    "tenth_wide": {"hdet": {"alpha": 1.0, "spread": "log",
-                            "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                        "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1}},
-                   "probe": True},
+    "tenth_wide": tenth(alpha=1.0),
     # ... starting the controller at 2% of the run instead of 5% (inside the LR warm-up)
-    "tenth_early": {"hdet": {"alpha": 0.5, "spread": "log",
-                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                         "average_window": 0.5, "start_fraction": 0.02, "stop_fraction": 0.25,
-                                         "initial_scale": 0.1}},
-                    "probe": True},
+    "tenth_early": tenth(start_fraction=0.02),
     # The velocity's momentum (beta 0.9, the paper's) averages Delta over ~10 syncs, while the controller runs for
     # 12 (5% to 25% of the run at T = 25): from a hundredth of the best LR the step ramps up as 1 - 0.9^n and the
     # climb is over before it reaches full speed (at most x31 in 12 syncs), and from nearer the optimum the velocity
     # carries the scale on after Delta turns. A momentum with a time constant of ~2 syncs:
-    "tenth_beta5": {"hdet": {"alpha": 0.5, "spread": "log",
-                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                         "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
-                                         "beta": 0.5}},
-                    "probe": True},
+    "tenth_beta5": tenth(beta=0.5),
     # ... and none: each sync's Delta alone
-    "tenth_beta0": {"hdet": {"alpha": 0.5, "spread": "log",
-                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                         "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
-                                         "beta": 0.0}},
-                    "probe": True},
+    "tenth_beta0": tenth(beta=0.0),
     # Seed 0 of both: from 1/10 the scale climbs at max_log_step's pace to the best LR by step 300 (tenth_beta5:
     # 1.166, +0.009); from the best LR it follows the signal up to 2x the best LR by step 250 and down to 0.42x
     # (beta 0.5) or 0.26x (beta 0) by the hold at step 375 (+0.08, +0.12). A responsive controller follows the
     # signal's own drift: it leans above the best LR early and below it from ~15% of the run on. In between:
-    "tenth_beta7": {"hdet": {"alpha": 0.5, "spread": "log",
-                             "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                         "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
-                                         "beta": 0.7}},
-                    "probe": True},
+    "tenth_beta7": tenth(beta=0.7),
     # ... and beta 0.5 held from a fifth of the run, before the drift down (chosen from seed 0's paths)
-    "tenth_beta5_stop20": {"hdet": {"alpha": 0.5, "spread": "log",
-                                    "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                                "average_window": 0.5, "stop_fraction": 0.2, "initial_scale": 0.1,
-                                                "beta": 0.5}},
-                           "probe": True},
+    "tenth_beta5_stop20": tenth(stop_fraction=0.2, beta=0.5),
     # ... beta 0.5 holding the geometric mean of the scales over the second half of its window (auto_lr.hold_average)
     # instead of where the drift left it at the stop: on seed 0's paths of tenth_beta5, 0.71x, 1.09x and 1.01x the
     # best LR from 1/10, 1 and 10 x, against the 0.95x, 0.42x and 1.00x held at the stop
-    "tenth_beta5_hold": {"hdet": {"alpha": 0.5, "spread": "log",
-                                  "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                              "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1,
-                                              "beta": 0.5, "hold_average": 0.5}},
-                         "probe": True},
+    "tenth_beta5_hold": tenth(beta=0.5, hold_average=0.5),
     # From 3x and 10x, tenth_beta5_stop20 follows the early signal up to 2.5x the best LR by steps 125-175 and
     # ends +0.02 to +0.05 however well it holds: is the early lean above the best LR the averaged weights' (half
     # the interval)? The same with a quarter of the interval averaged:
-    "tenth_beta5_stop20_w25": {"hdet": {"alpha": 0.5, "spread": "log",
-                                        "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                                    "average_window": 0.25, "stop_fraction": 0.2,
-                                                    "initial_scale": 0.1, "beta": 0.5}},
-                               "probe": True},
+    "tenth_beta5_stop20_w25": tenth(average_window=0.25, stop_fraction=0.2, beta=0.5),
     # ... and the other way: most of the interval averaged (0.9), with beta 0.5 held at a quarter: does a long window
     # keep the signal from pulling the LR under the best one late in the controller's window?
-    "tenth_beta5_w90": {"hdet": {"alpha": 0.5, "spread": "log",
-                                 "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                             "average_window": 0.9, "stop_fraction": 0.25, "initial_scale": 0.1,
-                                             "beta": 0.5}},
-                        "probe": True},
+    "tenth_beta5_w90": tenth(average_window=0.9, beta=0.5),
     # A quarter-interval window leans lower through the run (from 3x: early peak 1.9x the best LR, then 0.39x at the
     # stop), a 0.9 one higher (early peak 3.3-3.8x, still 1.6-2.2x at the stop): the window growing from a quarter
     # at the controller's start to 0.9 at its stop (auto_lr.average_window_late), with beta 0.5
-    "tenth_beta5_grow": {"hdet": {"alpha": 0.5, "spread": "log",
-                                  "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                              "average_window": 0.25, "average_window_late": 0.9,
-                                              "stop_fraction": 0.25, "initial_scale": 0.1, "beta": 0.5}},
-                         "probe": True},
+    "tenth_beta5_grow": tenth(average_window=0.25, average_window_late=0.9, beta=0.5),
     # ... and the 0.9 window with beta 0.7: a slower velocity for a smaller early peak from 10x (3.8x with beta 0.5)
-    "tenth_beta7_w90": {"hdet": {"alpha": 0.5, "spread": "log",
-                                 "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                             "average_window": 0.9, "stop_fraction": 0.25, "initial_scale": 0.1,
-                                             "beta": 0.7}},
-                        "probe": True},
+    "tenth_beta7_w90": tenth(average_window=0.9, beta=0.7),
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
