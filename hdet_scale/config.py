@@ -164,11 +164,19 @@ class AutoLRConfig:
         early = self.average_window
         if early is None:
             early = DEFAULT_AVERAGE_WINDOW if probing and self.enabled and self.mode == "log" else 0.0
-        if self.average_window_late is None or early == 0.0 or self.stop_steps is None:
+        span = self.controller_span()
+        if self.average_window_late is None or early == 0.0 or span is None:
             return early
-        start = self.warmup_steps or 0
-        progress = min(max((step - start) / max(self.stop_steps - start, 1), 0.0), 1.0)
+        start, stop = span
+        progress = min(max((step - start) / max(stop - start, 1), 0.0), 1.0)
         return early + (self.average_window_late - early) * progress
+
+    def controller_span(self) -> tuple[int, int] | None:
+        """The steps the controller moves between, (``warmup_steps``, ``stop_steps``) as resolved by ``for_run``
+        (an unresolved start counts as 0); None without a stop."""
+        if self.stop_steps is None:
+            return None
+        return self.warmup_steps or 0, self.stop_steps
 
 
 @dataclass

@@ -188,13 +188,14 @@ class Controller:
         its log scale to the running sum, and the last update before the stop (the next sync would be past
         ``stop_steps``) replaces the scale by the sum's geometric mean, the value held from then on."""
         cfg = self.config
-        if not cfg.hold_average or cfg.stop_steps is None:
+        span = cfg.controller_span()
+        if not cfg.hold_average or span is None:
             return after
-        start = cfg.warmup_steps or 0
-        if step < cfg.stop_steps - cfg.hold_average * (cfg.stop_steps - start):
+        start, stop = span
+        if step < stop - cfg.hold_average * (stop - start):
             return after
         after.log_scale_sum = before.log_scale_sum + math.log(after.scale)
         after.scales_averaged = before.scales_averaged + 1
-        if step + sync_interval > cfg.stop_steps:
+        if step + sync_interval > stop:
             after.scale = self._clamp(math.exp(after.log_scale_sum / after.scales_averaged))
         return after
