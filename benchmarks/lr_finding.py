@@ -34,6 +34,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--controller_start", type=float, default=0.05,
                         help="the controller's first update, as a share of the steps (the LR warm-up's end)")
     parser.add_argument("--nproc", type=int, default=4, help="ranks = replicas")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="launches (one per seed) at a time: 1 on a 2-core machine; more where cores (and a "
+                             "GPU the ranks share) are free")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--start_factors", type=float, nargs="+", default=[0.1, 1 / SQRT10, 1.0, SQRT10, 10.0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -233,35 +237,55 @@ def run_dir_of(args: argparse.Namespace, run: dict[str, Any]) -> Path:
 
 
 def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, record: dict[str, Any]) -> None:
-    """Runs ``todo`` one seed per launch, recording each run as its launch ends (a stopped benchmark loses at
-    most one launch)."""
-    for seed in sorted({run["seed"] for run in todo}):
-        batch = [run for run in todo if run["seed"] == seed]
-        dirs = [run_dir_of(args, run) for run in batch]
-        args.runs_dir.mkdir(parents=True, exist_ok=True)
-        spec = args.runs_dir / f"launch_{batch[0]['method']}_{seed}_{len(record['runs'])}.json"
-        spec.write_text(json.dumps([worker_args(args, run, d) for run, d in zip(batch, dirs, strict=True)]) + "\n")
-        command = torchrun_command(args.nproc, str(WORKER), "--batch", str(spec))
-        env = {**os.environ, "PYTHONPATH": str(source), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-        spec.with_suffix(".log").write_text(done.stdout + done.stderr)
-        if done.returncode != 0:
-            print(f"warning: {spec.name} exited {done.returncode}; see {spec.with_suffix('.log')}", file=sys.stderr)
-        for run, run_dir in zip(batch, dirs, strict=True):
-            result = read_json(run_dir / "result.json")
-            if result is None:
-                continue
-            entry = {**run, "heldout": _finite(result["heldout"]) if result["diverged_at_step"] is None else None,
-                     "train": result["train"], "diverged_at_step": result["diverged_at_step"],
-                     "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
-                     "run_dir": repo_relative(run_dir)}
-            entry["final_lr_ratio"] = final_lr_ratio(entry, record.get("best_lr"))
-            record["sweep_runs" if run["method"] == "sweep" else "runs"].append(entry)
-            print(f"  {run['method']:<12} {run.get('variant') or '':<13} lr {run['lr']:.3g} seed {seed}: "
-                  f"held-out {entry['heldout']}", flush=True)
+    """Runs ``todo`` one seed per launch, ``--parallel`` launches at a time, recording each launch's runs as it
+    ends (a stopped benchmark loses at most the launches under way)."""
+    waiting = [[run for run in todo if run["seed"] == seed] for seed in sorted({run["seed"] for run in todo})]
+    running: list[tuple[list[dict[str, Any]], Path, list[str], subprocess.Popen]] = []
+    while waiting or running:
+        while waiting and len(running) < args.parallel:
+            batch = waiting.pop(0)
+            args.runs_dir.mkdir(parents=True, exist_ok=True)
+            spec = args.runs_dir / f"launch_{batch[0]['method']}_{batch[0]['seed']}_{len(record['invocations'])}.json"
+            spec.write_text(json.dumps([worker_args(args, run, run_dir_of(args, run)) for run in batch]) + "\n")
+            command = torchrun_command(args.nproc, str(WORKER), "--batch", str(spec))
+            env = {**os.environ, "PYTHONPATH": str(source), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            log = spec.with_suffix(".log").open("w")
+            running.append((batch, spec, command, subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                                                    stderr=subprocess.STDOUT, text=True)))
+            log.close()  # the child holds its own copy
+        finished = _wait_any([launch[3] for launch in running])
+        batch, spec, command, process = running.pop(finished)
+        if process.returncode != 0:
+            print(f"warning: {spec.name} exited {process.returncode}; see {spec.with_suffix('.log')}", file=sys.stderr)
+        for run in batch:
+            _record(args, run, record)
         record["invocations"].append(f"PYTHONPATH={shlex.quote(str(source))} {shlex.join(command)}")
         write_json(args.out.with_suffix(".json"), record)
 
+
+def _wait_any(processes: list[subprocess.Popen]) -> int:
+    """The index of the first of ``processes`` to end (polled: launches last minutes)."""
+    while True:
+        for index, process in enumerate(processes):
+            if process.poll() is not None:
+                return index
+        time.sleep(1.0)
+
+
+def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any]) -> None:
+    """Adds ``run``'s result (when its worker wrote one) to ``record``."""
+    run_dir = run_dir_of(args, run)
+    result = read_json(run_dir / "result.json")
+    if result is None:
+        return
+    entry = {**run, "heldout": _finite(result["heldout"]) if result["diverged_at_step"] is None else None,
+             "train": result["train"], "diverged_at_step": result["diverged_at_step"],
+             "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
+             "run_dir": repo_relative(run_dir)}
+    entry["final_lr_ratio"] = final_lr_ratio(entry, record.get("best_lr"))
+    record["sweep_runs" if run["method"] == "sweep" else "runs"].append(entry)
+    print(f"  {run['method']:<12} {run.get('variant') or '':<13} lr {run['lr']:.3g} seed {run['seed']}: "
+          f"held-out {entry['heldout']}", flush=True)
 
 def _finite(value: Any) -> float | None:
     value = float(value)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -130,11 +129,10 @@ def optimizer_and_schedule(args: argparse.Namespace, model: torch.nn.Module) -> 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_factor(args))
 
 
-def train_one(args: argparse.Namespace, backend: str) -> None:
-    """One run inside an initialized process group; rank 0 writes ``result.json``."""
+def train_one(args: argparse.Namespace, device: torch.device) -> None:
+    """One run inside an initialized process group, on ``device``; rank 0 writes ``result.json``."""
     config = load_config(args.hdet_config) if args.hdet_config else None
     rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -141,13 +141,13 @@ def stdlib_corpus(megabytes: float) -> Any:
     return _CORPORA[megabytes]
 
 
-def train_one(args: argparse.Namespace, backend: str) -> None:
-    """One run inside an initialized process group: trains, evaluates and writes the run's files (rank 0)."""
+def train_one(args: argparse.Namespace, device: torch.device) -> None:
+    """One run inside an initialized process group, on ``device``: trains, evaluates and writes the run's files
+    (rank 0)."""
     config = load_config(args.hdet_config) if args.hdet_config else None
     if args.optimizer != "adamw" and config is not None:
         raise SystemExit("quality_worker: HDET runs use AdamW (HDETOneCycleLR); drop --hdet_config")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -232,7 +232,7 @@ def train_one(args: argparse.Namespace, backend: str) -> None:
         log.close()
         result = {"start_train_loss": start_train, "final_train_loss": final_train,
                   "final_heldout_loss": final_heldout, "diverged_at_step": diverged_at,
-                  "steps_run": step, "wall_seconds": wall, "world_size": world, "backend": backend,
+                  "steps_run": step, "wall_seconds": wall, "world_size": world, "backend": dist.get_backend(),
                   "tokens": args.steps * world * args.batch_size * args.seq_len,
                   "args": vars(args)}
         (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
@@ -243,20 +243,32 @@ def train_one(args: argparse.Namespace, backend: str) -> None:
     dist.barrier()
 
 
-def run_worker(parse: Callable[[list[str]], argparse.Namespace], train: Callable[[argparse.Namespace, str], None],
-               argv: list[str] | None = None) -> None:
+def run_worker(parse: Callable[[list[str]], argparse.Namespace],
+               train: Callable[[argparse.Namespace, torch.device], None], argv: list[str] | None = None) -> None:
     """One run from the command line, or every run of ``--batch FILE`` (a JSON list of argument lists) in one
     process group: importing transformers in 4 processes on 2 cores costs ~30 s, more than a short run."""
     batch_parser = argparse.ArgumentParser(add_help=False)
     batch_parser.add_argument("--batch", default=None)
     known, rest = batch_parser.parse_known_args(argv)
     runs = [parse(rest)] if known.batch is None else [parse(item) for item in json.loads(Path(known.batch).read_text())]
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend, device = backend_and_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(minutes=20))
     for args in runs:
-        train(args, backend)
+        train(args, device)
     dist.destroy_process_group()
 
+
+def backend_and_device() -> tuple[str, torch.device]:
+    """The process group's backend and this rank's device: NCCL with a GPU per local rank; gloo with the local
+    ranks sharing the GPUs when there are fewer GPUs than ranks (NCCL refuses two ranks on one GPU, gloo
+    all-reduces CUDA tensors through the host); gloo on the CPU without a GPU."""
+    if not torch.cuda.is_available():
+        return "gloo", torch.device("cpu")
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()
+    return ("nccl" if gpus >= local_world else "gloo"), torch.device("cuda", local_rank % gpus)
 
 def main(argv: list[str] | None = None) -> None:
     """See the module docstring."""
