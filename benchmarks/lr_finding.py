@@ -182,6 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=1,
                         help="launches (one per seed) at a time: 1 on a 2-core machine; more where cores (and a "
                              "GPU the ranks share) are free")
+    parser.add_argument("--runs_per_launch", type=int, default=0,
+                        help="at most this many runs per launch (0: all of a seed's); short launches lose less "
+                             "when a benchmark is stopped, long ones pay the start-up less often")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--start_factors", type=float, nargs="+", default=[0.1, 1 / SQRT10, 1.0, SQRT10, 10.0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -237,18 +240,23 @@ def run_dir_of(args: argparse.Namespace, run: dict[str, Any]) -> Path:
 
 
 def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, record: dict[str, Any]) -> None:
-    """Runs ``todo`` one seed per launch, ``--parallel`` launches at a time, recording each launch's runs as it
-    ends (a stopped benchmark loses at most the launches under way)."""
-    waiting = [[run for run in todo if run["seed"] == seed] for seed in sorted({run["seed"] for run in todo})]
+    """Runs ``todo`` one seed per launch (at most ``--runs_per_launch`` runs each), ``--parallel`` launches at a
+    time, recording each launch's runs as it ends (a stopped benchmark loses at most the launches under way)."""
+    waiting = []
+    for seed in sorted({run["seed"] for run in todo}):
+        runs = [run for run in todo if run["seed"] == seed]
+        size = args.runs_per_launch or len(runs)
+        waiting += [runs[first:first + size] for first in range(0, len(runs), size)]
     running: list[tuple[list[dict[str, Any]], Path, list[str], subprocess.Popen]] = []
     while waiting or running:
         while waiting and len(running) < args.parallel:
             batch = waiting.pop(0)
             args.runs_dir.mkdir(parents=True, exist_ok=True)
-            spec = args.runs_dir / f"launch_{batch[0]['method']}_{batch[0]['seed']}_{len(record['invocations'])}.json"
+            spec = args.runs_dir / f"launch_{run_dir_of(args, batch[0]).name}.json"
             spec.write_text(json.dumps([worker_args(args, run, run_dir_of(args, run)) for run in batch]) + "\n")
             command = torchrun_command(args.nproc, str(WORKER), "--batch", str(spec))
-            env = {**os.environ, "PYTHONPATH": str(source), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            path = os.pathsep.join(filter(None, (str(source), os.environ.get("PYTHONPATH"))))
+            env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
             log = spec.with_suffix(".log").open("w")
             running.append((batch, spec, command, subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
                                                                     stderr=subprocess.STDOUT, text=True)))
