@@ -162,6 +162,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tenth_beta5_grow": tenth(average_window=0.25, average_window_late=0.9, beta=0.5),
     # ... and the 0.9 window with beta 0.7: a slower velocity for a smaller early peak from 10x (3.8x with beta 0.5)
     "tenth_beta7_w90": tenth(average_window=0.9, beta=0.7),
+    # The velocity starts at 0 and beta 0.9 ramps its steps up as 1 - 0.9^n: Adam's bias correction
+    # (auto_lr.bias_correction) makes the first steps full size and leaves the later ones as they were
+    "tenth_bc": tenth(bias_correction=True),
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
@@ -295,6 +298,13 @@ def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any
     print(f"  {run['method']:<12} {run.get('variant') or '':<13} lr {run['lr']:.3g} seed {run['seed']}: "
           f"held-out {entry['heldout']}", flush=True)
 
+def gpu_of_this_machine() -> dict[str, str]:
+    """``{"gpu": name}`` when the workers will find a GPU (every rank then runs on one), else nothing."""
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {}
+
+
 def _finite(value: Any) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None
@@ -347,8 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     if record.get("setting") != setting(args):
         record = {"setting": setting(args), "sweep_runs": [], "runs": [], "invocations": []}
     record["default_variant"] = DEFAULT_VARIANT
-    record["machine"] = machine_info(backend="gloo", ranks=args.nproc, packages=("torch", "transformers"))
-    if not args.report_only:
+    if not args.report_only:  # a report rewritten elsewhere keeps the machine its runs ran on
+        record["machine"] = machine_info(backend="gloo", ranks=args.nproc, packages=("torch", "transformers"),
+                                         **gpu_of_this_machine())
         source = snapshot_source(head_commit(), args.runs_dir)
         record["hdet_scale_commit"] = head_commit()
         if "sweep" in args.methods:

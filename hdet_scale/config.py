@@ -26,15 +26,16 @@ CONTROLLER_MODES = ("scale", "paper", "log")
 SPREADS = ("linear", "log")
 DEFAULT_START_FRACTION = 0.05
 """Where the controller starts when neither ``warmup_steps`` nor ``start_fraction`` is given."""
-MODE_DEFAULTS: dict[str, dict[str, float | None]] = {
+MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
     "log": {"beta": 0.9, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "stop_fraction": 0.25,
-            "hold_average": 0.0},
+            "hold_average": 0.0, "bias_correction": False},
     "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
-              "hold_average": 0.0},
+              "hold_average": 0.0, "bias_correction": False},
     "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
-              "hold_average": 0.0},
+              "hold_average": 0.0, "bias_correction": False},
 }
-"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop and ``hold_average`` are when left unset, per
+"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop, ``hold_average`` and ``bias_correction`` are
+when left unset, per
 controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s and ``paper``'s the paper's (eqs. 4, 7)."""
 DEFAULT_AVERAGE_WINDOW = 0.5
 """``average_window`` when unset, in ``log`` mode with a probe."""
@@ -81,6 +82,13 @@ class AutoLRConfig:
 
     beta: float | None = None
     """beta: momentum of the velocity (eq. 7), in [0, 1). null: the mode's default (``MODE_DEFAULTS``)."""
+
+    bias_correction: bool | None = None
+    """``scale`` and ``log`` mode: step along the velocity divided by ``1 - beta^n`` after its n-th update (Adam's
+    bias correction). The velocity starts at 0, so without it the first steps are a fraction ``1 - beta^n`` of
+    the signal (with beta 0.9: a tenth, then a fifth, ...): a controller that starts far below the best LR climbs
+    slowly for its first ~10 syncs. With it the first steps follow Delta at full size; later ones are as before.
+    Not with ``paper`` mode (eq. 7 as printed). null: the mode's default (``MODE_DEFAULTS``)."""
 
     sigma: float | None = None
     """sigma: softmax temperature on loss differences (eq. 4), > 0. Smaller trusts small differences more.
@@ -147,7 +155,7 @@ class AutoLRConfig:
         itself, so that a dict of overrides merged onto it (``resolve_config``) is read as given."""
         defaults = MODE_DEFAULTS.get(self.mode, MODE_DEFAULTS["scale"])  # an unknown mode: validate names it
         changes: dict[str, Any] = {}
-        for name in ("beta", "sigma", "step_size", "hold_average"):
+        for name in ("beta", "sigma", "step_size", "hold_average", "bias_correction"):
             if getattr(self, name) is None:
                 changes[name] = defaults[name]
         if self.initial_scale is None:
@@ -356,6 +364,11 @@ class HDETConfig:
             if lr.stop_steps is None and lr.stop_fraction is None:
                 raise HDETConfigError("auto_lr.average_window_late grows the window up to the controller's stop: it "
                                       "needs auto_lr.stop_steps or stop_fraction; remove it or give a stop")
+        if not isinstance(lr.bias_correction, bool):
+            raise HDETConfigError(f"auto_lr.bias_correction must be true or false, got {lr.bias_correction!r}")
+        if lr.bias_correction and lr.mode == "paper":
+            raise HDETConfigError("auto_lr.bias_correction changes eq. 7's velocity; 'paper' mode keeps it as "
+                                  "printed: remove it or choose 'log' or 'scale' mode")
         _check_number("auto_lr.displacement", lr.displacement, low=0.0)
         if lr.displacement and lr.mode == "paper":
             raise HDETConfigError("auto_lr.displacement works in 'scale' and 'log' mode; the paper's controller has "

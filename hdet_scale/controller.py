@@ -75,6 +75,12 @@ def momentum(velocity: float, delta: float, beta: float) -> float:
     return beta * velocity + (1.0 - beta) * delta
 
 
+def bias_corrected(velocity: float, beta: float, updates: int) -> float:
+    """The velocity after its ``updates``-th update divided by ``1 - beta^updates``: the mean of the Deltas it has
+    seen, weighted as the momentum weighs them, rather than that mean shrunk toward the velocity's start at 0."""
+    return velocity / (1.0 - beta**updates)
+
+
 def decay_to_floor(current: float, floor: float, num_syncs: int) -> float:
     """Eq. 8 as intended: the gamma with (1 - gamma)^K = floor / current, i.e. reach ``floor`` in K syncs."""
     if num_syncs < 1:
@@ -104,6 +110,10 @@ class ControllerState:
     last_delta: float = 0.0
     """The last Delta (for metrics): relative in ``scale`` mode, in log units in ``log`` mode, absolute in
     ``paper`` mode."""
+
+    updates: int = 0
+    """``scale`` and ``log`` mode: the velocity's updates so far (``auto_lr.bias_correction`` divides by
+    ``1 - beta^updates``)."""
 
     log_scale_sum: float = 0.0
     """``auto_lr.hold_average``: the sum of log(scale) over the updates inside the averaged part of the window."""
@@ -152,19 +162,20 @@ class Controller:
         over from it at its first update). ``extra_delta`` is added to Delta (``scale`` and ``log`` mode: e.g.
         the displacement signal)."""
         cfg = self.config
+        updates = state.updates + 1
         if cfg.mode == "log":
             delta_log = log_hypergradient(weights, replica_multipliers) + extra_delta
             velocity = momentum(state.velocity, delta_log, cfg.beta)
-            log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
+            log_step = min(max(cfg.step_size * self._stepped(velocity, updates), -cfg.max_log_step), cfg.max_log_step)
             scale = self._clamp(state.scale * math.exp(log_step))
-            return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_log),
-                              step, sync_interval)
+            return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_log,
+                                                     updates=updates), step, sync_interval)
         delta_rel = relative_hypergradient(weights, replica_multipliers) + extra_delta
         if cfg.mode == "scale":
             velocity = momentum(state.velocity, delta_rel, cfg.beta)
-            scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity))
-            return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel),
-                              step, sync_interval)
+            scale = self._clamp(state.scale * (1.0 + cfg.step_size * self._stepped(velocity, updates)))
+            return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel,
+                                                     updates=updates), step, sync_interval)
         if paper_decay is None:
             raise ValueError(
                 "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, or pass "
@@ -179,6 +190,12 @@ class Controller:
         velocity = momentum(state.velocity, delta, cfg.beta)
         new_base = max(base * (1.0 - gamma) + cfg.step_size * velocity, paper_decay.floor)
         return ControllerState(velocity=velocity, owned_base=new_base, gamma=gamma, last_delta=delta)
+
+    def _stepped(self, velocity: float, updates: int) -> float:
+        """What the scale steps along: the velocity, bias-corrected when ``auto_lr.bias_correction`` is on."""
+        if self.config.bias_correction and self.config.beta > 0.0:
+            return bias_corrected(velocity, self.config.beta, updates)
+        return velocity
 
     def _clamp(self, scale: float) -> float:
         return min(max(scale, self.config.scale_min), self.config.scale_max)

@@ -141,6 +141,9 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
                                                               r"auto_lr.stop_steps or stop_fraction"),
         ({"auto_lr": {"hold_average": 0.5, "mode": "paper"}}, r"auto_lr.hold_average .* in 'scale' or 'log' mode"),
         ({"auto_lr": {"displacement": 0.5, "mode": "paper"}}, r"auto_lr.displacement works in 'scale' and 'log'"),
+        ({"auto_lr": {"bias_correction": 1}}, r"auto_lr.bias_correction must be true or false, got 1"),
+        ({"auto_lr": {"bias_correction": True, "mode": "paper"}}, r"auto_lr.bias_correction changes eq. 7's "
+                                                                  r"velocity; 'paper' mode keeps it as printed"),
     ],
 )
 def test_bad_values_name_the_field(values, message):

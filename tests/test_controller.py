@@ -7,6 +7,7 @@ from hdet_scale.controller import (
     Controller,
     ControllerState,
     PaperDecay,
+    bias_corrected,
     decay_to_floor,
     log_hypergradient,
     momentum,
@@ -46,6 +47,37 @@ def test_momentum_by_hand():
     assert momentum(0.0, 1.0, 0.9) == pytest.approx(0.1)
     assert momentum(0.1, 1.0, 0.9) == pytest.approx(0.19)
     assert momentum(0.19, -1.0, 0.5) == pytest.approx(-0.405)
+
+
+def test_bias_corrected_velocity_by_hand():
+    assert bias_corrected(0.1, 0.9, 1) == pytest.approx(1.0)  # 0.1 / (1 - 0.9)
+    assert bias_corrected(0.19, 0.9, 2) == pytest.approx(1.0)  # 0.19 / (1 - 0.81): a constant Delta of 1
+    assert bias_corrected(-0.405, 0.5, 3) == pytest.approx(-0.405 / 0.875)
+
+
+@pytest.mark.parametrize("mode", ["log", "scale"])
+def test_bias_correction_steps_at_full_size_from_the_first_sync(mode):
+    """beta 0.9, lambda 1, two replicas spread symmetrically for the mode. The first update's velocity is 0.1 Delta,
+    the second's (equal weights: no new Delta) 0.09 Delta; corrected, the scale steps along Delta, then along
+    0.09 Delta / 0.19."""
+    if mode == "log":  # Delta = 0.2 log(2/3) + 0.8 log(3/2) = 0.6 log 1.5; scale *= exp(step)
+        rho, delta, apply = [2 / 3, 3 / 2], 0.6 * math.log(1.5), math.exp
+    else:  # Delta = 0.2 (0.5 - 1) + 0.8 (1.5 - 1) = 0.3; scale *= 1 + step
+        rho, delta, apply = [0.5, 1.5], 0.3, (lambda step: 1 + step)
+
+    def two_updates(corrected: bool) -> tuple[float, float]:
+        controller = Controller(AutoLRConfig(mode=mode, beta=0.9, step_size=1.0, sigma=1.0, initial_scale=1.0,
+                                             bias_correction=corrected))
+        state = controller.update(ControllerState(), weights=[0.2, 0.8], replica_multipliers=rho,
+                                  scheduled_value=1.0, step=100, sync_interval=10)
+        first = state.scale
+        state = controller.update(state, weights=[0.5, 0.5], replica_multipliers=rho, scheduled_value=1.0,
+                                  step=110, sync_interval=10)
+        assert state.updates == 2
+        return first, state.scale
+
+    assert two_updates(True) == pytest.approx((apply(delta), apply(delta) * apply(0.09 * delta / 0.19)))
+    assert two_updates(False) == pytest.approx((apply(0.1 * delta), apply(0.1 * delta) * apply(0.09 * delta)))
 
 
 def test_gamma_reaches_the_floor_after_k_syncs():
