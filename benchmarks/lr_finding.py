@@ -171,6 +171,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tenth_bc_w25": tenth(bias_correction=True, average_window=0.25),
     # ... and a slower velocity, which the correction no longer makes slow to start: beta 0.95
     "tenth_bc_beta95": tenth(bias_correction=True, beta=0.95),
+    # Every variant above steps by z-scored weights, which step as far for a slight but consistent preference for
+    # the top replica as for a strong one: from 3x and 10x the bias-corrected controller runs at full speed to the
+    # early signal's balance (4x the best LR). auto_lr.hypergradient='progress' steps by how much the replicas'
+    # progress grows with their LR: fully when it grows in proportion (far below the best LR), little near the
+    # short-horizon optimum
+    "tenth_progress": tenth(hypergradient="progress", bias_correction=True),
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 

@@ -24,6 +24,7 @@ from typing import Any
 GRADIENT_MODES = ("global", "local")
 CONTROLLER_MODES = ("scale", "paper", "log")
 SPREADS = ("linear", "log")
+HYPERGRADIENTS = ("weights", "progress")
 DEFAULT_START_FRACTION = 0.05
 """Where the controller starts when neither ``warmup_steps`` nor ``start_fraction`` is given."""
 MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
@@ -143,6 +144,17 @@ class AutoLRConfig:
     sync-to-sync moves of the averaged weights (moving on the same way: the LR may rise; turning back: it should
     fall; see ``hdet_scale.displacement``) times this is added to Delta (in ``scale`` mode relative units, in
     ``log`` mode log units). Costs two copies of this rank's shard. Not with ``paper`` mode."""
+
+    hypergradient: str = "weights"
+    """What Delta is made of. ``weights``: eq. 4's softmax weights of the replicas' losses (eqs. 5-6).
+    ``progress`` (``log`` mode, with a probe): how the replicas' progress on the probe batch over the interval
+    grows with their LR, ``d log(progress) / d log(rho)``, clipped to [-1, 1] and times the spread's half-width in
+    log units. Every replica starts the interval from the same averaged weights, so each one's progress is the
+    probe loss of those weights (scored once more after each sync) minus its own. Far below the best LR progress
+    grows in proportion to the LR (1: a full step up); near the short-horizon optimum it barely changes (small
+    steps), past it it falls (steps down). The weights, being z-scored, step as far for a slight but consistent
+    preference as for a strong one. A non-finite probe loss is a full step down; the first interval, with no
+    start measured, moves nothing. Costs one more probe forward per sync."""
 
     probe_weight: float = 1.0
     """With a probe set (``HDETEnsemble.set_probe``): the weight of the replicas' probe-batch losses in the
@@ -364,8 +376,12 @@ class HDETConfig:
             if lr.stop_steps is None and lr.stop_fraction is None:
                 raise HDETConfigError("auto_lr.average_window_late grows the window up to the controller's stop: it "
                                       "needs auto_lr.stop_steps or stop_fraction; remove it or give a stop")
-        if not isinstance(lr.bias_correction, bool):
-            raise HDETConfigError(f"auto_lr.bias_correction must be true or false, got {lr.bias_correction!r}")
+        _check_choice("auto_lr.hypergradient", lr.hypergradient, HYPERGRADIENTS)
+        if lr.hypergradient == "progress" and (lr.mode != "log" or lr.probe_weight != 1.0):
+            raise HDETConfigError("auto_lr.hypergradient='progress' measures progress on the probe batch in log "
+                                  f"units: it needs auto_lr.mode='log' and probe_weight 1 (got mode={lr.mode!r}, "
+                                  f"probe_weight={lr.probe_weight}); set them or use hypergradient 'weights'")
+        _check_bool("auto_lr.bias_correction", lr.bias_correction)
         if lr.bias_correction and lr.mode == "paper":
             raise HDETConfigError("auto_lr.bias_correction changes eq. 7's velocity; 'paper' mode keeps it as "
                                   "printed: remove it or choose 'log' or 'scale' mode")

@@ -70,6 +70,30 @@ def log_hypergradient(weights: Sequence[float], replica_multipliers: Sequence[fl
     return math.fsum(w * math.log(rho) for w, rho in zip(weights, replica_multipliers, strict=True))
 
 
+def progress_hypergradient(losses: Sequence[float], start_loss: float, replica_multipliers: Sequence[float]) -> float:
+    """``auto_lr.hypergradient='progress'``'s Delta in log units: the elasticity of the replicas' progress
+    ``p_r = start_loss - L_r`` in their multipliers, ``e = slope / mean(p)`` with ``slope`` the least-squares slope
+    of ``p_r`` on ``log rho_r``, clipped to [-1, 1], times the spread's half-width ``(max - min) log rho / 2``.
+    With no net progress (mean <= 0) ``e`` is -1 if the higher multipliers did worse, else 0; a non-finite loss
+    gives -1 (a replica diverged: the LR is too high somewhere)."""
+    logs = [math.log(rho) for rho in replica_multipliers]
+    half_width = (max(logs) - min(logs)) / 2.0
+    if not all(math.isfinite(loss) for loss in losses) or not math.isfinite(start_loss):
+        return -half_width
+    mean_log = math.fsum(logs) / len(logs)
+    spread = math.fsum((x - mean_log) ** 2 for x in logs)
+    if spread == 0.0:
+        return 0.0
+    progress = [start_loss - loss for loss in losses]
+    mean_progress = math.fsum(progress) / len(progress)
+    slope = math.fsum((x - mean_log) * p for x, p in zip(logs, progress, strict=True)) / spread
+    if mean_progress <= 0.0:
+        elasticity = -1.0 if slope < 0.0 else 0.0
+    else:
+        elasticity = min(max(slope / mean_progress, -1.0), 1.0)
+    return elasticity * half_width
+
+
 def momentum(velocity: float, delta: float, beta: float) -> float:
     """Eq. 7 (left): v <- beta v + (1 - beta) Delta."""
     return beta * velocity + (1.0 - beta) * delta
@@ -156,15 +180,22 @@ class Controller:
 
     def update(self, state: ControllerState, *, weights: Sequence[float], replica_multipliers: Sequence[float],
                scheduled_value: float, step: int, sync_interval: int, paper_decay: PaperDecay | None = None,
-               extra_delta: float = 0.0) -> ControllerState:
+               extra_delta: float = 0.0, progress: tuple[Sequence[float], float] | None = None) -> ControllerState:
         """One sync's update from eq. 4's ``weights``. ``replica_multipliers[r]`` is rho_{pi(r)}, the multiplier
         replica r trained with; ``scheduled_value`` is the base schedule's value now (``paper`` mode takes
         over from it at its first update). ``extra_delta`` is added to Delta (``scale`` and ``log`` mode: e.g.
-        the displacement signal)."""
+        the displacement signal). ``progress``, for ``auto_lr.hypergradient='progress'``: the replicas' probe
+        losses and the probe loss of the weights they all started the interval from."""
         cfg = self.config
         updates = state.updates + 1
         if cfg.mode == "log":
-            delta_log = log_hypergradient(weights, replica_multipliers) + extra_delta
+            if cfg.hypergradient == "progress":
+                if progress is None:
+                    raise ValueError("auto_lr.hypergradient='progress' needs the replicas' probe losses and the "
+                                     "interval's start loss")
+                delta_log = progress_hypergradient(progress[0], progress[1], replica_multipliers) + extra_delta
+            else:
+                delta_log = log_hypergradient(weights, replica_multipliers) + extra_delta
             velocity = momentum(state.velocity, delta_log, cfg.beta)
             log_step = min(max(cfg.step_size * self._stepped(velocity, updates), -cfg.max_log_step), cfg.max_log_step)
             scale = self._clamp(state.scale * math.exp(log_step))

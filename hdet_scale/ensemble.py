@@ -53,6 +53,8 @@ class SyncReport:
     bytes_gathered: int
     displacement: float | None = None
     """The displacement signal's cosine at this sync (``auto_lr.displacement``), None when off or not yet known."""
+    start_probe_loss: float | None = None
+    """``auto_lr.hypergradient='progress'``: the probe loss of the weights the replicas started the interval from."""
 
     def as_record(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,6 +122,7 @@ class HDETEnsemble:
         self._warned_no_loss = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._probe: Callable[[], LossLike] | None = None
+        self._start_probe: float | None = None  # the probe loss of the weights the interval started from
         self._window = WindowAverage(config.auto_lr.window(probing=False), config.sync_interval)
         self._displacement = DisplacementSignal() if config.auto_lr.displacement > 0 else None
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
@@ -279,11 +282,16 @@ class HDETEnsemble:
         (e.g. before a final export or a preemption checkpoint). The next regular sync stays at the next
         multiple of ``sync_interval``.
         """
+        if self._probe is None and self._measures_progress():
+            raise ValueError("auto_lr.hypergradient='progress' scores the replicas' progress on a probe batch: set "
+                             "one with hdet.set_probe (hdet_scale.train and the Trainer integration set one), or "
+                             "use hypergradient 'weights'")
         for hook in self._pre_sync_hooks:
             hook(self._step)
         started = time.perf_counter()
         tensors = self._sync_tensors()
         scores, sent = self._average(tensors, self._score_row(tensors))
+        self._start_probe = self._run_probe() if self._measures_progress() else None
         displacement = self._displacement_cosine()
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
         applied = {explored.name: (explored.applied_bases, explored.replica_multipliers())
@@ -302,7 +310,8 @@ class HDETEnsemble:
                                                                    *applied[explored.name])
                                     for explored in self._explored},
                             sync_seconds=time.perf_counter() - started, bytes_averaged=sent,
-                            bytes_gathered=scores.bytes_gathered, displacement=displacement)
+                            bytes_gathered=scores.bytes_gathered, displacement=displacement,
+                            start_probe_loss=scores.start_probe_loss)
         if self._metrics.path is not None:  # the record is a deep copy: only when there is a file to write
             self._metrics.write(report.as_record())
         return report
@@ -316,12 +325,14 @@ class HDETEnsemble:
 
     def _score_row(self, tensors: list[torch.Tensor]) -> list[float]:
         """This rank's row of the sync's score table: its interval loss sum and step count, whether its loss
-        and tensors are all finite (else it is left out of the average), and its probe loss (NaN: no probe)."""
+        and tensors are all finite (else it is left out of the average), its probe loss (NaN: no probe), and the
+        probe loss of the weights the interval started from (NaN: not scored)."""
         loss_sum = self._interval.total()
         healthy = math.isfinite(loss_sum) and all_finite(tensors)
         with self._window.swapped_in(self.adapter.averaged_tensors(), self.adapter.after_average):
             probe = self._run_probe()
-        return [loss_sum, float(self._interval.count), float(healthy), math.nan if probe is None else probe]
+        start = math.nan if self._start_probe is None else self._start_probe
+        return [loss_sum, float(self._interval.count), float(healthy), math.nan if probe is None else probe, start]
 
     def _run_probe(self) -> float | None:
         if self._probe is None:
@@ -369,6 +380,13 @@ class HDETEnsemble:
                            self._step, found[0].excluded)
         return found[0], sent
 
+    def _measures_progress(self) -> bool:
+        """Whether the next interval's controller update needs the probe loss of the weights just averaged."""
+        cfg = self.config.auto_lr
+        if cfg.hypergradient != "progress" or not cfg.enabled or self.topology.num_replicas == 1:
+            return False
+        return cfg.stop_steps is None or self._step + self.config.sync_interval <= cfg.stop_steps
+
     def _displacement_cosine(self) -> float | None:
         """The displacement signal after this sync's average (collective over the replica when sharded)."""
         if self._displacement is None:
@@ -391,12 +409,17 @@ class HDETEnsemble:
                               "controller skips updates until every replica reports losses", stacklevel=3)
                 self._warned_no_loss = True
             return None
+        progress = None
+        if cfg.hypergradient == "progress":
+            if scores.start_probe_loss is None:  # the first interval: no start was scored
+                return None
+            progress = (signal, scores.start_probe_loss)
         weights = self._controllers["lr"].weights(signal)
         pushed = cfg.displacement * displacement if displacement is not None else 0.0
         for explored in self._explored:
             explored.update(self._controllers["lr" if explored.is_lr else "other"], weights=weights,
                             step=self._step, sync_interval=self.config.sync_interval,
-                            extra_delta=pushed if explored.is_lr else 0.0)
+                            extra_delta=pushed if explored.is_lr else 0.0, progress=progress)
         return weights
 
     def _reassign(self) -> None:
@@ -428,6 +451,7 @@ class HDETEnsemble:
             "num_replicas": self.topology.num_replicas,
             "loss_sum": self._interval.total(),
             "loss_count": self._interval.count,
+            "start_probe_loss": self._start_probe,
             "explored": {explored.name: explored.state_dict() for explored in self._explored},
         }
 
@@ -447,6 +471,7 @@ class HDETEnsemble:
         last_sync = state.get("last_sync_step", self._step - self._step % self.config.sync_interval)
         self._last_sync_step = None if last_sync is None else int(last_sync)
         self._interval.restore(state["loss_sum"], state["loss_count"])
+        self._start_probe = state.get("start_probe_loss")
         if self._displacement is not None:
             self._displacement.reset()
 

@@ -90,12 +90,12 @@ class ExploredValue:
 
     # ------------------------------------------------------------------------------------ a sync
     def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int,
-               extra_delta: float = 0.0) -> None:
+               extra_delta: float = 0.0, progress: tuple[Sequence[float], float] | None = None) -> None:
         """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended (and an
-        ``extra_delta`` added to its hypergradient)."""
+        ``extra_delta`` added to its hypergradient; ``progress``: see ``Controller.update``)."""
         self.state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
                                        scheduled_value=self.knob.scheduled(), step=step, sync_interval=sync_interval,
-                                       paper_decay=self.paper_decay, extra_delta=extra_delta)
+                                       paper_decay=self.paper_decay, extra_delta=extra_delta, progress=progress)
 
     def redraw(self) -> None:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""

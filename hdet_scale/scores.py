@@ -79,6 +79,9 @@ class ReplicaScores:
     of the replica reported a loss."""
     probe_losses: list[float] | None
     """Each replica's probe loss (mean over its ranks), or None without a probe."""
+    start_probe_loss: float | None
+    """``auto_lr.hypergradient='progress'``: the probe loss of the weights every replica started the interval from
+    (the mean over the ranks that scored them), or None where none did."""
     healthy: list[bool]
     """False where a replica's loss or any of its averaged tensors is non-finite: it is left out of the mean."""
     bytes_gathered: int
@@ -86,13 +89,15 @@ class ReplicaScores:
     @classmethod
     def from_table(cls, table: torch.Tensor, topology: ReplicaTopology, *, with_probe: bool) -> ReplicaScores:
         """The scores from the gathered rows, one per global rank: (loss sum, loss count, tensors finite as
-        0/1, probe loss)."""
+        0/1, probe loss, probe loss of the interval's start, NaN where not scored)."""
         rows = [table[topology.replica_ranks(replica)] for replica in range(topology.num_replicas)]
         losses = [_replica_loss(replica_rows) for replica_rows in rows]
         healthy = [bool(replica_rows[:, 2].all()) and (loss is None or math.isfinite(loss))
                    for replica_rows, loss in zip(rows, losses, strict=True)]
         probe_losses = [float(replica_rows[:, 3].mean()) for replica_rows in rows] if with_probe else None
-        return cls(losses=losses, probe_losses=probe_losses, healthy=healthy,
+        starts = table[:, 4][~torch.isnan(table[:, 4])]
+        start = float(starts.mean()) if with_probe and len(starts) else None
+        return cls(losses=losses, probe_losses=probe_losses, start_probe_loss=start, healthy=healthy,
                    bytes_gathered=table.numel() * table.element_size())
 
     @property

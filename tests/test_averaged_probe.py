@@ -3,7 +3,9 @@
 Averaged weights (``auto_lr.average_window``): the running mean by hand in one process, then each sync's probe
 scores against each replica's full weights recorded at the window's steps, averaged here, loaded into a plain
 copy of the model and scored on the same probe batch. Displacement (``auto_lr.displacement``): the cosine of
-consecutive sync-to-sync moves, against the full averaged weights gathered after each sync.
+consecutive sync-to-sync moves, against the full averaged weights gathered after each sync. Progress
+(``auto_lr.hypergradient='progress'``): the probe loss each interval started from, against the full averaged
+weights of the sync before scored in a plain copy, and the Delta the controller took from it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hdet_scale.weight_average import WindowAverage
 
 SYNC_INTERVAL, STEPS = 4, 12  # three syncs: the displacement signal speaks at the third
 WINDOW = 0.5  # the last 2 steps of every interval
+DISPLACEMENT = 0.1
 
 
 def test_window_average_by_hand():
@@ -44,8 +47,9 @@ def test_window_average_by_hand():
 
 
 def hdet_settings(per_replica: int) -> dict:
-    return {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
-            "auto_lr": {"mode": "scale", "warmup_steps": 0, "average_window": WINDOW, "displacement": 0.1}}
+    return {"alpha": 0.5, "spread": "log", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
+            "auto_lr": {"mode": "log", "hypergradient": "progress", "warmup_steps": 0, "stop_steps": STEPS,
+                        "initial_scale": 1.0, "average_window": WINDOW, "displacement": DISPLACEMENT}}
 
 
 def test_displacement_cosine_by_hand():
@@ -72,6 +76,21 @@ def check_displacement(after_sync: list[torch.Tensor], reports: list) -> None:
     first, second = after_sync[1] - after_sync[0], after_sync[2] - after_sync[1]
     expected = float(torch.dot(first.double(), second.double()) / (first.double().norm() * second.double().norm()))
     assert reports[2].displacement == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+def check_progress(after_sync: list[torch.Tensor], reports: list, probe_loss) -> None:
+    """Each interval's start probe loss against the full averaged weights of the sync before, and the Delta the
+    controller moved by: the progress hypergradient of the replicas' probe losses, plus the displacement's push.
+    The first interval has no start: the controller does not move."""
+    from hdet_scale.controller import progress_hypergradient
+
+    assert reports[0].start_probe_loss is None and not reports[0].controller_updated
+    for before, report in zip(after_sync, reports[1:], strict=False):
+        assert report.start_probe_loss == pytest.approx(probe_loss(before), rel=1e-5), report.step
+        lr = report.values["lr/0"]
+        expected = progress_hypergradient(report.probe_losses, report.start_probe_loss, lr["replica_multipliers"])
+        assert report.controller_updated
+        assert lr["delta"] == pytest.approx(expected + DISPLACEMENT * (report.displacement or 0.0), abs=1e-12)
 
 
 def check_scores(records: dict[int, torch.Tensor], reports: list, probe_loss, replica_of: torch.Tensor,
@@ -136,9 +155,12 @@ def ddp_run(rank: int, world: int, growing: bool) -> None:
             # the sync averaged each replica's last iterate, not its window average
             assert torch.allclose(after[0], records[step].double().mean(0).float(), atol=1e-6)
             after_sync.append(after[0])
+            if step == 2 * SYNC_INTERVAL:  # a checkpoint keeps the next interval's start loss
+                assert hdet.state_dict()["start_probe_loss"] == pytest.approx(mlp_probe_loss(after[0]), rel=1e-5)
     assert len(reports) == 3
     check_scores(records, reports, mlp_probe_loss, torch.arange(world), (1, 2, 3) if growing else (2, 2, 2))
     check_displacement(after_sync, reports)
+    check_progress(after_sync, reports, mlp_probe_loss)
 
 
 @pytest.mark.parametrize("growing", [False, True])
@@ -182,6 +204,7 @@ def fsdp_run(rank: int, world: int) -> None:
 
     check_scores(records, reports, probe_loss, torch.arange(world) // 2)
     check_displacement(after_sync, reports)
+    check_progress(after_sync, reports, probe_loss)
 
 
 def test_fsdp2_scores_each_replicas_averaged_shards():
@@ -215,6 +238,7 @@ def zero_run(rank: int, world: int, stage: int) -> None:
 
     check_scores(records, reports, probe_loss, torch.arange(world) // 2)
     check_displacement(after_sync, reports)
+    check_progress(after_sync, reports, probe_loss)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -142,6 +142,11 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"hold_average": 0.5, "mode": "paper"}}, r"auto_lr.hold_average .* in 'scale' or 'log' mode"),
         ({"auto_lr": {"displacement": 0.5, "mode": "paper"}}, r"auto_lr.displacement works in 'scale' and 'log'"),
         ({"auto_lr": {"bias_correction": 1}}, r"auto_lr.bias_correction must be true or false, got 1"),
+        ({"auto_lr": {"hypergradient": "slope"}}, r"auto_lr.hypergradient must be one of 'weights', 'progress'"),
+        ({"auto_lr": {"hypergradient": "progress", "mode": "scale"}}, r"auto_lr.hypergradient='progress' measures "
+                                                                     r"progress .* needs auto_lr.mode='log'"),
+        ({"auto_lr": {"hypergradient": "progress", "probe_weight": 0.5}}, r"and probe_weight 1 \(got mode='log', "
+                                                                         r"probe_weight=0.5\)"),
         ({"auto_lr": {"bias_correction": True, "mode": "paper"}}, r"auto_lr.bias_correction changes eq. 7's "
                                                                   r"velocity; 'paper' mode keeps it as printed"),
     ],

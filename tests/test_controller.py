@@ -11,6 +11,7 @@ from hdet_scale.controller import (
     decay_to_floor,
     log_hypergradient,
     momentum,
+    progress_hypergradient,
     relative_hypergradient,
     softmax_weights,
     zscore_weights,
@@ -78,6 +79,41 @@ def test_bias_correction_steps_at_full_size_from_the_first_sync(mode):
 
     assert two_updates(True) == pytest.approx((apply(delta), apply(delta) * apply(0.09 * delta / 0.19)))
     assert two_updates(False) == pytest.approx((apply(0.1 * delta), apply(0.1 * delta) * apply(0.09 * delta)))
+
+
+def test_progress_hypergradient_by_hand():
+    half = math.log(1.5)  # replicas at 2/3 and 3/2: log rho = -+log 1.5
+    # start 3.0, losses 2.9 and 2.8: progress 0.1 and 0.2, slope 0.1 / (2 log 1.5), mean 0.15
+    elasticity = 0.1 / (2 * half) / 0.15
+    assert progress_hypergradient([2.9, 2.8], 3.0, [2 / 3, 3 / 2]) == pytest.approx(elasticity * half)
+    # progress in proportion to the LR (0.1 and 0.225 = 0.1 x 2.25): elasticity ~1 in log terms, a full step
+    assert progress_hypergradient([2.9, 2.775], 3.0, [2 / 3, 3 / 2]) == pytest.approx(
+        min(0.125 / (2 * half) / 0.1625, 1.0) * half)
+    # the higher multiplier made less progress: elasticity -0.05 / (2 log 1.5) / 0.075 = -0.82
+    assert progress_hypergradient([2.9, 2.95], 3.0, [2 / 3, 3 / 2]) == pytest.approx(-0.05 / (2 * half) / 0.075 * half)
+    # clipped at -1: the top replica went backwards
+    assert progress_hypergradient([2.9, 3.05], 3.0, [2 / 3, 3 / 2]) == pytest.approx(-half)
+    # no net progress: -1 when the higher multipliers did worse, else 0
+    assert progress_hypergradient([3.0, 3.2], 3.0, [2 / 3, 3 / 2]) == pytest.approx(-half)
+    assert progress_hypergradient([3.2, 3.0], 3.0, [2 / 3, 3 / 2]) == 0.0
+    # a diverged replica: a full step down
+    assert progress_hypergradient([2.9, math.nan], 3.0, [2 / 3, 3 / 2]) == pytest.approx(-half)
+    # four replicas, x = log rho = (-3, -1, 1, 3) h with h = log(1.5) / 3; progress 0.1, 0.12, 0.13, 0.13
+    h, progress = math.log(1.5) / 3, [0.1, 0.12, 0.13, 0.13]
+    slope = (-3 * 0.1 - 0.12 + 0.13 + 3 * 0.13) * h / (20 * h * h)
+    rho = [math.exp(k * h) for k in (-3, -1, 1, 3)]
+    assert progress_hypergradient([1.0 - p for p in progress], 1.0, rho) == pytest.approx(slope / 0.12 * 3 * h)
+
+
+def test_the_progress_hypergradient_moves_the_log_controller():
+    controller = Controller(AutoLRConfig(mode="log", hypergradient="progress", beta=0.0, step_size=1.0,
+                                         initial_scale=1.0))
+    state = controller.update(ControllerState(), weights=[0.5, 0.5], replica_multipliers=[2 / 3, 3 / 2],
+                              scheduled_value=1.0, step=10, sync_interval=10, progress=([2.9, 2.8], 3.0))
+    assert state.scale == pytest.approx(math.exp(0.1 / 2 / 0.15))  # e log 1.5 with e = 0.1 / (2 log 1.5) / 0.15
+    with pytest.raises(ValueError, match="needs the replicas' probe losses"):
+        controller.update(state, weights=[0.5, 0.5], replica_multipliers=[2 / 3, 3 / 2], scheduled_value=1.0,
+                          step=20, sync_interval=10)
 
 
 def test_gamma_reaches_the_floor_after_k_syncs():

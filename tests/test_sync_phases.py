@@ -97,19 +97,20 @@ def test_interval_loss_averages_micro_batches_into_steps():
 def test_scores_reduce_rank_rows_to_replicas():
     topology = ReplicaTopology(rank=0, world_size=6, ranks_per_replica=2)  # 3 replicas of 2 ranks
     table = torch.tensor([
-        # loss sum, steps, tensors finite, probe
-        [6.0, 3.0, 1.0, 1.0],  # replica 0: interval means 2 and 4 -> 3; probe 1.5
-        [12.0, 3.0, 1.0, 2.0],
-        [0.0, 0.0, 1.0, 5.0],  # replica 1: one rank without losses -> 5; its tensors are not finite
-        [10.0, 2.0, 0.0, 7.0],
-        [0.0, 0.0, 1.0, 3.0],  # replica 2: no losses at all
-        [0.0, 0.0, 1.0, 3.0],
+        # loss sum, steps, tensors finite, probe, probe of the interval's start (NaN: not scored)
+        [6.0, 3.0, 1.0, 1.0, 4.0],  # replica 0: interval means 2 and 4 -> 3; probe 1.5
+        [12.0, 3.0, 1.0, 2.0, 4.0],
+        [0.0, 0.0, 1.0, 5.0, 4.5],  # replica 1: one rank without losses -> 5; its tensors are not finite
+        [10.0, 2.0, 0.0, 7.0, math.nan],
+        [0.0, 0.0, 1.0, 3.0, 4.0],  # replica 2: no losses at all
+        [0.0, 0.0, 1.0, 3.0, 4.0],
     ], dtype=torch.float64)
     scores = ReplicaScores.from_table(table, topology, with_probe=True)
     assert scores.losses == [3.0, 5.0, None]
     assert scores.probe_losses == [1.5, 6.0, 3.0]
+    assert scores.start_probe_loss == pytest.approx(4.1)  # the mean of the five ranks that scored it
     assert scores.healthy == [True, False, True] and scores.excluded == [1]
-    assert scores.bytes_gathered == 6 * 4 * 8
+    assert scores.bytes_gathered == 6 * 5 * 8
     assert scores.controller_signal(0.0) == [3.0, 5.0, None]
     assert scores.controller_signal(1.0) == [1.5, 6.0, 3.0]
     assert scores.controller_signal(0.25) == pytest.approx([2.625, 5.25, None])
@@ -118,6 +119,7 @@ def test_scores_reduce_rank_rows_to_replicas():
 
 def test_a_non_finite_loss_makes_a_replica_unhealthy():
     topology = ReplicaTopology(rank=0, world_size=2, ranks_per_replica=1)
-    table = torch.tensor([[math.inf, 1.0, 1.0, math.nan], [1.0, 1.0, 1.0, math.nan]], dtype=torch.float64)
+    table = torch.tensor([[math.inf, 1.0, 1.0, math.nan, math.nan], [1.0, 1.0, 1.0, math.nan, math.nan]],
+                         dtype=torch.float64)
     scores = ReplicaScores.from_table(table, topology, with_probe=False)
-    assert scores.healthy == [False, True] and scores.losses[1] == 1.0
+    assert scores.healthy == [False, True] and scores.losses[1] == 1.0 and scores.start_probe_loss is None
