@@ -177,6 +177,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # progress grows with their LR: fully when it grows in proportion (far below the best LR), little near the
     # short-horizon optimum
     "tenth_progress": tenth(hypergradient="progress", bias_correction=True),
+    # Seed 0 of tenth_progress from 1x: the same full steps as tenth_bc up to 2x the best LR by step 200, 3.5x at 250:
+    # early in the run the replicas' progress still grows about in proportion to the LR at 2x the best. Settling
+    # where it grows at half that rate (auto_lr.progress_target):
+    "tenth_progress_t50": tenth(hypergradient="progress", bias_correction=True, progress_target=0.5),
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
@@ -304,6 +308,7 @@ def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any
     entry = {**run, "heldout": _finite(result["heldout"]) if result["diverged_at_step"] is None else None,
              "train": result["train"], "diverged_at_step": result["diverged_at_step"],
              "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
+             "deltas": result.get("deltas"),
              "run_dir": repo_relative(run_dir)}
     entry["final_lr_ratio"] = final_lr_ratio(entry, record.get("best_lr"))
     record["sweep_runs" if run["method"] == "sweep" else "runs"].append(entry)

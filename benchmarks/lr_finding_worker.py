@@ -15,7 +15,7 @@ over the last ``--decay_fraction``; ``onecycle``, torch's OneCycleLR with its de
 ``--batch FILE`` (a JSON list of argument lists) runs several runs one after another in one process group.
 Rank 0 writes each run's ``result.json``: the final model's held-out and training loss on fixed batches, the
 step it diverged at (None), wall time, tokens, and for HDET the controller's effective scale (the base LR over
-the schedule's LR) at every sync.
+the schedule's LR) at every sync and its Delta at every update.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, 
     """The training loop; returns the run's record so far (divergence, wall time, the controller's scales)."""
     rank = dist.get_rank()
     data = torch.Generator().manual_seed(args.seed * 100_003 + rank)
-    scales, diverged_at, started = [], None, time.perf_counter()
+    scales, deltas, diverged_at, started = [], [], None, time.perf_counter()
     for step in range(1, args.steps + 1):
         loss = training_step(model, optimizer, corpus, args, data, device)
         if hdet is None:
@@ -199,10 +199,13 @@ def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, 
             scheduled = optimizer.param_groups[0]["lr"]
             if scheduled > 0:
                 scales.append([step, report.values["lr/0"]["base"] / scheduled])
+            if report.controller_updated:
+                deltas.append([step, report.values["lr/0"]["delta"]])
     if hdet is not None and diverged_at is None and args.steps % hdet.hdet.config.sync_interval:
         hdet.hdet.sync()  # end on the averaged model
     world = dist.get_world_size()
     return {"diverged_at_step": diverged_at, "wall_seconds": time.perf_counter() - started, "scales": scales,
+            "deltas": deltas,
             "tokens": args.steps * world * args.batch_size * args.seq_len, "world_size": world}
 
 

@@ -70,16 +70,21 @@ def log_hypergradient(weights: Sequence[float], replica_multipliers: Sequence[fl
     return math.fsum(w * math.log(rho) for w, rho in zip(weights, replica_multipliers, strict=True))
 
 
-def progress_hypergradient(losses: Sequence[float], start_loss: float, replica_multipliers: Sequence[float]) -> float:
+def progress_hypergradient(losses: Sequence[float], start_loss: float, replica_multipliers: Sequence[float],
+                           target: float = 0.0) -> float:
     """``auto_lr.hypergradient='progress'``'s Delta in log units: the elasticity of the replicas' progress
     ``p_r = start_loss - L_r`` in their multipliers, ``e = slope / mean(p)`` with ``slope`` the least-squares slope
-    of ``p_r`` on ``log rho_r``, clipped to [-1, 1], times the spread's half-width ``(max - min) log rho / 2``.
-    With no net progress (mean <= 0) ``e`` is -1 if the higher multipliers did worse, else 0; a non-finite loss
-    gives -1 (a replica diverged: the LR is too high somewhere)."""
+    of ``p_r`` on ``log rho_r``, clipped to [-1, 1], minus ``target``, times the spread's half-width
+    ``(max - min) log rho / 2``. With no net progress (mean <= 0) ``e`` is -1 if the higher multipliers did worse,
+    else 0; a non-finite loss gives -1 (a replica diverged: the LR is too high somewhere)."""
     logs = [math.log(rho) for rho in replica_multipliers]
     half_width = (max(logs) - min(logs)) / 2.0
+    return (_elasticity(losses, start_loss, logs) - target) * half_width
+
+
+def _elasticity(losses: Sequence[float], start_loss: float, logs: Sequence[float]) -> float:
     if not all(math.isfinite(loss) for loss in losses) or not math.isfinite(start_loss):
-        return -half_width
+        return -1.0
     mean_log = math.fsum(logs) / len(logs)
     spread = math.fsum((x - mean_log) ** 2 for x in logs)
     if spread == 0.0:
@@ -88,10 +93,8 @@ def progress_hypergradient(losses: Sequence[float], start_loss: float, replica_m
     mean_progress = math.fsum(progress) / len(progress)
     slope = math.fsum((x - mean_log) * p for x, p in zip(logs, progress, strict=True)) / spread
     if mean_progress <= 0.0:
-        elasticity = -1.0 if slope < 0.0 else 0.0
-    else:
-        elasticity = min(max(slope / mean_progress, -1.0), 1.0)
-    return elasticity * half_width
+        return -1.0 if slope < 0.0 else 0.0
+    return min(max(slope / mean_progress, -1.0), 1.0)
 
 
 def momentum(velocity: float, delta: float, beta: float) -> float:
@@ -193,7 +196,8 @@ class Controller:
                 if progress is None:
                     raise ValueError("auto_lr.hypergradient='progress' needs the replicas' probe losses and the "
                                      "interval's start loss")
-                delta_log = progress_hypergradient(progress[0], progress[1], replica_multipliers) + extra_delta
+                delta_log = progress_hypergradient(progress[0], progress[1], replica_multipliers,
+                                                   cfg.progress_target) + extra_delta
             else:
                 delta_log = log_hypergradient(weights, replica_multipliers) + extra_delta
             velocity = momentum(state.velocity, delta_log, cfg.beta)

@@ -98,6 +98,11 @@ def test_progress_hypergradient_by_hand():
     assert progress_hypergradient([3.2, 3.0], 3.0, [2 / 3, 3 / 2]) == 0.0
     # a diverged replica: a full step down
     assert progress_hypergradient([2.9, math.nan], 3.0, [2 / 3, 3 / 2]) == pytest.approx(-half)
+    # a target elasticity of 0.5: (e - 0.5) half-widths, e = 0.1 / (2 log 1.5) / 0.15 = 0.82 as above; and from a
+    # diverged replica (e = -1) down by 1.5 half-widths
+    assert progress_hypergradient([2.9, 2.8], 3.0, [2 / 3, 3 / 2], target=0.5) == pytest.approx(
+        (0.1 / (2 * half) / 0.15 - 0.5) * half)
+    assert progress_hypergradient([2.9, math.inf], 3.0, [2 / 3, 3 / 2], target=0.5) == pytest.approx(-1.5 * half)
     # four replicas, x = log rho = (-3, -1, 1, 3) h with h = log(1.5) / 3; progress 0.1, 0.12, 0.13, 0.13
     h, progress = math.log(1.5) / 3, [0.1, 0.12, 0.13, 0.13]
     slope = (-3 * 0.1 - 0.12 + 0.13 + 3 * 0.13) * h / (20 * h * h)
@@ -111,6 +116,11 @@ def test_the_progress_hypergradient_moves_the_log_controller():
     state = controller.update(ControllerState(), weights=[0.5, 0.5], replica_multipliers=[2 / 3, 3 / 2],
                               scheduled_value=1.0, step=10, sync_interval=10, progress=([2.9, 2.8], 3.0))
     assert state.scale == pytest.approx(math.exp(0.1 / 2 / 0.15))  # e log 1.5 with e = 0.1 / (2 log 1.5) / 0.15
+    aiming_lower = Controller(AutoLRConfig(mode="log", hypergradient="progress", progress_target=0.9, beta=0.0,
+                                           step_size=1.0, initial_scale=1.0))
+    lowered = aiming_lower.update(ControllerState(), weights=[0.5, 0.5], replica_multipliers=[2 / 3, 3 / 2],
+                                  scheduled_value=1.0, step=10, sync_interval=10, progress=([2.9, 2.8], 3.0))
+    assert lowered.scale == pytest.approx(math.exp(0.1 / 2 / 0.15 - 0.9 * math.log(1.5)))  # e 0.82 < 0.9: down
     with pytest.raises(ValueError, match="needs the replicas' probe losses"):
         controller.update(state, weights=[0.5, 0.5], replica_multipliers=[2 / 3, 3 / 2], scheduled_value=1.0,
                           step=20, sync_interval=10)
