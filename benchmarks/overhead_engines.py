@@ -23,11 +23,12 @@ from hdet_scale.engines import ddp, fsdp
 
 LR = 1e-3  # AdamW's LR in every variant
 SIGNALS: dict[str, dict[str, Any]] = {"probe": {}, "averaged": {"average_window": 0.5},
-                                      "displacement": {"displacement": 1.0}}
+                                      "displacement": {"displacement": 1.0}, "progress": {"hypergradient": "progress"}}
 """Controller signals whose cost is measured, each with a probe batch scoring the replicas at every sync (global
 gradient mode): the probe alone on the last iterate (one forward per sync), the probe scoring each replica's
 weights averaged over the last half of the interval (one more copy of this rank's local parameters, an in-place
-update per step inside the window), and the displacement signal (two copies)."""
+update per step inside the window), the displacement signal (two copies), and the progress hypergradient (one
+more probe forward per sync, on the averaged weights)."""
 
 
 @dataclass(frozen=True)
