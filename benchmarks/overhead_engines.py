@@ -22,8 +22,11 @@ from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology, SyncReport
 from hdet_scale.engines import ddp, fsdp
 
 LR = 1e-3  # AdamW's LR in every variant
+PROGRESS = {"mode": "log", "hypergradient": "progress", "initial_scale": 1.0, "average_window": 0.0,
+            "stop_steps": 10**9}
+"""The progress hypergradient alone: the ``log`` controller it needs, on the last iterate, never stopping."""
 SIGNALS: dict[str, dict[str, Any]] = {"probe": {}, "averaged": {"average_window": 0.5},
-                                      "displacement": {"displacement": 1.0}, "progress": {"hypergradient": "progress"}}
+                                      "displacement": {"displacement": 1.0}, "progress": PROGRESS}
 """Controller signals whose cost is measured, each with a probe batch scoring the replicas at every sync (global
 gradient mode): the probe alone on the last iterate (one forward per sync), the probe scoring each replica's
 weights averaged over the last half of the interval (one more copy of this rank's local parameters, an in-place
