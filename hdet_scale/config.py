@@ -36,8 +36,8 @@ MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
               "hold_average": 0.0, "bias_correction": False},
 }
 """What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop, ``hold_average`` and ``bias_correction`` are
-when left unset, per
-controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s and ``paper``'s the paper's (eqs. 4, 7)."""
+when left unset, per controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s and ``paper``'s the
+paper's (eqs. 4, 7)."""
 DEFAULT_AVERAGE_WINDOW = 0.5
 """``average_window`` when unset, in ``log`` mode with a probe."""
 
@@ -147,14 +147,16 @@ class AutoLRConfig:
 
     hypergradient: str = "weights"
     """What Delta is made of. ``weights``: eq. 4's softmax weights of the replicas' losses (eqs. 5-6).
-    ``progress`` (``log`` mode, with a probe): how the replicas' progress on the probe batch over the interval
-    grows with their LR, ``d log(progress) / d log(rho)``, clipped to [-1, 1] and times the spread's half-width in
-    log units. Every replica starts the interval from the same averaged weights, so each one's progress is the
-    probe loss of those weights (scored once more after each sync) minus its own. Far below the best LR progress
-    grows in proportion to the LR (1: a full step up); near the short-horizon optimum it barely changes (small
-    steps), past it it falls (steps down). The weights, being z-scored, step as far for a slight but consistent
-    preference as for a strong one. A non-finite probe loss is a full step down; the first interval, with no
-    start measured, moves nothing. Costs one more probe forward per sync."""
+    ``progress`` (``log`` mode, with a probe; the LR only, other explored values keep ``weights``): how the
+    replicas' progress on the probe batch over the interval grows with their LR, an elasticity ``e``: the
+    least-squares slope of progress on ``log rho`` over the mean progress, clipped to [-1, 1], times the spread's
+    half-width in log units. Every replica starts the interval from the same averaged weights, so each one's
+    progress is the probe loss of those weights (scored once more after each sync) minus its own. Far below the
+    best LR progress grows about in proportion to the LR (``e`` near 1: 0.95 for exactly proportional progress
+    at the default spread); near the short-horizon optimum it barely changes (small steps), past it it falls
+    (steps down). The weights, being z-scored, step as far for a slight but consistent preference as for a strong
+    one. A non-finite probe loss reads ``e = -1``; the first interval, with no start measured, moves nothing.
+    Costs one more probe forward per sync while the controller moves."""
 
     progress_target: float = 0.0
     """With ``hypergradient='progress'``: the elasticity the controller settles at, in [0, 1) (Delta is the
@@ -184,6 +186,13 @@ class AutoLRConfig:
         if self.stop_steps is None and self.stop_fraction is None:
             changes["stop_fraction"] = defaults["stop_fraction"]
         return dataclasses.replace(self, **changes) if changes else self
+
+    def for_other_knobs(self) -> AutoLRConfig:
+        """The controller of every explored value but the LR: only the LR follows the paper's mode (the others
+        move a scale on their base value) and the progress hypergradient, which measures how progress grows with
+        the LR."""
+        return dataclasses.replace(self, mode="scale" if self.mode == "paper" else self.mode,
+                                   hypergradient="weights", progress_target=0.0)
 
     def window(self, probing: bool, step: int = 0) -> float:
         """The share of the interval after ``step`` whose weights the probe scores: ``average_window`` (or its

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from hdet_scale.config import AutoLRConfig
 
@@ -141,6 +141,9 @@ class ControllerState:
     updates: int = 0
     """``scale`` and ``log`` mode: the velocity's updates so far (``auto_lr.bias_correction`` divides by
     ``1 - beta^updates``)."""
+
+    SETTLED: ClassVar[int] = 10_000
+    """An update count past any bias correction (0.999^10000 < 1e-4): what a state saved without one loads with."""
 
     log_scale_sum: float = 0.0
     """``auto_lr.hold_average``: the sum of log(scale) over the updates inside the averaged part of the window."""

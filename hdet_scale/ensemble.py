@@ -107,9 +107,7 @@ class HDETEnsemble:
         self.adapter = adapter
         self.topology = topology or ReplicaTopology.build(config)
         _check_attachable(config, adapter, self.topology, paper_decay)
-        # Only the LR follows the paper's controller mode; every other knob moves a scale on its base value.
-        self._controllers = {"lr": Controller(config.auto_lr), "other": Controller(dataclasses.replace(
-            config.auto_lr, mode="scale" if config.auto_lr.mode == "paper" else config.auto_lr.mode))}
+        self._controllers = {"lr": Controller(config.auto_lr), "other": Controller(config.auto_lr.for_other_knobs())}
         self._explored: list[ExploredValue] = []
         for index, knob in enumerate(lr_knobs(adapter.optimizer)):
             self._explore(knob, paper_decay[index] if paper_decay is not None else None)
@@ -123,6 +121,7 @@ class HDETEnsemble:
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._probe: Callable[[], LossLike] | None = None
         self._start_probe: float | None = None  # the probe loss of the weights the interval started from
+        self._resumed_at = 0  # the step training (re)starts from: the missing-probe check runs there
         self._window = WindowAverage(config.auto_lr.window(probing=False), config.sync_interval)
         self._displacement = DisplacementSignal() if config.auto_lr.displacement > 0 else None
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
@@ -234,6 +233,10 @@ class HDETEnsemble:
         their device until the next sync, so this adds no host-device synchronization. Returns the sync
         report on sync steps, else None.
         """
+        if self._step == self._resumed_at and self._probe is None and self._uses_progress():
+            raise ValueError("auto_lr.hypergradient='progress' scores the replicas' progress on a probe batch: set "
+                             "one with hdet.set_probe before the first step (hdet_scale.train and the Trainer "
+                             "integration set one from held-out data), or use hypergradient 'weights'")
         self._interval.add_step(loss)
         self._step += 1
         steps_in_interval = self._step - (self._last_sync_step or 0)
@@ -282,16 +285,12 @@ class HDETEnsemble:
         (e.g. before a final export or a preemption checkpoint). The next regular sync stays at the next
         multiple of ``sync_interval``.
         """
-        if self._probe is None and self._measures_progress():
-            raise ValueError("auto_lr.hypergradient='progress' scores the replicas' progress on a probe batch: set "
-                             "one with hdet.set_probe (hdet_scale.train and the Trainer integration set one), or "
-                             "use hypergradient 'weights'")
         for hook in self._pre_sync_hooks:
             hook(self._step)
         started = time.perf_counter()
         tensors = self._sync_tensors()
         scores, sent = self._average(tensors, self._score_row(tensors))
-        self._start_probe = self._run_probe() if self._measures_progress() else None
+        self._start_probe = self._run_probe() if self._measures_progress(self._step) else None
         displacement = self._displacement_cosine()
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
         applied = {explored.name: (explored.applied_bases, explored.replica_multipliers())
@@ -331,7 +330,9 @@ class HDETEnsemble:
         healthy = math.isfinite(loss_sum) and all_finite(tensors)
         with self._window.swapped_in(self.adapter.averaged_tensors(), self.adapter.after_average):
             probe = self._run_probe()
-        start = math.nan if self._start_probe is None else self._start_probe
+        # NaN marks "not scored"; a start scored non-finite is sent as inf (the controller steps down)
+        start = math.nan if self._start_probe is None else (math.inf if math.isnan(self._start_probe)
+                                                            else self._start_probe)
         return [loss_sum, float(self._interval.count), float(healthy), math.nan if probe is None else probe, start]
 
     def _run_probe(self) -> float | None:
@@ -380,12 +381,20 @@ class HDETEnsemble:
                            self._step, found[0].excluded)
         return found[0], sent
 
-    def _measures_progress(self) -> bool:
-        """Whether the next interval's controller update needs the probe loss of the weights just averaged."""
+    def _uses_progress(self) -> bool:
+        """Whether the LR's controller runs on the progress hypergradient (it is on, with 2+ replicas)."""
         cfg = self.config.auto_lr
-        if cfg.hypergradient != "progress" or not cfg.enabled or self.topology.num_replicas == 1:
+        return cfg.hypergradient == "progress" and cfg.enabled and self.topology.num_replicas > 1
+
+    def _measures_progress(self, step: int) -> bool:
+        """Whether the controller updates at the first regular sync after ``step`` with the progress
+        hypergradient, which needs the probe loss of the weights at ``step`` (config and step alone decide: the
+        same on every rank, so every rank runs the probe or none)."""
+        if not self._uses_progress():
             return False
-        return cfg.stop_steps is None or self._step + self.config.sync_interval <= cfg.stop_steps
+        cfg, interval = self.config.auto_lr, self.config.sync_interval
+        following = step - step % interval + interval
+        return following >= cfg.warmup_steps and (cfg.stop_steps is None or following <= cfg.stop_steps)
 
     def _displacement_cosine(self) -> float | None:
         """The displacement signal after this sync's average (collective over the replica when sharded)."""
@@ -472,6 +481,7 @@ class HDETEnsemble:
         self._last_sync_step = None if last_sync is None else int(last_sync)
         self._interval.restore(state["loss_sum"], state["loss_count"])
         self._start_probe = state.get("start_probe_loss")
+        self._resumed_at = self._step
         if self._displacement is not None:
             self._displacement.reset()
 

@@ -125,7 +125,8 @@ class ExploredValue:
     def load_state_dict(self, state: dict[str, Any], *, same_layout: bool) -> None:
         """Restores ``state_dict()``; with another replica count (``same_layout`` False) the permutation is
         drawn afresh from the restored stream."""
-        self.state = ControllerState(**state["controller"])
+        # A state saved before the update count existed has run long enough for 1 - beta^n to be 1.
+        self.state = ControllerState(**{"updates": ControllerState.SETTLED, **state["controller"]})
         self.stream.load_state_dict(state["stream"])
         if same_layout:
             self.permutation = list(state["permutation"])

@@ -2,8 +2,8 @@
 
 Between syncs every rank accumulates its step losses on the loss's device (``IntervalLoss``: no host
 synchronization). At a sync every rank contributes a row (interval loss sum and count, whether its loss and
-tensors are finite, probe loss) to a table gathered with the average itself, and ``ReplicaScores`` reduces
-the rows to one score per replica.
+tensors are finite, probe loss, probe loss of the weights the interval started from) to a table gathered with the
+average itself, and ``ReplicaScores`` reduces the rows to one score per replica.
 """
 
 from __future__ import annotations

@@ -168,6 +168,50 @@ def test_ddp_scores_each_replicas_averaged_weights(growing):
     run_ranks(ddp_run, 2, growing)
 
 
+def progress_timing_run(rank: int, world: int, with_probe: bool) -> None:
+    """T = 4, the controller from step 10 to 12, a manual sync at step 10 (off the grid of 4). The start of the
+    interval a sync ends is scored only where that sync updates: none at step 4 (the next sync, 8, is in the
+    warm-up), one at step 8 and at the manual sync (their next sync, 12, updates), none at 12 (past the stop)."""
+    from hdet_scale import HDETConfig, ReplicaTopology
+    from hdet_scale.engines.ddp import attach, wrap_model
+
+    config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 1, "auto_lr": {
+        "hypergradient": "progress", "warmup_steps": 10, "stop_steps": 12, "initial_scale": 1.0}})
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(mlp(), config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    hdet = attach(model, optimizer, config, topology=topology)
+    if with_probe:
+        hdet.set_probe(batch_probe(model, PROBE_X, lambda m, x: m(x).pow(2).mean()))
+    reports = {}
+    for step in range(1, 13):
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * rank + step))).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        if not with_probe:
+            with pytest.raises(ValueError, match=r"hypergradient='progress' scores the replicas' progress on a probe "
+                                                 r"batch: set one with hdet.set_probe before the first step"):
+                hdet.step(loss)
+            return
+        report = hdet.step(loss)
+        if step == 10:
+            report = hdet.sync()
+            after_manual = gather_rows(torch.nn.utils.parameters_to_vector(model.parameters()).detach())[0]
+        if report is not None:
+            reports[report.step] = report
+    assert sorted(reports) == [4, 8, 10, 12]
+    assert [reports[step].start_probe_loss is not None for step in (4, 8, 10, 12)] == [False, False, True, True]
+    assert [reports[step].controller_updated for step in (4, 8, 10, 12)] == [False, False, True, True]
+    assert reports[12].start_probe_loss == pytest.approx(mlp_probe_loss(after_manual), rel=1e-5)
+    assert hdet.state_dict()["start_probe_loss"] is None
+
+
+@pytest.mark.parametrize("with_probe", [True, False])
+def test_the_progress_start_is_scored_where_the_next_sync_updates(with_probe):
+    run_ranks(progress_timing_run, 2, with_probe)
+
+
 # ---------------------------------------------------------------------------------------------- FSDP2
 def fsdp_run(rank: int, world: int) -> None:
     from test_fsdp import full, tiny_llama

@@ -65,6 +65,13 @@ def test_a_scale_range_that_leaves_out_the_default_start_names_it():
         HDETConfig.from_dict({"auto_lr": {"scale_min": 0.5}})
 
 
+def test_only_the_lr_follows_the_paper_mode_and_the_progress_hypergradient():
+    lr = AutoLRConfig(mode="log", hypergradient="progress", progress_target=0.5, beta=0.7)
+    other = lr.for_other_knobs()
+    assert (other.mode, other.hypergradient, other.progress_target, other.beta) == ("log", "weights", 0.0, 0.7)
+    assert AutoLRConfig(mode="paper").for_other_knobs().mode == "scale"
+
+
 def test_the_window_grows_from_the_controllers_start_to_its_stop():
     lr = HDETConfig.from_dict({"auto_lr": {"average_window": 0.2, "average_window_late": 0.8, "warmup_steps": 100,
                                            "stop_steps": 400}}).for_run(1000).auto_lr

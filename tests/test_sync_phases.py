@@ -76,6 +76,17 @@ def test_state_round_trips_and_redraws_on_another_layout():
     assert other.permutation == expected_next
 
 
+def test_a_state_saved_without_an_update_count_loads_as_settled():
+    """A state from before ``ControllerState.updates`` existed has a warmed-up velocity: bias correction must not
+    divide it by 1 - beta (10x at beta 0.9) on the first update after the resume."""
+    explored = ExploredValue.start(lr_value().knob, seed=3, num_replicas=3, alpha=0.5)
+    saved = explored.state_dict()
+    del saved["controller"]["updates"]
+    explored.load_state_dict(saved, same_layout=True)
+    assert explored.state.updates == ControllerState.SETTLED
+    assert 1 - 0.999**ControllerState.SETTLED > 1 - 1e-4
+
+
 def test_interval_loss_averages_micro_batches_into_steps():
     interval = IntervalLoss()
     interval.add_step(2.0)
