@@ -181,6 +181,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # early in the run the replicas' progress still grows about in proportion to the LR at 2x the best. Settling
     # where it grows at half that rate (auto_lr.progress_target):
     "tenth_progress_t50": tenth(hypergradient="progress", bias_correction=True, progress_target=0.5),
+    # ... which reads the elasticity: it crosses 0 at 0.6-0.75x the best LR by steps 175-275 and keeps falling (the
+    # short-horizon optimum passes below the run's best LR early). Aiming above that optimum: a target of -0.3
+    "tenth_progress_tm30": tenth(hypergradient="progress", bias_correction=True, progress_target=-0.3),
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 

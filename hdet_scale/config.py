@@ -159,11 +159,11 @@ class AutoLRConfig:
     Costs one more probe forward per sync while the controller moves."""
 
     progress_target: float = 0.0
-    """With ``hypergradient='progress'``: the elasticity the controller settles at, in [0, 1) (Delta is the
-    elasticity minus this). 0 aims at the LR that makes the most progress over the interval; early in a run
-    that is several times the LR best for the whole run (benchmarks/results/lr_finding.md), and a target above 0
-    settles where a higher LR still helps, but less than in proportion: below the short-horizon optimum, whatever
-    the LR's scale."""
+    """With ``hypergradient='progress'``: the elasticity the controller settles at, in (-1, 1) (Delta is the
+    elasticity minus this). 0 aims at the LR that makes the most progress over the interval; above 0 settles
+    where a higher LR still helps, but less than in proportion (below that short-horizon optimum), below 0 where
+    a higher LR already makes less progress (above it), whatever the LR's scale. The short-horizon optimum falls
+    through the LR that is best for the whole run early in it (benchmarks/results/lr_finding.md)."""
 
     probe_weight: float = 1.0
     """With a probe set (``HDETEnsemble.set_probe``): the weight of the replicas' probe-batch losses in the
@@ -397,7 +397,8 @@ class HDETConfig:
             raise HDETConfigError("auto_lr.hypergradient='progress' measures progress on the probe batch in log "
                                   f"units: it needs auto_lr.mode='log' and probe_weight 1 (got mode={lr.mode!r}, "
                                   f"probe_weight={lr.probe_weight}); set them or use hypergradient 'weights'")
-        _check_number("auto_lr.progress_target", lr.progress_target, low=0.0, high=1.0, high_open=True)
+        _check_number("auto_lr.progress_target", lr.progress_target, low=-1.0, high=1.0, low_open=True,
+                      high_open=True)
         if lr.progress_target and lr.hypergradient != "progress":
             raise HDETConfigError(f"auto_lr.progress_target={lr.progress_target} sets where the 'progress' "
                                   "hypergradient settles: set auto_lr.hypergradient='progress' or remove it")

@@ -151,7 +151,9 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"bias_correction": 1}}, r"auto_lr.bias_correction must be true or false, got 1"),
         ({"auto_lr": {"hypergradient": "slope"}}, r"auto_lr.hypergradient must be one of 'weights', 'progress'"),
         ({"auto_lr": {"progress_target": 1.0, "hypergradient": "progress"}},
-         r"auto_lr.progress_target must be a number in \[0.0, 1.0\), got 1.0"),
+         r"auto_lr.progress_target must be a number in \(-1.0, 1.0\), got 1.0"),
+        ({"auto_lr": {"progress_target": -1.0, "hypergradient": "progress"}},
+         r"auto_lr.progress_target must be a number in \(-1.0, 1.0\), got -1.0"),
         ({"auto_lr": {"progress_target": 0.5}}, r"auto_lr.progress_target=0.5 sets where the 'progress' hypergradient "
                                                 r"settles: set auto_lr.hypergradient='progress'"),
         ({"auto_lr": {"hypergradient": "progress", "mode": "scale"}}, r"auto_lr.hypergradient='progress' measures "
