@@ -18,6 +18,7 @@ STEPS = {
     "hdet_T10_probe": {"hdet_step_call_s": _median(50e-6), "sync_seconds_report": _median(0.050)},
     "hdet_T10_averaged": {"hdet_step_call_s": _median(650e-6), "sync_seconds_report": _median(0.055)},
     "hdet_T10_displacement": {"hdet_step_call_s": _median(60e-6), "sync_seconds_report": _median(0.056)},
+    "hdet_T10_progress": {"hdet_step_call_s": _median(55e-6), "sync_seconds_report": _median(0.058)},
 }
 SYNC = {"ops": {"hdet.sync bucket_mb=25": {"seconds": _median(0.030)},
                 "average_tensors bucket_mb=25": {"seconds": _median(0.002)}}}
@@ -26,10 +27,12 @@ HOOKS = {"hook_s": 20e-6}
 
 def test_each_signal_is_estimated_from_its_own_hot_path_and_syncs():
     costs = timing.signal_costs(STEPS, SYNC, HOOKS, 10, gradient_average=False)
-    assert list(costs) == ["hdet_T10", "hdet_T10_probe", "hdet_T10_averaged", "hdet_T10_displacement"]
+    assert list(costs) == ["hdet_T10", "hdet_T10_probe", "hdet_T10_averaged", "hdet_T10_displacement",
+                           "hdet_T10_progress"]
     # (hot path 650 us + hooks 20 us + sync 55 ms / 10) / plain 10 ms
     assert costs["hdet_T10_averaged"]["estimate"] == pytest.approx((650 + 20 + 5500) / 10_000)
     assert costs["hdet_T10"]["estimate"] == pytest.approx((50 + 20 + 4000) / 10_000)
+    assert costs["hdet_T10_progress"]["estimate"] == pytest.approx((55 + 20 + 5800) / 10_000)
     assert (costs["hdet_T10_probe"]["hot_path_s"], costs["hdet_T10_probe"]["sync_s"]) == (50e-6, 0.050)
 
 
