@@ -184,6 +184,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ... which reads the elasticity: it crosses 0 at 0.6-0.75x the best LR by steps 175-275 and keeps falling (the
     # short-horizon optimum passes below the run's best LR early). Aiming above that optimum: a target of -0.3
     "tenth_progress_tm30": tenth(hypergradient="progress", bias_correction=True, progress_target=-0.3),
+    # ... where beta 0.9 carried the LR on for several syncs after the elasticity turned (from 1x: -0.75 at step 225,
+    # the LR still climbing to 8.9x the best by step 300). The progress signal's size needs less smoothing: beta 0.5
+    "tenth_progress_beta5": tenth(hypergradient="progress", bias_correction=True, beta=0.5),
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
