@@ -321,6 +321,7 @@ def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any
     print(f"  {run['method']:<12} {run.get('variant') or '':<13} lr {run['lr']:.3g} seed {run['seed']}: "
           f"held-out {entry['heldout']}", flush=True)
 
+
 def gpu_of_this_machine() -> dict[str, str]:
     """``{"gpu": name}`` when the workers will find a GPU (every rank then runs on one), else nothing."""
     import torch

@@ -270,6 +270,7 @@ def backend_and_device() -> tuple[str, torch.device]:
     gpus = torch.cuda.device_count()
     return ("nccl" if gpus >= local_world else "gloo"), torch.device("cuda", local_rank % gpus)
 
+
 def main(argv: list[str] | None = None) -> None:
     """See the module docstring."""
     run_worker(parse_args, train_one, argv)

@@ -381,20 +381,23 @@ class HDETEnsemble:
                            self._step, found[0].excluded)
         return found[0], sent
 
+    def _controller_moves_at(self, step: int) -> bool:
+        """Whether a sync at ``step`` updates the controller: it is on, with 2+ replicas, past its warm-up and
+        not past its stop (config and step alone decide: the same on every rank)."""
+        cfg = self.config.auto_lr
+        return (self.topology.num_replicas > 1 and cfg.enabled and step >= cfg.warmup_steps
+                and (cfg.stop_steps is None or step <= cfg.stop_steps))
+
     def _uses_progress(self) -> bool:
         """Whether the LR's controller runs on the progress hypergradient (it is on, with 2+ replicas)."""
         cfg = self.config.auto_lr
         return cfg.hypergradient == "progress" and cfg.enabled and self.topology.num_replicas > 1
 
     def _measures_progress(self, step: int) -> bool:
-        """Whether the controller updates at the first regular sync after ``step`` with the progress
-        hypergradient, which needs the probe loss of the weights at ``step`` (config and step alone decide: the
-        same on every rank, so every rank runs the probe or none)."""
-        if not self._uses_progress():
-            return False
-        cfg, interval = self.config.auto_lr, self.config.sync_interval
-        following = step - step % interval + interval
-        return following >= cfg.warmup_steps and (cfg.stop_steps is None or following <= cfg.stop_steps)
+        """Whether the controller updates with the progress hypergradient at the first regular sync after
+        ``step``, which needs the probe loss of the weights at ``step`` (every rank runs the probe or none)."""
+        interval = self.config.sync_interval
+        return self._uses_progress() and self._controller_moves_at(step - step % interval + interval)
 
     def _displacement_cosine(self) -> float | None:
         """The displacement signal after this sync's average (collective over the replica when sharded)."""
@@ -408,8 +411,7 @@ class HDETEnsemble:
         returns the weights, or None when the controller does not update at this sync (off, warming up, one
         replica, or a replica without loss)."""
         cfg = self.config.auto_lr
-        stopped = cfg.stop_steps is not None and self._step > cfg.stop_steps
-        if self.topology.num_replicas == 1 or not cfg.enabled or stopped or self._step < cfg.warmup_steps:
+        if not self._controller_moves_at(self._step):
             return None
         signal = scores.controller_signal(cfg.probe_weight)
         if any(loss is None for loss in signal):
