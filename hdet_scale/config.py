@@ -38,6 +38,9 @@ MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
 """What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop, ``hold_average`` and ``bias_correction`` are
 when left unset, per controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s and ``paper``'s the
 paper's (eqs. 4, 7)."""
+FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_steps",
+                   "rise_only_fraction": "rise_only_steps"}
+"""The controller's times given as a share of the run, and the step fields ``HDETConfig.for_run`` turns them into."""
 DEFAULT_AVERAGE_WINDOW = 0.5
 """``average_window`` when unset, in ``log`` mode with a probe."""
 
@@ -80,6 +83,17 @@ class AutoLRConfig:
     stop_fraction: float | None = None
     """``stop_steps`` as a share of the run, in (0, 1] (1: never hold), resolved like ``start_fraction``. Neither
     this nor ``stop_steps`` given: 0.25 in ``log`` mode, no stop in the others."""
+
+    rise_only_steps: int | None = None
+    """Optimizer steps from which the controller only raises the LR's scale, up to its stop: a sync whose signal
+    says lower holds the scale, and the velocity stops at 0. The replicas' short-horizon scores lean to higher LRs
+    early in the run and to lower ones from ~10-15% of it on (benchmarks/results/lr_finding.md): past that point a
+    signal to lower the LR is what the bias gives even at the best LR, while one to raise it goes against the bias.
+    The LR only (other explored values move both ways). Not with ``paper`` mode. null: ``rise_only_fraction``."""
+
+    rise_only_fraction: float | None = None
+    """``rise_only_steps`` as a share of the run, in [0, 1], resolved like ``start_fraction``. Neither this nor
+    ``rise_only_steps`` given: the controller moves both ways up to its stop."""
 
     beta: float | None = None
     """beta: momentum of the velocity (eq. 7), in [0, 1). null: the mode's default (``MODE_DEFAULTS``)."""
@@ -192,7 +206,8 @@ class AutoLRConfig:
         move a scale on their base value) and the progress hypergradient, which measures how progress grows with
         the LR."""
         return dataclasses.replace(self, mode="scale" if self.mode == "paper" else self.mode,
-                                   hypergradient="weights", progress_target=0.0)
+                                   hypergradient="weights", progress_target=0.0, rise_only_steps=None,
+                                   rise_only_fraction=None)
 
     def window(self, probing: bool, step: int = 0) -> float:
         """The share of the interval after ``step`` whose weights the probe scores: ``average_window`` (or its
@@ -367,6 +382,16 @@ class HDETConfig:
         if lr.stop_steps is not None and lr.stop_fraction is not None:
             raise HDETConfigError("auto_lr.stop_steps and auto_lr.stop_fraction both say when the controller "
                                   "stops: give one of them")
+        if lr.rise_only_steps is not None:
+            _check_int("auto_lr.rise_only_steps", lr.rise_only_steps, low=0)
+        if lr.rise_only_fraction is not None:
+            _check_number("auto_lr.rise_only_fraction", lr.rise_only_fraction, low=0.0, high=1.0)
+        if lr.rise_only_steps is not None and lr.rise_only_fraction is not None:
+            raise HDETConfigError("auto_lr.rise_only_steps and auto_lr.rise_only_fraction both say when the "
+                                  "controller starts to only raise the LR: give one of them")
+        if lr.mode == "paper" and (lr.rise_only_steps is not None or lr.rise_only_fraction is not None):
+            raise HDETConfigError("auto_lr.rise_only_steps/rise_only_fraction work in 'scale' and 'log' mode; the "
+                                  "paper's controller keeps eq. 7 as printed: remove them or choose another mode")
         if lr.mode == "paper" and (lr.stop_steps is not None or lr.stop_fraction is not None):
             raise HDETConfigError("auto_lr.stop_steps/stop_fraction work in 'scale' and 'log' mode; the paper's "
                                   "controller also decays the LR (eq. 8): remove them or choose another mode")
@@ -456,17 +481,18 @@ class HDETConfig:
 
     def for_run(self, total_steps: int) -> HDETConfig:
         """This config for a run of ``total_steps`` optimizer steps: ``auto_lr.start_fraction`` becomes
-        ``auto_lr.warmup_steps`` and ``stop_fraction`` ``stop_steps`` (rounded), the unset controller fields
+        ``auto_lr.warmup_steps``, ``stop_fraction`` ``stop_steps`` and ``rise_only_fraction`` ``rise_only_steps``
+        (rounded), the unset controller fields
         their mode's defaults (``AutoLRConfig.filled``)."""
         lr = self.auto_lr.filled()
-        if lr.start_fraction is None and lr.stop_fraction is None:
+        fractions = {name: steps for name, steps in FRACTION_FIELDS.items() if getattr(lr, name) is not None}
+        if not fractions:
             return self if lr is self.auto_lr else dataclasses.replace(self, auto_lr=lr)
-        _check_int("total_steps (the run's length, for auto_lr.start_fraction/stop_fraction)", total_steps, low=1)
-        changes: dict[str, Any] = {"start_fraction": None, "stop_fraction": None}
-        if lr.start_fraction is not None:
-            changes["warmup_steps"] = round(lr.start_fraction * total_steps)
-        if lr.stop_fraction is not None:
-            changes["stop_steps"] = round(lr.stop_fraction * total_steps)
+        _check_int("total_steps (the run's length, for auto_lr." + "/".join(FRACTION_FIELDS) + ")", total_steps,
+                   low=1)
+        changes: dict[str, Any] = dict.fromkeys(FRACTION_FIELDS)
+        for name, steps in fractions.items():
+            changes[steps] = round(getattr(lr, name) * total_steps)
         return dataclasses.replace(self, auto_lr=dataclasses.replace(lr, **changes))
 
     def controller_updates(self) -> int | None:
@@ -482,7 +508,7 @@ class HDETConfig:
         """The error to raise when the controller would run (on, 2+ replicas) and its start or stop is still a
         share of a run whose length is unknown (``for_run`` not applied); ``fix`` says how to give the length."""
         lr = self.auto_lr.filled()
-        for name, steps in (("start_fraction", "warmup_steps"), ("stop_fraction", "stop_steps")):
+        for name, steps in FRACTION_FIELDS.items():
             if lr.enabled and num_replicas > 1 and getattr(lr, name) is not None:
                 return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} needs the run's length: {fix}, or set "
                                        f"auto_lr.{steps}")

@@ -203,14 +203,14 @@ class Controller:
                                                    cfg.progress_target) + extra_delta
             else:
                 delta_log = log_hypergradient(weights, replica_multipliers) + extra_delta
-            velocity = momentum(state.velocity, delta_log, cfg.beta)
+            velocity = self._one_sided(momentum(state.velocity, delta_log, cfg.beta), step)
             log_step = min(max(cfg.step_size * self._stepped(velocity, updates), -cfg.max_log_step), cfg.max_log_step)
             scale = self._clamp(state.scale * math.exp(log_step))
             return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_log,
                                                      updates=updates), step, sync_interval)
         delta_rel = relative_hypergradient(weights, replica_multipliers) + extra_delta
         if cfg.mode == "scale":
-            velocity = momentum(state.velocity, delta_rel, cfg.beta)
+            velocity = self._one_sided(momentum(state.velocity, delta_rel, cfg.beta), step)
             scale = self._clamp(state.scale * (1.0 + cfg.step_size * self._stepped(velocity, updates)))
             return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel,
                                                      updates=updates), step, sync_interval)
@@ -228,6 +228,11 @@ class Controller:
         velocity = momentum(state.velocity, delta, cfg.beta)
         new_base = max(base * (1.0 - gamma) + cfg.step_size * velocity, paper_decay.floor)
         return ControllerState(velocity=velocity, owned_base=new_base, gamma=gamma, last_delta=delta)
+
+    def _one_sided(self, velocity: float, step: int) -> float:
+        """``velocity``, stopped at 0 from ``auto_lr.rise_only_steps`` on: the scale then only rises."""
+        rise_only = self.config.rise_only_steps
+        return max(velocity, 0.0) if rise_only is not None and step >= rise_only else velocity
 
     def _stepped(self, velocity: float, updates: int) -> float:
         """What the scale steps along: the velocity, bias-corrected when ``auto_lr.bias_correction`` is on."""

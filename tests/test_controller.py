@@ -81,6 +81,33 @@ def test_bias_correction_steps_at_full_size_from_the_first_sync(mode):
     assert two_updates(False) == pytest.approx((apply(0.1 * delta), apply(0.1 * delta) * apply(0.09 * delta)))
 
 
+@pytest.mark.parametrize("mode", ["log", "scale"])
+def test_from_rise_only_steps_the_scale_only_rises(mode):
+    """beta 0.5, lambda 1, rise-only from step 20. At 10 the low replica wins (velocity -Delta/2: the scale
+    falls); at 20 it wins again (velocity -3 Delta / 4, stopped at 0: the scale holds); at 30 the high replica
+    wins (velocity 0 + Delta / 2: the scale rises by that; the unstopped velocity, -3/8 Delta + Delta / 2, by
+    Delta / 8)."""
+    if mode == "log":  # Delta = 0.8 log(3/2) + 0.2 log(2/3) = 0.6 log 1.5; scale *= exp(lambda v)
+        rho, delta, apply = [2 / 3, 3 / 2], 0.6 * math.log(1.5), math.exp
+    else:  # Delta = 0.8 (1.5 - 1) + 0.2 (0.5 - 1) = 0.3; scale *= 1 + lambda v
+        rho, delta, apply = [0.5, 1.5], 0.3, (lambda step: 1 + step)
+
+    def scales(rise_only_steps: int | None) -> list[float]:
+        controller = Controller(AutoLRConfig(mode=mode, beta=0.5, step_size=1.0, sigma=1.0, initial_scale=1.0,
+                                             max_log_step=10.0, rise_only_steps=rise_only_steps))
+        state, seen = ControllerState(), []
+        for step, weights in ((10, [0.8, 0.2]), (20, [0.8, 0.2]), (30, [0.2, 0.8])):
+            state = controller.update(state, weights=weights, replica_multipliers=rho, scheduled_value=1.0, step=step,
+                                      sync_interval=10)
+            seen.append(state.scale)
+        return seen
+
+    down = apply(-delta / 2)
+    assert scales(20) == pytest.approx([down, down, down * apply(delta / 2)])
+    assert scales(None) == pytest.approx([down, down * apply(-3 * delta / 4),
+                                          down * apply(-3 * delta / 4) * apply(delta / 8)])
+
+
 def test_progress_hypergradient_by_hand():
     half = math.log(1.5)  # replicas at 2/3 and 3/2: log rho = -+log 1.5
     # start 3.0, losses 2.9 and 2.8: progress 0.1 and 0.2, slope 0.1 / (2 log 1.5), mean 0.15
