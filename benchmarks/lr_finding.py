@@ -191,9 +191,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # and below it from ~12% of the run on (the elasticity crosses 0 at 0.6-0.75x by steps 175-275): a known sign
     # of bias in each phase. tenth_beta5_stop20_w25 (seed 0) came down from its early peak from 10x (+0.015) and
     # climbed to the best LR from 1/10 (+0.008), but followed the late drift to 0.39x from 3x (+0.096). The same
-    # with the controller only raising the LR from 12% of the run to its stop (auto_lr.rise_only_fraction): a late
-    # signal to lower the LR is what the bias gives even at the best LR, one to raise it goes against the bias
-    "tenth_rise": tenth(beta=0.5, average_window=0.25, rise_only_fraction=0.12),
+    # with the controller only raising the LR after 35% of its window (12% of the run) up to its stop
+    # (auto_lr.rise_only_after): a late signal to lower the LR is what the bias gives even at the best LR, one to
+    # raise it goes against the bias
+    "tenth_rise": tenth(beta=0.5, average_window=0.25, rise_only_after=0.35),
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
@@ -257,9 +258,8 @@ def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) ->
         config.update(sync_interval=args.sync_interval, ranks_per_replica=1, gradient_mode="global", seed=run["seed"])
         start = config.setdefault("auto_lr", {}).pop("start_fraction", args.controller_start)  # a variant's own
         config["auto_lr"]["warmup_steps"] = round(start * args.steps)
-        for fraction, steps in (("stop_fraction", "stop_steps"), ("rise_only_fraction", "rise_only_steps")):
-            if fraction in config["auto_lr"]:  # as train.py resolves them (HDETConfig.for_run)
-                config["auto_lr"][steps] = round(config["auto_lr"].pop(fraction) * args.steps)
+        if "stop_fraction" in config["auto_lr"]:  # as train.py resolves it (HDETConfig.for_run)
+            config["auto_lr"]["stop_steps"] = round(config["auto_lr"].pop("stop_fraction") * args.steps)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "hdet.json").write_text(json.dumps(checked_hdet_config(**config), indent=1) + "\n")
         words += ["--hdet_config", str(run_dir / "hdet.json")] + (["--probe"] if variant["probe"] else [])

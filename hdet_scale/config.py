@@ -29,17 +29,16 @@ DEFAULT_START_FRACTION = 0.05
 """Where the controller starts when neither ``warmup_steps`` nor ``start_fraction`` is given."""
 MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
     "log": {"beta": 0.9, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "stop_fraction": 0.25,
-            "hold_average": 0.0, "bias_correction": False},
+            "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
     "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
-              "hold_average": 0.0, "bias_correction": False},
+              "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
     "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
-              "hold_average": 0.0, "bias_correction": False},
+              "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
 }
-"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop, ``hold_average`` and ``bias_correction`` are
-when left unset, per controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s and ``paper``'s the
-paper's (eqs. 4, 7)."""
-FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_steps",
-                   "rise_only_fraction": "rise_only_steps"}
+"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop, ``hold_average``, ``bias_correction`` and
+``rise_only_after`` are when left unset, per controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s
+and ``paper``'s the paper's (eqs. 4, 7)."""
+FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_steps"}
 """The controller's times given as a share of the run, and the step fields ``HDETConfig.for_run`` turns them into."""
 DEFAULT_AVERAGE_WINDOW = 0.5
 """``average_window`` when unset, in ``log`` mode with a probe."""
@@ -84,16 +83,13 @@ class AutoLRConfig:
     """``stop_steps`` as a share of the run, in (0, 1] (1: never hold), resolved like ``start_fraction``. Neither
     this nor ``stop_steps`` given: 0.25 in ``log`` mode, no stop in the others."""
 
-    rise_only_steps: int | None = None
-    """Optimizer steps from which the controller only raises the LR's scale, up to its stop: a sync whose signal
-    says lower holds the scale, and the velocity stops at 0. The replicas' short-horizon scores lean to higher LRs
-    early in the run and to lower ones from ~10-15% of it on (benchmarks/results/lr_finding.md): past that point a
-    signal to lower the LR is what the bias gives even at the best LR, while one to raise it goes against the bias.
-    The LR only (other explored values move both ways). Not with ``paper`` mode. null: ``rise_only_fraction``."""
-
-    rise_only_fraction: float | None = None
-    """``rise_only_steps`` as a share of the run, in [0, 1], resolved like ``start_fraction``. Neither this nor
-    ``rise_only_steps`` given: the controller moves both ways up to its stop."""
+    rise_only_after: float | None = None
+    """The share of the controller's window (from its start to its stop) after which it only raises the LR's scale,
+    in [0, 1] (1: never): a later sync whose signal says lower holds the scale, and the velocity stops at 0. The
+    replicas' short-horizon scores lean above the best LR early in the run and below it from ~10-15% of it on
+    (benchmarks/results/lr_finding.md): past that point a signal to lower the LR is what the bias gives even at
+    the best LR, while one to raise it goes against the bias. The LR only (other explored values move both ways).
+    Needs a stop; not with ``paper`` mode. null: the mode's default (``MODE_DEFAULTS``)."""
 
     beta: float | None = None
     """beta: momentum of the velocity (eq. 7), in [0, 1). null: the mode's default (``MODE_DEFAULTS``)."""
@@ -190,7 +186,7 @@ class AutoLRConfig:
         itself, so that a dict of overrides merged onto it (``resolve_config``) is read as given."""
         defaults = MODE_DEFAULTS.get(self.mode, MODE_DEFAULTS["scale"])  # an unknown mode: validate names it
         changes: dict[str, Any] = {}
-        for name in ("beta", "sigma", "step_size", "hold_average", "bias_correction"):
+        for name in ("beta", "sigma", "step_size", "hold_average", "bias_correction", "rise_only_after"):
             if getattr(self, name) is None:
                 changes[name] = defaults[name]
         if self.initial_scale is None:
@@ -206,8 +202,7 @@ class AutoLRConfig:
         move a scale on their base value) and the progress hypergradient, which measures how progress grows with
         the LR."""
         return dataclasses.replace(self, mode="scale" if self.mode == "paper" else self.mode,
-                                   hypergradient="weights", progress_target=0.0, rise_only_steps=None,
-                                   rise_only_fraction=None)
+                                   hypergradient="weights", progress_target=0.0, rise_only_after=1.0)
 
     def window(self, probing: bool, step: int = 0) -> float:
         """The share of the interval after ``step`` whose weights the probe scores: ``average_window`` (or its
@@ -382,16 +377,6 @@ class HDETConfig:
         if lr.stop_steps is not None and lr.stop_fraction is not None:
             raise HDETConfigError("auto_lr.stop_steps and auto_lr.stop_fraction both say when the controller "
                                   "stops: give one of them")
-        if lr.rise_only_steps is not None:
-            _check_int("auto_lr.rise_only_steps", lr.rise_only_steps, low=0)
-        if lr.rise_only_fraction is not None:
-            _check_number("auto_lr.rise_only_fraction", lr.rise_only_fraction, low=0.0, high=1.0)
-        if lr.rise_only_steps is not None and lr.rise_only_fraction is not None:
-            raise HDETConfigError("auto_lr.rise_only_steps and auto_lr.rise_only_fraction both say when the "
-                                  "controller starts to only raise the LR: give one of them")
-        if lr.mode == "paper" and (lr.rise_only_steps is not None or lr.rise_only_fraction is not None):
-            raise HDETConfigError("auto_lr.rise_only_steps/rise_only_fraction work in 'scale' and 'log' mode; the "
-                                  "paper's controller keeps eq. 7 as printed: remove them or choose another mode")
         if lr.mode == "paper" and (lr.stop_steps is not None or lr.stop_fraction is not None):
             raise HDETConfigError("auto_lr.stop_steps/stop_fraction work in 'scale' and 'log' mode; the paper's "
                                   "controller also decays the LR (eq. 8): remove them or choose another mode")
@@ -427,6 +412,11 @@ class HDETConfig:
         if lr.progress_target and lr.hypergradient != "progress":
             raise HDETConfigError(f"auto_lr.progress_target={lr.progress_target} sets where the 'progress' "
                                   "hypergradient settles: set auto_lr.hypergradient='progress' or remove it")
+        _check_number("auto_lr.rise_only_after", lr.rise_only_after, low=0.0, high=1.0)
+        if lr.rise_only_after < 1.0 and (lr.mode == "paper" or (lr.stop_steps is None and lr.stop_fraction is None)):
+            raise HDETConfigError(f"auto_lr.rise_only_after={lr.rise_only_after} is a share of the controller's "
+                                  "window up to its stop, in 'scale' or 'log' mode: give auto_lr.stop_steps or "
+                                  "stop_fraction, or set it to 1 (off)")
         _check_bool("auto_lr.bias_correction", lr.bias_correction)
         if lr.bias_correction and lr.mode == "paper":
             raise HDETConfigError("auto_lr.bias_correction changes eq. 7's velocity; 'paper' mode keeps it as "
@@ -481,8 +471,7 @@ class HDETConfig:
 
     def for_run(self, total_steps: int) -> HDETConfig:
         """This config for a run of ``total_steps`` optimizer steps: ``auto_lr.start_fraction`` becomes
-        ``auto_lr.warmup_steps``, ``stop_fraction`` ``stop_steps`` and ``rise_only_fraction`` ``rise_only_steps``
-        (rounded), the unset controller fields
+        ``auto_lr.warmup_steps`` and ``stop_fraction`` ``stop_steps`` (rounded), the unset controller fields
         their mode's defaults (``AutoLRConfig.filled``)."""
         lr = self.auto_lr.filled()
         fractions = {name: steps for name, steps in FRACTION_FIELDS.items() if getattr(lr, name) is not None}

@@ -230,9 +230,13 @@ class Controller:
         return ControllerState(velocity=velocity, owned_base=new_base, gamma=gamma, last_delta=delta)
 
     def _one_sided(self, velocity: float, step: int) -> float:
-        """``velocity``, stopped at 0 from ``auto_lr.rise_only_steps`` on: the scale then only rises."""
-        rise_only = self.config.rise_only_steps
-        return max(velocity, 0.0) if rise_only is not None and step >= rise_only else velocity
+        """``velocity``, stopped at 0 past ``auto_lr.rise_only_after`` of the controller's window: the scale then
+        only rises."""
+        span = self.config.controller_span()
+        if span is None or self.config.rise_only_after >= 1.0:
+            return velocity
+        start, stop = span
+        return max(velocity, 0.0) if step > start + self.config.rise_only_after * (stop - start) else velocity
 
     def _stepped(self, velocity: float, updates: int) -> float:
         """What the scale steps along: the velocity, bias-corrected when ``auto_lr.bias_correction`` is on."""

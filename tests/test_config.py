@@ -66,11 +66,10 @@ def test_a_scale_range_that_leaves_out_the_default_start_names_it():
 
 
 def test_only_the_lr_follows_the_paper_mode_the_progress_hypergradient_and_the_rise_only_phase():
-    lr = AutoLRConfig(mode="log", hypergradient="progress", progress_target=0.5, beta=0.7, rise_only_steps=40)
+    lr = AutoLRConfig(mode="log", hypergradient="progress", progress_target=0.5, beta=0.7, rise_only_after=0.3)
     other = lr.for_other_knobs()
-    assert (other.mode, other.hypergradient, other.progress_target, other.beta, other.rise_only_steps) == \
-        ("log", "weights", 0.0, 0.7, None)
-    assert AutoLRConfig(rise_only_fraction=0.1).for_other_knobs().rise_only_fraction is None
+    assert (other.mode, other.hypergradient, other.progress_target, other.beta, other.filled().rise_only_after) == \
+        ("log", "weights", 0.0, 0.7, 1.0)
     assert AutoLRConfig(mode="paper").for_other_knobs().mode == "scale"
 
 
@@ -273,21 +272,15 @@ def test_the_controller_stop_as_steps_or_a_share_of_the_run():
         HDETConfig.from_dict({"auto_lr": {"mode": "paper", "stop_steps": 10}})
 
 
-def test_the_rise_only_phase_as_steps_or_a_share_of_the_run():
-    lr = HDETConfig.from_dict({"auto_lr": {"rise_only_fraction": 0.12}}).for_run(1500).auto_lr
-    assert (lr.rise_only_steps, lr.rise_only_fraction, lr.stop_steps) == (180, None, 375)
-    assert HDETConfig.from_dict({"auto_lr": {"rise_only_steps": 7}}).for_run(100).auto_lr.rise_only_steps == 7
-    with pytest.raises(HDETConfigError, match="rise_only_steps and auto_lr.rise_only_fraction both say"):
-        HDETConfig.from_dict({"auto_lr": {"rise_only_steps": 7, "rise_only_fraction": 0.1}})
-    with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_fraction must be a number in \[0.0, 1.0\]"):
-        HDETConfig.from_dict({"auto_lr": {"rise_only_fraction": 1.5}})
-    with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_steps must be an integer >= 0"):
-        HDETConfig.from_dict({"auto_lr": {"rise_only_steps": -1}})
-    with pytest.raises(HDETConfigError, match="rise_only_fraction work in 'scale' and 'log' mode"):
-        HDETConfig.from_dict({"auto_lr": {"mode": "paper", "rise_only_fraction": 0.1}})
-    unresolved = HDETConfig.from_dict({"auto_lr": {"warmup_steps": 5, "stop_steps": 50, "rise_only_fraction": 0.1}})
-    assert str(unresolved.run_length_error(2, "pass total_steps")) == \
-        "auto_lr.rise_only_fraction=0.1 needs the run's length: pass total_steps, or set auto_lr.rise_only_steps"
+def test_the_rise_only_phase_is_checked():
+    assert HDETConfig.from_dict({"auto_lr": {"rise_only_after": 0.35}}).auto_lr.rise_only_after == 0.35
+    with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after must be a number in \[0.0, 1.0\]"):
+        HDETConfig.from_dict({"auto_lr": {"rise_only_after": 1.5}})
+    for auto_lr in ({"mode": "paper"}, {"mode": "scale"}):  # paper mode; scale mode has no stop by default
+        with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 is a share of the controller's "
+                                                  r"window up to its stop"):
+            HDETConfig.from_dict({"auto_lr": {**auto_lr, "rise_only_after": 0.2}})
+    assert HDETConfig.from_dict({"auto_lr": {"mode": "scale", "stop_steps": 9, "rise_only_after": 0.2}})
 
 
 @pytest.mark.parametrize(("sync_interval", "updates"), [(5, 5), (10, 2), (1000, 0)])

@@ -82,19 +82,20 @@ def test_bias_correction_steps_at_full_size_from_the_first_sync(mode):
 
 
 @pytest.mark.parametrize("mode", ["log", "scale"])
-def test_from_rise_only_steps_the_scale_only_rises(mode):
-    """beta 0.5, lambda 1, rise-only from step 20. At 10 the low replica wins (velocity -Delta/2: the scale
-    falls); at 20 it wins again (velocity -3 Delta / 4, stopped at 0: the scale holds); at 30 the high replica
-    wins (velocity 0 + Delta / 2: the scale rises by that; the unstopped velocity, -3/8 Delta + Delta / 2, by
-    Delta / 8)."""
+def test_past_rise_only_after_the_scale_only_rises(mode):
+    """beta 0.5, lambda 1, the window from step 0 to 40, rise-only after 0.4 of it (step 16). At 10 the low replica
+    wins (velocity -Delta/2: the scale falls); at 20 it wins again (velocity -3 Delta / 4, stopped at 0: the scale
+    holds); at 30 the high replica wins (velocity 0 + Delta / 2: the scale rises by that; the unstopped velocity,
+    -3/8 Delta + Delta / 2, by Delta / 8)."""
     if mode == "log":  # Delta = 0.8 log(3/2) + 0.2 log(2/3) = 0.6 log 1.5; scale *= exp(lambda v)
         rho, delta, apply = [2 / 3, 3 / 2], 0.6 * math.log(1.5), math.exp
     else:  # Delta = 0.8 (1.5 - 1) + 0.2 (0.5 - 1) = 0.3; scale *= 1 + lambda v
         rho, delta, apply = [0.5, 1.5], 0.3, (lambda step: 1 + step)
 
-    def scales(rise_only_steps: int | None) -> list[float]:
+    def scales(rise_only_after: float) -> list[float]:
         controller = Controller(AutoLRConfig(mode=mode, beta=0.5, step_size=1.0, sigma=1.0, initial_scale=1.0,
-                                             max_log_step=10.0, rise_only_steps=rise_only_steps))
+                                             max_log_step=10.0, warmup_steps=0, stop_steps=40,
+                                             rise_only_after=rise_only_after))
         state, seen = ControllerState(), []
         for step, weights in ((10, [0.8, 0.2]), (20, [0.8, 0.2]), (30, [0.2, 0.8])):
             state = controller.update(state, weights=weights, replica_multipliers=rho, scheduled_value=1.0, step=step,
@@ -103,9 +104,10 @@ def test_from_rise_only_steps_the_scale_only_rises(mode):
         return seen
 
     down = apply(-delta / 2)
-    assert scales(20) == pytest.approx([down, down, down * apply(delta / 2)])
-    assert scales(None) == pytest.approx([down, down * apply(-3 * delta / 4),
-                                          down * apply(-3 * delta / 4) * apply(delta / 8)])
+    assert scales(0.4) == pytest.approx([down, down, down * apply(delta / 2)])
+    both_ways = [down, down * apply(-3 * delta / 4), down * apply(-3 * delta / 4) * apply(delta / 8)]
+    assert scales(1.0) == pytest.approx(both_ways)
+    assert scales(0.5) == pytest.approx(both_ways)  # one-sided after step 20: the sync at 20 still lowers
 
 
 def test_progress_hypergradient_by_hand():
