@@ -69,6 +69,15 @@ def test_hdet_json_loads_and_lays_out_the_readme_cluster(name, monkeypatch):
     assert config.num_replicas(32, auto="node") == expected_replicas
 
 
+@pytest.mark.parametrize("name", sorted(set(MATCHING_HDET.values())))
+def test_hdet_json_writes_out_the_librarys_controller_defaults(name):
+    """The spread and the controller of the shipped HDET JSONs are what an empty config runs with."""
+    shipped, library = HDETConfig.from_json(CONFIGS / name), HDETConfig()
+    assert (shipped.alpha, shipped.spread) == (library.alpha, library.spread)
+    for total_steps in (1500, 300_000):
+        assert shipped.for_run(total_steps).auto_lr == library.for_run(total_steps).auto_lr
+
+
 @pytest.mark.parametrize("name", sorted(MATCHING_HDET))
 def test_deepspeed_json_passes_deepspeeds_parser_and_hdets_checks(name):
     values = read(name)
