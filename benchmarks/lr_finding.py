@@ -195,6 +195,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # (auto_lr.rise_only_after): a late signal to lower the LR is what the bias gives even at the best LR, one to
     # raise it goes against the bias
     "tenth_rise": tenth(beta=0.5, average_window=0.25, rise_only_after=0.35),
+    # ... and how much the one-sided phase's start matters: after a fifth of the window (9% of the run; from 10x the
+    # scale is still near its early peak then) and after half of it (15%: from 3x, past the start of the drift)
+    "tenth_rise_after20": tenth(beta=0.5, average_window=0.25, rise_only_after=0.2),
+    "tenth_rise_after50": tenth(beta=0.5, average_window=0.25, rise_only_after=0.5),
 }
 DEFAULT_VARIANT = "tenth_start_early_hold"
 
