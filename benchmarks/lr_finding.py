@@ -200,7 +200,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tenth_rise_after20": tenth(beta=0.5, average_window=0.25, rise_only_after=0.2),
     "tenth_rise_after50": tenth(beta=0.5, average_window=0.25, rise_only_after=0.5),
 }
-DEFAULT_VARIANT = "tenth_start_early_hold"
+DEFAULT_VARIANT = "tenth_rise"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

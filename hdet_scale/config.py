@@ -1,8 +1,9 @@
 """HDET configuration: dataclasses with strict loading and validation.
 
 The defaults are the controller that found the LR best from either side in ``benchmarks/lr_finding.py``
-(``tenth_start_early_hold``, see benchmarks/results/lr_finding.md): a log spread, the scale-free ``log``
-controller from a tenth of the given LR, moving between 5% and 25% of the run. ``HDETConfig.paper()`` gives
+(``tenth_rise``, see benchmarks/results/lr_finding.md): a log spread, the scale-free ``log`` controller on
+quarter-interval averaged weights from a tenth of the given LR, moving between 5% and 25% of the run, only upward
+from 12% of it. ``HDETConfig.paper()`` gives
 the paper's settings. Every field carries the paper's symbol where it has one (arXiv 2604.24708, section 3).
 A config is loaded from a JSON file (``--hdet_config PATH``), a mapping, or built in code; unknown keys are
 errors, and ``validate()`` names the field, the allowed range and the value it got.
@@ -28,8 +29,8 @@ HYPERGRADIENTS = ("weights", "progress")
 DEFAULT_START_FRACTION = 0.05
 """Where the controller starts when neither ``warmup_steps`` nor ``start_fraction`` is given."""
 MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
-    "log": {"beta": 0.9, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "stop_fraction": 0.25,
-            "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
+    "log": {"beta": 0.5, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "stop_fraction": 0.25,
+            "hold_average": 0.0, "bias_correction": False, "rise_only_after": 0.35},
     "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
               "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
     "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
@@ -40,7 +41,7 @@ MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
 and ``paper``'s the paper's (eqs. 4, 7)."""
 FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_steps"}
 """The controller's times given as a share of the run, and the step fields ``HDETConfig.for_run`` turns them into."""
-DEFAULT_AVERAGE_WINDOW = 0.5
+DEFAULT_AVERAGE_WINDOW = 0.25
 """``average_window`` when unset, in ``log`` mode with a probe."""
 
 
@@ -141,7 +142,8 @@ class AutoLRConfig:
     oscillation that a higher LR adds to the last iterate (noise that hides its faster progress), the bias
     that makes a short-horizon score prefer too-low LRs. Costs one copy of this rank's shard, one in-place
     update per step inside the window, and at each sync an exchange of the weights and their mean one tensor at a
-    time. 0: the last iterate. null: 0.5 with the ``log`` controller on and a probe set, else 0."""
+    time. 0: the last iterate. null: 0.25 with the ``log`` controller on and a probe set (a longer window leans
+    to higher LRs, a shorter one to lower: benchmarks/results/lr_finding.md), else 0."""
 
     average_window_late: float | None = None
     """With a window (``average_window``) and a stop: the window grows linearly from ``average_window`` at the

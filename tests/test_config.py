@@ -16,7 +16,7 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant():
     variant = lr_finding.VARIANTS[lr_finding.DEFAULT_VARIANT]
     assert variant["probe"]  # a probe set: the averaged-weight window applies
     controller = dict(variant["hdet"]["auto_lr"])
-    assert AutoLRConfig().window(probing=True) == controller.pop("average_window") == 0.5
+    assert AutoLRConfig().window(probing=True) == controller.pop("average_window") == 0.25
     measured = HDETConfig.from_dict({**variant["hdet"], "auto_lr": {**controller, "start_fraction": 0.05}})
     for steps in (1500, 300_000):
         assert HDETConfig().for_run(steps) == measured.for_run(steps)
@@ -24,6 +24,7 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant():
     assert (config.alpha, config.spread, config.auto_lr.mode) == (0.5, "log", "log")
     assert (config.auto_lr.warmup_steps, config.auto_lr.stop_steps) == (75, 375)
     assert (config.auto_lr.sigma, config.auto_lr.step_size, config.auto_lr.max_log_step) == (1.0, 2.5, 0.5)
+    assert (config.auto_lr.beta, config.auto_lr.rise_only_after) == (0.5, 0.35)
     assert config.auto_lr.initial_scale == pytest.approx(0.1)
     assert AutoLRConfig().window(probing=False) == 0.0  # no probe: nothing to score averaged weights
     HDETConfig().validate(world_size=8)

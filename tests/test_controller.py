@@ -265,7 +265,7 @@ def test_the_held_scale_is_the_geometric_mean_over_the_windows_last_part():
     """Start 10, stop 50, T = 10, hold_average 0.5: the updates at steps 30, 40 and 50 (>= 50 - 0.5 x 40) are
     averaged, and the one at 50 (the next sync, 60, is past the stop) holds their geometric mean."""
     config = AutoLRConfig(mode="log", beta=0.0, step_size=1.0, max_log_step=1.0, warmup_steps=10, stop_steps=50,
-                          hold_average=0.5, initial_scale=1.0)
+                          hold_average=0.5, initial_scale=1.0, rise_only_after=1.0)  # moves both ways
     controller = Controller(config)
     rhos = [0.5, 2.0]
     weights = {10: [0.2, 0.8], 20: [0.2, 0.8], 30: [0.2, 0.8], 40: [0.7, 0.3], 50: [0.9, 0.1]}
@@ -282,7 +282,7 @@ def test_the_held_scale_is_the_geometric_mean_over_the_windows_last_part():
     assert state.scale != pytest.approx(math.exp(logs[4]))
     # 0: the last scale is held; the mean is clamped into [scale_min, scale_max] like any scale
     last = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, max_log_step=1.0, warmup_steps=10,
-                                   stop_steps=50, initial_scale=1.0))
+                                   stop_steps=50, initial_scale=1.0, rise_only_after=1.0))
     state = ControllerState()
     for step, w in weights.items():
         state = last.update(state, weights=w, replica_multipliers=rhos, scheduled_value=1.0, step=step,
