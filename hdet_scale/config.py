@@ -3,10 +3,10 @@
 The defaults are the controller that found the LR best from either side in ``benchmarks/lr_finding.py``
 (``tenth_rise``, see benchmarks/results/lr_finding.md): a log spread, the scale-free ``log`` controller on
 quarter-interval averaged weights from a tenth of the given LR, moving between 5% and 25% of the run, only upward
-from 12% of it. ``HDETConfig.paper()`` gives
-the paper's settings. Every field carries the paper's symbol where it has one (arXiv 2604.24708, section 3).
-A config is loaded from a JSON file (``--hdet_config PATH``), a mapping, or built in code; unknown keys are
-errors, and ``validate()`` names the field, the allowed range and the value it got.
+from 12% of it. ``HDETConfig.paper()`` gives the paper's settings. Every field carries the paper's symbol where
+it has one (arXiv 2604.24708, section 3). A config is loaded from a JSON file (``--hdet_config PATH``), a mapping,
+or built in code; unknown keys are errors, and ``validate()`` names the field, the allowed range and the value it
+got.
 """
 
 from __future__ import annotations
