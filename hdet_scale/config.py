@@ -82,11 +82,15 @@ class AutoLRConfig:
 
     stop_fraction: float | None = None
     """``stop_steps`` as a share of the run, in (0, 1] (1: never hold), resolved like ``start_fraction``. Neither
-    this nor ``stop_steps`` given: 0.25 in ``log`` mode, no stop in the others."""
+    this nor ``stop_steps`` given: 0.25 in ``log`` mode, no stop in the others. In ``log`` mode the controller
+    only raises the LR over the last part of its window, whatever the stop (``rise_only_after``; 1 for a
+    controller that moves both ways to the end)."""
 
     rise_only_after: float | None = None
     """The share of the controller's window (from its start to its stop) after which it only raises the LR's scale,
-    in [0, 1] (1: never): a later sync whose signal says lower holds the scale, and the velocity stops at 0. The
+    in [0, 1] (1: never; 0: every update after the first): at the syncs after ``start + share x (stop - start)``
+    the velocity is floored at 0, so the scale does not fall (a held geometric mean, ``hold_average``, may still
+    sit below the last scale). The
     replicas' short-horizon scores lean above the best LR early in the run and below it from ~10-15% of it on
     (benchmarks/results/lr_finding.md): past that point a signal to lower the LR is what the bias gives even at
     the best LR, while one to raise it goes against the bias. The LR only (other explored values move both ways).
@@ -415,10 +419,14 @@ class HDETConfig:
             raise HDETConfigError(f"auto_lr.progress_target={lr.progress_target} sets where the 'progress' "
                                   "hypergradient settles: set auto_lr.hypergradient='progress' or remove it")
         _check_number("auto_lr.rise_only_after", lr.rise_only_after, low=0.0, high=1.0)
-        if lr.rise_only_after < 1.0 and (lr.mode == "paper" or (lr.stop_steps is None and lr.stop_fraction is None)):
+        if lr.rise_only_after < 1.0 and lr.mode == "paper":
+            raise HDETConfigError(f"auto_lr.rise_only_after={lr.rise_only_after} works in 'scale' and 'log' mode; "
+                                  "the paper's controller keeps eq. 7 as printed: set it to 1 (off) or choose "
+                                  "another mode")
+        if lr.rise_only_after < 1.0 and lr.stop_steps is None and lr.stop_fraction is None:
             raise HDETConfigError(f"auto_lr.rise_only_after={lr.rise_only_after} is a share of the controller's "
-                                  "window up to its stop, in 'scale' or 'log' mode: give auto_lr.stop_steps or "
-                                  "stop_fraction, or set it to 1 (off)")
+                                  "window up to its stop: give auto_lr.stop_steps or stop_fraction, or set it to 1 "
+                                  "(off)")
         _check_bool("auto_lr.bias_correction", lr.bias_correction)
         if lr.bias_correction and lr.mode == "paper":
             raise HDETConfigError("auto_lr.bias_correction changes eq. 7's velocity; 'paper' mode keeps it as "

@@ -1,5 +1,6 @@
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 from benchmark_modules import load_benchmark
@@ -28,6 +29,26 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant():
     assert config.auto_lr.initial_scale == pytest.approx(0.1)
     assert AutoLRConfig().window(probing=False) == 0.0  # no probe: nothing to score averaged weights
     HDETConfig().validate(world_size=8)
+
+
+def test_benchmark_variants_keep_the_controller_they_were_measured_with():
+    """A benchmark variant that does not name a controller field gets the value it was measured with, not a later
+    library default: the lr_finding variants before ``tenth_rise`` move both ways with beta 0.9."""
+    common, lr_finding = load_benchmark("common"), load_benchmark("lr_finding")
+    old = HDETConfig.from_dict(common.hdet_config(**lr_finding.VARIANTS["tenth_start_early_hold"]["hdet"]))
+    assert (old.auto_lr.filled().beta, old.auto_lr.filled().rise_only_after) == (0.9, 1.0)
+    new = HDETConfig.from_dict(common.hdet_config(**lr_finding.VARIANTS["tenth_rise"]["hdet"]))
+    assert (new.auto_lr.filled().beta, new.auto_lr.filled().rise_only_after) == (0.5, 0.35)
+
+
+def test_the_readmes_settings_example_is_the_default_config():
+    """The README's settings JSON writes out the defaults: copying it changes nothing."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("### Settings (`--hdet_config hdet.json`)", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    shown = HDETConfig.from_dict(json.loads(example))
+    assert (shown.alpha, shown.spread, shown.sync_interval) == (0.5, "log", 1000)
+    for steps in (1500, 300_000):
+        assert shown.for_run(steps).auto_lr == HDETConfig().for_run(steps).auto_lr
 
 
 def test_the_papers_settings():
@@ -277,10 +298,11 @@ def test_the_rise_only_phase_is_checked():
     assert HDETConfig.from_dict({"auto_lr": {"rise_only_after": 0.35}}).auto_lr.rise_only_after == 0.35
     with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after must be a number in \[0.0, 1.0\]"):
         HDETConfig.from_dict({"auto_lr": {"rise_only_after": 1.5}})
-    for auto_lr in ({"mode": "paper"}, {"mode": "scale"}):  # paper mode; scale mode has no stop by default
-        with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 is a share of the controller's "
-                                                  r"window up to its stop"):
-            HDETConfig.from_dict({"auto_lr": {**auto_lr, "rise_only_after": 0.2}})
+    with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 works in 'scale' and 'log' mode"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "paper", "rise_only_after": 0.2}})
+    with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 is a share of the controller's window "
+                                              r"up to its stop: give auto_lr.stop_steps"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "scale", "rise_only_after": 0.2}})  # scale mode: no stop
     assert HDETConfig.from_dict({"auto_lr": {"mode": "scale", "stop_steps": 9, "rise_only_after": 0.2}})
 
 
