@@ -1,6 +1,5 @@
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 from benchmark_modules import load_benchmark
@@ -39,16 +38,6 @@ def test_benchmark_variants_keep_the_controller_they_were_measured_with():
     assert (old.auto_lr.filled().beta, old.auto_lr.filled().rise_only_after) == (0.9, 1.0)
     new = HDETConfig.from_dict(common.hdet_config(**lr_finding.VARIANTS["tenth_rise"]["hdet"]))
     assert (new.auto_lr.filled().beta, new.auto_lr.filled().rise_only_after) == (0.5, 0.35)
-
-
-def test_the_readmes_settings_example_is_the_default_config():
-    """The README's settings JSON writes out the defaults: copying it changes nothing."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    example = readme.split("### Settings (`--hdet_config hdet.json`)", 1)[1].split("```json", 1)[1].split("```", 1)[0]
-    shown = HDETConfig.from_dict(json.loads(example))
-    assert (shown.alpha, shown.spread, shown.sync_interval) == (0.5, "log", 1000)
-    for steps in (1500, 300_000):
-        assert shown.for_run(steps).auto_lr == HDETConfig().for_run(steps).auto_lr
 
 
 def test_the_papers_settings():

@@ -8,12 +8,24 @@ import re
 import pytest
 from launcher import EVAL_INTERVAL, ROOT, STEPS, SYNC_INTERVAL, readme_commands
 
+from hdet_scale import HDETConfig
+
 
 def test_ci_runs_the_readmes_test_command():
     main_job, tests = readme_commands()
     ci_lines = ROOT.joinpath(".ci/run").read_text().splitlines()
     assert tests in ci_lines
     assert "pip install torch==2.13.0" in main_job and "pip install torch==2.13.0" in tests
+
+
+def test_the_settings_example_is_the_default_config():
+    """The README's settings JSON writes out the defaults: copying it changes nothing."""
+    readme = ROOT.joinpath("README.md").read_text()
+    example = readme.split("### Settings (`--hdet_config hdet.json`)", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    shown = HDETConfig.from_dict(json.loads(example))
+    assert (shown.alpha, shown.spread, shown.sync_interval) == (0.5, "log", 1000)
+    for steps in (1500, 300_000):
+        assert shown.for_run(steps).auto_lr == HDETConfig().for_run(steps).auto_lr
 
 
 @pytest.mark.e2e
