@@ -216,19 +216,21 @@ class AutoLRConfig:
         early = self.average_window
         if early is None:
             early = DEFAULT_AVERAGE_WINDOW if probing and self.enabled and self.mode == "log" else 0.0
-        span = self.controller_span()
-        if self.average_window_late is None or early == 0.0 or span is None:
+        share = self.window_share(step)
+        if self.average_window_late is None or early == 0.0 or share is None:
             return early
-        start, stop = span
-        progress = min(max((step - start) / max(stop - start, 1), 0.0), 1.0)
-        return early + (self.average_window_late - early) * progress
+        return early + (self.average_window_late - early) * min(max(share, 0.0), 1.0)
 
-    def controller_span(self) -> tuple[int, int] | None:
-        """The steps the controller moves between, (``warmup_steps``, ``stop_steps``) as resolved by ``for_run``
-        (an unresolved start counts as 0); None without a stop."""
+    def window_share(self, step: int, *, from_stop: bool = False) -> float | None:
+        """How far ``step`` is into the controller's window, from ``warmup_steps`` (an unresolved start counts as 0)
+        to ``stop_steps`` as resolved by ``for_run``: 0 at the start, 1 at the stop, below 0 before and above 1
+        after; None without a stop. ``from_stop``: the share still ahead of ``step`` instead (1 at the start, 0 at
+        the stop), so that a phase given as a share before the stop, such as ``hold_average``, is compared without
+        the rounding of ``1 - share``. Every phase of the window is placed by this share."""
         if self.stop_steps is None:
             return None
-        return self.warmup_steps or 0, self.stop_steps
+        start = self.warmup_steps or 0
+        return ((self.stop_steps - step) if from_stop else (step - start)) / max(self.stop_steps - start, 1)
 
 
 @dataclass

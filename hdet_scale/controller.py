@@ -232,11 +232,10 @@ class Controller:
     def _one_sided(self, velocity: float, step: int) -> float:
         """``velocity``, stopped at 0 past ``auto_lr.rise_only_after`` of the controller's window: the scale then
         only rises."""
-        span = self.config.controller_span()
-        if span is None or self.config.rise_only_after >= 1.0:
+        share = self.config.window_share(step)
+        if share is None or self.config.rise_only_after >= 1.0:
             return velocity
-        start, stop = span
-        return max(velocity, 0.0) if step > start + self.config.rise_only_after * (stop - start) else velocity
+        return max(velocity, 0.0) if share > self.config.rise_only_after else velocity
 
     def _stepped(self, velocity: float, updates: int) -> float:
         """What the scale steps along: the velocity, bias-corrected when ``auto_lr.bias_correction`` is on."""
@@ -252,14 +251,11 @@ class Controller:
         its log scale to the running sum, and the last update before the stop (the next sync would be past
         ``stop_steps``) replaces the scale by the sum's geometric mean, the value held from then on."""
         cfg = self.config
-        span = cfg.controller_span()
-        if not cfg.hold_average or span is None:
-            return after
-        start, stop = span
-        if step < stop - cfg.hold_average * (stop - start):
+        ahead = cfg.window_share(step, from_stop=True)
+        if not cfg.hold_average or ahead is None or ahead > cfg.hold_average:
             return after
         after.log_scale_sum = before.log_scale_sum + math.log(after.scale)
         after.scales_averaged = before.scales_averaged + 1
-        if step + sync_interval > stop:
+        if step + sync_interval > cfg.stop_steps:
             after.scale = self._clamp(math.exp(after.log_scale_sum / after.scales_averaged))
         return after

@@ -90,6 +90,10 @@ def test_the_window_grows_from_the_controllers_start_to_its_stop():
     # 0.2 + 0.6 x (step - 100) / 300, held at both ends
     assert [lr.window(True, step) for step in (0, 100, 250, 400, 900)] == pytest.approx([0.2, 0.2, 0.5, 0.8, 0.8])
     assert AutoLRConfig(average_window=0.3).window(True, 500) == 0.3  # no late window: it stays
+    # the share of the window 100-400 at a step, from its start and (from_stop) from its stop; none without a stop
+    assert [lr.window_share(step) for step in (40, 100, 190, 400, 700)] == pytest.approx([-0.2, 0.0, 0.3, 1.0, 2.0])
+    assert [lr.window_share(step, from_stop=True) for step in (100, 190, 400)] == pytest.approx([1.0, 0.7, 0.0])
+    assert lr.window_share(190, from_stop=True) == 0.7 and AutoLRConfig().window_share(190) is None
     assert AutoLRConfig(average_window_late=0.8, stop_steps=10).window(False, 5) == 0.0  # no window, none grows
     with pytest.raises(HDETConfigError, match=r"auto_lr.average_window_late grows the window up to the controller's "
                                               r"stop: it needs auto_lr.stop_steps or stop_fraction"):

@@ -290,6 +290,20 @@ def test_the_held_scale_is_the_geometric_mean_over_the_windows_last_part():
     assert state.scale == pytest.approx(math.exp(logs[4])) and state.scales_averaged == 0
 
 
+@pytest.mark.parametrize(("hold_average", "averaged"), [(0.5, 6), (0.7, 8), (0.25, 3)])
+def test_the_sync_on_the_averaged_parts_first_step_is_averaged(hold_average, averaged):
+    """Window 0-100, T = 10: the averaged part starts at 100 - 100 h (50, 30, 75 -> the syncs from 80), and the
+    sync on its first step counts. With h = 0.7 that sync's share of the window is 0.3, which 1 - 0.7 (rounded to
+    0.30000000000000004) would leave out: the averaged part is placed from the stop."""
+    controller = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, warmup_steps=0, stop_steps=100,
+                                         hold_average=hold_average, rise_only_after=1.0))
+    state = ControllerState()
+    for step in range(10, 101, 10):
+        state = controller.update(state, weights=[0.5, 0.5], replica_multipliers=[0.5, 2.0], scheduled_value=1.0,
+                                  step=step, sync_interval=10)
+    assert state.scales_averaged == averaged
+
+
 def test_a_stop_off_the_sync_grid_holds_at_the_last_update_before_it():
     """Stop 37 with T = 10: the update at 30 is the last before it (the next, 40, is past it) and holds the mean."""
     controller = Controller(AutoLRConfig(mode="scale", beta=0.0, step_size=1.0, warmup_steps=0, stop_steps=37,
