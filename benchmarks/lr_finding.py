@@ -199,6 +199,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # scale is still near its early peak then) and after half of it (15%: from 3x, past the start of the drift)
     "tenth_rise_after20": tenth(beta=0.5, average_window=0.25, rise_only_after=0.2),
     "tenth_rise_after50": tenth(beta=0.5, average_window=0.25, rise_only_after=0.5),
+    # ... with its scale bounds two decades wider: the default's bounds ([0.1, 10] x the given LR) put the ceiling
+    # exactly on the best LR from 1/10 and the floor on it from 10x; this measures where the controller alone takes
+    # those two starts
+    "tenth_rise_wide_bounds": tenth(beta=0.5, average_window=0.25, rise_only_after=0.35, scale_min=0.01,
+                                    scale_max=100.0),
 }
 DEFAULT_VARIANT = "tenth_rise"
 
