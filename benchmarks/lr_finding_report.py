@@ -16,6 +16,7 @@ from typing import Any
 from common import note, repo_relative, save_markdown, table_header, table_row
 
 TARGET_NATS, TARGET_AT_ONE = 0.03, 0.01
+FULL_GRID_SEEDS = 3
 
 
 def mean_sd(values: Iterable[float | None]) -> tuple[float, float, int]:
@@ -121,8 +122,22 @@ def write_report(stem: Path, record: dict[str, Any]) -> None:
     save_markdown(stem.with_suffix(".md"), lines)
 
 
+def full_grid_variants(record: dict[str, Any]) -> list[str]:
+    """The HDET variants run with ``FULL_GRID_SEEDS`` or more seeds from every start factor the default variant
+    was run from (a diverged run counts as run)."""
+    seeds: dict[tuple[str, float], int] = {}
+    for (method, name, factor), runs in method_table(record).items():
+        if method == "hdet" and factor is not None:
+            seeds[name, factor] = len({run["seed"] for run in runs})
+    starts = {factor for name, factor in seeds if name == record["default_variant"]}
+    names = {name for name, _ in seeds}
+    return sorted(name for name in names if starts and all(seeds.get((name, f), 0) >= FULL_GRID_SEEDS
+                                                           for f in starts))
+
+
 def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, float, int]]) -> list[str]:
-    """Held-out loss against the start factor, and the default variant's LR over the run per start."""
+    """Held-out loss against the start factor (the default variant against the other methods, and every variant
+    with the full grid), and the default variant's LR over the run per start."""
     try:
         import matplotlib
     except ImportError:
@@ -131,29 +146,38 @@ def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, 
     import matplotlib.pyplot as plt
 
     best_lr = record["best_lr"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.errorbar([lr / best_lr for lr in sweep], [v[0] for v in sweep.values()], yerr=[v[1] for v in sweep.values()],
-                color="black", marker="o", label="plain DP sweep (x = its LR / best)")
+    fig, (methods_ax, variants_ax) = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained")
     lines: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for (method, name, factor), runs in method_table(record).items():
         mean = mean_sd(run["heldout"] for run in runs)[0]
         if factor is not None and math.isfinite(mean):
             lines.setdefault((method, name), []).append((factor, mean))
         elif method == "prodigy" and math.isfinite(mean):
-            ax.axhline(mean, color="gray", linestyle=":", label="Prodigy (LR 1.0)")
+            methods_ax.axhline(mean, color="gray", linestyle=":", label="Prodigy (LR 1.0)")
+    default_key = ("hdet", record["default_variant"])
+    # left: one line per method; right: every HDET variant with the full grid (the others are in the tables)
+    methods = [key for key in lines if key[0] != "hdet" or key == default_key]
+    variants = [("hdet", name) for name in full_grid_variants(record)]
     palette = plt.get_cmap("tab20").colors  # more lines than the default cycle's 10 colours
-    for index, ((method, name), points) in enumerate(sorted(lines.items())):
-        points.sort()
-        default = name == record["default_variant"]
-        ax.plot(*zip(*points, strict=True), "-" if default else "--", marker=".", color=palette[index % 20],
-                linewidth=2.5 if default else 1.2, label=name if method == "hdet" else method)
-    ax.set_xscale("log")
-    ax.set_xlabel("start LR / sweep-best LR")
-    ax.set_ylabel("final held-out loss (mean over seeds)")
-    ax.set_ylim(top=min(ax.get_ylim()[1], sweep[best_lr][0] + 1.0))
-    ax.legend(fontsize=7)
+    for ax, keys in ((methods_ax, methods), (variants_ax, variants)):
+        ax.errorbar([lr / best_lr for lr in sweep], [v[0] for v in sweep.values()],
+                    yerr=[v[1] for v in sweep.values()], color="black", marker="o",
+                    label="plain DP sweep (x = its LR / best)")
+        for index, key in enumerate(sorted(keys)):
+            points = sorted(lines[key])
+            default = key == default_key
+            ax.plot(*zip(*points, strict=True), "-" if default else "--", marker=".", color=palette[index % 20],
+                    linewidth=2.5 if default else 1.2, label=f"HDET `{key[1]}`" if key[0] == "hdet" else key[0])
+        ax.set_xscale("log")
+        ax.set_xlabel("start LR / sweep-best LR")
+    methods_ax.set_ylabel("final held-out loss (mean over seeds)")
+    methods_ax.set_ylim(top=min(methods_ax.get_ylim()[1], sweep[best_lr][0] + 1.0))
+    methods_ax.set_title("the default against the other methods")
+    methods_ax.legend(fontsize=7)
+    variants_ax.set_ylim(sweep[best_lr][0] - 0.05, sweep[best_lr][0] + 0.15)
+    variants_ax.set_title(f"HDET variants with {FULL_GRID_SEEDS}+ seeds at every start")
+    variants_ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     heldout = stem.parent / f"{stem.name}_heldout.png"
-    fig.tight_layout()
     fig.savefig(heldout, dpi=110)
     plt.close(fig)
 

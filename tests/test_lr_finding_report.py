@@ -1,0 +1,48 @@
+"""The LR-finding benchmark's report (benchmarks/lr_finding_report.py) against hand-computed tables."""
+
+from benchmark_modules import load_benchmark
+
+report = load_benchmark("lr_finding_report")
+
+SQRT10 = 10 ** 0.5
+BEST_LR = 10 ** -2.5  # the grid's sqrt(10) steps: 1e-3, BEST_LR, 1e-2
+
+
+def hdet(variant, factor, seed, heldout, ratio=1.0):
+    return {"method": "hdet", "variant": variant, "start_factor": factor, "seed": seed, "heldout": heldout,
+            "final_lr_ratio": ratio}
+
+
+def record(runs):
+    # sweep means: 0.001 -> 1.4, 0.00316 -> 1.1 (the best), 0.01 -> 1.3
+    sweep = [{"lr": lr, "seed": seed, "heldout": heldout}
+             for lr, values in ((1e-3, (1.3, 1.5)), (BEST_LR, (1.0, 1.2)), (1e-2, (1.2, 1.4)))
+             for seed, heldout in enumerate(values)]
+    return {"best_lr": BEST_LR, "default_variant": "chosen", "sweep": sweep, "runs": runs}
+
+
+def test_the_headline_is_the_default_variants_excess_over_the_sweep_best_and_plain_dp():
+    runs = [hdet("chosen", 1.0, 0, 1.11, 2.0), hdet("chosen", 1.0, 1, 1.13, 8.0),
+            hdet("chosen", SQRT10, 0, 1.12), hdet("chosen", SQRT10, 1, 1.12),
+            hdet("other", 1.0, 0, 5.0)]
+    rec = record(runs)
+    rows = report.headline(rec, report.sweep_table(rec))[-2:]
+    # factor 1: mean 1.12, +0.020 over the best (within 0.03) but +0.020 over plain DP at that LR (not within 0.01);
+    # final LR ratio: geometric mean of 2 and 8 = 4
+    assert rows[0] == "| 1 | 0.00316 | 1.120 ± 0.014 (2) | +0.020 | +0.000 | 4.00 | no |"
+    # factor sqrt(10): +0.020 over the best; plain DP at 0.01: 1.3, +0.200
+    assert rows[1] == "| 3.16 | 0.01 | 1.120 ± 0.000 (2) | +0.020 | +0.200 | 1.00 | yes |"
+
+
+def test_the_variants_figure_shows_the_variants_with_three_seeds_at_every_default_start():
+    full = [hdet(name, factor, seed, 1.2) for name in ("chosen", "full") for factor in (0.1, 10.0)
+            for seed in range(3)]
+    short_seed = [hdet("two_seeds", factor, seed, 1.2) for factor in (0.1, 10.0) for seed in range(2)]
+    one_start = [hdet("one_start", 0.1, seed, 1.2) for seed in range(3)]
+    repeated = [hdet("same_seed_thrice", factor, 0, 1.2) for factor in (0.1, 10.0) for _ in range(3)]
+    rec = record(full + short_seed + one_start + repeated)
+    assert report.full_grid_variants(rec) == ["chosen", "full"]
+
+
+def test_without_the_default_variant_no_variant_has_the_full_grid():
+    assert report.full_grid_variants(record([hdet("full", 0.1, seed, 1.2) for seed in range(3)])) == []
