@@ -115,7 +115,10 @@ class AutoLRConfig:
     (at most ``max_log_step`` per sync anyway), the paper's 0.5 in the others."""
 
     scale_min: float = 0.1
-    """Floor of the multiplicative scale in ``scale`` mode (relative to the base schedule), > 0."""
+    """Floor of the multiplicative scale in ``scale`` and ``log`` mode (relative to the base schedule), > 0. The
+    lowest LR the controller can reach is ``scale_min`` times the one it was given: with the default 0.1 and
+    ``initial_scale`` 0.1, a run cannot go below the LR it starts at, so a given LR more than 10x too high stays
+    too high; lower it to reach further."""
 
     initial_scale: float | None = None
     """``scale`` and ``log`` mode: the LR's scale from the first step (other explored values start at 1), in
@@ -125,7 +128,9 @@ class AutoLRConfig:
     at 1 whatever this says. null: 0.1 in ``log`` mode with the controller on, else 1."""
 
     scale_max: float = 10.0
-    """Ceiling of the multiplicative scale in ``scale`` mode, >= scale_min."""
+    """Ceiling of the multiplicative scale in ``scale`` and ``log`` mode, >= scale_min: the highest LR the
+    controller can reach is ``scale_max`` times the one it was given (by default 10x, so a given LR more than 10x
+    too low stays too low; raise it to reach further)."""
 
     max_log_step: float = 0.5
     """``log`` mode: the largest change of log(scale) at one sync (0.5: x1.65 or /1.65), > 0."""
