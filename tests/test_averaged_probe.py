@@ -285,6 +285,6 @@ def zero_run(rank: int, world: int, stage: int) -> None:
     check_progress(after_sync, reports, probe_loss)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_scores_each_replicas_averaged_partitions(stage):
     run_ranks(zero_run, 4, stage)
