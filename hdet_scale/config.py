@@ -39,6 +39,8 @@ MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
 """What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop, ``hold_average``, ``bias_correction`` and
 ``rise_only_after`` are when left unset, per controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s
 and ``paper``'s the paper's (eqs. 4, 7)."""
+MIN_CONTROLLER_UPDATES = 4
+"""Fewer controller updates than this (or than ``AutoLRConfig.updates_to_climb``) in its window are warned about."""
 FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_steps"}
 """The controller's times given as a share of the run, and the step fields ``HDETConfig.for_run`` turns them into."""
 DEFAULT_AVERAGE_WINDOW = 0.25
@@ -225,6 +227,15 @@ class AutoLRConfig:
         if self.average_window_late is None or early == 0.0 or share is None:
             return early
         return early + (self.average_window_late - early) * min(max(share, 0.0), 1.0)
+
+    def updates_to_climb(self) -> int:
+        """How many controller updates the LR needs to climb from ``initial_scale`` to ``scale_max`` at the
+        largest step, ``max_log_step`` a sync (``log`` mode: the reach of a too-low start; fields filled). Other
+        modes have no largest step: MIN_CONTROLLER_UPDATES."""
+        if self.mode != "log" or self.initial_scale is None or self.initial_scale >= self.scale_max:
+            return MIN_CONTROLLER_UPDATES
+        climb = math.ceil(math.log(self.scale_max / self.initial_scale) / self.max_log_step - 1e-9)
+        return max(MIN_CONTROLLER_UPDATES, climb)
 
     def window_share(self, step: int, *, from_stop: bool = False) -> float | None:
         """How far ``step`` is into the controller's window, from ``warmup_steps`` (an unresolved start counts as 0)

@@ -22,7 +22,7 @@ import torch
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import all_finite, start_gather_rows
-from hdet_scale.config import HDETConfig
+from hdet_scale.config import MIN_CONTROLLER_UPDATES, HDETConfig
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.displacement import DisplacementSignal
 from hdet_scale.explored import ExploredValue
@@ -154,16 +154,20 @@ class HDETEnsemble:
 
     @property
     def few_updates_warning(self) -> str | None:
-        """What the controller cannot do when fewer than 4 syncs fall between its start and its stop; else None."""
+        """What the controller cannot do when fewer syncs fall between its start and its stop than it needs to
+        climb its whole range (``AutoLRConfig.updates_to_climb``, at least 4); else None."""
         cfg, interval = self.config.auto_lr, self.config.sync_interval
         if not cfg.enabled or self.topology.num_replicas == 1:  # no controller (its start may be an unplaced share)
             return None
-        updates = self.config.controller_updates()
-        if updates is None or updates >= 4:
+        updates, needed = self.config.controller_updates(), cfg.updates_to_climb()
+        if updates is None or updates >= needed:
             return None
+        reach = (f"; climbing from auto_lr.initial_scale={cfg.initial_scale:g} to scale_max={cfg.scale_max:g} at "
+                 f"max_log_step={cfg.max_log_step:g} a sync takes {needed}, so a too-low LR stays too low"
+                 if needed > MIN_CONTROLLER_UPDATES else "")
         return (f"the auto-LR controller moves only between steps {cfg.warmup_steps} and {cfg.stop_steps}, where "
-                f"sync_interval={interval} gives it {updates} update(s): set sync_interval to about "
-                f"{max(1, (cfg.stop_steps - cfg.warmup_steps) // 10)} for ten")
+                f"sync_interval={interval} gives it {updates} update(s){reach}: set sync_interval to "
+                f"{max(1, (cfg.stop_steps - cfg.warmup_steps) // needed)} or less for {needed}")
 
     def _explore(self, knob: Knob, paper_decay: PaperDecay | None = None) -> ExploredValue:
         if any(explored.name == knob.name for explored in self._explored):

@@ -1,5 +1,6 @@
 import argparse
 import json
+import math
 
 import pytest
 from benchmark_modules import load_benchmark
@@ -299,27 +300,48 @@ def test_the_rise_only_phase_is_checked():
     assert HDETConfig.from_dict({"auto_lr": {"mode": "scale", "stop_steps": 9, "rise_only_after": 0.2}})
 
 
-@pytest.mark.parametrize(("sync_interval", "updates"), [(5, 5), (10, 2), (1000, 0)])
-def test_a_controller_window_with_few_syncs_says_so(sync_interval, updates):
-    """Start 5, stop 25 (the default shares of 100 steps): the syncs at 5, 10, ..., 25 update the controller
-    (every T-th step from the start up to and including the stop)."""
+@pytest.mark.parametrize(("mode", "sync_interval", "updates"),
+                         [("log", 1, 21), ("log", 2, 10), ("log", 3, 7), ("log", 10, 2), ("log", 1000, 0),
+                          ("scale", 5, 5), ("scale", 10, 2)])
+def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, updates):
+    """Start 5, stop 25 (the default shares of 100 steps): the syncs at every T-th step from the start up to and
+    including the stop update the controller. The log default climbs from a tenth of the LR to 10x it in
+    ceil(log(100) / 0.5) = 10 updates, and warns below that; scale mode has no largest step and warns below 4."""
     import torch
 
     from hdet_scale import HDETEnsemble
     from hdet_scale.engines.ddp import DDPAdapter
     from hdet_scale.topology import ReplicaTopology
 
-    config = HDETConfig(sync_interval=sync_interval, ranks_per_replica=1)
+    auto_lr = {"mode": mode} if mode == "log" else {"mode": mode, "start_fraction": 0.05, "stop_fraction": 0.25}
+    config = HDETConfig.from_dict({"sync_interval": sync_interval, "ranks_per_replica": 1, "auto_lr": auto_lr})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=100,
                         topology=ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1))
-    if updates >= 4:
+    assert hdet.config.controller_updates() == updates
+    if updates >= (10 if mode == "log" else 4):
         assert hdet.few_updates_warning is None
+    elif mode == "log":
+        assert hdet.few_updates_warning == (
+            f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
+            f"it {updates} update(s); climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 "
+            "a sync takes 10, so a too-low LR stays too low: set sync_interval to 2 or less for 10")
     else:
         assert hdet.few_updates_warning == (
             f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
-            f"it {updates} update(s): set sync_interval to about 2 for ten")
+            "it 2 update(s): set sync_interval to 5 or less for 4")
     hdet.close()
+
+
+@pytest.mark.parametrize(("auto_lr", "updates"),
+                         [({}, 10),  # the log default: ceil(log(10 / 0.1) / 0.5) = ceil(9.21)
+                          ({"initial_scale": 1.0, "max_log_step": 0.25}, 10),  # ceil(log(10) / 0.25) = ceil(9.21)
+                          ({"initial_scale": 0.5, "scale_max": 2.0, "max_log_step": 0.7}, 4),  # ceil(1.98), then 4
+                          ({"initial_scale": math.exp(-1), "scale_max": math.exp(1)}, 4),  # exactly 2 / 0.5
+                          ({"initial_scale": math.exp(-1), "scale_max": math.exp(2)}, 6),  # exactly 3 / 0.5
+                          ({"mode": "scale"}, 4)])  # no largest step
+def test_updates_to_climb_by_hand(auto_lr, updates):
+    assert AutoLRConfig(**auto_lr).filled().updates_to_climb() == updates
 
 
 @pytest.mark.parametrize(("auto_lr", "updates"), [({"warmup_steps": 0, "stop_steps": 30}, 3),
