@@ -230,11 +230,13 @@ class AutoLRConfig:
 
     def updates_to_climb(self) -> int:
         """How many controller updates the LR needs to climb from ``initial_scale`` to ``scale_max`` at the
-        largest step, ``max_log_step`` a sync (``log`` mode: the reach of a too-low start; fields filled). Other
-        modes have no largest step: MIN_CONTROLLER_UPDATES."""
-        if self.mode != "log" or self.initial_scale is None or self.initial_scale >= self.scale_max:
+        largest step, ``max_log_step`` a sync (``log`` mode: the reach of a too-low start), at least
+        MIN_CONTROLLER_UPDATES. Other modes have no largest step: MIN_CONTROLLER_UPDATES."""
+        lr = self.filled()
+        if lr.mode != "log" or lr.initial_scale >= lr.scale_max:
             return MIN_CONTROLLER_UPDATES
-        climb = math.ceil(math.log(self.scale_max / self.initial_scale) / self.max_log_step - 1e-9)
+        # less a hair: a climb of exactly n steps (log(100) / (log(100) / 14)) must not round up to n + 1
+        climb = math.ceil(math.log(lr.scale_max / lr.initial_scale) / lr.max_log_step - 1e-9)
         return max(MIN_CONTROLLER_UPDATES, climb)
 
     def window_share(self, step: int, *, from_stop: bool = False) -> float | None:
@@ -546,6 +548,24 @@ class HDETConfig:
         if value == "node":
             value = ranks_per_node()
         return self if value == self.ranks_per_replica else dataclasses.replace(self, ranks_per_replica=value)
+
+
+ROUND_SYNC_INTERVALS = (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000)
+"""The sync intervals ``sync_interval_for_run`` picks from: round numbers, so that checkpoint and evaluation
+intervals can be multiples of them, up to the library's default."""
+MEASURED_CONTROLLER_UPDATES = 13
+"""The controller updates in the default window of benchmarks/lr_finding.py's default setting (T = 25, 1,500 steps),
+where the defaults were measured: ``updates_to_climb`` (10) and three more."""
+
+
+def sync_interval_for_run(total_steps: int) -> int:
+    """The sync interval for a run of ``total_steps`` with the default controller: the largest of
+    ``ROUND_SYNC_INTERVALS`` whose window (5% to 25% of the run) holds ``MEASURED_CONTROLLER_UPDATES`` updates, 1
+    where none does (a run that short is warned about at start). 5 for 300 steps, 25 for 1,500, 1000 from 60,000."""
+    for interval in reversed(ROUND_SYNC_INTERVALS):
+        if HDETConfig(sync_interval=interval).for_run(total_steps).controller_updates() >= MEASURED_CONTROLLER_UPDATES:
+            return interval
+    return 1
 
 
 def _node_but_two_replicas(world_size: int | None) -> int:

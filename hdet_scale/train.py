@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hdet_scale.comm import shut_down
-from hdet_scale.config import HDETConfig, add_hdet_args
+from hdet_scale.config import HDETConfig, add_hdet_args, sync_interval_for_run
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import ResumePoint, check_free_space, check_resume, identity, remove_leftover_staging
 from hdet_scale.lm.corpus import Corpus, batch, load_corpus
@@ -60,10 +60,6 @@ PROBE_SEED = 777
 """Where --probe_batch draws its held-out windows (fixed: the same probe whatever the training seed)."""
 BAD_INPUT_GRACE_S = 20.0
 """How long a rank other than 0 waits for its launcher to stop it after a bad input (see refuse_bad_input)."""
-TRAIN_DEFAULTS: dict[str, Any] = {"sync_interval": 5}
-"""HDET settings when no --hdet_config is given: the library's defaults, syncing every 5 steps, so that in the
-default 300 steps the controller's window (5% to 25% of the run) holds 13 updates, enough to climb from a tenth of
-the given LR to 10x it (10), as in benchmarks/lr_finding.py; the library's T = 1000 suits long runs."""
 SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29512")}
 """The launcher's environment for a run started without one."""
@@ -266,13 +262,15 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
                              "\"hdet\" section)")
         # One replica over every rank: plain FSDP2 / ZeRO. Its syncs only write the metrics lines, at every
         # checkpoint and evaluation step.
-        every = math.gcd(args.checkpoint_interval, args.eval_interval) or TRAIN_DEFAULTS["sync_interval"]
+        every = math.gcd(args.checkpoint_interval, args.eval_interval) or sync_interval_for_run(args.steps)
         return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
                 "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)), "auto_lr": {"enabled": False}}
     if args.hdet_config:
         values = _read_json(args.hdet_config, "--hdet_config")
     else:
-        values = section if section is not None else TRAIN_DEFAULTS
+        # without settings: the library's defaults at a sync interval that gives the controller the updates it
+        # was measured with, whatever the run's length (the library's T = 1000 suits long runs only)
+        values = section if section is not None else {"sync_interval": sync_interval_for_run(args.steps)}
     if not isinstance(values, dict):
         raise ValueError(f"the HDET settings must be a JSON object, got {type(values).__name__}")
     return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), **values}

@@ -302,35 +302,55 @@ def test_the_rise_only_phase_is_checked():
 
 @pytest.mark.parametrize(("mode", "sync_interval", "updates"),
                          [("log", 1, 21), ("log", 2, 10), ("log", 3, 7), ("log", 10, 2), ("log", 1000, 0),
-                          ("scale", 5, 5), ("scale", 10, 2)])
+                          ("scale", 5, 5), ("scale", 10, 2), ("short", 1, 9)])
 def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, updates):
     """Start 5, stop 25 (the default shares of 100 steps): the syncs at every T-th step from the start up to and
     including the stop update the controller. The log default climbs from a tenth of the LR to 10x it in
-    ceil(log(100) / 0.5) = 10 updates, and warns below that; scale mode has no largest step and warns below 4."""
+    ceil(log(100) / 0.5) = 10 updates, and warns below that; scale mode has no largest step and warns below 4. A
+    window shorter than the updates it needs (40 steps: 2-10) says that no sync interval is enough."""
     import torch
 
     from hdet_scale import HDETEnsemble
     from hdet_scale.engines.ddp import DDPAdapter
     from hdet_scale.topology import ReplicaTopology
 
-    auto_lr = {"mode": mode} if mode == "log" else {"mode": mode, "start_fraction": 0.05, "stop_fraction": 0.25}
+    auto_lr = {"mode": "log"} if mode != "scale" else {"mode": mode, "start_fraction": 0.05, "stop_fraction": 0.25}
     config = HDETConfig.from_dict({"sync_interval": sync_interval, "ranks_per_replica": 1, "auto_lr": auto_lr})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=100,
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=40 if mode == "short" else 100,
                         topology=ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1))
     assert hdet.config.controller_updates() == updates
-    if updates >= (10 if mode == "log" else 4):
+    if updates >= (4 if mode == "scale" else 10):
         assert hdet.few_updates_warning is None
     elif mode == "log":
         assert hdet.few_updates_warning == (
             f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
             f"it {updates} update(s); climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 "
             "a sync takes 10, so a too-low LR stays too low: set sync_interval to 2 or less for 10")
-    else:
+    elif mode == "scale":
         assert hdet.few_updates_warning == (
             f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
             "it 2 update(s): set sync_interval to 5 or less for 4")
+    else:  # 40 steps: the window 2-10 holds 9 syncs even at T = 1, so no sync_interval is enough
+        assert hdet.few_updates_warning == (
+            "the auto-LR controller moves only between steps 2 and 10, where sync_interval=1 gives it 9 update(s); "
+            "climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 a sync takes 10, so a "
+            "too-low LR stays too low: the window is shorter than 10 steps: train longer, or widen it "
+            "(auto_lr.start_fraction, stop_fraction), or narrow the climb (auto_lr.initial_scale, scale_max, "
+            "max_log_step)")
     hdet.close()
+
+
+@pytest.mark.parametrize(("steps", "interval"), [(100, 1), (300, 5), (1000, 10), (1500, 25), (59_900, 500),
+                                                 (60_000, 1000), (10**6, 1000)])
+def test_the_sync_interval_for_a_run_gives_the_controller_its_measured_updates(steps, interval):
+    """The largest round T whose default window (5% to 25% of the run) holds 13 updates. 300 steps: 15-75, T = 5
+    gives 15, 20, ..., 75 (13), T = 10 only 20, ..., 70 (6). 1000: 50-250, T = 10 gives 21, T = 20 60, ..., 240
+    (10). 60,000: 3000-15000, T = 1000 gives 13; 59,900: 2995-14975, T = 1000 gives 3000, ..., 14000 (12). A
+    million steps: capped at the library's 1000."""
+    from hdet_scale.config import sync_interval_for_run
+
+    assert sync_interval_for_run(steps) == interval
 
 
 @pytest.mark.parametrize(("auto_lr", "updates"),
@@ -339,6 +359,7 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
                           ({"initial_scale": 0.5, "scale_max": 2.0, "max_log_step": 0.7}, 4),  # ceil(1.98), then 4
                           ({"initial_scale": math.exp(-1), "scale_max": math.exp(1)}, 4),  # exactly 2 / 0.5
                           ({"initial_scale": math.exp(-1), "scale_max": math.exp(2)}, 6),  # exactly 3 / 0.5
+                          ({"max_log_step": math.log(100) / 14}, 14),  # exactly 14 steps, not 15 by rounding
                           ({"mode": "scale"}, 4)])  # no largest step
 def test_updates_to_climb_by_hand(auto_lr, updates):
     assert AutoLRConfig(**auto_lr).filled().updates_to_climb() == updates

@@ -343,7 +343,8 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--hdet_config", str(bad_hdet)], "sync_intervall")
     bad_hdet.write_text(json.dumps({"alpha": -0.5}))
     check(["--hdet_config", str(bad_hdet)], "alpha")
-    check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")
+    check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")  # 300 steps: T = 5
+    check(["--steps", "1500", "--eval_interval", "30"], "--eval_interval=30 must be a multiple of sync_interval=25")
     check(["--steps", "0"], "--steps must be at least 1")
 
 
