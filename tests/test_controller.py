@@ -290,18 +290,35 @@ def test_the_held_scale_is_the_geometric_mean_over_the_windows_last_part():
     assert state.scale == pytest.approx(math.exp(logs[4])) and state.scales_averaged == 0
 
 
-@pytest.mark.parametrize(("hold_average", "averaged"), [(0.5, 6), (0.7, 8), (0.25, 3)])
-def test_the_sync_on_the_averaged_parts_first_step_is_averaged(hold_average, averaged):
-    """Window 0-100, T = 10: the averaged part starts at 100 - 100 h (50, 30, 75 -> the syncs from 80), and the
-    sync on its first step counts. With h = 0.7 that sync's share of the window is 0.3, which 1 - 0.7 (rounded to
-    0.30000000000000004) would leave out: the averaged part is placed from the stop."""
-    controller = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, warmup_steps=0, stop_steps=100,
+@pytest.mark.parametrize(("stop", "hold_average", "averaged"), [(100, 0.5, 6), (100, 0.7, 8), (100, 0.25, 3),
+                                                                 (90, 0.7, 8)])
+def test_the_sync_on_the_averaged_parts_first_step_is_averaged(stop, hold_average, averaged):
+    """Window 0 to ``stop``, T = stop / 10: the averaged part starts at stop (1 - h) (50, 30, 75 -> the syncs from
+    80, 27), and the sync on its first step counts. On 0-90 with h = 0.7, 90 - 0.7 x 90 rounds to 27.000000000000007,
+    and 1 - 0.7 to 0.30000000000000004 (above 27 / 90): either comparison would leave the sync at 27 out. The
+    averaged part is placed as a share before the stop, (90 - 27) / 90 = 0.7 <= h."""
+    interval = stop // 10
+    controller = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, warmup_steps=0, stop_steps=stop,
                                          hold_average=hold_average, rise_only_after=1.0))
     state = ControllerState()
-    for step in range(10, 101, 10):
+    for step in range(interval, stop + 1, interval):
         state = controller.update(state, weights=[0.5, 0.5], replica_multipliers=[0.5, 2.0], scheduled_value=1.0,
-                                  step=step, sync_interval=10)
+                                  step=step, sync_interval=interval)
     assert state.scales_averaged == averaged
+
+
+def test_the_sync_on_the_one_sided_phases_first_step_still_lowers():
+    """Window 0-90, rise-only after 0.7 of it: the phase starts after step 63 (63 / 90 = 0.7 exactly; 0.7 x 90
+    rounds to 62.99999999999999, which would start it at 63). The low replica wins at 63 and 72: the scale falls at
+    63, and at 72 the velocity (beta 0) is stopped at 0."""
+    controller = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, warmup_steps=0, stop_steps=90,
+                                         initial_scale=1.0, rise_only_after=0.7))
+    state = ControllerState()
+    down = math.exp(0.8 * math.log(0.5) + 0.2 * math.log(2.0))  # Delta = 0.8 log 0.5 + 0.2 log 2
+    for step, expected in ((63, down), (72, down)):
+        state = controller.update(state, weights=[0.8, 0.2], replica_multipliers=[0.5, 2.0], scheduled_value=1.0,
+                                  step=step, sync_interval=9)
+        assert state.scale == pytest.approx(expected)
 
 
 def test_a_stop_off_the_sync_grid_holds_at_the_last_update_before_it():
