@@ -159,14 +159,18 @@ def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, 
     methods = [key for key in lines if key[0] != "hdet" or key == default_key]
     variants = [("hdet", name) for name in full_grid_variants(record)]
     palette = plt.get_cmap("tab20").colors  # more lines than the default cycle's 10 colours
+    # the same in both panels; the default in the first (dark blue), the others from the third on (not its light
+    # twin)
+    colors = {key: palette[2 + index % 18] for index, key in enumerate(sorted(set(lines) - {default_key}))}
+    colors[default_key] = palette[0]
     for ax, keys in ((methods_ax, methods), (variants_ax, variants)):
         ax.errorbar([lr / best_lr for lr in sweep], [v[0] for v in sweep.values()],
                     yerr=[v[1] for v in sweep.values()], color="black", marker="o",
                     label="plain DP sweep (x = its LR / best)")
-        for index, key in enumerate(sorted(keys)):
+        for key in sorted(keys):
             points = sorted(lines[key])
             default = key == default_key
-            ax.plot(*zip(*points, strict=True), "-" if default else "--", marker=".", color=palette[index % 20],
+            ax.plot(*zip(*points, strict=True), "-" if default else "--", marker=".", color=colors[key],
                     linewidth=2.5 if default else 1.2, label=f"HDET `{key[1]}`" if key[0] == "hdet" else key[0])
         ax.set_xscale("log")
         ax.set_xlabel("start LR / sweep-best LR")
@@ -174,7 +178,8 @@ def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, 
     methods_ax.set_ylim(top=min(methods_ax.get_ylim()[1], sweep[best_lr][0] + 1.0))
     methods_ax.set_title("the default against the other methods")
     methods_ax.legend(fontsize=7)
-    variants_ax.set_ylim(sweep[best_lr][0] - 0.05, sweep[best_lr][0] + 0.15)
+    worst = max((mean for key in variants for _, mean in lines[key]), default=sweep[best_lr][0])
+    variants_ax.set_ylim(sweep[best_lr][0] - 0.05, min(worst, sweep[best_lr][0] + 0.5) + 0.02)
     variants_ax.set_title(f"HDET variants with {FULL_GRID_SEEDS}+ seeds at every start")
     variants_ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     heldout = stem.parent / f"{stem.name}_heldout.png"
