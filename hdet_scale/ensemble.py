@@ -163,7 +163,7 @@ class HDETEnsemble:
         if updates is None or updates >= needed:
             return None
         reach = (f"; climbing from auto_lr.initial_scale={cfg.initial_scale:g} to scale_max={cfg.scale_max:g} at "
-                 f"max_log_step={cfg.max_log_step:g} a sync takes {needed}, so a too-low LR stays too low"
+                 f"max_log_step={cfg.max_log_step:g} a sync takes {needed}, so a too-low LR may not climb all the way"
                  if needed > MIN_CONTROLLER_UPDATES else "")
         interval_for_enough = (cfg.stop_steps - cfg.warmup_steps) // needed
         fix = (f"set sync_interval to {interval_for_enough} or less for {needed}" if interval_for_enough >= 1 else

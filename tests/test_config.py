@@ -326,7 +326,7 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
         assert hdet.few_updates_warning == (
             f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
             f"it {updates} update(s); climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 "
-            "a sync takes 10, so a too-low LR stays too low: set sync_interval to 2 or less for 10")
+            "a sync takes 10, so a too-low LR may not climb all the way: set sync_interval to 2 or less for 10")
     elif mode == "scale":
         assert hdet.few_updates_warning == (
             f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
@@ -335,7 +335,7 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
         assert hdet.few_updates_warning == (
             "the auto-LR controller moves only between steps 2 and 10, where sync_interval=1 gives it 9 update(s); "
             "climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 a sync takes 10, so a "
-            "too-low LR stays too low: the window is shorter than 10 steps: train longer, or widen it "
+            "too-low LR may not climb all the way: the window is shorter than 10 steps: train longer, or widen it "
             "(auto_lr.start_fraction, stop_fraction), or narrow the climb (auto_lr.initial_scale, scale_max, "
             "max_log_step)")
     hdet.close()
