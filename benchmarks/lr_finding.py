@@ -204,6 +204,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # those two starts
     "tenth_rise_wide_bounds": tenth(beta=0.5, average_window=0.25, rise_only_after=0.35, scale_min=0.01,
                                     scale_max=100.0),
+    # ... climbing faster from far below: from 1/10 the default climbs at max_log_step (0.5) a sync for 9 syncs
+    # (steps 75-300) from a hundredth of the best LR; 0.7 a sync takes 7
+    "tenth_rise_step7": tenth(beta=0.5, average_window=0.25, rise_only_after=0.35, max_log_step=0.7),
+    # ... or starting the climb earlier: the controller from 2% of the run (inside the LR warm-up), the one-sided
+    # phase still from 12% of the run (0.43 of the window 2%-25%)
+    "tenth_rise_start2": tenth(beta=0.5, average_window=0.25, rise_only_after=0.43, start_fraction=0.02),
 }
 DEFAULT_VARIANT = "tenth_rise"
 
