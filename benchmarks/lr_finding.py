@@ -66,6 +66,12 @@ def tenth(alpha: float = 0.5, **auto_lr: Any) -> dict[str, Any]:
             "probe": True}
 
 
+def rise(**auto_lr: Any) -> dict[str, Any]:
+    """``tenth_rise`` (``tenth`` with beta 0.5, a quarter-interval window and the LR only rising after 0.35 of the
+    controller's window) with ``auto_lr`` fields changed."""
+    return tenth(**{"beta": 0.5, "average_window": 0.25, "rise_only_after": 0.35, **auto_lr})
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
     # whether a probe batch scores the replicas
@@ -194,22 +200,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # with the controller only raising the LR after 35% of its window (12% of the run) up to its stop
     # (auto_lr.rise_only_after): a late signal to lower the LR is what the bias gives even at the best LR, one to
     # raise it goes against the bias
-    "tenth_rise": tenth(beta=0.5, average_window=0.25, rise_only_after=0.35),
+    "tenth_rise": rise(),
     # ... and how much the one-sided phase's start matters: after a fifth of the window (9% of the run; from 10x the
     # scale is still near its early peak then) and after half of it (15%: from 3x, past the start of the drift)
-    "tenth_rise_after20": tenth(beta=0.5, average_window=0.25, rise_only_after=0.2),
-    "tenth_rise_after50": tenth(beta=0.5, average_window=0.25, rise_only_after=0.5),
+    "tenth_rise_after20": rise(rise_only_after=0.2),
+    "tenth_rise_after50": rise(rise_only_after=0.5),
     # ... with its scale bounds two decades wider: the default's bounds ([0.1, 10] x the given LR) put the ceiling
     # exactly on the best LR from 1/10 and the floor on it from 10x; this measures where the controller alone takes
     # those two starts
-    "tenth_rise_wide_bounds": tenth(beta=0.5, average_window=0.25, rise_only_after=0.35, scale_min=0.01,
-                                    scale_max=100.0),
+    "tenth_rise_wide_bounds": rise(scale_min=0.01, scale_max=100.0),
     # ... climbing faster from far below: from 1/10 the default climbs at max_log_step (0.5) a sync for 9 syncs
     # (steps 75-300) from a hundredth of the best LR; 0.7 a sync takes 7
-    "tenth_rise_step7": tenth(beta=0.5, average_window=0.25, rise_only_after=0.35, max_log_step=0.7),
+    "tenth_rise_step7": rise(max_log_step=0.7),
     # ... or starting the climb earlier: the controller from 2% of the run (inside the LR warm-up), the one-sided
     # phase still from 12% of the run (0.43 of the window 2%-25%)
-    "tenth_rise_start2": tenth(beta=0.5, average_window=0.25, rise_only_after=0.43, start_fraction=0.02),
+    "tenth_rise_start2": rise(rise_only_after=0.43, start_fraction=0.02),
 }
 DEFAULT_VARIANT = "tenth_rise"
 
