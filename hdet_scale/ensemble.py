@@ -162,14 +162,15 @@ class HDETEnsemble:
         updates, needed = self.config.controller_updates(), cfg.updates_to_climb()
         if updates is None or updates >= needed:
             return None
+        climb_sets_it = needed > MIN_CONTROLLER_UPDATES  # else the bare minimum of updates does
         reach = (f"; climbing from auto_lr.initial_scale={cfg.initial_scale:g} to scale_max={cfg.scale_max:g} at "
                  f"max_log_step={cfg.max_log_step:g} a sync takes {needed}, so a too-low LR may not climb all the way"
-                 if needed > MIN_CONTROLLER_UPDATES else "")
+                 if climb_sets_it else "")
         interval_for_enough = (cfg.stop_steps - cfg.warmup_steps) // needed
         fix = (f"set sync_interval to {interval_for_enough} or less for {needed}" if interval_for_enough >= 1 else
                f"the window is shorter than {needed} steps: train longer, or widen it (auto_lr.start_fraction, "
                "stop_fraction)" + (", or narrow the climb (auto_lr.initial_scale, scale_max, max_log_step)"
-                                   if needed > MIN_CONTROLLER_UPDATES else ""))
+                                   if climb_sets_it else ""))
         return (f"the auto-LR controller moves only between steps {cfg.warmup_steps} and {cfg.stop_steps}, where "
                 f"sync_interval={interval} gives it {updates} update(s){reach}: {fix}")
 
