@@ -216,7 +216,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # phase still from 12% of the run (0.43 of the window 2%-25%)
     "tenth_rise_start2": rise(rise_only_after=0.43, start_fraction=0.02),
 }
-DEFAULT_VARIANT = "tenth_rise"
+DEFAULT_VARIANT = "tenth_rise_start2"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,8 +1,8 @@
 """HDET configuration: dataclasses with strict loading and validation.
 
 The defaults are the controller that found the LR best from either side in ``benchmarks/lr_finding.py``
-(``tenth_rise``, see benchmarks/results/lr_finding.md): a log spread, the scale-free ``log`` controller on
-quarter-interval averaged weights from a tenth of the given LR, moving between 5% and 25% of the run, only upward
+(``tenth_rise_start2``, see benchmarks/results/lr_finding.md): a log spread, the scale-free ``log`` controller on
+quarter-interval averaged weights from a tenth of the given LR, moving between 2% and 25% of the run, only upward
 from 12% of it. ``HDETConfig.paper()`` gives the paper's settings. Every field carries the paper's symbol where
 it has one (arXiv 2604.24708, section 3). A config is loaded from a JSON file (``--hdet_config PATH``), a mapping,
 or built in code; unknown keys are errors, and ``validate()`` names the field, the allowed range and the value it
@@ -26,19 +26,19 @@ GRADIENT_MODES = ("global", "local")
 CONTROLLER_MODES = ("scale", "paper", "log")
 SPREADS = ("linear", "log")
 HYPERGRADIENTS = ("weights", "progress")
-DEFAULT_START_FRACTION = 0.05
-"""Where the controller starts when neither ``warmup_steps`` nor ``start_fraction`` is given."""
 MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
-    "log": {"beta": 0.5, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "stop_fraction": 0.25,
-            "hold_average": 0.0, "bias_correction": False, "rise_only_after": 0.35},
-    "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
-              "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
-    "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "stop_fraction": None,
-              "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
+    "log": {"beta": 0.5, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "start_fraction": 0.02,
+            "stop_fraction": 0.25, "hold_average": 0.0, "bias_correction": False, "rise_only_after": 0.43},
+    "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "start_fraction": 0.05,
+              "stop_fraction": None, "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
+    "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "start_fraction": 0.05,
+              "stop_fraction": None, "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
 }
-"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the stop, ``hold_average``, ``bias_correction`` and
-``rise_only_after`` are when left unset, per controller mode: ``log``'s from benchmarks/lr_finding.py, ``scale``'s
-and ``paper``'s the paper's (eqs. 4, 7)."""
+"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the start and stop, ``hold_average``,
+``bias_correction`` and ``rise_only_after`` are when left unset, per controller mode: ``log``'s from
+benchmarks/lr_finding.py (its controller climbs from a tenth of the LR, so it starts early, inside a usual LR
+warm-up), ``scale``'s and ``paper``'s the paper's (eqs. 4, 7) with the start at 5% of the run (the paper's
+S_warm is a fixed 100,000 steps)."""
 MIN_CONTROLLER_UPDATES = 4
 """Fewer controller updates than this (or than ``AutoLRConfig.updates_to_climb``) in its window are warned about."""
 FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_steps"}
@@ -71,10 +71,11 @@ class AutoLRConfig:
     ``start_fraction``."""
 
     start_fraction: float | None = None
-    """The controller's start as a share of the run instead of ``warmup_steps`` (0.05: after the first 5% of the
+    """The controller's start as a share of the run instead of ``warmup_steps`` (0.02: after the first 2% of the
     optimizer steps), in [0, 1): one setting for runs of any length. It needs the run's length: train.py, the
     integrations and ``HDETOneCycleLR`` know it; elsewhere pass ``total_steps`` when attaching (or call
-    ``config.for_run(total_steps)``). Neither this nor ``warmup_steps`` given: 0.05."""
+    ``config.for_run(total_steps)``). Neither this nor ``warmup_steps`` given: 0.02 in ``log`` mode (its climb
+    from a tenth of the LR needs the syncs), 0.05 in the others."""
 
     stop_steps: int | None = None
     """Optimizer steps after which the controller holds its values (the spread and the averaging go on). Once
@@ -194,9 +195,9 @@ class AutoLRConfig:
     on the same held-out batch, so the signal carries no batch-to-batch noise. Without a probe: unused."""
 
     def filled(self) -> AutoLRConfig:
-        """This config with every unset field at its default for the mode (``MODE_DEFAULTS``, the start at
-        ``DEFAULT_START_FRACTION``): what the controller runs with. The unset fields stay None in the config
-        itself, so that a dict of overrides merged onto it (``resolve_config``) is read as given."""
+        """This config with every unset field at its default for the mode (``MODE_DEFAULTS``): what the controller
+        runs with. The unset fields stay None in the config itself, so that a dict of overrides merged onto it
+        (``resolve_config``) is read as given."""
         defaults = MODE_DEFAULTS.get(self.mode, MODE_DEFAULTS["scale"])  # an unknown mode: validate names it
         changes: dict[str, Any] = {}
         for name in ("beta", "sigma", "step_size", "hold_average", "bias_correction", "rise_only_after"):
@@ -205,7 +206,7 @@ class AutoLRConfig:
         if self.initial_scale is None:
             changes["initial_scale"] = defaults["initial_scale"] if self.enabled is True else 1.0
         if self.warmup_steps is None and self.start_fraction is None:
-            changes["start_fraction"] = DEFAULT_START_FRACTION
+            changes["start_fraction"] = defaults["start_fraction"]
         if self.stop_steps is None and self.stop_fraction is None:
             changes["stop_fraction"] = defaults["stop_fraction"]
         return dataclasses.replace(self, **changes) if changes else self
@@ -553,15 +554,16 @@ class HDETConfig:
 ROUND_SYNC_INTERVALS = (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000)
 """The sync intervals ``sync_interval_for_run`` picks from: round numbers, so that checkpoint and evaluation
 intervals can be multiples of them, up to the library's default."""
-MEASURED_CONTROLLER_UPDATES = 13
+MEASURED_CONTROLLER_UPDATES = 14
 """The controller updates in the default window of benchmarks/lr_finding.py's default setting (T = 25, 1,500 steps),
-where the defaults were measured: ``updates_to_climb`` (10) and three more."""
+where the defaults were measured: ``updates_to_climb`` (10) and four more."""
 
 
 def sync_interval_for_run(total_steps: int) -> int:
     """The sync interval for a run of ``total_steps`` with the default controller: the largest of
-    ``ROUND_SYNC_INTERVALS`` whose window (5% to 25% of the run) holds ``MEASURED_CONTROLLER_UPDATES`` updates, 1
-    where none does (a run that short is warned about at start). 5 for 300 steps, 25 for 1,500, 1000 from 60,000."""
+    ``ROUND_SYNC_INTERVALS`` whose window (2% to 25% of the run) holds ``MEASURED_CONTROLLER_UPDATES`` updates, 1
+    where none does (a run that short is warned about at start). 5 for 300 steps, 25 for 1,500, 1000 from about
+    60,000."""
     for interval in reversed(ROUND_SYNC_INTERVALS):
         if HDETConfig(sync_interval=interval).for_run(total_steps).controller_updates() >= MEASURED_CONTROLLER_UPDATES:
             return interval

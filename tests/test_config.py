@@ -12,33 +12,40 @@ from hdet_scale.schedule import resolve_config
 
 def test_defaults_are_the_lr_finding_benchmarks_default_variant():
     """The library's defaults are the controller benchmarks/lr_finding.py measured best (its DEFAULT_VARIANT),
-    filled in for the run the way its runs start the controller (5% of the steps)."""
+    filled in for the run the way its runs start the controller (the variant's own start, 2% of the steps)."""
     lr_finding = load_benchmark("lr_finding")
     variant = lr_finding.VARIANTS[lr_finding.DEFAULT_VARIANT]
     assert variant["probe"]  # a probe set: the averaged-weight window applies
     controller = dict(variant["hdet"]["auto_lr"])
     assert AutoLRConfig().window(probing=True) == controller.pop("average_window") == 0.25
-    measured = HDETConfig.from_dict({**variant["hdet"], "auto_lr": {**controller, "start_fraction": 0.05}})
+    assert controller["start_fraction"] == 0.02  # not the benchmark's --controller_start, which pins older variants
+    measured = HDETConfig.from_dict({**variant["hdet"], "auto_lr": controller})
     for steps in (1500, 300_000):
         assert HDETConfig().for_run(steps) == measured.for_run(steps)
     config = HDETConfig().for_run(1500)
     assert (config.alpha, config.spread, config.auto_lr.mode) == (0.5, "log", "log")
-    assert (config.auto_lr.warmup_steps, config.auto_lr.stop_steps) == (75, 375)
+    assert (config.auto_lr.warmup_steps, config.auto_lr.stop_steps) == (30, 375)
     assert (config.auto_lr.sigma, config.auto_lr.step_size, config.auto_lr.max_log_step) == (1.0, 2.5, 0.5)
-    assert (config.auto_lr.beta, config.auto_lr.rise_only_after) == (0.5, 0.35)
+    assert (config.auto_lr.beta, config.auto_lr.rise_only_after) == (0.5, 0.43)
     assert config.auto_lr.initial_scale == pytest.approx(0.1)
     assert AutoLRConfig().window(probing=False) == 0.0  # no probe: nothing to score averaged weights
     HDETConfig().validate(world_size=8)
 
 
-def test_benchmark_variants_keep_the_controller_they_were_measured_with():
+def test_benchmark_variants_keep_the_controller_they_were_measured_with(tmp_path):
     """A benchmark variant that does not name a controller field gets the value it was measured with, not a later
-    library default: the lr_finding variants before ``tenth_rise`` move both ways with beta 0.9."""
+    library default: the lr_finding variants before ``tenth_rise`` move both ways with beta 0.9, and those without
+    a start of their own start at the benchmark's --controller_start (5%), not the library's 2%."""
     common, lr_finding = load_benchmark("common"), load_benchmark("lr_finding")
     old = HDETConfig.from_dict(common.hdet_config(**lr_finding.VARIANTS["tenth_start_early_hold"]["hdet"]))
     assert (old.auto_lr.filled().beta, old.auto_lr.filled().rise_only_after) == (0.9, 1.0)
     new = HDETConfig.from_dict(common.hdet_config(**lr_finding.VARIANTS["tenth_rise"]["hdet"]))
     assert (new.auto_lr.filled().beta, new.auto_lr.filled().rise_only_after) == (0.5, 0.35)
+    args = lr_finding.parse_args([])  # 1,500 steps
+    for variant, start in (("tenth_rise", 75), ("tenth_rise_start2", 30)):
+        lr_finding.worker_args(args, {"method": "hdet", "variant": variant, "lr": 1e-3, "seed": 0}, tmp_path)
+        written = json.loads((tmp_path / "hdet.json").read_text())["auto_lr"]
+        assert (written["warmup_steps"], written["stop_steps"]) == (start, 375)
 
 
 def test_the_papers_settings():
@@ -51,11 +58,12 @@ def test_the_papers_settings():
     assert HDETConfig.paper(sync_interval=50).sync_interval == 50
 
 
-@pytest.mark.parametrize(("mode", "sigma", "step_size", "initial_scale", "stop_steps"), [
-    ("log", 1.0, 2.5, 0.1, 250), ("scale", 0.1, 0.5, 1.0, None), ("paper", 0.1, 0.5, 1.0, None)])
-def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_size, initial_scale, stop_steps):
+@pytest.mark.parametrize(("mode", "sigma", "step_size", "initial_scale", "start_steps", "stop_steps"), [
+    ("log", 1.0, 2.5, 0.1, 20, 250), ("scale", 0.1, 0.5, 1.0, 50, None), ("paper", 0.1, 0.5, 1.0, 50, None)])
+def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_size, initial_scale, start_steps,
+                                                           stop_steps):
     lr = HDETConfig.from_dict({"auto_lr": {"mode": mode}}).for_run(1000).auto_lr
-    assert (lr.sigma, lr.step_size, lr.stop_steps, lr.warmup_steps) == (sigma, step_size, stop_steps, 50)
+    assert (lr.sigma, lr.step_size, lr.warmup_steps, lr.stop_steps) == (sigma, step_size, start_steps, stop_steps)
     assert lr.initial_scale == pytest.approx(initial_scale)
     # what the user gives wins, and a start or stop in steps replaces the default share
     lr = HDETConfig.from_dict({"auto_lr": {"mode": mode, "sigma": 0.3, "warmup_steps": 7}}).for_run(1000).auto_lr
@@ -257,11 +265,11 @@ def test_a_start_fraction_without_the_runs_length_is_refused():
     config = HDETConfig.from_dict({"ranks_per_replica": 1})  # the defaults: start and stop are shares of the run
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
-    with pytest.raises(HDETConfigError, match=r"auto_lr.start_fraction=0.05 needs the run's length: pass "
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start_fraction=0.02 needs the run's length: pass "
                                               r"total_steps= when attaching"):
         HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas, total_steps=100)
-    assert (hdet.config.auto_lr.warmup_steps, hdet.config.auto_lr.stop_steps) == (5, 25)
+    assert (hdet.config.auto_lr.warmup_steps, hdet.config.auto_lr.stop_steps) == (2, 25)
     hdet.close()
     # one replica has no controller: nothing to place, and the LR is the one given (no low start)
     with pytest.warns(UserWarning, match="ONE replica"):
@@ -301,13 +309,14 @@ def test_the_rise_only_phase_is_checked():
 
 
 @pytest.mark.parametrize(("mode", "sync_interval", "updates"),
-                         [("log", 1, 21), ("log", 2, 10), ("log", 3, 7), ("log", 10, 2), ("log", 1000, 0),
+                         [("log", 1, 24), ("log", 2, 12), ("log", 3, 8), ("log", 10, 2), ("log", 1000, 0),
                           ("scale", 5, 5), ("scale", 10, 2), ("short", 1, 9)])
 def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, updates):
-    """Start 5, stop 25 (the default shares of 100 steps): the syncs at every T-th step from the start up to and
-    including the stop update the controller. The log default climbs from a tenth of the LR to 10x it in
-    ceil(log(100) / 0.5) = 10 updates, and warns below that; scale mode has no largest step and warns below 4. A
-    window shorter than the updates it needs (40 steps: 2-10) says that no sync interval is enough."""
+    """Start 2, stop 25 (the log default's shares of 100 steps; scale mode is given 5-25): the syncs at every T-th
+    step from the start up to and including the stop update the controller. The log default climbs from a tenth of
+    the LR to 10x it in ceil(log(100) / 0.5) = 10 updates, and warns below that; scale mode has no largest step and
+    warns below 4. A window shorter than the updates it needs (36 steps: 1-9) says that no sync interval is
+    enough."""
     import torch
 
     from hdet_scale import HDETEnsemble
@@ -317,23 +326,23 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
     auto_lr = {"mode": "log"} if mode != "scale" else {"mode": mode, "start_fraction": 0.05, "stop_fraction": 0.25}
     config = HDETConfig.from_dict({"sync_interval": sync_interval, "ranks_per_replica": 1, "auto_lr": auto_lr})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=40 if mode == "short" else 100,
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=36 if mode == "short" else 100,
                         topology=ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1))
     assert hdet.config.controller_updates() == updates
     if updates >= (4 if mode == "scale" else 10):
         assert hdet.few_updates_warning is None
     elif mode == "log":
         assert hdet.few_updates_warning == (
-            f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
+            f"the auto-LR controller moves only between steps 2 and 25, where sync_interval={sync_interval} gives "
             f"it {updates} update(s); climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 "
             "a sync takes 10, so a too-low LR may not climb all the way: set sync_interval to 2 or less for 10")
     elif mode == "scale":
         assert hdet.few_updates_warning == (
             f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
             "it 2 update(s): set sync_interval to 5 or less for 4")
-    else:  # 40 steps: the window 2-10 holds 9 syncs even at T = 1, so no sync_interval is enough
+    else:  # 36 steps: the window 1-9 holds 9 syncs even at T = 1, so no sync_interval is enough
         assert hdet.few_updates_warning == (
-            "the auto-LR controller moves only between steps 2 and 10, where sync_interval=1 gives it 9 update(s); "
+            "the auto-LR controller moves only between steps 1 and 9, where sync_interval=1 gives it 9 update(s); "
             "climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 a sync takes 10, so a "
             "too-low LR may not climb all the way: the window is shorter than 10 steps: train longer, or widen it "
             "(auto_lr.start_fraction, stop_fraction), or narrow the climb (auto_lr.initial_scale, scale_max, "
@@ -344,10 +353,11 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
 @pytest.mark.parametrize(("steps", "interval"), [(100, 1), (300, 5), (1000, 10), (1500, 25), (59_900, 500),
                                                  (60_000, 1000), (10**6, 1000)])
 def test_the_sync_interval_for_a_run_gives_the_controller_its_measured_updates(steps, interval):
-    """The largest round T whose default window (5% to 25% of the run) holds 13 updates. 300 steps: 15-75, T = 5
-    gives 15, 20, ..., 75 (13), T = 10 only 20, ..., 70 (6). 1000: 50-250, T = 10 gives 21, T = 20 60, ..., 240
-    (10). 60,000: 3000-15000, T = 1000 gives 13; 59,900: 2995-14975, T = 1000 gives 3000, ..., 14000 (12). A
-    million steps: capped at the library's 1000."""
+    """The largest round T whose default window (2% to 25% of the run) holds 14 updates. 100 steps: 2-25, T = 1
+    gives 24, T = 2 only 2, ..., 24 (12). 300: 6-75, T = 5 gives 10, 15, ..., 75 (14), T = 10 only 10, ..., 70 (7).
+    1000: 20-250, T = 10 gives 24, T = 20 20, ..., 240 (12). 60,000: 1200-15000, T = 1000 gives 2000, ..., 15000
+    (14); 59,900: 1198-14975, T = 1000 gives 2000, ..., 14000 (13). A million steps: capped at the library's
+    1000."""
     from hdet_scale.config import sync_interval_for_run
 
     assert sync_interval_for_run(steps) == interval

@@ -173,7 +173,7 @@ def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     trainer = SimpleNamespace(optimizers=[optimizer], estimated_stepping_batches=float("inf"), world_size=2,
                               strategy=DDPStrategy())
-    with pytest.raises(HDETConfigError, match=r"^auto_lr.start_fraction=0.05 needs the run's length: this "
+    with pytest.raises(HDETConfigError, match=r"^auto_lr.start_fraction=0.02 needs the run's length: this "
                                               r"Trainer's length is unknown .*: set max_steps, or set "
                                               r"auto_lr.warmup_steps$"):
         HDETCallback().on_fit_start(trainer, None)
