@@ -76,9 +76,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
     # whether a probe batch scores the replicas
     "paper": {"hdet": {"alpha": 1 / 9, "auto_lr": {"mode": "paper"}}, "probe": False},
-    "scale": {"hdet": {"alpha": 0.5, "auto_lr": {"mode": "scale"}}, "probe": False},
     "scale_probe": {"hdet": {"alpha": 0.5, "auto_lr": {"mode": "scale"}}, "probe": True},
-    "averaged": {"hdet": {"alpha": 0.5, "auto_lr": {"mode": "scale", "average_window": 0.5}}, "probe": True},
     "log": {"hdet": {"alpha": 1.0, "spread": "log", "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0}},
             "probe": True},
     "log_averaged": {"hdet": {"alpha": 1.0, "spread": "log",
@@ -120,12 +118,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                   "average_window": 0.5, "stop_fraction": 0.25,
                                                   "initial_scale": 1 / SQRT10}},
                              "probe": True},
-    # ... without a probe batch (what an integration that sets none gets): the interval training losses drive it
-    "low_start_early_hold_no_probe": {"hdet": {"alpha": 0.5, "spread": "log",
-                                               "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5,
-                                                           "max_log_step": 0.5, "stop_fraction": 0.25,
-                                                           "initial_scale": 1 / SQRT10}},
-                                      "probe": False},
     # ... starting at a tenth of the given LR: from 10x, a third is still 3x too high for the first quarter
     "tenth_start_early_hold": tenth(),
     # from a tenth of the best LR, tenth_start_early_hold ends +0.07: its start (0.01x the best) is climbed out of

@@ -46,3 +46,16 @@ def test_the_variants_figure_shows_the_variants_with_three_seeds_at_every_defaul
 
 def test_without_the_default_variant_no_variant_has_the_full_grid():
     assert report.full_grid_variants(record([hdet("full", 0.1, seed, 1.2) for seed in range(3)])) == []
+
+
+def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_definition():
+    """A variant in benchmarks/lr_finding.py that never ran is a setting the results say nothing about, and a
+    recorded run whose variant is gone can no longer be rerun: the committed results and VARIANTS name the same
+    variants."""
+    import json
+
+    lr_finding = load_benchmark("lr_finding")
+    results = json.loads((lr_finding.RESULTS / "lr_finding.json").read_text())
+    recorded = {run["variant"] for run in results["runs"] if run["method"] == "hdet"}
+    assert recorded == set(lr_finding.VARIANTS)
+    assert results["default_variant"] == lr_finding.DEFAULT_VARIANT
