@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 import json
 import math
 
@@ -10,15 +11,22 @@ from hdet_scale.config import AutoLRConfig
 from hdet_scale.schedule import resolve_config
 
 
-def test_defaults_are_the_lr_finding_benchmarks_default_variant():
-    """The library's defaults are the controller benchmarks/lr_finding.py measured best (its DEFAULT_VARIANT),
-    filled in for the run the way its runs start the controller (the variant's own start, 2% of the steps)."""
+def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
+    """The library's defaults are the controller benchmarks/lr_finding.py measured best (its DEFAULT_VARIANT): the
+    HDET config its worker ran (written by ``worker_args``, over the benchmark's pinned defaults and start) is the
+    library's default config for that run, and the variant's shares give the same for any run's length."""
     lr_finding = load_benchmark("lr_finding")
     variant = lr_finding.VARIANTS[lr_finding.DEFAULT_VARIANT]
     assert variant["probe"]  # a probe set: the averaged-weight window applies
-    controller = dict(variant["hdet"]["auto_lr"])
-    assert AutoLRConfig().window(probing=True) == controller.pop("average_window") == 0.25
-    assert controller["start_fraction"] == 0.02  # not the benchmark's --controller_start, which pins older variants
+    args = lr_finding.parse_args([])
+    lr_finding.worker_args(args, {"method": "hdet", "variant": lr_finding.DEFAULT_VARIANT, "lr": 1e-3, "seed": 0},
+                           tmp_path)
+    ran = load_config(tmp_path / "hdet.json")
+    library = HDETConfig(sync_interval=args.sync_interval, ranks_per_replica=1).for_run(args.steps)
+    assert ran.auto_lr.window(probing=True) == library.auto_lr.window(probing=True) == 0.25
+    assert dataclasses.replace(ran.auto_lr, average_window=None).filled() == library.auto_lr.filled()
+    assert (ran.alpha, ran.spread, ran.gradient_mode) == (library.alpha, library.spread, library.gradient_mode)
+    controller = {key: value for key, value in variant["hdet"]["auto_lr"].items() if key != "average_window"}
     measured = HDETConfig.from_dict({**variant["hdet"], "auto_lr": controller})
     for steps in (1500, 300_000):
         assert HDETConfig().for_run(steps) == measured.for_run(steps)

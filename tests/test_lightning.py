@@ -162,7 +162,7 @@ def test_strategies_and_loops_it_cannot_serve_are_refused():
 
 def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
     """An iterable dataset without max_steps: Lightning estimates an infinite run, so the default controller
-    start (5% of the run) has no step; with 2 replicas the callback says so before HDET attaches."""
+    start (2% of the run) has no step; with 2 replicas the callback says so before HDET attaches."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import DDPStrategy
