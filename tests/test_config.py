@@ -11,6 +11,14 @@ from hdet_scale.config import AutoLRConfig
 from hdet_scale.schedule import resolve_config
 
 
+def config_the_benchmark_ran(lr_finding, variant: str, directory) -> HDETConfig:
+    """The HDET config benchmarks/lr_finding.py's worker runs ``variant`` with in its default setting (written by
+    ``worker_args`` over the benchmark's pinned defaults and start)."""
+    args = lr_finding.parse_args([])
+    lr_finding.worker_args(args, {"method": "hdet", "variant": variant, "lr": 1e-3, "seed": 0}, directory)
+    return load_config(directory / "hdet.json")
+
+
 def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
     """The library's defaults are the controller benchmarks/lr_finding.py measured best (its DEFAULT_VARIANT): the
     HDET config its worker ran (written by ``worker_args``, over the benchmark's pinned defaults and start) is the
@@ -18,10 +26,8 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
     lr_finding = load_benchmark("lr_finding")
     variant = lr_finding.VARIANTS[lr_finding.DEFAULT_VARIANT]
     assert variant["probe"]  # a probe set: the averaged-weight window applies
+    ran = config_the_benchmark_ran(lr_finding, lr_finding.DEFAULT_VARIANT, tmp_path)
     args = lr_finding.parse_args([])
-    lr_finding.worker_args(args, {"method": "hdet", "variant": lr_finding.DEFAULT_VARIANT, "lr": 1e-3, "seed": 0},
-                           tmp_path)
-    ran = load_config(tmp_path / "hdet.json")
     library = HDETConfig(sync_interval=args.sync_interval, ranks_per_replica=1).for_run(args.steps)
     assert ran.auto_lr.window(probing=True) == library.auto_lr.window(probing=True) == 0.25
     assert dataclasses.replace(ran.auto_lr, average_window=None).filled() == library.auto_lr.filled()
@@ -49,11 +55,9 @@ def test_benchmark_variants_keep_the_controller_they_were_measured_with(tmp_path
     assert (old.auto_lr.filled().beta, old.auto_lr.filled().rise_only_after) == (0.9, 1.0)
     new = HDETConfig.from_dict(common.hdet_config(**lr_finding.VARIANTS["tenth_rise"]["hdet"]))
     assert (new.auto_lr.filled().beta, new.auto_lr.filled().rise_only_after) == (0.5, 0.35)
-    args = lr_finding.parse_args([])  # 1,500 steps
-    for variant, start in (("tenth_rise", 75), ("tenth_rise_start2", 30)):
-        lr_finding.worker_args(args, {"method": "hdet", "variant": variant, "lr": 1e-3, "seed": 0}, tmp_path)
-        written = json.loads((tmp_path / "hdet.json").read_text())["auto_lr"]
-        assert (written["warmup_steps"], written["stop_steps"]) == (start, 375)
+    for variant, start in (("tenth_rise", 75), ("tenth_rise_start2", 30)):  # of the setting's 1,500 steps
+        ran = config_the_benchmark_ran(lr_finding, variant, tmp_path).auto_lr
+        assert (ran.warmup_steps, ran.stop_steps) == (start, 375)
 
 
 def test_the_papers_settings():

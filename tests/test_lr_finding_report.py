@@ -52,10 +52,8 @@ def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_defini
     """A variant in benchmarks/lr_finding.py that never ran is a setting the results say nothing about, and a
     recorded run whose variant is gone can no longer be rerun: the committed results and VARIANTS name the same
     variants."""
-    import json
-
     lr_finding = load_benchmark("lr_finding")
-    results = json.loads((lr_finding.RESULTS / "lr_finding.json").read_text())
+    results = lr_finding.read_json(lr_finding.RESULTS / "lr_finding.json")
     recorded = {run["variant"] for run in results["runs"] if run["method"] == "hdet"}
     assert recorded == set(lr_finding.VARIANTS)
     assert results["default_variant"] == lr_finding.DEFAULT_VARIANT
