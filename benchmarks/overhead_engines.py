@@ -31,7 +31,7 @@ SIGNALS: dict[str, dict[str, Any]] = {"probe": {}, "averaged": {"average_window"
 gradient mode): the probe alone on the last iterate (one forward per sync), the probe scoring each replica's
 weights averaged over the last half of the interval (one more copy of this rank's local parameters, an in-place
 update per step inside the window), the displacement signal (two copies), and the progress hypergradient (one
-more probe forward per sync, on the averaged weights)."""
+more probe forward per sync, on the model the sync averaged)."""
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ def signals_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gr
         "Each signal variant scores the replicas on a probe batch at every sync (one forward); `averaged` also "
         "adds each step's weights in the second half of the interval to a running mean and "
         "swaps that mean in for the probe, `displacement` keeps two more copies and compares the "
-        "sync-to-sync moves, `progress` scores the averaged weights once more after each sync (the next "
+        "sync-to-sync moves, `progress` scores the model the sync averaged once more (the next "
         "interval's start). Own sync: the median `SyncReport.sync_seconds` of the variant's syncs in training "
         "(rank 0). Estimate: as above, with the variant's own sync time"
         + (" and the gradient all-reduce across replicas" if gradient_average else "") + ".",
