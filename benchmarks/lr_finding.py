@@ -72,6 +72,12 @@ def rise(**auto_lr: Any) -> dict[str, Any]:
     return tenth(**{"beta": 0.5, "average_window": 0.25, "rise_only_after": 0.35, **auto_lr})
 
 
+def without_probe(variant: dict[str, Any]) -> dict[str, Any]:
+    """``variant`` scored by the replicas' interval training losses: no probe batch, no averaged weights."""
+    auto_lr = {key: value for key, value in variant["hdet"]["auto_lr"].items() if key != "average_window"}
+    return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": False}
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
     # whether a probe batch scores the replicas
@@ -207,6 +213,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ... or starting the climb earlier: the controller from 2% of the run (inside the LR warm-up), the one-sided
     # phase still from 12% of the run (0.43 of the window 2%-25%)
     "tenth_rise_start2": rise(rise_only_after=0.43, start_fraction=0.02),
+    # The default without a probe batch, as in a user's own loop or under Lightning when none is set: the replicas'
+    # interval training losses drive the controller and no weights are averaged
+    "tenth_rise_start2_no_probe": without_probe(rise(rise_only_after=0.43, start_fraction=0.02)),
 }
 DEFAULT_VARIANT = "tenth_rise_start2"
 

@@ -46,6 +46,20 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
     HDETConfig().validate(world_size=8)
 
 
+def test_the_no_probe_variant_is_the_default_without_a_probe(tmp_path):
+    """benchmarks/lr_finding.py's ``tenth_rise_start2_no_probe`` runs the library's default controller as a loop
+    without a probe batch gets it: the worker sets no probe, and no averaged-weight window is asked for (one would
+    only warn that it does nothing)."""
+    lr_finding = load_benchmark("lr_finding")
+    args = lr_finding.parse_args([])
+    run = {"method": "hdet", "variant": f"{lr_finding.DEFAULT_VARIANT}_no_probe", "lr": 1e-3, "seed": 0}
+    assert "--probe" not in lr_finding.worker_args(args, run, tmp_path)
+    ran = load_config(tmp_path / "hdet.json").auto_lr
+    library = HDETConfig(sync_interval=args.sync_interval, ranks_per_replica=1).for_run(args.steps).auto_lr
+    assert ran.window(probing=False) == 0.0  # the benchmark pins an unset window to the 0 it measured before
+    assert dataclasses.replace(ran, average_window=None).filled() == library.filled()
+
+
 def test_benchmark_variants_keep_the_controller_they_were_measured_with(tmp_path):
     """A benchmark variant that does not name a controller field gets the value it was measured with, not a later
     library default: the lr_finding variants before ``tenth_rise`` move both ways with beta 0.9, and those without
