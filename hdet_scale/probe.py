@@ -51,8 +51,9 @@ def batch_probe(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Ba
 def no_probe_warning(reason: str, fix: str) -> str:
     """The warning an integration gives when it runs the controller without a probe: ``reason`` says why there
     is none, ``fix`` how to give one."""
-    return (f"HDET: {reason}, so the auto-LR controller compares the replicas on their own training batches, a "
-            f"noisier signal than one held-out batch scored by every replica: {fix}")
+    return (f"HDET: {reason}, so the auto-LR controller compares the replicas on their own training batches, "
+            f"which settle on lower LRs and end worse than one held-out batch scored by every replica (measured in "
+            f"hdet_scale's benchmarks/results/lr_finding.md): {fix}")
 
 
 def _from_rank0(batch: Batch) -> Batch:
