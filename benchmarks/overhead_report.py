@@ -179,8 +179,9 @@ def signals_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gr
         "adds each step's weights in the second half of the interval to a running mean and "
         "swaps that mean in for the probe, `displacement` keeps two more copies and compares the "
         "sync-to-sync moves, `progress` scores the model the sync averaged once more (the next "
-        "interval's start). Own sync: the median `SyncReport.sync_seconds` of the variant's syncs in training "
-        "(rank 0). Estimate: as above, with the variant's own sync time"
+        "interval's start), `default` is the library's default controller (`log`, on weights averaged over the "
+        "last quarter of the interval). Own sync: the median `SyncReport.sync_seconds` of the variant's syncs in "
+        "training (rank 0). Estimate: as above, with the variant's own sync time"
         + (" and the gradient all-reduce across replicas" if gradient_average else "") + ".",
     ]
 

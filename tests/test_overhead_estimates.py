@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from benchmark_modules import load_benchmark
 
+from hdet_scale.config import AutoLRConfig
+
 timing = load_benchmark("overhead_timing")
+engines = load_benchmark("overhead_engines")
 
 
 def _median(seconds: float) -> dict[str, float]:
@@ -19,6 +24,7 @@ STEPS = {
     "hdet_T10_averaged": {"hdet_step_call_s": _median(650e-6), "sync_seconds_report": _median(0.055)},
     "hdet_T10_displacement": {"hdet_step_call_s": _median(60e-6), "sync_seconds_report": _median(0.056)},
     "hdet_T10_progress": {"hdet_step_call_s": _median(55e-6), "sync_seconds_report": _median(0.058)},
+    "hdet_T10_default": {"hdet_step_call_s": _median(300e-6), "sync_seconds_report": _median(0.054)},
 }
 SYNC = {"ops": {"hdet.sync bucket_mb=25": {"seconds": _median(0.030)},
                 "average_tensors bucket_mb=25": {"seconds": _median(0.002)}}}
@@ -28,7 +34,7 @@ HOOKS = {"hook_s": 20e-6}
 def test_each_signal_is_estimated_from_its_own_hot_path_and_syncs():
     costs = timing.signal_costs(STEPS, SYNC, HOOKS, 10, gradient_average=False)
     assert list(costs) == ["hdet_T10", "hdet_T10_probe", "hdet_T10_averaged", "hdet_T10_displacement",
-                           "hdet_T10_progress"]
+                           "hdet_T10_progress", "hdet_T10_default"]
     # (hot path 650 us + hooks 20 us + sync 55 ms / 10) / plain 10 ms
     assert costs["hdet_T10_averaged"]["estimate"] == pytest.approx((650 + 20 + 5500) / 10_000)
     assert costs["hdet_T10"]["estimate"] == pytest.approx((50 + 20 + 4000) / 10_000)
@@ -44,3 +50,16 @@ def test_the_gradient_all_reduce_counts_on_every_step_where_hdet_runs_it():
     estimates = timing.estimates(steps, SYNC, HOOKS, (10, 100), gradient_average=True)
     assert estimates == pytest.approx({"hdet_T10": (50 + 20 + 2000 + 3000) / 10_000,
                                        "hdet_T100": (50 + 20 + 2000 + 300) / 10_000})
+
+
+def test_the_default_signal_is_the_librarys_controller_moving_at_every_sync():
+    """The ``default`` row measures what a user's run pays while the default controller moves: the library's
+    controller settings (not the benchmark's pinned older ones), with the probe scoring the last quarter's average."""
+    settings = engines.Settings(engine="ddp", stages=(), ranks=2, ranks_per_replica=1, backend="gloo", steps=10,
+                                block=5, sync_intervals=(10,), bucket_mbs=(25.0,), sync_reps=1, hook_reps=1, width=8,
+                                depth=1, batch=2, out="", quick=True, note="", command="")
+    ran = engines.hdet_config(settings, 10, auto_lr=engines.SIGNALS["default"]).auto_lr
+    assert (ran.warmup_steps, ran.stop_steps) == (0, 10**9)
+    assert ran.filled() == dataclasses.replace(AutoLRConfig().filled(), start_fraction=None, stop_fraction=None,
+                                               warmup_steps=0, stop_steps=10**9)
+    assert ran.window(probing=True) == 0.25
