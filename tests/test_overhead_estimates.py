@@ -55,9 +55,7 @@ def test_the_gradient_all_reduce_counts_on_every_step_where_hdet_runs_it():
 def test_the_default_signal_is_the_librarys_controller_moving_at_every_sync():
     """The ``default`` row measures what a user's run pays while the default controller moves: the library's
     controller settings (not the benchmark's pinned older ones), with the probe scoring the last quarter's average."""
-    settings = engines.Settings(engine="ddp", stages=(), ranks=2, ranks_per_replica=1, backend="gloo", steps=10,
-                                block=5, sync_intervals=(10,), bucket_mbs=(25.0,), sync_reps=1, hook_reps=1, width=8,
-                                depth=1, batch=2, out="", quick=True, note="", command="")
+    settings = load_benchmark("overhead").parse_args(["--engine", "ddp", "--backend", "gloo"])
     ran = engines.hdet_config(settings, 10, auto_lr=engines.SIGNALS["default"]).auto_lr
     assert (ran.warmup_steps, ran.stop_steps) == (0, 10**9)
     assert ran.filled() == dataclasses.replace(AutoLRConfig().filled(), start_fraction=None, stop_fraction=None,
