@@ -273,7 +273,15 @@ class SlurmCluster:
         self._poll(requeued, timeout, f"job {job_id} was not requeued")
         self._wait_for_idle_nodes(timeout)
         time.sleep(CRED_EXPIRE_S + 1)
-        self.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        self.start_now(job_id)
+
+    def start_now(self, job_id: int) -> None:
+        """Lets a pending job start now. A job the scheduler has started meanwhile (its hold ended just before) is
+        left as it is: ``scontrol update`` refuses any job that is no longer pending."""
+        result = self.command("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+        if result.returncode != 0 and self.job_record(job_id)["JobState"] == "PENDING":
+            raise RuntimeError(f"scontrol update JobId={job_id} StartTime=now failed ({result.returncode}): "
+                               f"{result.stderr.strip()}")
 
     def signal_batch_shell(self, job_id: int, name: str = "TERM") -> None:
         """What the templates' time guard does before the time limit: signal the batch shell only."""

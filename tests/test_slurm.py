@@ -132,6 +132,22 @@ def test_cluster_runs_one_task_per_node_and_stops_its_daemons(tmp_path):
     assert not cluster.job_processes() and not cluster.root.exists()
 
 
+def test_start_now_starts_a_held_job_and_leaves_a_started_one(cluster, tmp_path):
+    """The requeue test hurries the requeued job with start_now, and the scheduler may have started it on its own
+    just before: that is not an error."""
+    script = tmp_path / "sleep.sbatch"
+    script.write_text("#!/bin/bash\nsleep 3\n")
+    options = ["--nodes=1", f"--output={tmp_path}/out-%j", "--begin=now+1hour"]
+    job_id = cluster.submit(script, options=options, cwd=tmp_path)
+    cluster.start_now(job_id)  # held for an hour otherwise
+    deadline = time.monotonic() + 60
+    while cluster.job_record(job_id)["JobState"] == "PENDING":
+        assert time.monotonic() < deadline, cluster.job_record(job_id)
+        time.sleep(0.5)
+    cluster.start_now(job_id)  # running (or already over): nothing to do
+    assert cluster.wait(job_id, timeout=60).state == "COMPLETED"
+
+
 def test_fsdp_template_trains_two_replicas_on_two_nodes(fsdp_job):
     check_trained(*fsdp_job, "fsdp", "local")
 
