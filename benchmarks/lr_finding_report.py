@@ -135,14 +135,25 @@ def full_grid_variants(record: dict[str, Any]) -> list[str]:
                                                            for f in starts))
 
 
-def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, float, int]]) -> list[str]:
-    """Held-out loss against the start factor (the default variant against the other methods, and every variant
-    with the full grid), and the default variant's LR over the run per start."""
-    try:
-        import matplotlib
-    except ImportError:
-        return ["(figures need matplotlib: pip install -e '.[bench]')"]
-    matplotlib.use("Agg")
+LEGEND_ROWS = 20
+"""Entries per legend column beside the variants' panel (more would run off the figure's height)."""
+
+
+def line_styles(keys: list[tuple[str, str]], default_key: tuple[str, str], palette: list) -> dict:
+    """A (colour, dash) pair per line that no other line has: the default solid in the palette's first colour,
+    the others dashed, then dotted, then dash-dotted, in its colours from the third on (not the default's light
+    twin)."""
+    others = sorted(set(keys) - {default_key})
+    colours = palette[2:]
+    styles = {key: (colours[index % len(colours)], ("--", ":", "-.")[index // len(colours) % 3])
+              for index, key in enumerate(others)}
+    styles[default_key] = (palette[0], "-")
+    return styles
+
+
+def heldout_figure(record: dict[str, Any], sweep: dict[float, tuple[float, float, int]]):
+    """Held-out loss against the start factor: the default variant against the other methods (left), every
+    variant with the full grid (right)."""
     import matplotlib.pyplot as plt
 
     best_lr = record["best_lr"]
@@ -158,20 +169,16 @@ def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, 
     # left: one line per method; right: every HDET variant with the full grid (the others are in the tables)
     methods = [key for key in lines if key[0] != "hdet" or key == default_key]
     variants = [("hdet", name) for name in full_grid_variants(record)]
-    palette = plt.get_cmap("tab20").colors  # more lines than the default cycle's 10 colours
-    # the same in both panels; the default in the first (dark blue), the others from the third on (not its light
-    # twin)
-    colors = {key: palette[2 + index % 18] for index, key in enumerate(sorted(set(lines) - {default_key}))}
-    colors[default_key] = palette[0]
+    styles = line_styles(list(lines), default_key, plt.get_cmap("tab20").colors)  # the same in both panels
     for ax, keys in ((methods_ax, methods), (variants_ax, variants)):
         ax.errorbar([lr / best_lr for lr in sweep], [v[0] for v in sweep.values()],
                     yerr=[v[1] for v in sweep.values()], color="black", marker="o",
                     label="plain DP sweep (x = its LR / best)")
         for key in sorted(keys):
-            points = sorted(lines[key])
-            default = key == default_key
-            ax.plot(*zip(*points, strict=True), "-" if default else "--", marker=".", color=colors[key],
-                    linewidth=2.5 if default else 1.2, label=f"HDET `{key[1]}`" if key[0] == "hdet" else key[0])
+            colour, dash = styles[key]
+            ax.plot(*zip(*sorted(lines[key]), strict=True), dash, marker=".", color=colour,
+                    linewidth=2.5 if key == default_key else 1.2,
+                    label=f"HDET `{key[1]}`" if key[0] == "hdet" else key[0])
         ax.set_xscale("log")
         ax.set_xlabel("start LR / sweep-best LR")
     methods_ax.set_ylabel("final held-out loss (mean over seeds)")
@@ -181,7 +188,23 @@ def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, 
     worst = max((mean for key in variants for _, mean in lines[key]), default=sweep[best_lr][0])
     variants_ax.set_ylim(sweep[best_lr][0] - 0.05, min(worst, sweep[best_lr][0] + 0.5) + 0.02)
     variants_ax.set_title(f"HDET variants with {FULL_GRID_SEEDS}+ seeds at every start")
-    variants_ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    variants_ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                       ncols=max(1, math.ceil((len(variants) + 1) / LEGEND_ROWS)))
+    return fig
+
+
+def figures(stem: Path, record: dict[str, Any], sweep: dict[float, tuple[float, float, int]]) -> list[str]:
+    """Held-out loss against the start factor (the default variant against the other methods, and every variant
+    with the full grid), and the default variant's LR over the run per start."""
+    try:
+        import matplotlib
+    except ImportError:
+        return ["(figures need matplotlib: pip install -e '.[bench]')"]
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best_lr = record["best_lr"]
+    fig = heldout_figure(record, sweep)
     heldout = stem.parent / f"{stem.name}_heldout.png"
     fig.savefig(heldout, dpi=110)
     plt.close(fig)

@@ -57,3 +57,27 @@ def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_defini
     recorded = {run["variant"] for run in results["runs"] if run["method"] == "hdet"}
     assert recorded == set(lr_finding.VARIANTS)
     assert results["default_variant"] == lr_finding.DEFAULT_VARIANT
+
+
+def test_every_variant_line_is_told_apart_and_the_legend_fits_the_figure():
+    """40 variants with the full grid (more than the palette's colours and than one legend column holds): no two
+    lines share a colour and a dash, and the legend beside the variants' panel stays inside the saved figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["chosen", *(f"variant_{index:02d}" for index in range(39))]
+    rec = record([hdet(name, factor, seed, 1.2 + index / 1000) for index, name in enumerate(names)
+                  for factor in (0.1, 1.0, 10.0) for seed in range(3)])
+    fig = report.heldout_figure(rec, report.sweep_table(rec))
+    try:
+        variants_ax = fig.axes[1]
+        drawn = [line for line in variants_ax.get_lines() if line.get_label().startswith("HDET")]
+        assert len(drawn) == 40
+        assert len({(line.get_color(), line.get_linestyle()) for line in drawn}) == 40
+        fig.canvas.draw()
+        legend, figure = variants_ax.get_legend().get_window_extent(), fig.bbox
+        assert figure.x0 <= legend.x0 and legend.x1 <= figure.x1 and figure.y0 <= legend.y0 and legend.y1 <= figure.y1
+    finally:
+        plt.close(fig)
