@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common import note, repo_relative, save_markdown, table_header, table_row
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TARGET_NATS, TARGET_AT_ONE = 0.03, 0.01
 FULL_GRID_SEEDS = 3
@@ -139,10 +142,11 @@ LEGEND_ROWS = 20
 """Entries per legend column beside the variants' panel (more would run off the figure's height)."""
 
 
-def line_styles(keys: list[tuple[str, str]], default_key: tuple[str, str], palette: list) -> dict:
-    """A (colour, dash) pair per line that no other line has: the default solid in the palette's first colour,
-    the others dashed, then dotted, then dash-dotted, in its colours from the third on (not the default's light
-    twin)."""
+def line_styles(keys: list[tuple[str, str]], default_key: tuple[str, str],
+                palette: Sequence[Any]) -> dict[tuple[str, str], tuple[Any, str]]:
+    """A (colour, dash) pair per line that no other line has (for up to three times the palette's colours less
+    two): the default solid in the palette's first colour, the others dashed, then dotted, then dash-dotted, in
+    its colours from the third on (not the default's light twin)."""
     others = sorted(set(keys) - {default_key})
     colours = palette[2:]
     styles = {key: (colours[index % len(colours)], ("--", ":", "-.")[index // len(colours) % 3])
@@ -151,7 +155,7 @@ def line_styles(keys: list[tuple[str, str]], default_key: tuple[str, str], palet
     return styles
 
 
-def heldout_figure(record: dict[str, Any], sweep: dict[float, tuple[float, float, int]]):
+def heldout_figure(record: dict[str, Any], sweep: dict[float, tuple[float, float, int]]) -> Figure:
     """Held-out loss against the start factor: the default variant against the other methods (left), every
     variant with the full grid (right)."""
     import matplotlib.pyplot as plt
