@@ -28,7 +28,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,7 +127,7 @@ class SlurmCluster:
         self._spawn("munged", ["munged", "-F", f"--socket={self.munge_socket}", f"--key-file={key}",
                                f"--pid-file={private / 'munged.pid'}", f"--seed-file={private / 'munged.seed'}",
                                f"--log-file={private / 'munged.log'}"])
-        self._poll(lambda: self.munge_socket.exists(), 20, "munged did not create its socket")
+        self.poll(lambda: self.munge_socket.exists(), 20, "munged did not create its socket")
 
     def _write_config(self) -> None:
         etc, devices = self.root / "etc", self.root / "dev"
@@ -196,7 +196,9 @@ class SlurmCluster:
                 log = (self.root / f"{name}.stderr").read_text()[-3000:]
                 raise RuntimeError(f"{name} exited with code {process.returncode}:\n{log}")
 
-    def _poll(self, ready, timeout: float, failure: str) -> None:
+    def poll(self, ready: Callable[[], bool], timeout: float, failure: str) -> None:
+        """Waits until ``ready()`` is true, raising if a daemon of this cluster exits or ``timeout`` seconds pass
+        (the ``TimeoutError`` starts with ``failure``)."""
         deadline = time.monotonic() + timeout
         while not ready():
             self._check_daemons()
@@ -210,7 +212,7 @@ class SlurmCluster:
             states = dict(line.split() for line in result.stdout.splitlines() if line.strip())
             return result.returncode == 0 and all(states.get(node) == "idle" for node in self.nodes)
 
-        self._poll(idle, timeout, f"nodes {', '.join(self.nodes)} were not idle")
+        self.poll(idle, timeout, f"nodes {', '.join(self.nodes)} were not idle")
 
     def command(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         """Runs a Slurm client command (sinfo, scontrol, ...) against this cluster."""
@@ -270,7 +272,7 @@ class SlurmCluster:
                                    f"{self.output(record)[-5000:]}")
             return record["JobState"] == "PENDING" and int(record.get("Restarts", 0)) >= 1
 
-        self._poll(requeued, timeout, f"job {job_id} was not requeued")
+        self.poll(requeued, timeout, f"job {job_id} was not requeued")
         self._wait_for_idle_nodes(timeout)
         time.sleep(CRED_EXPIRE_S + 1)
         self.start_now(job_id)
@@ -292,7 +294,7 @@ class SlurmCluster:
         if self._daemons and self.conf.exists():
             try:
                 self.command("scancel", "--user=root", check=False, timeout=30)
-                self._poll(lambda: not self.job_processes(), 30, "cancelled jobs did not end")
+                self.poll(lambda: not self.job_processes(), 30, "cancelled jobs did not end")
             except (TimeoutError, RuntimeError, subprocess.TimeoutExpired):
                 pass  # a daemon is gone or a job hangs: the sweep below kills what is left
         for _name, process in reversed(self._daemons):

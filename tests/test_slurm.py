@@ -140,10 +140,7 @@ def test_start_now_starts_a_held_job_and_leaves_a_started_one(cluster, tmp_path)
     options = ["--nodes=1", f"--output={tmp_path}/out-%j", "--begin=now+1hour"]
     job_id = cluster.submit(script, options=options, cwd=tmp_path)
     cluster.start_now(job_id)  # held for an hour otherwise
-    deadline = time.monotonic() + 60
-    while cluster.job_record(job_id)["JobState"] == "PENDING":
-        assert time.monotonic() < deadline, cluster.job_record(job_id)
-        time.sleep(0.5)
+    cluster.poll(lambda: cluster.job_record(job_id)["JobState"] != "PENDING", 60, f"job {job_id} did not start")
     cluster.start_now(job_id)  # running (or already over): nothing to do
     assert cluster.wait(job_id, timeout=60).state == "COMPLETED"
 
