@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, TensorDataset
 
-from hdet_scale.comm import shut_down
+from hdet_scale.comm import shut_down_and_exit
 from hdet_scale.integrations.lightning import HDETCallback, shard
 from hdet_scale.probe import batch_probe
 
@@ -159,7 +159,7 @@ def main() -> None:
         torch.save({"after": recorder.after, "before_sync": recorder.before_sync, "losses": losses, "final": final,
                     "hdet_step": hdet.ensemble.global_step, "held_out_before_sync": recorder.held_out_before_sync},
                    args.out / "record.pt")
-    shut_down()
+    shut_down_and_exit()
 
 
 if __name__ == "__main__":
