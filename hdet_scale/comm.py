@@ -236,4 +236,3 @@ def shut_down_and_exit(code: int = 0) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
-
