@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hdet_scale.comm import shut_down
+from hdet_scale.comm import shut_down, shut_down_and_exit
 from hdet_scale.config import HDETConfig, add_hdet_args, sync_interval_for_run
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import ResumePoint, check_free_space, check_resume, identity, remove_leftover_staging
@@ -277,7 +277,9 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
 
 
 # ------------------------------------------------------------------------------------------- run
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The training script on every rank: bad input is refused before any process group starts; a complete run
+    ends the process through ``shut_down_and_exit`` (status 0), a failed one raises after ``shut_down``."""
     args = parse_args(argv)
     if "WORLD_SIZE" not in os.environ:  # plain `python -m hdet_scale.train`: a world of one
         os.environ.update(SINGLE_PROCESS)
@@ -297,8 +299,10 @@ def main(argv: list[str] | None = None) -> None:
         deepspeed.init_distributed(timeout=timedelta(minutes=10))
     try:
         train_on_every_rank(args, checked, device)
-    finally:
+    except BaseException:
         shut_down()
+        raise
+    shut_down_and_exit(0)
 
 
 def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
