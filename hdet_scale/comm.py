@@ -230,7 +230,7 @@ def shut_down_and_exit(code: int = 0) -> NoReturn:
     """
     shut_down()
     for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
+        if thread not in (threading.current_thread(), threading.main_thread()) and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
