@@ -176,11 +176,10 @@ from hdet_scale.comm import shut_down_and_exit
 
 out = sys.argv[1]
 dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=0, world_size=1)
-kept = dist.new_group([0])  # a group alive into exit, as torch's own caches keep one
+kept = dist.new_group([0])  # a group alive into exit, as torch keeps some
 
 
 class Finalized:  # writes to an open descriptor with os.write bound now: works however far finalization went
-
     def __init__(self):
         self.fd = os.open(os.path.join(out, "finalized"), os.O_WRONLY | os.O_CREAT)
 
