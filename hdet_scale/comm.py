@@ -202,13 +202,14 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def shut_down() -> None:
-    """Ends a process's distributed state in order, while the interpreter is whole: call it last, on every rank.
+    """Ends a process's distributed state in order, while the interpreter is whole, on every rank: for a process
+    that goes on after it; a script's last call is ``shut_down_and_exit``, which begins with this.
 
     What the run built (models, optimizers, HDET's state, held in reference cycles through optimizer hooks) is
     collected while the process groups live, then every group is destroyed, then their objects are collected.
     Left to interpreter exit (Lightning's ``Trainer`` destroys no group), a gloo thread that drops a tensor after
     Python has finalized can abort a finished run: ``terminate called without an active exception``, SIGABRT,
-    a failed job."""
+    a failed job. Groups that torch itself still holds keep their threads even after this."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
