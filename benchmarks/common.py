@@ -92,17 +92,19 @@ def head_commit() -> str:
 
 
 def snapshot_source(commit: str, runs_dir: Path) -> Path:
-    """Exports ``hdet_scale`` at ``commit`` under ``runs_dir/src`` (once) and returns the folder holding it.
+    """Exports ``hdet_scale`` and the benchmarks' scripts at ``commit`` under ``runs_dir/src`` (once) and returns
+    the folder holding them.
 
     Runs started there (``python -m`` puts the working directory first on ``sys.path``, ahead of the editable
-    install) or with it on ``PYTHONPATH`` import that code, so edits to the working tree during a long
-    benchmark cannot leak into some of its runs.
+    install) or with it on ``PYTHONPATH`` import that code, and workers started from its ``benchmarks`` folder
+    import their sibling scripts from there, so edits to the working tree during a long benchmark cannot leak
+    into some of its runs.
     """
     target = runs_dir / "src" / commit[:12]
-    if not (target / "hdet_scale").is_dir():
+    if not (target / "benchmarks").is_dir():
         target.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", commit, "hdet_scale"], cwd=REPO, capture_output=True,
-                                 check=True).stdout
+        archive = subprocess.run(["git", "archive", commit, "hdet_scale", "benchmarks/*.py"], cwd=REPO,
+                                 capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
     return target
 

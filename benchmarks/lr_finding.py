@@ -9,6 +9,10 @@ under torchrun; runs share launches (start-up costs more than a short run). Meth
   best LR, by mean held-out loss over the seeds, has ``--grid_side`` points on each side). It gives the
   sweep-best LR and its held-out loss: the anchor.
 * ``hdet``: HDET started at ``--start_factors`` times the sweep-best LR, for each controller ``--variants``.
+* ``range_test``: the LR range test (``range_test.py``: 100 steps of an exponential LR ramp, the LR of the
+  smoothed loss's steepest descent), then one plain run at the LR it picked; once per seed, whatever the start.
+* ``proxy``: LR transfer from a proxy: a sweep on the model at half the width (``--proxy_seeds``, the same
+  grid), its best LR reused for plain runs of the full model.
 * ``schedulefree``: schedule-free AdamW (warm-up, no schedule) from the same start factors.
 * ``prodigy``: Prodigy at LR 1.0 on the schedule (its recommended setting).
 
@@ -21,7 +25,8 @@ Results accumulate in ``<out>.json`` (a run recorded with the same setting is no
 figures next to it; the runs import ``hdet_scale`` as committed at HEAD (exported once), so edits to the
 working tree cannot leak into a long benchmark. ``--report_only`` rewrites the results from what is recorded.
 
-Code: this file runs the methods; ``lr_finding_report.py`` writes the Markdown and the figures.
+Code: this file runs the methods on one setting (``run_setting``; ``lr_finding_matrix.py`` runs it on many);
+``lr_finding_report.py`` writes the Markdown and the figures.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common import (
-    BENCHMARKS,
     REPO,
     RESULTS,
     head_commit,
@@ -53,7 +58,9 @@ from common import (
 from common import hdet_config as checked_hdet_config
 from lr_finding_report import write_report
 
-WORKER = BENCHMARKS / "lr_finding_worker.py"
+WORKER = "lr_finding_worker.py"
+"""The worker script, run from the snapshot of the benchmarks (``snapshot_source``)."""
+METHODS = ("sweep", "hdet", "range_test", "proxy", "schedulefree", "prodigy")
 SQRT10 = math.sqrt(10.0)
 
 
@@ -243,7 +250,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start_factors", type=float, nargs="+", default=[0.1, 1 / SQRT10, 1.0, SQRT10, 10.0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--methods", nargs="+", default=["sweep", "hdet", "schedulefree", "prodigy"],
-                        choices=["sweep", "hdet", "schedulefree", "prodigy"])
+                        choices=METHODS)
+    parser.add_argument("--proxy_seeds", type=int, nargs="+", default=None,
+                        help="proxy: seeds of the half-width sweep (default: the first of --seeds; a "
+                             "practitioner's proxy sweep has one)")
     parser.add_argument("--grid_center", type=float, default=3e-3, help="the sweep's first grid point")
     parser.add_argument("--grid_side", type=int, default=3, help="sweep points needed on each side of the best")
     parser.add_argument("--out", type=Path, default=RESULTS / "lr_finding", help="results stem (.json, .md)")
@@ -264,13 +274,23 @@ def run_key(run: dict[str, Any]) -> tuple:
     return run["method"], run.get("variant"), f"{run['lr']:.6g}", run["seed"]
 
 
+def proxy_hidden(args: argparse.Namespace) -> int:
+    """The proxy model's hidden size: half the full model's."""
+    from hdet_scale.lm.model import PRESETS
+
+    return (args.hidden or PRESETS[args.preset]["hidden_size"]) // 2
+
+
 def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) -> list[str]:
     """The worker's arguments for ``run`` (writes its HDET config into ``run_dir``)."""
     words = ["--preset", args.preset, "--steps", str(args.steps), "--batch_size", str(args.batch_size),
              "--seq_len", str(args.seq_len), "--schedule", args.schedule, "--lr", f"{run['lr']:.8g}",
              "--seed", str(run["seed"]), "--out", str(run_dir)]
-    words += [item for key in ("hidden", "layers") if getattr(args, key) is not None
-              for item in (f"--{key}", str(getattr(args, key)))]
+    hidden = proxy_hidden(args) if run["method"] == "proxy_sweep" else args.hidden
+    words += [item for key, value in (("hidden", hidden), ("layers", args.layers)) if value is not None
+              for item in (f"--{key}", str(value))]
+    if run["method"] == "range_probe":
+        return [*words, "--range_test"]
     if run["method"] in ("schedulefree", "prodigy"):
         return [*words, "--optimizer", run["method"]]
     if run["method"] == "hdet":
@@ -293,9 +313,11 @@ def run_dir_of(args: argparse.Namespace, run: dict[str, Any]) -> Path:
     return args.runs_dir / name
 
 
-def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, record: dict[str, Any]) -> None:
+def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, record: dict[str, Any],
+            save: Callable[[], None]) -> None:
     """Runs ``todo`` one seed per launch (at most ``--runs_per_launch`` runs each), ``--parallel`` launches at a
-    time, recording each launch's runs as it ends (a stopped benchmark loses at most the launches under way)."""
+    time, recording each launch's runs and calling ``save`` as it ends (a stopped benchmark loses at most the
+    launches under way)."""
     waiting = []
     for seed in sorted({run["seed"] for run in todo}):
         runs = [run for run in todo if run["seed"] == seed]
@@ -308,7 +330,7 @@ def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, 
             args.runs_dir.mkdir(parents=True, exist_ok=True)
             spec = args.runs_dir / f"launch_{run_dir_of(args, batch[0]).name}.json"
             spec.write_text(json.dumps([worker_args(args, run, run_dir_of(args, run)) for run in batch]) + "\n")
-            command = torchrun_command(args.nproc, str(WORKER), "--batch", str(spec))
+            command = torchrun_command(args.nproc, str(source / "benchmarks" / WORKER), "--batch", str(spec))
             path = os.pathsep.join(filter(None, (str(source), os.environ.get("PYTHONPATH"))))
             env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
             log = spec.with_suffix(".log").open("w")
@@ -322,7 +344,7 @@ def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, 
         for run in batch:
             _record(args, run, record)
         record["invocations"].append(f"PYTHONPATH={shlex.quote(str(source))} {shlex.join(command)}")
-        write_json(args.out.with_suffix(".json"), record)
+        save()
 
 
 def _wait_any(processes: list[subprocess.Popen]) -> int:
@@ -340,13 +362,17 @@ def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any
     result = read_json(run_dir / "result.json")
     if result is None:
         return
+    if run["method"] == "range_probe":
+        record.setdefault("range_probes", []).append({**run, **result["range_test"], "run_dir": repo_relative(run_dir)})
+        print(f"  range test seed {run['seed']}: picked LR {result['range_test']['picked_lr']}", flush=True)
+        return
     entry = {**run, "heldout": _finite(result["heldout"]) if result["diverged_at_step"] is None else None,
              "train": result["train"], "diverged_at_step": result["diverged_at_step"],
              "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
              "deltas": result.get("deltas"),
              "run_dir": repo_relative(run_dir)}
     entry["final_lr_ratio"] = final_lr_ratio(entry, record.get("best_lr"))
-    record["sweep_runs" if run["method"] == "sweep" else "runs"].append(entry)
+    record.setdefault(RUNS_KEY.get(run["method"], "runs"), []).append(entry)
     print(f"  {run['method']:<12} {run.get('variant') or '':<13} lr {run['lr']:.3g} seed {run['seed']}: "
           f"held-out {entry['heldout']}", flush=True)
 
@@ -363,6 +389,10 @@ def _finite(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+RUNS_KEY = {"sweep": "sweep_runs", "proxy_sweep": "proxy_sweep_runs"}
+"""Where a method's runs are recorded, when not in ``runs``."""
+
+
 def final_lr_ratio(run: dict[str, Any], best_lr: float | None) -> float | None:
     """The LR the run ended on before the schedule's own decay (its start LR times the controller's last
     effective scale) over the sweep-best LR; None for Prodigy, whose LR is its own estimate."""
@@ -373,24 +403,27 @@ def final_lr_ratio(run: dict[str, Any], best_lr: float | None) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------- phases
-def sweep_best(record: dict[str, Any]) -> tuple[float | None, list[float]]:
-    """The sweep's LR with the lowest mean held-out loss over its seeds (a diverged seed counts as +inf), and
-    the grid's LRs, sorted."""
+def sweep_best(record: dict[str, Any], key: str = "sweep_runs") -> tuple[float | None, list[float]]:
+    """The LR of the sweep recorded under ``key`` with the lowest mean held-out loss over its seeds (a diverged
+    seed counts as +inf), and the grid's LRs, sorted."""
     by_lr: dict[float, list[float]] = {}
-    for run in record["sweep_runs"]:
+    for run in record.get(key, []):
         by_lr.setdefault(run["lr"], []).append(math.inf if run["heldout"] is None else run["heldout"])
     if not by_lr:
         return None, []
     return min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr])), sorted(by_lr)
 
 
-def sweep(args: argparse.Namespace, record: dict[str, Any], source: Path) -> None:
-    """Runs the grid, extending it until the best LR has ``--grid_side`` points on each side."""
+def sweep(args: argparse.Namespace, record: dict[str, Any], source: Path, save: Callable[[], None],
+          method: str = "sweep", seeds: list[int] | None = None) -> None:
+    """Runs the grid of ``method`` (the sweep, or the proxy's), extending it until the best LR has
+    ``--grid_side`` points on each side."""
     grid = [args.grid_center * SQRT10 ** k for k in range(-args.grid_side, args.grid_side + 1)]
     while True:
-        todo = pending(record, [{"method": "sweep", "lr": lr, "seed": seed} for lr in grid for seed in args.seeds])
-        execute(args, todo, source, record)
-        best, lrs = sweep_best(record)
+        todo = pending(record, [{"method": method, "lr": lr, "seed": seed} for lr in grid
+                                for seed in (seeds or args.seeds)])
+        execute(args, todo, source, record, save)
+        best, lrs = sweep_best(record, RUNS_KEY[method])
         index = lrs.index(best)
         below, above = index, len(lrs) - 1 - index
         if below >= args.grid_side and above >= args.grid_side:
@@ -399,27 +432,68 @@ def sweep(args: argparse.Namespace, record: dict[str, Any], source: Path) -> Non
 
 
 def pending(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    done = {run_key(run) for run in record["sweep_runs"] + record["runs"]}
+    done = {run_key(run) for key in ("sweep_runs", "proxy_sweep_runs", "runs") for run in record.get(key, [])}
+    done |= {run_key(run) for run in record.get("range_probes", [])}
     return [run for run in runs if run_key(run) not in done]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    path = args.out.with_suffix(".json")
-    record = read_json(path) or {}
+def picked_runs(args: argparse.Namespace, record: dict[str, Any], source: Path, save: Callable[[], None],
+                method: str, lrs: dict[int, float]) -> None:
+    """Plain runs of the full model at the LR ``lrs`` gives each seed, recorded as ``method``: a sweep run at the
+    same LR and seed is the same run, and is copied rather than run again."""
+    todo = []
+    for run in pending(record, [{"method": method, "variant": method, "lr": lr, "seed": seed}
+                                for seed, lr in lrs.items()]):
+        same = [done for done in record["sweep_runs"]
+                if done["seed"] == run["seed"] and math.isclose(done["lr"], run["lr"])]
+        if same:
+            record["runs"].append({**same[0], **run})
+        else:
+            todo.append(run)
+    execute(args, todo, source, record, save)
+
+
+def range_tests(args: argparse.Namespace, record: dict[str, Any], source: Path, save: Callable[[], None]) -> None:
+    """The range test for each seed, then a plain run at each seed's pick."""
+    execute(args, pending(record, [{"method": "range_probe", "lr": 1.0, "seed": seed} for seed in args.seeds]),
+            source, record, save)
+    picks = {probe["seed"]: probe["picked_lr"] for probe in record.get("range_probes", [])
+             if probe["seed"] in args.seeds and probe["picked_lr"] is not None}
+    picked_runs(args, record, source, save, "range_test", picks)
+
+
+def proxy_transfer(args: argparse.Namespace, record: dict[str, Any], source: Path, save: Callable[[], None]) -> None:
+    """The half-width sweep, then plain runs of the full model at its best LR."""
+    sweep(args, record, source, save, method="proxy_sweep", seeds=args.proxy_seeds or args.seeds[:1])
+    record["proxy_best_lr"], _ = sweep_best(record, "proxy_sweep_runs")
+    picked_runs(args, record, source, save, "proxy", {seed: record["proxy_best_lr"] for seed in args.seeds})
+
+
+def run_setting(args: argparse.Namespace, record: dict[str, Any], save: Callable[[], None],
+                commit: str | None = None) -> dict[str, Any]:
+    """Runs ``args.methods`` on the setting of ``args`` into ``record`` (a new record if it holds another setting)
+    with ``hdet_scale`` and the workers as of ``commit`` (default: HEAD), calling ``save`` after every launch, and
+    returns the record with its summary keys (``best_lr``, ``sweep``, each run's ``start_factor`` and
+    ``final_lr_ratio``) filled in."""
+    commit = commit or head_commit()
     if record.get("setting") != setting(args):
-        record = {"setting": setting(args), "sweep_runs": [], "runs": [], "invocations": []}
+        record.clear()
+        record.update(setting=setting(args), sweep_runs=[], runs=[], invocations=[])
     record["default_variant"] = DEFAULT_VARIANT
     if not args.report_only:  # a report rewritten elsewhere keeps the machine its runs ran on
         record["machine"] = machine_info(backend="gloo", ranks=args.nproc, packages=("torch", "transformers"),
                                          **gpu_of_this_machine())
-        source = snapshot_source(head_commit(), args.runs_dir)
-        record["hdet_scale_commit"] = head_commit()
+        source = snapshot_source(commit, args.runs_dir)
+        record["hdet_scale_commit"] = commit
         if "sweep" in args.methods:
-            sweep(args, record, source)
+            sweep(args, record, source, save)
         record["best_lr"], _ = sweep_best(record)
         if record["best_lr"] is None:
             raise SystemExit("lr_finding: no sweep recorded; run --methods sweep first")
+        if "range_test" in args.methods:
+            range_tests(args, record, source, save)
+        if "proxy" in args.methods:
+            proxy_transfer(args, record, source, save)
         starts = [record["best_lr"] * factor for factor in args.start_factors]
         todo = []
         if "hdet" in args.methods:
@@ -430,13 +504,25 @@ def main(argv: list[str] | None = None) -> None:
                      for lr in starts for seed in args.seeds]
         if "prodigy" in args.methods:
             todo += [{"method": "prodigy", "variant": "prodigy", "lr": 1.0, "seed": seed} for seed in args.seeds]
-        execute(args, pending(record, todo), source, record)
+        execute(args, pending(record, todo), source, record, save)
     record["best_lr"], _ = sweep_best(record)
     record["sweep"] = [{"lr": run["lr"], "seed": run["seed"], "heldout": run["heldout"]}
                        for run in record["sweep_runs"]]
     for run in record["runs"]:
-        run["start_factor"] = None if run["method"] == "prodigy" else run["lr"] / record["best_lr"]
+        run["start_factor"] = run["lr"] / record["best_lr"] if run["method"] in START_METHODS else None
         run["final_lr_ratio"] = final_lr_ratio(run, record["best_lr"])
+    return record
+
+
+START_METHODS = ("hdet", "schedulefree")
+"""The methods that start from the LR a user gives (the others pick their own)."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    path = args.out.with_suffix(".json")
+    record = read_json(path) or {}
+    run_setting(args, record, lambda: write_json(path, record))
     write_json(path, record)
     write_report(args.out, record)
 

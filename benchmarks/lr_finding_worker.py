@@ -6,7 +6,9 @@
 Every rank is a replica (the paper's layout; global gradients). Without ``--hdet_config`` it is plain data
 parallel with AdamW on the schedule; with one, HDET runs on the same schedule (``HDETScheduler``; the paper's
 controller needs the schedule's floor, ``paper_decay``). ``schedulefree`` (AdamWScheduleFree, warm-up only) and
-``prodigy`` (Prodigy at LR 1.0 on the schedule) are plain data parallel.
+``prodigy`` (Prodigy at LR 1.0 on the schedule) are plain data parallel. ``--range_test`` runs the LR range test
+instead (``range_test.py``: plain data parallel, AdamW at an exponentially growing LR for ``--range_steps``
+steps); its ``result.json`` holds the LRs, the smoothed losses and the picked LR, and no held-out loss.
 
 Schedules, as factors of ``--lr``: ``cosine``, linear warm-up over ``--warmup_fraction`` of the steps, then a
 cosine to ``--min_lr_ratio``; ``wsd``, the same warm-up, constant, then a linear decay to ``--min_lr_ratio``
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from quality_worker import fixed_loss, plain_data_parallel, run_worker, set_heldout_probe, stdlib_corpus, training_step
+from range_test import SmoothedLoss, ramp_lr, steepest_descent
 
 from hdet_scale import HDETScheduler, ReplicaTopology, load_config
 from hdet_scale.controller import PaperDecay
@@ -49,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1500, help="optimizer steps")
     parser.add_argument("--batch_size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--seq_len", type=int, default=64, help="bytes per sequence")
-    parser.add_argument("--lr", type=float, required=True, help="peak LR (schedule-free's LR)")
+    parser.add_argument("--lr", type=float, default=None, help="peak LR (schedule-free's LR)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="cosine")
     parser.add_argument("--warmup_fraction", type=float, default=0.05, help="linear warm-up, share of the steps")
     parser.add_argument("--decay_fraction", type=float, default=0.2, help="wsd: the decay's share of the steps")
@@ -60,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replay_scales", default=None,
                         help="plain run whose LR is the schedule times the controller's scale path recorded in "
                              "this result.json of an HDET run (tells the LR path's cost from HDET's own)")
+    parser.add_argument("--range_test", action="store_true",
+                        help="the LR range test instead of a run (--lr, --schedule and --steps are not used)")
+    parser.add_argument("--range_steps", type=int, default=100, help="range test: steps of the LR ramp")
+    parser.add_argument("--range_min", type=float, default=1e-6, help="range test: the ramp's first LR")
+    parser.add_argument("--range_max", type=float, default=1.0, help="range test: the ramp's last LR")
     parser.add_argument("--probe", action="store_true", help="HDET: score the replicas on a shared probe batch")
     parser.add_argument("--probe_batch", type=int, default=32, help="windows in the probe batch")
     parser.add_argument("--corpus_mb", type=float, default=4.0, help="MiB of the stdlib corpus")
@@ -69,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.replay_scales and (args.schedule == "onecycle" or args.hdet_config):
         parser.error("--replay_scales replays on cosine or wsd, in a plain run (no --hdet_config)")
+    if args.range_test and (args.hdet_config or args.replay_scales or args.optimizer != "adamw"):
+        parser.error("--range_test is a plain AdamW run: drop --hdet_config, --replay_scales and --optimizer")
+    if args.lr is None and not args.range_test:
+        parser.error("--lr is required (except with --range_test)")
     return args
 
 
@@ -143,6 +155,15 @@ def train_one(args: argparse.Namespace, device: torch.device) -> None:
                  if value is not None}
     model = build_model(args.preset, vocab_size=corpus.vocab_size, seq_len=args.seq_len, **overrides).to(device)
     hdet = None
+    if args.range_test:
+        model = plain_data_parallel(model)
+        result = range_test(args, model, corpus, device)
+        if rank == 0:
+            (out / "result.json").write_text(json.dumps({**result, "args": vars(args)}, indent=1) + "\n")
+            print(f"{out.name}: picked LR {result['range_test']['picked_lr']}  ({result['wall_seconds']:.0f} s)",
+                  flush=True)
+        dist.barrier()
+        return
     if config is not None:
         topology = ReplicaTopology.build(config)
         model = wrap_model(model, config, topology)
@@ -170,6 +191,29 @@ def train_one(args: argparse.Namespace, device: torch.device) -> None:
     if hdet is not None:
         hdet.hdet.close()
     dist.barrier()
+
+
+def range_test(args: argparse.Namespace, model: torch.nn.Module, corpus: Any, device: torch.device) -> dict[str, Any]:
+    """The LR range test on ``model`` (see ``range_test.py``): the ramp's LRs, the mean loss over the ranks and its
+    smoothed value at each step until the ramp ends or the smoothed loss diverges, and the picked LR."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.range_min, weight_decay=args.weight_decay)
+    data = torch.Generator().manual_seed(args.seed * 100_003 + dist.get_rank())
+    smoother, lrs, losses, smoothed, started = SmoothedLoss(), [], [], [], time.perf_counter()
+    for step in range(args.range_steps):
+        lr = ramp_lr(step, steps=args.range_steps, lr_min=args.range_min, lr_max=args.range_max)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = training_step(model, optimizer, corpus, args, data, device).detach()
+        dist.all_reduce(loss)  # the same mean on every rank, so every rank stops at the same step
+        mean = loss.item() / dist.get_world_size()
+        lrs.append(lr)
+        losses.append(mean)
+        smoothed.append(smoother.add(mean))
+        if smoother.diverged(smoothed[-1]):
+            break
+    return {"range_test": {"lrs": lrs, "losses": losses, "smoothed": smoothed, "steps_run": len(lrs),
+                           "picked_lr": steepest_descent(lrs, smoothed)},
+            "wall_seconds": time.perf_counter() - started, "world_size": dist.get_world_size()}
 
 
 def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, schedule: Any,

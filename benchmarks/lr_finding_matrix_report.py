@@ -1,0 +1,129 @@
+"""The LR-finding matrix's results (``lr_finding_matrix.py``): one summary table, then one section per setting.
+
+The summary gives, per setting, the default variant's excess held-out loss over the sweep-best at each start
+factor (mean over seeds), its mean over the starts, and each baseline's mean excess, with the holdout settings
+in a table of their own. What the numbers mean is written by hand into the note blocks, which a rewrite keeps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from common import note, save_markdown, table_header, table_row
+from lr_finding_report import TARGET_AT_ONE, TARGET_NATS, _fmt, _plain_at, all_methods, headline, mean_sd, sweep_table
+
+START_FACTORS = (0.1, 10 ** -0.5, 1.0, 10 ** 0.5, 10.0)
+BASELINES = ("range_test", "proxy", "schedulefree", "prodigy")
+
+
+def excess_by_start(record: dict[str, Any], method: str, variant: str) -> dict[float, float]:
+    """Mean held-out loss over the seeds minus the sweep-best's, per start factor (rounded to 4 digits), of the
+    runs of ``method`` and ``variant``."""
+    sweep = sweep_table(record)
+    best = sweep[record["best_lr"]][0]
+    by_start: dict[float, list[float | None]] = {}
+    for run in record["runs"]:
+        if run["method"] == method and run["variant"] == variant:
+            factor = -1.0 if run["start_factor"] is None else round(run["start_factor"], 4)
+            by_start.setdefault(factor, []).append(run["heldout"])
+    return {factor: mean_sd(values)[0] - best for factor, values in by_start.items()}
+
+
+def baseline_mean(record: dict[str, Any], method: str) -> float:
+    """A baseline's mean excess over the sweep-best: over its seeds, then over its start factors if it has any."""
+    excess = excess_by_start(record, method, method)
+    return statistics.fmean(excess.values()) if excess else math.nan
+
+
+def summary_rows(records: list[dict[str, Any]], variant: str) -> list[str]:
+    """One row per setting: the default's excess at each start, its mean, the baselines' means, and whether the
+    targets hold (within +0.03 at every start, within 0.01 of plain DP at 1x, no worse than the range test)."""
+    lines = table_header("setting", *(f"{factor:.3g}x" for factor in START_FACTORS), "mean", "range test",
+                         "proxy", "schedule-free", "Prodigy", "targets met")
+    for record in records:
+        hdet = excess_by_start(record, "hdet", variant)
+        cells = [hdet.get(round(factor, 4), math.nan) for factor in START_FACTORS]
+        found = [cell for cell in cells if math.isfinite(cell)]
+        baselines = [baseline_mean(record, method) for method in BASELINES]
+        lines.append(table_row(record["name"], *(_fmt(cell, signed=True) for cell in cells),
+                               _fmt(statistics.fmean(found), signed=True) if found else "-",
+                               *(_fmt(value, signed=True) for value in baselines), targets_met(record, cells)))
+    return lines
+
+
+def targets_met(record: dict[str, Any], cells: list[float]) -> str:
+    """"yes", "no" (naming what missed) or "-" when the default has not run from every start."""
+    if not all(math.isfinite(cell) for cell in cells):
+        return "-"
+    sweep = sweep_table(record)
+    best = sweep[record["best_lr"]][0]
+    missed = [f"{factor:.3g}x" for factor, cell in zip(START_FACTORS, cells, strict=True) if cell > TARGET_NATS]
+    plain = _plain_at(sweep, record["best_lr"])[0] - best
+    if cells[START_FACTORS.index(1.0)] - plain > TARGET_AT_ONE:
+        missed.append("plain DP at 1x")
+    range_test = baseline_mean(record, "range_test")
+    if math.isfinite(range_test) and max(cells) > range_test:
+        missed.append("range test")
+    return "yes" if not missed else "no: " + ", ".join(missed)
+
+
+def setting_line(record: dict[str, Any]) -> str:
+    s = record["setting"]
+    size = "".join(f", {key} {s[key]}" for key in ("hidden", "layers") if s[key] is not None)
+    return (f"Preset `{s['preset']}`{size}, {s['steps']} steps, {s['nproc']} ranks = replicas, batch "
+            f"{s['batch_size']} x {s['seq_len']} bytes per rank, schedule `{s['schedule']}`, T = {s['sync_interval']}.")
+
+
+def picks(record: dict[str, Any]) -> list[str]:
+    """The LRs the range test and the proxy picked, over the sweep-best LR."""
+    best = record["best_lr"]
+    lines = []
+    probes = sorted(record.get("range_probes", []), key=lambda probe: probe["seed"])
+    if probes:
+        lines.append("Range test picks (LR / sweep-best): " + ", ".join(
+            f"seed {probe['seed']}: {probe['picked_lr'] / best:.2f}" if probe["picked_lr"] else
+            f"seed {probe['seed']}: none" for probe in probes) + ".")
+    if record.get("proxy_best_lr"):
+        lines.append(f"Proxy (half width) sweep-best: {record['proxy_best_lr']:.3g} = "
+                     f"{record['proxy_best_lr'] / best:.2f} x the full model's.")
+    return lines
+
+
+def setting_section(record: dict[str, Any]) -> list[str]:
+    sweep = sweep_table(record)
+    best_mean = sweep[record["best_lr"]][0]
+    lines = [f"### {record['name']}{' (holdout)' if record['holdout'] else ''}", "", setting_line(record)]
+    if record.get("imported_from"):
+        lines.append(f"Its sweep and runs so far come from `{record['imported_from']}`.")
+    lines += ["", *headline(record, sweep), "", *all_methods(record, best_mean), ""]
+    return lines + ([*picks(record), ""] if picks(record) else [])
+
+
+def write_matrix_report(stem: Path, matrix: dict[str, Any]) -> None:
+    """``<stem>.md`` from the matrix record."""
+    records = [record for record in matrix["settings"] if record.get("best_lr")]
+    design = [record for record in records if not record["holdout"]]
+    holdout = [record for record in records if record["holdout"]]
+    variant = matrix["default_variant"]
+    lines = [
+        "# LR finding on a matrix of settings", "",
+        f"The LR-finding benchmark (`lr_finding.md`) on the settings of `{matrix['settings_file']}`. Cells: the "
+        "mean held-out loss over the seeds minus the sweep-best LR's mean (nats; lower is better). HDET columns: "
+        f"the default variant `{variant}` started at that multiple of the sweep-best LR. Baselines: the LR range "
+        "test (100 steps of an exponential LR ramp, the LR of the steepest descent of the smoothed loss, then one "
+        "run at it), the best LR of a sweep on the model at half the width reused on the full model, "
+        "schedule-free AdamW (mean over the same starts) and Prodigy at LR 1.0. Targets: within "
+        f"+{TARGET_NATS} at every start, within {TARGET_AT_ONE} of plain data parallel at 1x, and no start worse "
+        "than the range test. Command: `python benchmarks/lr_finding_matrix.py`; every launch is in the JSON.", "",
+        "## Design settings", "", *summary_rows(design, variant), "",
+        "## Holdout settings", "",
+        *(summary_rows(holdout, variant) if holdout else ["Not run yet: they run once, with the chosen default."]),
+        "", "## Findings", "", *note("findings"), "", "## Each setting", "",
+    ]
+    for record in design + holdout:
+        lines += setting_section(record)
+    lines += ["## Caveats", "", *note("caveats")]
+    save_markdown(stem.with_suffix(".md"), lines)

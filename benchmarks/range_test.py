@@ -1,0 +1,59 @@
+"""The LR range test a practitioner runs instead of a sweep (Lightning's ``Tuner.lr_find``, fastai's ``lr_find``):
+train for ``steps`` steps while the LR grows exponentially from ``lr_min`` to ``lr_max``, smooth the losses, and
+pick the LR where the smoothed loss falls fastest. The pick then serves as the peak LR of one full run.
+
+The rules follow Lightning's defaults: the loss is an exponential moving average with ``beta`` 0.98, divided by
+``1 - beta^(i+1)`` so the first values are not pulled towards zero; the ramp stops once the smoothed loss exceeds
+``DIVERGED_OVER_BEST`` times its lowest value; the pick is the LR of the most negative slope of the smoothed loss
+per step, leaving out the first ``SKIP_BEGIN`` and the last ``SKIP_END`` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+BETA = 0.98
+DIVERGED_OVER_BEST = 4.0
+SKIP_BEGIN, SKIP_END = 10, 1
+
+
+def ramp_lr(step: int, *, steps: int, lr_min: float, lr_max: float) -> float:
+    """The LR of 0-based ``step`` of a ramp that goes from ``lr_min`` at step 0 to ``lr_max`` at step
+    ``steps - 1``, equal ratios per step."""
+    return lr_min * (lr_max / lr_min) ** (step / max(1, steps - 1))
+
+
+class SmoothedLoss:
+    """The debiased moving average of the losses seen so far, and whether the ramp should stop."""
+
+    def __init__(self, beta: float = BETA) -> None:
+        self.beta, self.average, self.count, self.best = beta, 0.0, 0, math.inf
+
+    def add(self, loss: float) -> float:
+        """Takes the next loss and returns the smoothed value for it."""
+        self.average = self.beta * self.average + (1 - self.beta) * loss
+        self.count += 1
+        smoothed = self.average / (1 - self.beta ** self.count)
+        self.best = min(self.best, smoothed)
+        return smoothed
+
+    def diverged(self, smoothed: float) -> bool:
+        """The ramp stops: ``smoothed`` is above ``DIVERGED_OVER_BEST`` times the best so far (or not finite)."""
+        return not math.isfinite(smoothed) or (self.count > 1 and smoothed > DIVERGED_OVER_BEST * self.best)
+
+
+def steepest_descent(lrs: Sequence[float], smoothed: Sequence[float]) -> float | None:
+    """The LR at the most negative slope of ``smoothed`` (central differences per step, one-sided at the ends),
+    after leaving out the first ``SKIP_BEGIN`` and last ``SKIP_END`` points and any non-finite one; None when
+    fewer than two points are left."""
+    kept = [(lr, loss) for lr, loss in list(zip(lrs, smoothed, strict=True))[SKIP_BEGIN:len(lrs) - SKIP_END]
+            if math.isfinite(loss)]
+    if len(kept) < 2:
+        return None
+    losses = [loss for _, loss in kept]
+    last = len(losses) - 1
+    slopes = [losses[1] - losses[0],
+              *((losses[i + 1] - losses[i - 1]) / 2 for i in range(1, last)),
+              losses[last] - losses[last - 1]]
+    return kept[min(range(len(slopes)), key=slopes.__getitem__)][0]
