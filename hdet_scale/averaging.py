@@ -3,7 +3,9 @@
 A sync averages many tensors of any floating dtype and size (empty shards included). Small ones are packed
 into flat buckets of bounded size in fp32 (fp64 tensors keep fp64), each all-reduced while the next is packed,
 and the mean is written back in place while unpacking. Large fp32/fp64 tensors (ZeRO-1/2's flat partitions)
-are all-reduced in place, with no copy at all.
+are all-reduced in place, with no copy at all. Packing, the finiteness check and unpacking each touch all of a
+bucket's tensors in one fused (``torch._foreach_*``) call: a model has hundreds of tensors, and one kernel
+launch per tensor and pass made the sync's local work on a GPU cost as much as its transfer.
 
 Whether a rank contributes is a flag on the device (its replica may be non-finite): a rank that does not
 contributes zeros, and the number of contributors rides as one extra element of the first bucket, so the
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hdet_scale.comm import all_finite_flag, reduction_dtype, zero_unless
+from hdet_scale.comm import reduction_dtype, zero_unless
 
 Check = Callable[[torch.Tensor | None], None]
 
@@ -73,7 +75,14 @@ def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> tor
 
 
 def _all_finite_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    flags = [all_finite_flag(tensor).to(device, non_blocking=True) for tensor in tensors]
+    """Whether every element of ``tensors`` is finite, as a flag on ``device`` (no host synchronization): each
+    tensor's sum of absolute values, in one fused pass per device and precision, is finite exactly when every
+    element is (up to float32's range, as ``all_finite_flag``; float64 tensors sum in float64)."""
+    kinds: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.device, tensor.dtype == torch.float64), []).append(tensor)
+    flags = [torch.stack(torch._foreach_norm(group, 1, dtype=torch.float64 if wide else torch.float32))
+             .isfinite().all().to(device, non_blocking=True) for (_, wide), group in kinds.items()]
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 
@@ -92,6 +101,11 @@ class _Bucket:
     segments: list[_Segment] = field(default_factory=list)
     work: dist.Work | None = None
     has_count: bool = False
+
+    def views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each segment's part of the bucket and of its tensor."""
+        return ([self.data[seg.bucket_offset: seg.bucket_offset + seg.numel] for seg in self.segments],
+                [seg.target[seg.target_offset: seg.target_offset + seg.numel] for seg in self.segments])
 
 
 class _Averager:
@@ -149,9 +163,11 @@ class _Averager:
                     raise
                 self._send_in_place(in_place)
         self.in_flight.pop(0)
-        for seg in bucket.segments:  # divide while unpacking: one pass, the cast to the tensor's dtype included
-            torch.div(bucket.data[seg.bucket_offset: seg.bucket_offset + seg.numel], self.count,
-                      out=seg.target[seg.target_offset: seg.target_offset + seg.numel])
+        if bucket.segments:  # the payload is contiguous: divide it at once, then copy out (casting) at once
+            first, last = bucket.segments[0], bucket.segments[-1]
+            bucket.data[first.bucket_offset: last.bucket_offset + last.numel].div_(self.count)
+            parts, targets = bucket.views()
+            torch._foreach_copy_(targets, parts)
         self.free.append(bucket.data)
 
     # ---------------------------------------------------------------------------------------- packing
@@ -174,7 +190,6 @@ class _Averager:
                         bucket = self._new_bucket(capacity, dtype, 0, False)
                         continue
                     count = min(flat.numel() - offset, room)
-                    bucket.data[bucket.fill: bucket.fill + count].copy_(flat[offset: offset + count])
                     bucket.segments.append(_Segment(flat, offset, bucket.fill, count))
                     bucket.fill += count
                     offset += count
@@ -191,6 +206,9 @@ class _Averager:
         return _Bucket(data, fill=header)
 
     def _closed(self, bucket: _Bucket, first: bool) -> _Bucket:
+        if bucket.segments:
+            parts, sources = bucket.views()
+            torch._foreach_copy_(parts, sources)
         if first:
             bucket.data[bucket.fill].copy_(self.flag)
             bucket.fill += 1

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_ranks
 from hdet_scale import HDETConfig, ReplicaTopology
@@ -111,6 +112,36 @@ def test_bucketed_average_matches_an_independent_mean():
     sent = run_ranks(averaging, 4)
     # fp32 values, fp64 values kept as fp64, and one contributor count (fp32: the first kind packed)
     assert sent == [[FP32_ELEMENTS * 4 + 4 * 8 + 4] * len(BUCKET_SIZES)] * 4
+
+
+class _ComputeCounter(TorchDispatchMode):
+    """Counts the operators that compute (not views) dispatched while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def operators_per_average(rank: int, world: int) -> list[int]:
+    counts = []
+    for tensors in (20, 200):
+        values = [torch.full((10,), float(rank + i)) for i in range(tensors)]
+        with _ComputeCounter() as counter:
+            average_tensors(values, dist.group.WORLD, bucket_bytes=2**20, skip_non_finite=True)
+        assert torch.allclose(values[7], torch.full((10,), 7.5))  # the mean of 7 and 8
+        counts.append(counter.count)
+    return counts
+
+
+def test_packing_checking_and_unpacking_cost_the_same_operators_for_any_number_of_tensors():
+    """On a GPU every operator is a kernel launch: one per tensor and pass made a sync's local work cost as much
+    as its transfer. Ten times the tensors in one bucket dispatch the same operators."""
+    for few, many in run_ranks(operators_per_average, 2):
+        assert few == many
 
 
 def test_one_replica_averages_nothing():
