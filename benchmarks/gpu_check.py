@@ -1,0 +1,542 @@
+"""One command for a lent GPU: what HDET costs on CUDA, per step, per sync and in memory, and whether it makes the
+host wait for the device between syncs. The same code runs on the CPU (``--device cpu``), so it cannot rot between
+GPU loans.
+
+    python benchmarks/gpu_check.py                            # on one GPU: presets small and 125m, bf16, ~4 min
+    python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check   # the dry run (the e2e tests)
+
+Two ranks share the device over gloo (NCCL refuses two ranks on one GPU), each rank a replica, global gradient
+mode, bf16 (autocast around DDP's forward; FSDP2's ``MixedPrecisionPolicy``), the library's default controller
+moving at every sync with a probe batch. For each engine (DDP, FSDP2) and preset:
+
+1. **Step time.** Plain training (DDP over both ranks; FSDP2: native HSDP on the same (2, 1) mesh) and HDET at
+   T = 10 take alternate steps on the same batches. Each step is timed in three parts with the device drained at
+   each boundary: forward and backward (the gradient all-reduce, the same bytes in both), ``optimizer.step()``
+   (with HDET's LR hooks) and ``hdet.step(loss)``; the slowest rank's time counts. HDET's own work per step
+   between syncs is the paired difference of the first two parts plus ``hdet.step``; a sync's own work is its
+   time less one flat all-reduce of the same bytes over the same ranks (the transfer). The ratio at T = 10,
+   100 and 1000 is (plain step + own work + sync / T) / plain step, and the same with the sync's own work only.
+2. **Host-device synchronization** between syncs (CUDA only): ``torch.cuda.set_sync_debug_mode("error")``
+   around ``optimizer.step()`` (HDET's LR hooks) and ``hdet.step`` in five steps after a sync, for plain and HDET,
+   and around HDET's gradient average (the body of its DDP comm hook and FSDP2 all-reduce hook) on a bucket of
+   25 MiB over a group of one rank under NCCL. Forward and backward are not checked as a whole: gloo's own CUDA
+   path synchronizes inside every all-reduce, plain or HDET.
+3. **Peak GPU memory** (CUDA only): each of plain, HDET and HDET without the averaged-weight window trained
+   through a sync once unmetered (one-time allocations such as cuBLAS's workspace), then again from a fresh
+   model on a clean allocator; the peak above the allocator's start, per rank.
+4. **The sync's local work** (rank 0 alone, on a group of one rank, so nothing crosses a wire): averaging the
+   preset's fp32 parameters as a sync does (``average_tensors`` with the finiteness check: packing, the check,
+   the division while unpacking), less one flat all-reduce of the same bytes on that group, over one
+   device-to-device copy of the same bytes. ``comm_model.py`` uses this ratio in place of the CPU's.
+
+Writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/gpu_check``; a CPU run defaults to
+``gpu_check_cpu``); ``<out>_partial.json`` holds the runs so far while it runs. What the numbers mean is written
+by hand into the Markdown's note blocks, which a rewrite keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import shlex
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from common import RESULTS, MiB, machine_info, note, save_markdown, table_header, table_row, write_json
+from overhead_engines import DEFAULT_CONTROLLER
+from torch import nn
+
+from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
+from hdet_scale.averaging import average_tensors
+from hdet_scale.comm import HealthyMean
+from hdet_scale.engines import ddp, fsdp
+from hdet_scale.lm.model import build_model, next_token_loss
+from hdet_scale.probe import batch_probe
+
+RANKS = 2
+SYNC_INTERVAL = 10
+AMORTIZED_AT = (10, 100, 1000)
+BUCKET_BYTES = 25 * MiB  # the library's default bucket_mb
+VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every rank needs (picklable for the spawned ranks)."""
+
+    device: str
+    presets: tuple[str, ...]
+    engines: tuple[str, ...]
+    steps: int
+    warmup: int
+    batch: int
+    seq_len: int
+    reps: int
+    debug_steps: int
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--presets", nargs="+", default=None, help="model presets (default: small 125m; "
+                                                                   "--quick: tiny)")
+    parser.add_argument("--engines", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps of each variant")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=20, help="repetitions of each local-work timing")
+    parser.add_argument("--quick", action="store_true", help="a dry run: preset tiny, few steps, short sequences")
+    parser.add_argument("--out", type=Path, default=None, help="results stem (.json, .md)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU is visible; use --device cpu for the dry run")
+    if args.quick:
+        args.presets = args.presets or ["tiny"]
+        args.steps, args.batch, args.seq_len, args.reps = min(args.steps, 10), 2, 32, 3
+    args.presets = args.presets or ["small", "125m"]
+    args.out = args.out or RESULTS / ("gpu_check" if args.device == "cuda" else "gpu_check_cpu")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ device helpers
+def drain(device: torch.device) -> None:
+    """Waits for the device's queued work (a step boundary of the timings)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(device: torch.device, work: Callable[[], Any], reps: int) -> float:
+    """The median wall time of ``work`` over ``reps`` runs after one untimed run, the device drained around each."""
+    work()
+    times = []
+    for _ in range(reps):
+        drain(device)
+        start = time.perf_counter()
+        work()
+        drain(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gathered(values: list[float]) -> list[list[float]]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, values)
+    return out
+
+
+def slowest_rank(values: list[float]) -> list[float]:
+    """Per index, the largest of the ranks' values (collective)."""
+    return [max(column) for column in zip(*gathered(values), strict=True)]
+
+
+# ----------------------------------------------------------------------------------------------- variants
+@dataclass
+class Variant:
+    """One training loop: a model, its AdamW and (for HDET) its ensemble."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    hdet: HDETEnsemble | None
+    autocast: bool
+
+
+class Builder:
+    """Builds fresh variants of one engine and preset (the same initial weights every time)."""
+
+    def __init__(self, engine: str, preset: str, settings: Settings, device: torch.device) -> None:
+        self.engine, self.preset, self.settings, self.device = engine, preset, settings, device
+        self.mesh = None
+        if engine == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(device.type, (RANKS, 1), mesh_dim_names=("replicate", "shard"))
+        generator = torch.Generator().manual_seed(1000 + dist.get_rank())  # each rank its own data
+        self.batches = [self._batch(generator) for _ in range(4)]
+        self.probe_batch = self._batch(torch.Generator().manual_seed(2000))
+
+    def _batch(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, VOCAB, (self.settings.batch, self.settings.seq_len + 1), generator=generator)
+        return tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return build_model(self.preset, vocab_size=VOCAB, seq_len=self.settings.seq_len).to(self.device)
+
+    def mixed_precision(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def plain(self) -> Variant:
+        model = self.model()
+        if self.engine == "ddp":
+            kwargs = {"device_ids": [self.device]} if self.device.type == "cuda" else {}
+            model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in fsdp.transformer_blocks(model):
+                fully_shard(block, mesh=self.mesh, mp_policy=self.mixed_precision())
+            fully_shard(model, mesh=self.mesh, mp_policy=self.mixed_precision())
+        return Variant("plain", model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, self.engine == "ddp")
+
+    def hdet(self, name: str = "hdet", **auto_lr: Any) -> Variant:
+        config = HDETConfig.from_dict({"sync_interval": SYNC_INTERVAL, "ranks_per_replica": 1,
+                                       "gradient_mode": "global", "auto_lr": {**DEFAULT_CONTROLLER, **auto_lr}})
+        if self.engine == "ddp":
+            kwargs = {"device_ids": [self.device]} if self.device.type == "cuda" else {}
+            topology = ReplicaTopology.build(config)
+            model = ddp.wrap_model(self.model(), config, topology, **kwargs)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            ensemble = ddp.attach(model, optimizer, config, topology=topology)
+        else:
+            model, handle = fsdp.wrap(self.model(), config, mp_policy=self.mixed_precision(), mesh=self.mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            ensemble = handle.attach(optimizer)
+        variant = Variant(name, model, optimizer, ensemble, self.engine == "ddp")
+        ensemble.set_probe(batch_probe(model, self.probe_batch, lambda m, b: self.loss(variant, b)))
+        return variant
+
+    def loss(self, variant: Variant, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        context = torch.autocast(self.device.type, dtype=torch.bfloat16) if variant.autocast \
+            else contextlib.nullcontext()
+        with context:
+            return next_token_loss(variant.model, *batch)
+
+
+@dataclass
+class StepTimes:
+    forward_backward: float
+    optimizer: float
+    hdet: float
+    sync_bytes: int | None  # the bytes a sync at this step averaged; None between syncs
+
+
+def timed_step(builder: Builder, variant: Variant, index: int,
+               region: Callable[[str], contextlib.AbstractContextManager] | None = None) -> StepTimes:
+    """One training step, timed in three parts with the device drained at each boundary; ``region(part)``
+    wraps each part (the synchronization check)."""
+    region = region or (lambda part: contextlib.nullcontext())
+    batch = builder.batches[index % len(builder.batches)]
+    drain(builder.device)
+    start = time.perf_counter()
+    with region("forward_backward"):
+        loss = builder.loss(variant, batch)
+        variant.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+    drain(builder.device)
+    backward_done = time.perf_counter()
+    with region("optimizer"):
+        variant.optimizer.step()
+    drain(builder.device)
+    optimizer_done = time.perf_counter()
+    report = None
+    if variant.hdet is not None:
+        with region("hdet_step"):
+            report = variant.hdet.step(loss.detach())
+    drain(builder.device)
+    return StepTimes(backward_done - start, optimizer_done - backward_done, time.perf_counter() - optimizer_done,
+                     None if report is None else report.bytes_averaged)
+
+
+# ------------------------------------------------------------------------------------------- 1. step time
+def step_time(builder: Builder, settings: Settings) -> dict[str, Any]:
+    """Plain and HDET on alternate steps; HDET's own work between syncs and per sync, and the ratios."""
+    plain, hdet = builder.plain(), builder.hdet()
+    steps = {"plain": [], "hdet": []}
+    for index in range(settings.warmup + settings.steps):
+        for variant in (plain, hdet):
+            times = timed_step(builder, variant, index)
+            if index >= settings.warmup:
+                steps[variant.name].append(times)
+    parts = {name: {part: slowest_rank([getattr(t, part) for t in times]) for part in
+                    ("forward_backward", "optimizer", "hdet")} for name, times in steps.items()}
+    synced = [t.sync_bytes is not None for t in steps["hdet"]]
+    plain_step = [fb + opt for fb, opt in zip(parts["plain"]["forward_backward"], parts["plain"]["optimizer"],
+                                              strict=True)]
+    between = [i for i, s in enumerate(synced) if not s]
+    at_sync = [i for i, s in enumerate(synced) if s]
+
+    def paired(part: str) -> float:
+        return statistics.median(parts["hdet"][part][i] - parts["plain"][part][i] for i in between)
+
+    # hdet.step's mean, not median: the averaged-weight window works in a fixed share of the steps
+    own = {"forward_backward": paired("forward_backward"), "optimizer": paired("optimizer"),
+           "hdet_step": statistics.fmean(parts["hdet"]["hdet"][i] for i in between)}
+    sync = statistics.median(parts["hdet"]["hdet"][i] for i in at_sync) if at_sync else float("nan")
+    sync_bytes = max((t.sync_bytes or 0 for t in steps["hdet"]), default=0)
+    flat = torch.zeros(max(1, sync_bytes // 4), device=builder.device)
+    transfer = max(slowest_rank([median_seconds(builder.device, lambda: dist.all_reduce(flat), settings.reps)]))
+    plain_median = statistics.median(plain_step)
+    own_step = sum(own.values())
+    result = {
+        "plain_step_ms": 1e3 * plain_median,
+        "hdet_step_between_syncs_ms": 1e3 * statistics.median(
+            parts["hdet"]["forward_backward"][i] + parts["hdet"]["optimizer"][i] + parts["hdet"]["hdet"][i]
+            for i in between),
+        "own_work_per_step_ms": {part: 1e3 * value for part, value in own.items()},
+        "sync_ms": 1e3 * sync, "sync_bytes": sync_bytes, "flat_all_reduce_ms": 1e3 * transfer,
+        "syncs_timed": len(at_sync), "steps_timed": len(synced),
+        "ratio": {str(t): (plain_median + own_step + sync / t) / plain_median for t in AMORTIZED_AT},
+        "ratio_own_work_only": {str(t): (plain_median + own_step + max(0.0, sync - transfer) / t) / plain_median
+                                for t in AMORTIZED_AT},
+    }
+    for variant in (plain, hdet):
+        if variant.hdet is not None:
+            variant.hdet.close()
+    return result
+
+
+# ---------------------------------------------------------------------------- 2. host-device synchronization
+UNCHECKED_PART = "forward_backward"
+"""The part of a step not checked in place: gloo's CUDA all-reduce inside it synchronizes, plain or HDET."""
+
+
+class SyncWatch:
+    """Records the host-device synchronizations inside a part of a step (CUDA's sync debug mode as "error")."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, list[str]] = {}
+
+    @contextlib.contextmanager
+    def region(self, part: str) -> Iterator[None]:
+        if part == UNCHECKED_PART:
+            yield
+            return
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        except RuntimeError as error:
+            if "synchroniz" not in str(error):
+                raise
+            self.found.setdefault(part, []).append(where(traceback.extract_tb(error.__traceback__), str(error)))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def where(frames: traceback.StackSummary, message: str) -> str:
+    """The innermost frame of ``frames`` in hdet_scale (else the innermost), as file:line, and the message."""
+    ours = [frame for frame in frames if "hdet_scale" in frame.filename]
+    frame = (ours or list(frames))[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno}: {message.splitlines()[0]}"
+
+
+def synchronizations(builder: Builder, settings: Settings, alone: dist.ProcessGroup) -> dict[str, Any]:
+    """The synchronizations of plain and HDET in the steps after a sync, and of HDET's gradient average on a
+    group of this rank alone (CUDA only)."""
+    if builder.device.type != "cuda":
+        return {"checked": False, "why": "CUDA's sync debug mode needs a GPU"}
+    result: dict[str, Any] = {"checked": True, "steps": settings.debug_steps}
+    watch, average = SyncWatch(), HealthyMean(alone)
+    bucket = torch.randn(BUCKET_BYTES // 4, device=builder.device)
+    average(bucket)  # unwatched: NCCL sets its communicator up on first use
+    drain(builder.device)
+    with watch.region("gradient_average"):
+        average(bucket)
+    drain(builder.device)
+    result["gradient_average"] = watch.found.get("gradient_average", [])
+    for variant in (builder.plain(), builder.hdet()):
+        for index in range(SYNC_INTERVAL + 1):  # through the first sync
+            timed_step(builder, variant, index)
+        watch = SyncWatch()
+        for index in range(settings.debug_steps):
+            timed_step(builder, variant, index, watch.region)
+        result[variant.name] = {part: sorted(set(places)) for part, places in watch.found.items()}
+        if variant.hdet is not None:
+            variant.hdet.close()
+    return result
+
+
+def measured_peak(builder: Builder, make: Callable[[], Variant]) -> tuple[str, float]:
+    """A fresh variant's name and its peak allocated MiB above the start, trained through one sync."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(builder.device)
+    start = torch.cuda.memory_allocated(builder.device)
+    variant = make()
+    for index in range(SYNC_INTERVAL + 2):
+        timed_step(builder, variant, index)
+    peak = (torch.cuda.max_memory_allocated(builder.device) - start) / MiB
+    if variant.hdet is not None:
+        variant.hdet.close()
+    return variant.name, peak
+
+
+# ---------------------------------------------------------------------------------------------- 3. memory
+def peak_memory(builder: Builder) -> dict[str, Any]:
+    """Each variant's peak allocated memory above a clean allocator's start, trained through one sync (CUDA)."""
+    if builder.device.type != "cuda":
+        return {"checked": False, "why": "the caching allocator's statistics need a GPU"}
+    result: dict[str, Any] = {"checked": True}
+    for make in (builder.plain, builder.hdet, lambda: builder.hdet("hdet_no_window", average_window=0.0)):
+        measured_peak(builder, make)  # unmetered: one-time allocations are not the variant's
+        name, peak = measured_peak(builder, make)
+        result[name + "_mib"] = max(slowest_rank([peak]))
+    extra = result["hdet_mib"] - result["plain_mib"]
+    result["hdet_over_plain"] = result["hdet_mib"] / result["plain_mib"]
+    result["window_share_of_extra"] = (result["hdet_mib"] - result["hdet_no_window_mib"]) / extra if extra > 0 \
+        else None
+    return result
+
+
+# ------------------------------------------------------------------------------------------ 4. local work
+def local_work(preset: str, settings: Settings, device: torch.device, group: dist.ProcessGroup) -> dict[str, Any]:
+    """Rank 0's sync of the preset's fp32 parameters on a group of itself alone (no wire), against one flat
+    all-reduce of the same bytes on that group and one device-to-device copy of them."""
+    torch.manual_seed(0)
+    tensors = [p.data for p in build_model(preset, vocab_size=VOCAB, seq_len=settings.seq_len).to(device).parameters()]
+    numel = sum(t.numel() for t in tensors)
+    flat, copy = torch.zeros(numel, device=device), torch.empty(numel, device=device)
+    memory: list[torch.Tensor] = []
+    times = {
+        "copy": median_seconds(device, lambda: copy.copy_(flat), settings.reps),
+        "flat_all_reduce": median_seconds(device, lambda: dist.all_reduce(flat, group=group), settings.reps),
+        "average_tensors": median_seconds(device, lambda: average_tensors(
+            tensors, group, bucket_bytes=BUCKET_BYTES, skip_non_finite=True, memory=memory), settings.reps),
+    }
+    local = max(0.0, times["average_tensors"] - times["flat_all_reduce"])
+    return {"bytes": numel * 4, **{f"{name}_ms": 1e3 * value for name, value in times.items()},
+            "local_work_ms": 1e3 * local, "local_work_over_copy": local / times["copy"],
+            "copy_bytes_per_s": 2 * numel * 4 / times["copy"]}
+
+
+# -------------------------------------------------------------------------------------------------- ranks
+def run_rank(rank: int, settings: Settings, port: int, result_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=timedelta(minutes=4))
+    device = torch.device(settings.device, 0) if settings.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    alone = [dist.new_group([member], backend="nccl" if device.type == "cuda" else "gloo") for member in range(RANKS)]
+    record: dict[str, Any] = {"local_work": {}, "runs": {}}
+    for preset in settings.presets:
+        if rank == 0:
+            record["local_work"][preset] = local_work(preset, settings, device, alone[0])
+        dist.barrier()
+    for engine in settings.engines:
+        for preset in settings.presets:
+            started = time.perf_counter()
+            try:
+                builder = Builder(engine, preset, settings, device)
+                run = {"memory": peak_memory(builder), "step_time": step_time(builder, settings),
+                       "synchronizations": synchronizations(builder, settings, alone[rank])}
+            except Exception as error:  # noqa: BLE001 - one failing engine must not cost the others' results
+                run = {"error": "".join(traceback.format_exception_only(error)).strip(),
+                       "traceback": traceback.format_exc().splitlines()[-12:]}
+                print(f"rank {rank}: {engine}/{preset} failed: {run['error']}", file=sys.stderr, flush=True)
+            run["wall_seconds"] = time.perf_counter() - started
+            record["runs"][f"{engine}/{preset}"] = run
+            if rank == 0:  # after every run: a check stopped at its time limit keeps what it measured
+                Path(result_file).write_text(json.dumps(record))
+                print(f"{engine}/{preset}: {run['wall_seconds']:.0f} s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ report
+def markdown(record: dict[str, Any]) -> list[str]:
+    m, s = record["machine"], record["settings"]
+    device = m.get("gpu") or "the CPU (a dry run: the timings say nothing about a GPU)"
+    lines = ["# HDET on a GPU: step time, host synchronization, memory and the sync's local work", "",
+             f"Device: {device}; torch {m['torch']}, {m['date']}. {RANKS} ranks share it over gloo, each a "
+             f"replica (global gradient mode), bf16, batch {s['batch']} x {s['seq_len']} tokens per rank, the "
+             "library's default controller moving at every sync with a probe batch. Command: "
+             f"`{record['command']}`. How each number is measured: the docstring of `benchmarks/gpu_check.py`.", "",
+             "## Step time and the amortized sync", "",
+             "Baseline: plain training on the same ranks (DDP over both ranks; FSDP2: native HSDP on the same "
+             "mesh). Own work: HDET's extra time in a step between syncs (paired medians). Sync: `hdet.step` on "
+             "a sync step; transfer: one flat all-reduce of the sync's bytes over the same ranks.", "",
+             *table_header("engine / preset", "plain step ms", "HDET step between syncs ms", "own work per step ms",
+                           "sync ms (transfer ms)", *(f"HDET / plain at T = {t}" for t in AMORTIZED_AT),
+                           *(f"own work only, T = {t}" for t in AMORTIZED_AT))]
+    failed = []
+    for name, run in record["runs"].items():
+        if "error" in run:
+            failed.append(f"- `{name}` failed: {run['error']}")
+            continue
+        t = run["step_time"]
+        own = t["own_work_per_step_ms"]
+        lines.append(table_row(name, f"{t['plain_step_ms']:.2f}", f"{t['hdet_step_between_syncs_ms']:.2f}",
+                               f"{sum(own.values()):+.3f} (fwd/bwd {own['forward_backward']:+.3f}, optimizer "
+                               f"{own['optimizer']:+.3f}, hdet.step {own['hdet_step']:.3f})",
+                               f"{t['sync_ms']:.1f} ({t['flat_all_reduce_ms']:.1f})",
+                               *(f"{t['ratio'][str(x)]:.4f}" for x in AMORTIZED_AT),
+                               *(f"{t['ratio_own_work_only'][str(x)]:.4f}" for x in AMORTIZED_AT)))
+    lines += ["", *failed, "", "## Host-device synchronization between syncs", ""]
+    for name, run in record["runs"].items():
+        sync = run.get("synchronizations")
+        if sync is None:
+            continue
+        if not sync["checked"]:
+            lines.append(f"- `{name}`: not checked ({sync['why']}).")
+            continue
+        for variant in ("plain", "hdet"):
+            found = sync[variant]
+            lines.append(f"- `{name}` {variant}, optimizer.step and hdet.step: " + ("none" if not found else
+                         "; ".join(f"{part}: {', '.join(places)}" for part, places in found.items())))
+        lines.append(f"- `{name}` HDET's gradient average (one rank, NCCL): "
+                     + (", ".join(sync["gradient_average"]) or "none"))
+    lines += ["", "## Peak memory per rank", "",
+              *table_header("engine / preset", "plain MiB", "HDET MiB", "HDET without the window MiB",
+                            "HDET / plain", "window's share of HDET's extra")]
+    for name, run in record["runs"].items():
+        memory = run.get("memory", {})
+        if memory.get("checked"):
+            share = memory["window_share_of_extra"]
+            lines.append(table_row(name, f"{memory['plain_mib']:.1f}", f"{memory['hdet_mib']:.1f}",
+                                   f"{memory['hdet_no_window_mib']:.1f}", f"{memory['hdet_over_plain']:.3f}",
+                                   "-" if share is None else f"{share:.0%}"))
+    lines += ["", "## The sync's local work", "",
+              "Baseline: one device-to-device copy of the same bytes (the preset's fp32 parameters).", "",
+              *table_header("preset", "MiB", "copy ms", "flat all-reduce, 1 rank ms", "average_tensors ms",
+                            "local work ms", "local work / copy")]
+    for preset, work in record["local_work"].items():
+        lines.append(table_row(preset, f"{work['bytes'] / MiB:.1f}", f"{work['copy_ms']:.3f}",
+                               f"{work['flat_all_reduce_ms']:.3f}", f"{work['average_tensors_ms']:.3f}",
+                               f"{work['local_work_ms']:.3f}", f"{work['local_work_over_copy']:.2f}"))
+    return [*lines, "", "## Findings", "", *note("findings"), "", "## Caveats", "", *note("caveats")]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    settings = Settings(device=args.device, presets=tuple(args.presets), engines=tuple(args.engines),
+                        steps=args.steps, warmup=SYNC_INTERVAL + 2, batch=args.batch, seq_len=args.seq_len,
+                        reps=args.reps, debug_steps=5)
+    partial = args.out.parent / f"{args.out.name}_partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    mp.spawn(run_rank, args=(settings, free_port(), str(partial)), nprocs=RANKS, join=True)
+    record = json.loads(partial.read_text())
+    partial.unlink()
+    gpu = {"gpu": torch.cuda.get_device_name(0)} if args.device == "cuda" else {}
+    record = {"settings": asdict(settings), **record,
+              "machine": machine_info(backend="gloo", ranks=RANKS, packages=("torch", "transformers"), **gpu),
+              "command": shlex.join(["python", "benchmarks/gpu_check.py",
+                                     *(argv if argv is not None else sys.argv[1:])])}
+    write_json(args.out.with_suffix(".json"), record)
+    save_markdown(args.out.with_suffix(".md"), markdown(record))
+    return record
+
+
+if __name__ == "__main__":
+    main()

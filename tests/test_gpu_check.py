@@ -1,0 +1,42 @@
+"""benchmarks/gpu_check.py's dry run on the CPU: the same code paths a lent GPU runs, so the check cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from benchmark_modules import BENCHMARKS
+
+from hdet_scale.lm.model import build_model
+
+
+@pytest.mark.e2e
+def test_the_cpu_dry_run_measures_every_engine_and_writes_consistent_results(tmp_path):
+    out = tmp_path / "gpu_check"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.with_suffix(".json").read_text())
+    model = build_model("tiny", vocab_size=256, seq_len=32)
+    parameter_bytes = 4 * sum(p.numel() for p in model.parameters())
+    buffer_bytes = 4 * sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    assert record["local_work"]["tiny"]["bytes"] == parameter_bytes
+    assert set(record["runs"]) == {"ddp/tiny", "fsdp/tiny"}
+    for name, run in record["runs"].items():
+        assert "error" not in run, (name, run.get("traceback"))
+        timing = run["step_time"]
+        # a sync averages every parameter and floating buffer (rotary frequencies) of the replica, and one more
+        # element: the contributor count
+        assert timing["sync_bytes"] == parameter_bytes + buffer_bytes + 4
+        assert timing["syncs_timed"] >= 1 and timing["plain_step_ms"] > 0 and timing["flat_all_reduce_ms"] > 0
+        plain, own, sync = timing["plain_step_ms"], sum(timing["own_work_per_step_ms"].values()), timing["sync_ms"]
+        for interval in (10, 100, 1000):
+            assert timing["ratio"][str(interval)] == pytest.approx((plain + own + sync / interval) / plain)
+        own_sync = max(0.0, sync - timing["flat_all_reduce_ms"])
+        assert timing["ratio_own_work_only"]["1000"] == pytest.approx((plain + own + own_sync / 1000) / plain)
+        # CUDA-only checks say so on the CPU instead of reporting numbers
+        assert run["synchronizations"]["checked"] is False and run["memory"]["checked"] is False
+    page = out.with_suffix(".md").read_text()
+    assert "| ddp/tiny |" in page and "| fsdp/tiny |" in page and "| tiny |" in page
