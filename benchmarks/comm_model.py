@@ -3,13 +3,15 @@
 The setting is the one ``hdet_scale`` is built for on large models: nodes of 8 GPUs, one replica per node
 (``ranks_per_replica = 8``), ZeRO or FSDP2 sharding inside a node, N nodes = N replicas. Every T steps a sync
 averages each rank's fp32 master shard (4 bytes x params / 8) over the N ranks that hold the same shard on the
-other nodes: one ring all-reduce per bucket (``bucket_mb``) over the cross-replica group, slowed by the
-bucketing efficiency measured by ``benchmarks/overhead.py`` (the ratio of HDET's bucketed average to one flat
-all-reduce of the same bytes, read from ``benchmarks/results/overhead_*_cpu.json``), plus the finiteness check
-of the shard and the small loss gather. Global gradient mode also all-reduces every step's reduced gradient
-shard across the replicas (what native HSDP does); local mode does not. Compute per step is
-6 x params x tokens per step / (GPUs x achieved FLOP/s). Every assumption is a field of ``Assumptions`` and is
-listed at the top of the Markdown output.
+other nodes: one ring all-reduce per bucket (``bucket_mb``) over the cross-replica group at the wire's speed,
+plus the sync's local work on the GPU (packing, the finiteness check, the division while unpacking) as
+``benchmarks/gpu_check.py`` measured it on a GPU (``benchmarks/results/gpu_check.json``), plus the small loss
+gather. Without a GPU measurement the bandwidth term is slowed by the bucketing efficiency measured on the CPU
+by ``benchmarks/overhead.py`` (HDET's bucketed average over one flat all-reduce of the same bytes, from
+``overhead_*_cpu.json``) and the finiteness check is read at HBM speed. Global gradient mode also all-reduces
+every step's reduced gradient shard across the replicas (what native HSDP does); local mode does not. Compute
+per step is 6 x params x tokens per step / (GPUs x achieved FLOP/s). Every assumption is a field of
+``Assumptions`` and is listed at the top of the Markdown output.
 
     .venv/bin/python benchmarks/comm_model.py    # writes benchmarks/results/comm_model.md and .json
 
@@ -109,19 +111,20 @@ def compute_seconds(params: float, nodes: int, a: Assumptions) -> float:
     return 6 * params * a.tokens_per_step / (nodes * a.gpus_per_node * a.achieved_flops_per_gpu)
 
 
-def sync_seconds(params: float, nodes: int, link_gbps: float, bucketing_ratio: float,
-                 a: Assumptions) -> dict[str, float]:
-    """One sync, by component: the bucketed ring all-reduce of the master shard, its bandwidth term times the
-    measured bucketing ratio (packing, dividing and unpacking scale with the bytes, not the buckets); the
-    finiteness check of the shard; the loss gather (a few floats per rank over all ranks, a tree all-reduce:
-    its fixed latency and 2 log2(ranks) steps). The sync blocks: no overlap with compute."""
-    average = bucketed_allreduce_seconds(master_shard_bytes(params, a), nodes, link_gbps, a,
-                                         bandwidth_factor=bucketing_ratio)
-    check = master_shard_bytes(params, a) / a.hbm_bytes_per_s
+def sync_seconds(params: float, nodes: int, link_gbps: float, bucketing_ratio: float, a: Assumptions, *,
+                 local_seconds_per_byte: float | None = None) -> dict[str, float]:
+    """One sync, by component: the bucketed ring all-reduce of the master shard, its bandwidth term times
+    ``bucketing_ratio``; the local work (``local_seconds_per_byte`` times the shard's bytes where a GPU measured
+    it, else the finiteness check at HBM speed, packing and dividing being in the ratio); the loss gather (a few
+    floats per rank over all ranks, a tree all-reduce: its fixed latency and 2 log2(ranks) steps). The sync
+    blocks: no overlap with compute."""
+    shard = master_shard_bytes(params, a)
+    average = bucketed_allreduce_seconds(shard, nodes, link_gbps, a, bandwidth_factor=bucketing_ratio)
+    local = shard * local_seconds_per_byte if local_seconds_per_byte is not None else shard / a.hbm_bytes_per_s
     gather = a.op_latency_s + 2 * math.ceil(math.log2(nodes * a.gpus_per_node)) * a.hop_latency_s
     return {"buckets": average["buckets"], "latency_s": average["latency_s"] + gather,
-            "bandwidth_s": average["bandwidth_s"], "finiteness_check_s": check, "loss_gather_s": gather,
-            "total_s": average["total_s"] + check + gather}
+            "bandwidth_s": average["bandwidth_s"], "local_work_s": local, "loss_gather_s": gather,
+            "total_s": average["total_s"] + local + gather}
 
 
 def gradient_allreduce_seconds(params: float, nodes: int, link_gbps: float, a: Assumptions) -> float:
@@ -147,11 +150,11 @@ def closed_form_sync_fraction(nodes: int, link_gbps: float, sync_interval: int, 
 
 
 def evaluate(model: str, nodes: int, link_gbps: float, sync_interval: int, mode: str, bucketing_ratio: float,
-             a: Assumptions) -> dict[str, Any]:
+             a: Assumptions, *, local_seconds_per_byte: float | None = None) -> dict[str, Any]:
     """One configuration: bytes, times and the overhead fractions (of the compute per step)."""
     params = MODEL_PARAMS[model]
     compute = compute_seconds(params, nodes, a)
-    sync = sync_seconds(params, nodes, link_gbps, bucketing_ratio, a)
+    sync = sync_seconds(params, nodes, link_gbps, bucketing_ratio, a, local_seconds_per_byte=local_seconds_per_byte)
     gradient = gradient_allreduce_seconds(params, nodes, link_gbps, a) if mode == "global" else 0.0
     payload = payload_bytes_per_step(params, sync_interval, mode, a)
     per_step = gradient + sync["total_s"] / sync_interval
@@ -195,25 +198,39 @@ def measured_bucketing_ratios(results: Path = RESULTS) -> list[dict[str, Any]]:
     return found
 
 
+def measured_gpu_local_work(results: Path = RESULTS) -> dict[str, Any] | None:
+    """The sync's local work per byte that ``gpu_check.py`` measured on a GPU, on its largest preset (None
+    without a GPU measurement)."""
+    data = read_json(results / "gpu_check.json")
+    if not data or not data.get("local_work"):
+        return None
+    preset, work = max(data["local_work"].items(), key=lambda item: item[1]["bytes"])
+    return {"source": "gpu_check.json", "gpu": data["machine"].get("gpu", "?"), "preset": preset,
+            "bytes": work["bytes"], "local_work_ms": work["local_work_ms"], "copy_ms": work["copy_ms"],
+            "over_copy": work["local_work_over_copy"], "seconds_per_byte": work["local_work_ms"] / 1e3 / work["bytes"]}
+
+
 # ------------------------------------------------------------------------------------------- output
 BUCKET_MBS = (25, 100, 256, 1024)
 BUCKET_CASES = (("7B", 8), ("7B", 64), ("70B", 8), ("70B", 64))
 
 
-def build(a: Assumptions, ratios: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every configuration with the largest measured ratio (the most pessimistic), and the effect of
-    ``bucket_mb`` on a few of them at the higher bandwidth."""
+def build(a: Assumptions, ratios: list[dict[str, Any]], gpu: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every configuration, and the effect of ``bucket_mb`` on a few of them at the higher bandwidth: with the
+    local work ``gpu`` measured (the wire at its speed), else with the largest CPU ratio (the most pessimistic)."""
     used = max(ratios, key=lambda entry: entry["ratio"])
-    rows = [evaluate(model, nodes, gbps, interval, mode, used["ratio"], a)
+    ratio, local = (1.0, gpu["seconds_per_byte"]) if gpu else (used["ratio"], None)
+    rows = [evaluate(model, nodes, gbps, interval, mode, ratio, a, local_seconds_per_byte=local)
             for model in MODEL_PARAMS for nodes in NODE_COUNTS for gbps in LINK_GBPS
             for interval in SYNC_INTERVALS for mode in GRADIENT_MODES]
-    buckets = [{"bucket_mb": mb, **evaluate(model, nodes, max(LINK_GBPS), 100, "local", used["ratio"],
-                                             replace(a, bucket_bytes=mb * 2**20))}
+    buckets = [{"bucket_mb": mb, **evaluate(model, nodes, max(LINK_GBPS), 100, "local", ratio,
+                                             replace(a, bucket_bytes=mb * 2**20), local_seconds_per_byte=local)}
                for model, nodes in BUCKET_CASES for mb in BUCKET_MBS]
     return {"benchmark": "comm_model", "command": "python benchmarks/comm_model.py", "assumptions": asdict(a),
-            "measured_bucketing_ratios": ratios,
-            "bucketing_ratio_used": {"ratio": used["ratio"], "source": used["source"], "engine": used["engine"]},
-            "rows": rows, "bucket_mb_rows": buckets, "takeaway": takeaway(rows)}
+            "measured_bucketing_ratios": ratios, "gpu_local_work": gpu,
+            "bucketing_ratio_used": {"ratio": ratio, "source": used["source"] if not gpu else "gpu_check.json",
+                                     "engine": used["engine"] if not gpu else "the wire's speed"},
+            "rows": rows, "bucket_mb_rows": buckets, "takeaway": takeaway(rows, gpu)}
 
 
 def _row(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
@@ -224,14 +241,15 @@ def _worst(rows: list[dict[str, Any]], key: str, **match: Any) -> float:
     return max(row[key] for row in rows if all(row[name] == value for name, value in match.items()))
 
 
-def takeaway(rows: list[dict[str, Any]]) -> str:
+def takeaway(rows: list[dict[str, Any]], gpu: dict[str, Any] | None = None) -> str:
     """The sentence for the README, from the worst cases in the table."""
     sync = {(gbps, interval): 100 * _worst(rows, "hdet_sync_overhead", link_gbps=gbps, sync_interval=interval)
             for gbps in LINK_GBPS for interval in (100, 1000)}
     grad = 100 * max(row["gradient_allreduce_s"] / row["compute_s"] for row in rows
                      if row["gradient_mode"] == "global" and row["link_gbps"] == 400)
+    basis = f"the sync's local work measured on an {gpu['gpu']}" if gpu else "the bucketing efficiency measured on CPU"
     return (f"In a communication model of 1B-70B models on 4-64 nodes of 8 H100s (one replica per node, a "
-            f"4M-token batch, the bucketing efficiency measured on CPU), HDET's parameter sync adds at most "
+            f"4M-token batch, {basis}), HDET's parameter sync adds at most "
             f"{sync[400, 100]:.1f}% to the step time at T = 100 and {sync[400, 1000]:.2f}% at T = 1000 with "
             f"400 Gb/s per GPU ({sync[200, 100]:.1f}% and {sync[200, 1000]:.2f}% at 200 Gb/s), growing with "
             f"the node count, not the model size; local gradient mode also drops the per-step gradient "
@@ -243,7 +261,35 @@ def _pct(value: float) -> str:
     return f"{100 * value:.3f}" if value < 0.01 else f"{100 * value:.2f}"
 
 
-def _assumption_lines(a: Assumptions, used: dict[str, Any]) -> list[str]:
+def _cost_lines(a: Assumptions, used: dict[str, Any], gpu: dict[str, Any] | None) -> list[str]:
+    """How the sync's own work beside the wire is counted: measured on a GPU, or the CPU's ratio."""
+    if gpu:
+        return [
+            f"- The wire at its speed, plus the sync's **local work measured on an {gpu['gpu']}** by "
+            f"`benchmarks/gpu_check.py`: packing, the finiteness check and the division while unpacking took "
+            f"{gpu['local_work_ms']:.2f} ms for the {gpu['bytes'] / 2**20:.0f} MiB of preset `{gpu['preset']}` "
+            f"({gpu['over_copy']:.1f} times one device-to-device copy of the bytes), "
+            f"{gpu['seconds_per_byte'] * 1e12:.2f} ms per GB of shard. It does not overlap the wire here (an "
+            "upper bound: the next bucket is packed while one is in flight).",
+            "- Plus the loss gather (a few floats per rank over all ranks: a tree all-reduce, the fixed latency + 2 "
+            "log2(ranks) steps). The controller's arithmetic takes microseconds. Optimizer state is not averaged "
+            "(`average_optimizer_state` off, the default; on, Adam's two moments triple the sync bytes).",
+        ]
+    return [
+        f"- The bandwidth term is multiplied by the **measured bucketing ratio {used['ratio']:.3f}**: HDET's "
+        "`average_tensors` over one flat all-reduce of the same bytes (paired median) from "
+        f"`{used['source']}` ({used['engine']}), the largest of the ratios measured below. It was measured on "
+        "**CPU with gloo**, where packing, dividing and unpacking are CPU memory copies on 2 shared cores; on "
+        "GPUs they run at HBM speed (tens of times the NIC's) while the previous bucket is on the wire, so the "
+        "GPU ratio should be close to 1 and the bandwidth terms here are pessimistic by up to that factor.",
+        f"- Plus the finiteness check of the shard (read once at {a.hbm_bytes_per_s / 1e12:.1f} TB/s of HBM) and "
+        "the loss gather (a few floats per rank over all ranks: a tree all-reduce, the fixed latency + 2 "
+        "log2(ranks) steps). The controller's arithmetic takes microseconds. Optimizer state is not averaged "
+        "(`average_optimizer_state` off, the default; on, Adam's two moments triple the sync bytes).",
+    ]
+
+
+def _assumption_lines(a: Assumptions, used: dict[str, Any], gpu: dict[str, Any] | None) -> list[str]:
     return [
         f"- Nodes of {a.gpus_per_node} H100 GPUs; one replica per node (`ranks_per_replica = {a.gpus_per_node}`), "
         f"ZeRO/FSDP2 sharding inside a node, so N nodes = N replicas. Models of {', '.join(MODEL_PARAMS)} "
@@ -258,16 +304,7 @@ def _assumption_lines(a: Assumptions, used: dict[str, Any]) -> list[str]:
         f"{a.op_latency_s * 1e6:.1f} us + 2 (N-1) x {a.hop_latency_s * 1e6:.1f} us (the constants of NCCL's "
         "tuning model for ring / Simple over the network, `src/graph/tuning.cc`; they vary by NCCL version) plus "
         "2 (N-1)/N x bytes / bandwidth.",
-        f"- The bandwidth term is multiplied by the **measured bucketing ratio {used['ratio']:.3f}**: HDET's "
-        "`average_tensors` over one flat all-reduce of the same bytes (paired median) from "
-        f"`{used['source']}` ({used['engine']}), the largest of the ratios measured below. It was measured on "
-        "**CPU with gloo**, where packing, dividing and unpacking are CPU memory copies on 2 shared cores; on "
-        "GPUs they run at HBM speed (tens of times the NIC's) while the previous bucket is on the wire, so the "
-        "GPU ratio should be close to 1 and the bandwidth terms here are pessimistic by up to that factor.",
-        f"- Plus the finiteness check of the shard (read once at {a.hbm_bytes_per_s / 1e12:.1f} TB/s of HBM) and "
-        "the loss gather (a few floats per rank over all ranks: a tree all-reduce, the fixed latency + 2 "
-        "log2(ranks) steps). The controller's arithmetic takes microseconds. Optimizer state is not averaged "
-        "(`average_optimizer_state` off, the default; on, Adam's two moments triple the sync bytes).",
+        *_cost_lines(a, used, gpu),
         f"- Global gradient mode all-reduces the reduced **bf16** gradient shard ({a.grad_bytes_per_param} B x "
         f"params / {a.gpus_per_node}) across the replicas every step, as native HSDP does (fp32 gradients double "
         "it), bucketed alike with the engine's own efficiency taken as 1. It is counted as if not overlapped "
@@ -276,7 +313,8 @@ def _assumption_lines(a: Assumptions, used: dict[str, Any]) -> list[str]:
         f"(GPUs x {a.achieved_flops_per_gpu / 1e12:.0f} TFLOP/s achieved bf16 per H100, about 40% of the 989 "
         "TFLOP/s dense peak). Percentages are of this time; with a global batch of B tokens multiply them by "
         f"{a.tokens_per_step / 2**20:.0f}M / B.",
-        "- Closed form of the sync's bandwidth term (latencies left out): ratio x 4 (N-1) x FLOP/s / (3 x tokens "
+        "- Closed form of the sync's bandwidth term (latencies left out; ratio 1 at the wire's speed): ratio x 4 "
+        "(N-1) x FLOP/s / (3 x tokens "
         "per step x bandwidth x T). It does not depend on the model size (the sync's bytes and the compute both "
         "grow with the parameters); the size enters through the per-bucket latencies and the finiteness check.",
     ]
@@ -333,12 +371,14 @@ def render_markdown(result: dict[str, Any]) -> list[str]:
     """The results page: takeaway, assumptions, measured ratios, bytes, one time table per bandwidth, and
     the effect of ``bucket_mb``."""
     a = Assumptions(**result["assumptions"])
-    rows, used = result["rows"], result["bucketing_ratio_used"]
+    rows, used, gpu = result["rows"], result["bucketing_ratio_used"], result.get("gpu_local_work")
     lines = ["# HDET communication model: sync overhead at scale", "",
-             f"Command: `{result['command']}` (formulas only; it reads the measured bucketing ratio from "
-             "`overhead_*_cpu.json`). Code: `benchmarks/comm_model.py`.", "", "## Takeaway", "",
-             result["takeaway"], "", "## Assumptions", "", *_assumption_lines(a, used), "",
-             "## Measured bucketing ratio (CPU, gloo)", "",
+             f"Command: `{result['command']}` (formulas only; it reads the sync's local work measured on a GPU "
+             "from `gpu_check.json`, else the bucketing ratio measured on CPU from `overhead_*_cpu.json`). Code: "
+             "`benchmarks/comm_model.py`.", "", "## Takeaway", "",
+             result["takeaway"], "", "## Assumptions", "", *_assumption_lines(a, used, gpu), "",
+             f"## Measured bucketing ratio (CPU, gloo{'; not used: the GPU measurement replaces it' if gpu else ''})",
+             "",
              "| source | engine | payload bytes per rank | flat all_reduce ms | HDET bucketed average ms | ratio |",
              "|---|---|---|---|---|---|"]
     for entry in result["measured_bucketing_ratios"]:
@@ -371,10 +411,12 @@ def render_markdown(result: dict[str, Any]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Reads the measured ratios, evaluates every configuration, writes the Markdown and JSON results."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default=str(RESULTS), help="directory with overhead_*_cpu.json")
+    parser.add_argument("--results", default=str(RESULTS),
+                        help="directory with overhead_*_cpu.json (and gpu_check.json, when a GPU measured it)")
     parser.add_argument("--out", default=str(RESULTS), help="directory for comm_model.md and comm_model.json")
     args = parser.parse_args(argv)
-    result = build(Assumptions(), measured_bucketing_ratios(Path(args.results)))
+    result = build(Assumptions(), measured_bucketing_ratios(Path(args.results)),
+                   measured_gpu_local_work(Path(args.results)))
     out = Path(args.out)
     write_json(out / "comm_model.json", result)
     save_markdown(out / "comm_model.md", render_markdown(result))

@@ -51,6 +51,34 @@ def test_1b_on_4_nodes_at_200_gbps_local_mode_t10():
     assert row["payload_bytes_per_step"] == pytest.approx(5e8 / 10)
 
 
+def test_with_the_local_work_measured_on_a_gpu_the_wire_runs_at_its_speed():
+    row = cm.evaluate("7B", 8, 400, 100, "global", 1.0, A, local_seconds_per_byte=1e-11)
+    # As above with the ratio 1, and the local work 3.5e9 B * 1e-11 s/B = 0.035 s instead of the HBM check.
+    assert row["sync"]["bandwidth_s"] == pytest.approx(0.1225)
+    assert row["sync"]["local_work_s"] == pytest.approx(0.035)
+    assert row["sync"]["total_s"] == pytest.approx(134 * 142.8e-6 + 123.6e-6 + 0.1225 + 0.035)
+
+
+def fake_gpu_check(directory: Path) -> None:
+    work = {"small": {"bytes": 100, "local_work_ms": 5.0, "copy_ms": 0.1, "local_work_over_copy": 50.0},
+            "125m": {"bytes": 4000, "local_work_ms": 8.0, "copy_ms": 1.0, "local_work_over_copy": 8.0}}
+    (directory / "gpu_check.json").write_text(json.dumps({"machine": {"gpu": "Test GPU"}, "local_work": work}))
+
+
+def test_reads_the_gpu_local_work_of_the_largest_preset_and_drops_the_cpu_ratio(tmp_path):
+    fake_results(tmp_path)
+    assert cm.measured_gpu_local_work(tmp_path) is None
+    fake_gpu_check(tmp_path)
+    gpu = cm.measured_gpu_local_work(tmp_path)
+    assert gpu["preset"] == "125m" and gpu["seconds_per_byte"] == pytest.approx(8e-3 / 4000)
+    result = cm.build(A, cm.measured_bucketing_ratios(tmp_path), gpu)
+    row = cm._row(result["rows"], model="7B", nodes=8, link_gbps=400, sync_interval=100, gradient_mode="global")
+    assert row["sync"]["bandwidth_s"] == pytest.approx(0.1225)  # ratio 1, not the CPU's 1.4
+    assert row["sync"]["local_work_s"] == pytest.approx(3.5e9 * 8e-3 / 4000)
+    markdown = "\n".join(cm.render_markdown(result))
+    assert "local work measured on an Test GPU" in markdown and "not used: the GPU measurement replaces it" in markdown
+
+
 def test_local_mode_sends_2_over_t_plus_2_of_global_mode_with_bf16_gradients():
     for interval in (10, 100, 1000):
         local = cm.payload_bytes_per_step(13e9, interval, "local", A)
