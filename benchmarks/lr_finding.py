@@ -85,6 +85,13 @@ def without_probe(variant: dict[str, Any]) -> dict[str, Any]:
     return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": False}
 
 
+def range_start(variant: dict[str, Any], low: float = 0.1, high: float = 10.0) -> dict[str, Any]:
+    """``variant`` started at the LR the range test picks (run first, from the same initial weights), its scale
+    bounded to [``low``, ``high``] times that LR."""
+    auto_lr = {**variant["hdet"]["auto_lr"], "initial_scale": 1.0, "scale_min": low, "scale_max": high}
+    return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": variant["probe"], "range_start": True}
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
     # whether a probe batch scores the replicas
@@ -223,6 +230,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The default without a probe batch, as in a user's own loop or under Lightning when none is set: the replicas'
     # interval training losses drive the controller and no weights are averaged
     "tenth_rise_start2_no_probe": without_probe(rise(rise_only_after=0.43, start_fraction=0.02)),
+    # Started at the LR range test's pick (what a practitioner would run first), whatever LR was given:
+    # ... held there (the spread and the averaging alone)
+    "range_hold": range_start(rise(rise_only_after=0.43, start_fraction=0.02), low=1.0, high=1.0),
+    # ... the default controller moving from there, up to 10x either way
+    "range_rise": range_start(rise(rise_only_after=0.43, start_fraction=0.02)),
 }
 DEFAULT_VARIANT = "tenth_rise_start2"
 
@@ -304,6 +316,7 @@ def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) ->
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "hdet.json").write_text(json.dumps(checked_hdet_config(**config), indent=1) + "\n")
         words += ["--hdet_config", str(run_dir / "hdet.json")] + (["--probe"] if variant["probe"] else [])
+        words += ["--range_start"] if variant.get("range_start") else []
     return words
 
 
@@ -369,7 +382,7 @@ def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any
     entry = {**run, "heldout": _finite(result["heldout"]) if result["diverged_at_step"] is None else None,
              "train": result["train"], "diverged_at_step": result["diverged_at_step"],
              "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
-             "deltas": result.get("deltas"),
+             "deltas": result.get("deltas"), "range_pick": result.get("range_pick"),
              "run_dir": repo_relative(run_dir)}
     entry["final_lr_ratio"] = final_lr_ratio(entry, record.get("best_lr"))
     record.setdefault(RUNS_KEY.get(run["method"], "runs"), []).append(entry)

@@ -42,14 +42,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(lr_finding.METHODS), choices=lr_finding.METHODS)
     parser.add_argument("--variants", nargs="+", default=[lr_finding.DEFAULT_VARIANT],
                         choices=list(lr_finding.VARIANTS))
+    parser.add_argument("--start_factors", type=float, nargs="+", default=None,
+                        help="HDET and schedule-free starts over each setting's sweep-best LR (default: "
+                             "lr_finding.py's)")
     parser.add_argument("--parallel", type=int, default=1, help="launches at a time (see lr_finding.py)")
     parser.add_argument("--runs_per_launch", type=int, default=1, help="see lr_finding.py")
     parser.add_argument("--out", type=Path, default=OUT, help="results stem (.json, .md)")
     parser.add_argument("--runs_dir", type=Path, default=REPO / "runs" / "lr_finding_matrix")
     parser.add_argument("--report_only", action="store_true")
     args = parser.parse_args(argv)
-    if args.holdout and args.variants != [lr_finding.DEFAULT_VARIANT]:
-        parser.error(f"--holdout runs the default variant only ({lr_finding.DEFAULT_VARIANT}); drop --variants")
+    if args.holdout and (args.variants != [lr_finding.DEFAULT_VARIANT] or args.start_factors):
+        parser.error(f"--holdout runs the default variant only ({lr_finding.DEFAULT_VARIANT}) from every start; "
+                     "drop --variants and --start_factors")
     return args
 
 
@@ -71,6 +75,7 @@ def setting_args(plan: dict[str, Any], entry: dict[str, Any], args: argparse.Nam
     for key, value in {**plan["common"], **entry["args"]}.items():
         words += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
     words += ["--methods", *methods] if methods else []
+    words += ["--start_factors", *map(str, args.start_factors)] if args.start_factors else []
     words += ["--variants", *args.variants, "--parallel", str(args.parallel),
               "--runs_per_launch", str(args.runs_per_launch), "--runs_dir", str(args.runs_dir / entry["name"])]
     return lr_finding.parse_args(words + (["--report_only"] if args.report_only else []))

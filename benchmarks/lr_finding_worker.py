@@ -23,6 +23,7 @@ the schedule's LR) at every sync and its Delta at every update.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -65,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "this result.json of an HDET run (tells the LR path's cost from HDET's own)")
     parser.add_argument("--range_test", action="store_true",
                         help="the LR range test instead of a run (--lr, --schedule and --steps are not used)")
+    parser.add_argument("--range_start", action="store_true",
+                        help="HDET: run the range test first, start again from the same initial weights, and read "
+                             "the config's auto_lr initial_scale, scale_min and scale_max as multiples of the LR the "
+                             "test picked (over --lr)")
     parser.add_argument("--range_steps", type=int, default=100, help="range test: steps of the LR ramp")
     parser.add_argument("--range_min", type=float, default=1e-6, help="range test: the ramp's first LR")
     parser.add_argument("--range_max", type=float, default=1.0, help="range test: the ramp's last LR")
@@ -81,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--range_test is a plain AdamW run: drop --hdet_config, --replay_scales and --optimizer")
     if args.lr is None and not args.range_test:
         parser.error("--lr is required (except with --range_test)")
+    if args.range_start and not args.hdet_config:
+        parser.error("--range_start starts an HDET run: give --hdet_config")
     return args
 
 
@@ -154,7 +161,14 @@ def train_one(args: argparse.Namespace, device: torch.device) -> None:
     overrides = {key: value for key, value in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers))
                  if value is not None}
     model = build_model(args.preset, vocab_size=corpus.vocab_size, seq_len=args.seq_len, **overrides).to(device)
-    hdet = None
+    hdet, picked = None, None
+    if args.range_start:
+        picked = range_test(args, plain_data_parallel(model), corpus, device)["range_test"]["picked_lr"]
+        if picked is None:
+            raise SystemExit(f"{out.name}: the range test picked no LR")
+        config = relative_to_pick(config, picked / args.lr)
+        torch.manual_seed(args.seed)  # the same initial weights as without the test
+        model = build_model(args.preset, vocab_size=corpus.vocab_size, seq_len=args.seq_len, **overrides).to(device)
     if args.range_test:
         model = plain_data_parallel(model)
         result = range_test(args, model, corpus, device)
@@ -186,6 +200,7 @@ def train_one(args: argparse.Namespace, device: torch.device) -> None:
         result["heldout"] = fixed_loss(model.module, corpus.heldout, args, device)
         result["train"] = fixed_loss(model.module, corpus.train, args, device)
         result["args"] = vars(args)
+        result["range_pick"] = picked
         (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"{out.name}: held-out {result['heldout']:.4f}  ({result['wall_seconds']:.0f} s)", flush=True)
     if hdet is not None:
@@ -214,6 +229,14 @@ def range_test(args: argparse.Namespace, model: torch.nn.Module, corpus: Any, de
     return {"range_test": {"lrs": lrs, "losses": losses, "smoothed": smoothed, "steps_run": len(lrs),
                            "picked_lr": steepest_descent(lrs, smoothed)},
             "wall_seconds": time.perf_counter() - started, "world_size": dist.get_world_size()}
+
+
+def relative_to_pick(config: Any, factor: float) -> Any:
+    """``config`` with the controller's initial scale and bounds multiplied by ``factor`` (the range test's pick
+    over ``--lr``): the variant states them relative to the pick."""
+    lr = config.auto_lr
+    return dataclasses.replace(config, auto_lr=dataclasses.replace(
+        lr, initial_scale=lr.initial_scale * factor, scale_min=lr.scale_min * factor, scale_max=lr.scale_max * factor))
 
 
 def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, schedule: Any,
