@@ -4,8 +4,25 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+
+def writable_directory(path: str | os.PathLike[str], argument: str) -> Path:
+    """``path``, checked to be a directory this process can create or write to, creating nothing; a ValueError
+    naming ``argument`` otherwise (a path under a regular file, no permission), so a bad output path stops a run
+    in one line before any work."""
+    directory = Path(path)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{argument} {directory}: cannot create it ({existing} is not a directory); choose "
+                         "another directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{argument} {directory}: {existing} is not writable; choose another directory")
+    return directory
 
 
 def _json_safe(value: Any) -> Any:

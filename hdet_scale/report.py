@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hdet_scale.metrics import writable_directory
 from hdet_scale.replay import ScheduleFileError, schedule_from_records, write_schedule
 
 LOSS_FIELDS = ("loss", "replica_losses", "heldout_loss")
@@ -444,6 +445,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None and args.export_schedule is None:
         parser.error("give --out DIR (plots and summary) or --export-schedule FILE, or both")
+    try:  # before any work: a bad path is one line, not a traceback after the plots
+        if args.out is not None:
+            writable_directory(args.out, "--out")
+        if args.export_schedule is not None:
+            writable_directory(Path(args.export_schedule).parent, "--export-schedule's folder")
+    except ValueError as error:
+        parser.error(str(error))
     if args.export_schedule is not None:
         if len(args.metrics) != 1:
             parser.error(f"--export-schedule reads one run's metrics file, got {len(args.metrics)}")

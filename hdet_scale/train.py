@@ -48,12 +48,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hdet_scale.comm import shut_down, shut_down_and_exit
 from hdet_scale.config import HDETConfig, add_hdet_args, sync_interval_for_run
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
-from hdet_scale.lm.checkpoints import ResumePoint, check_free_space, check_resume, identity, remove_leftover_staging
+from hdet_scale.lm.checkpoints import (
+    FINAL_MODEL,
+    ResumePoint,
+    check_free_space,
+    check_resume,
+    identity,
+    previous_run,
+    remove_leftover_staging,
+    remove_previous_run,
+)
 from hdet_scale.lm.corpus import Corpus, batch, load_corpus
 from hdet_scale.lm.model import PRESETS, build_model, check_preset
 from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
 from hdet_scale.lm.scalars import check_wandb_available
+from hdet_scale.metrics import writable_directory
 from hdet_scale.probe import batch_probe
 
 PROBE_SEED = 777
@@ -65,8 +75,17 @@ SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORL
 """The launcher's environment for a run started without one."""
 
 
+class _OneVoiceParser(argparse.ArgumentParser):
+    """argparse whose errors are said once, by global rank 0 (``refuse_bad_input``), not by every rank."""
+
+    def error(self, message: str) -> NoReturn:
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.print_usage(sys.stderr)
+        refuse_bad_input(ValueError(message))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _OneVoiceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=("auto", "fsdp", "deepspeed"), default="auto",
                         help="auto: deepspeed under the deepspeed launcher or with --deepspeed_config, else fsdp")
     parser.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
@@ -106,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval_batches", type=int, default=8, help="batches per rank in each evaluation")
     parser.add_argument("--resume", action="store_true",
                         help="continue from OUT/checkpoints when there is a checkpoint (else start fresh)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an --out that holds a run, removing its checkpoints, final model and "
+                        "metrics (without it, such an --out is refused unless --resume continues it)")
     parser.add_argument("--on_signal", choices=("sync_now", "next_sync"), default="sync_now",
                         help="on SIGTERM: average early and stop one step later, or train on to the next "
                         "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")
@@ -186,6 +208,7 @@ def plan(args: argparse.Namespace) -> Plan:
         from hdet_scale.engines.deepspeed import check_ds_config
 
         check_ds_config(ds_config, world_size)
+    out = _check_out(args, config.metrics_path)
     for name in ("checkpoint_interval", "eval_interval"):
         if getattr(args, name) % config.sync_interval:
             raise ValueError(f"--{name}={getattr(args, name)} must be a multiple of sync_interval="
@@ -201,8 +224,23 @@ def plan(args: argparse.Namespace) -> Plan:
                    model={"preset": args.preset, **PRESETS[args.preset], "vocab_size": corpus.vocab_size},
                    replicas=config.num_replicas(world_size), ranks_per_replica=config.ranks_per_replica,
                    explored=[name for name, knob in vars(config.explore).items() if knob is not None])
-    resume = check_resume(Path(args.out), run) if args.resume else None
+    resume = check_resume(out, run) if args.resume else None
     return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)
+
+
+def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:
+    """``--out`` (and the metrics file's folder) can be written, and hold no run this one would overwrite
+    unless ``--resume`` continues it or ``--overwrite`` asks for that."""
+    out = writable_directory(args.out, "--out")
+    if metrics_path:
+        writable_directory(Path(metrics_path).parent, "metrics_path's folder")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+    left = previous_run(out, metrics_path)
+    if left and not args.resume and not args.overwrite:
+        raise ValueError(f"--out {out} holds a run already ({', '.join(map(str, left))}): pass --resume to continue "
+                         "it, --overwrite to start afresh over it, or choose another --out")
+    return out
 
 
 def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -387,6 +425,7 @@ class Run:
         self.stop = StopSignal(cpu_group)
         self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
                                  metrics_path=self.config.metrics_path, wandb_project=args.wandb,
+                                 resumed=checked.resume is not None,
                                  config={"train": _plain(vars(args)), "hdet": self.config.to_dict()})
         self.engine = checked.engine
 
@@ -437,6 +476,9 @@ class Run:
 
     def _start_or_resume(self) -> None:
         if self.rank == 0:
+            if self.args.overwrite:
+                for earlier in remove_previous_run(self.out, self.config.metrics_path):
+                    self.progress.line(f"--overwrite: removed {earlier}")
             for leftover in remove_leftover_staging(self.out):
                 self.progress.line(f"removed {leftover}, left by an interrupted checkpoint")
         point = self.plan.resume
@@ -446,7 +488,8 @@ class Run:
             agreed(f"resuming from {point.path}", lambda: self.backend.load(point.path, point.saved_replicas))
             self.step = self.saved_at = self.backend.ensemble.global_step
             self.progress.line(f"resumed from {point.path} at step {self.step}")  # every rank has loaded
-            self.progress.truncate_metrics(self.config.metrics_path, self.step)
+            agreed(f"rewriting {self.config.metrics_path}",
+                   lambda: self.progress.truncate_metrics(self.config.metrics_path, self.step))
         elif self.rank == 0 and self.config.metrics_path:
             Path(self.config.metrics_path).unlink(missing_ok=True)  # a fresh run, not appended to an old one
         dist.barrier()
@@ -501,7 +544,7 @@ class Run:
         heldout_loss = self._evaluate(self.corpus.heldout)
         self.progress.heldout(self.step, heldout_loss, announce=False)  # in the final line below
         self._checkpoint()
-        final = self.out / "final"
+        final = self.out / FINAL_MODEL
         self._export(final)
         self.progress.close()
         self.progress.line(f"final train loss {train_loss:.4f}  held-out loss {heldout_loss:.4f}  "

@@ -62,6 +62,7 @@ def test_hdet_json_loads_and_lays_out_the_readme_cluster(name, monkeypatch):
     config = HDETConfig.from_json(CONFIGS / name)
     assert load_config(str(CONFIGS / name)) == config
     assert config.warm_init.enabled is False  # the paper's default: start from the checkpoint as it is
+    assert config.metrics_path is None  # --out decides where a run writes: two runs never share one file
     # The README's launch: 4 nodes x 8 GPUs, the deepspeed launcher telling each rank LOCAL_SIZE=8.
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "8")

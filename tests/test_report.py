@@ -200,6 +200,17 @@ def test_bad_files_are_named(tmp_path, capsys, content, message):
     assert str(path) in err and message in err, err
 
 
+def test_an_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    path, _ = baseline_run(tmp_path / "base.jsonl")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for option in ("--out", "--export-schedule"):
+        with pytest.raises(SystemExit) as raised:
+            report.main([str(path), option, str(blocker / "sub" / "x")])
+        assert raised.value.code == 2
+        assert f"{blocker} is not a directory" in capsys.readouterr().err
+
+
 def test_labels_must_match_the_files(tmp_path, capsys):
     path, _ = baseline_run(tmp_path / "base.jsonl")
     with pytest.raises(SystemExit):

@@ -38,9 +38,10 @@ def test_wandb_gets_the_sync_scalars_and_a_resumed_run_continues_it(tmp_path, mo
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     reports = [report(5, [2.0, 3.0], 1.0), report(10, [1.5, 2.5], 1.25), report(15, [1.0, 2.0], 1.5)]
-    for part in (reports[:2], reports[2:]):  # a run, then its resume in the same output directory
+    # a run, then its resume from a checkpoint in the same output directory
+    for part, resumed in ((reports[:2], False), (reports[2:], True)):
         progress = Progress(tmp_path, enabled=True, bar=False, total=15, metrics_path=None, wandb_project="hdet-test",
-                            config={"train": {"steps": 15}})
+                            config={"train": {"steps": 15}}, resumed=resumed)
         for sync in part:
             progress.sync(sync)
         progress.heldout(part[-1].step, 4.0, announce=False)
@@ -57,6 +58,11 @@ def test_wandb_gets_the_sync_scalars_and_a_resumed_run_continues_it(tmp_path, mo
         assert {name: row[name] for name in expected} == pytest.approx(expected)
         assert row["train/tokens_per_second"] >= 0
     assert [row["eval/heldout_loss"] for row in rows if "eval/heldout_loss" in row] == [4.0, 4.0]
+    # A fresh run in the same directory (no checkpoint resumed) logs into a W&B run of its own.
+    fresh = Progress(tmp_path, enabled=True, bar=False, total=15, metrics_path=None, wandb_project="hdet-test")
+    fresh.close()
+    wandb.teardown()
+    assert (tmp_path / WANDB_ID_FILE).read_text().strip() != run_id
 
 
 def test_a_signalled_wandb_service_does_not_fail_the_run(tmp_path, monkeypatch, capsys):

@@ -307,10 +307,11 @@ def test_deepspeed_sigterm_syncs_now_and_resumes(deepspeed_runs):
 
 # -------------------------------------------------------------------------------------- bad input
 @pytest.fixture
-def single_process(monkeypatch):
-    """What train.py's main sets when started without a launcher."""
+def single_process(monkeypatch, tmp_path):
+    """What train.py's main sets when started without a launcher, in an empty folder (the default --out)."""
     for name, value in SINGLE_PROCESS.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
 
 
 def check(argv: list[str], message: str) -> None:
@@ -346,6 +347,76 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")  # 300 steps: T = 5
     check(["--steps", "1500", "--eval_interval", "30"], "--eval_interval=30 must be a multiple of sync_interval=25")
     check(["--steps", "0"], "--steps must be at least 1")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_run_in_its_out_is_refused_unless_resumed_or_overwritten(tmp_path):
+    """A fresh run into the --out of a finished run used to replace its checkpoint, metrics and model with no
+    word. Each of them alone is a run that --resume or --overwrite must name."""
+    out = tmp_path / "run"
+    for left in ("checkpoints/latest/run.json", "final/model.safetensors", "hdet_metrics.jsonl"):
+        shutil.rmtree(out, ignore_errors=True)
+        (out / left).parent.mkdir(parents=True, exist_ok=True)
+        (out / left).write_text("{}")
+        check(["--out", str(out)], rf"--out {out} holds a run already \({out / left.split('/')[0]}\): pass --resume "
+                                   "to continue it, --overwrite to start afresh over it, or choose another --out")
+        assert plan(parse_args(["--out", str(out), "--overwrite"])).resume is None
+        assert (out / left).exists()  # nothing is removed before the process group starts
+    check(["--out", str(out), "--resume", "--overwrite"], "--resume continues the run in --out and --overwrite "
+                                                          "replaces it: pass one of them")
+    (out / "hdet_metrics.jsonl").write_text("")  # an empty metrics file is no run
+    plan(parse_args(["--out", str(out)]))
+
+
+def test_overwrite_removes_the_previous_runs_checkpoints_model_and_metrics_only(tmp_path):
+    from hdet_scale.lm.checkpoints import remove_previous_run
+
+    for left in ("checkpoints/latest/run.json", "final/config.json", "hdet_metrics.jsonl", "tensorboard/events",
+                 "notes.txt"):
+        (tmp_path / left).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / left).write_text("x")
+    metrics = str(tmp_path / "hdet_metrics.jsonl")
+    removed = remove_previous_run(tmp_path, metrics)
+    assert removed == [tmp_path / "checkpoints", tmp_path / "final", tmp_path / "hdet_metrics.jsonl"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "tensorboard"]
+
+
+@pytest.mark.usefixtures("single_process")
+def test_an_out_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    check(["--out", str(blocker / "run")], f"--out {blocker / 'run'}: cannot create it \\({blocker} is not a "
+                                           "directory\\); choose another directory")
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"metrics_path": str(blocker / "m.jsonl")}))
+    check(["--hdet_config", str(hdet)], "metrics_path's folder .*a_file: cannot create it")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_command_line_error_is_said_once(rank, monkeypatch, capsys):
+    """argparse's own errors (here a negative number after --lr, read as an option) came from every rank."""
+    for name, value in {**SINGLE_PROCESS, "RANK": str(rank), "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    waits = []
+    monkeypatch.setattr(train.time, "sleep", waits.append)
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--lr", "-1e-3"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and not dist.is_initialized()
+    assert err.count("usage:") == (1 if rank == 0 else 0)
+    assert "train.py: error" in err and "--lr: expected one argument" in err
+    assert waits == ([] if rank == 0 else [train.BAD_INPUT_GRACE_S])
+
+
+def test_a_cut_short_metrics_line_is_dropped_and_the_rest_kept(tmp_path, capsys):
+    from hdet_scale.lm.progress import Progress
+
+    metrics = tmp_path / "hdet_metrics.jsonl"
+    metrics.write_text('{"step": 5, "loss": 1}\n{"step": 10, "loss": 2}\n{"step": 15, "loss": 3}\n{"step": 20, "lo')
+    Progress(tmp_path, enabled=True, bar=False, total=20, metrics_path=str(metrics)).truncate_metrics(str(metrics), 10)
+    assert metrics.read_text() == '{"step": 5, "loss": 1}\n{"step": 10, "loss": 2}\n'
+    assert "dropped 1 unreadable line(s), left by an interrupted write" in capsys.readouterr().out
+    assert not (tmp_path / "hdet_metrics.jsonl.tmp").exists()
 
 
 @pytest.mark.usefixtures("single_process")

@@ -21,6 +21,8 @@ from typing import Any
 
 MANIFEST = "run.json"
 CHECKPOINTS = "checkpoints"
+FINAL_MODEL = "final"
+"""Where a complete run writes its model (for transformers' ``from_pretrained``), under ``--out``."""
 
 
 class ResumeError(ValueError):
@@ -130,6 +132,26 @@ def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
         raise ResumeError(f"{where} was sharded over {saved['ranks_per_replica']} rank(s) per replica, this run "
                           f"{run['ranks_per_replica']}: ZeRO partitions do not reshape; keep ranks_per_replica (more "
                           "or fewer replicas are fine)")
+
+
+def previous_run(out: Path, metrics_path: str | None) -> list[Path]:
+    """What an earlier run left in ``out``: its checkpoints, its final model, its metrics (non-empty)."""
+    found = [path for path in (out / CHECKPOINTS, out / FINAL_MODEL) if path.is_dir() and any(path.iterdir())]
+    metrics = Path(metrics_path) if metrics_path else None
+    if metrics is not None and metrics.is_file() and metrics.stat().st_size:
+        found.append(metrics)
+    return found
+
+
+def remove_previous_run(out: Path, metrics_path: str | None) -> list[Path]:
+    """Removes what ``previous_run`` finds; returns what went."""
+    removed = previous_run(out, metrics_path)
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return removed
 
 
 def remove_leftover_staging(out: Path) -> list[Path]:

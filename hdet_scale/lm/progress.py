@@ -17,11 +17,21 @@ from hdet_scale.metrics import MetricsWriter
 BAR_REFRESH_STEPS = 10  # the bar's loss needs a host sync: read it every few steps, not every step
 
 
+def _record(line: str) -> dict[str, Any] | None:
+    """The metrics record on ``line``, or None when it is not one (blank, or cut short)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
 class Progress:
     """Rank 0's output; every method is a no-op on other ranks (``enabled=False``)."""
 
     def __init__(self, out: Path, *, enabled: bool, bar: bool, total: int, metrics_path: str | None,
-                 wandb_project: str | None = None, config: dict[str, Any] | None = None) -> None:
+                 wandb_project: str | None = None, config: dict[str, Any] | None = None,
+                 resumed: bool = False) -> None:
         self.enabled = enabled
         # Held-out losses go into the metrics file too, as {"step", "heldout_loss"} lines (hdet_scale.report
         # plots them next to the sync lines).
@@ -40,7 +50,7 @@ class Progress:
 
             # disable=None: no bar when stderr is not a terminal (Slurm logs get the sync lines only).
             self._bar = tqdm(total=total, disable=None, dynamic_ncols=True, unit="step")
-        self._sinks = ScalarSinks(out, wandb_project=wandb_project, config=config or {})
+        self._sinks = ScalarSinks(out, wandb_project=wandb_project, config=config or {}, resumed=resumed)
 
     def start(self, step: int, tokens_per_step: int) -> None:
         """Starts the clock at ``step`` (non-zero after a resume)."""
@@ -100,12 +110,24 @@ class Progress:
 
     def truncate_metrics(self, metrics_path: str | None, step: int) -> None:
         """Drops metrics lines past ``step`` (written by the run before it was interrupted after its last
-        checkpoint), so the resumed run's lines follow on without duplicates."""
+        checkpoint), so the resumed run's lines follow on without duplicates, and lines that are not whole
+        records (a kill in the middle of a write), saying how many. The file is replaced at once, never left
+        half written."""
         if not self.enabled or not metrics_path or not Path(metrics_path).is_file():
             return
         path = Path(metrics_path)
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept, unreadable = [], 0
+        for line in path.read_text().splitlines():
+            record = _record(line)
+            if record is None:
+                unreadable += bool(line.strip())
+            elif record["step"] <= step:
+                kept.append(line)
+        staging = path.with_name(path.name + ".tmp")
+        staging.write_text("".join(line + "\n" for line in kept))
+        staging.replace(path)
+        if unreadable:
+            self.line(f"{path}: dropped {unreadable} unreadable line(s), left by an interrupted write")
 
     def close(self) -> None:
         if self._bar is not None:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 WANDB_ID_FILE = "wandb_run_id"
-"""In the output directory: the W&B run id, so a resumed run goes on logging into the same W&B run."""
+"""In the output directory: the W&B run id, so a resumed run goes on logging into the same W&B run (a fresh
+run starts a W&B run of its own)."""
 
 
 def check_wandb_available() -> None:
@@ -24,9 +25,10 @@ def check_wandb_available() -> None:
 
 
 class ScalarSinks:
-    """TensorBoard (``<out>/tensorboard``, when installed) and W&B (with a project); rank 0 only."""
+    """TensorBoard (``<out>/tensorboard``, when installed) and W&B (with a project); rank 0 only. ``resumed``: the
+    run continues a checkpoint, and W&B continues the W&B run recorded in ``out``."""
 
-    def __init__(self, out: Path, *, wandb_project: str | None, config: dict[str, Any]) -> None:
+    def __init__(self, out: Path, *, wandb_project: str | None, config: dict[str, Any], resumed: bool = False) -> None:
         self._board: Any = None
         self._wandb: Any = None
         try:
@@ -39,7 +41,7 @@ class ScalarSinks:
             import wandb
 
             id_file = out / WANDB_ID_FILE
-            run_id = id_file.read_text().strip() if id_file.is_file() else None  # None: W&B draws one
+            run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None  # None: W&B draws one
             self._wandb = wandb.init(project=wandb_project, id=run_id, resume="allow", dir=str(out), config=config)
             id_file.write_text(self._wandb.id + "\n")
 
