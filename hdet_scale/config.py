@@ -524,6 +524,21 @@ class HDETConfig:
         first = -(-max(lr.warmup_steps, 1) // self.sync_interval) * self.sync_interval
         return len(range(first, lr.stop_steps + 1, self.sync_interval))
 
+    def stuck_start_error(self, num_replicas: int) -> HDETConfigError | None:
+        """The error to raise when the controller would run (on, 2+ replicas, ``for_run`` applied) but no sync
+        falls between its start and stop while it starts away from the given LR (``initial_scale`` != 1): the
+        whole run would train at ``initial_scale`` times that LR."""
+        lr = self.auto_lr
+        if not lr.enabled or num_replicas < 2 or lr.initial_scale in (None, 1.0) or self.controller_updates() != 0:
+            return None
+        reachable = lr.stop_steps >= max(lr.warmup_steps, 1)
+        fix = f"set sync_interval to {lr.stop_steps} or less, or " if reachable else "set "
+        return HDETConfigError(
+            f"sync_interval={self.sync_interval} puts no sync between the auto-LR controller's start (step "
+            f"{lr.warmup_steps}) and stop (step {lr.stop_steps}): it would never move from auto_lr.initial_scale="
+            f"{lr.initial_scale:g}, and the whole run would train at {lr.initial_scale:g} x the given LR; {fix}"
+            "auto_lr.initial_scale to 1")
+
     def run_length_error(self, num_replicas: int, fix: str) -> HDETConfigError | None:
         """The error to raise when the controller would run (on, 2+ replicas) and its start or stop is still a
         share of a run whose length is unknown (``for_run`` not applied); ``fix`` says how to give the length."""

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter
+from hdet_scale.notices import warn
 from hdet_scale.scores import IntervalLoss, LossLike, ReplicaScores
 from hdet_scale.topology import ReplicaTopology
 from hdet_scale.warm_init import add_warm_noise
@@ -138,9 +138,9 @@ class HDETEnsemble:
             self.load_state_dict(state)
         adapter.optimizer._hdet_attached = True
         if self.topology.rank == 0 and self.single_replica_warning:
-            warnings.warn(self.single_replica_warning, stacklevel=2)
+            warn(self.single_replica_warning)
         if self.topology.rank == 0 and self.few_updates_warning:
-            warnings.warn(self.few_updates_warning, stacklevel=2)
+            warn(self.few_updates_warning)
 
     @property
     def single_replica_warning(self) -> str | None:
@@ -265,8 +265,8 @@ class HDETEnsemble:
             return
         if self._probe is None:
             if not self._warned_no_probe:
-                warnings.warn("auto_lr.average_window needs a probe (hdet.set_probe): without one the interval "
-                              "losses drive the controller and no weights are averaged", stacklevel=3)
+                warn("auto_lr.average_window needs a probe (hdet.set_probe): without one the interval "
+                     "losses drive the controller and no weights are averaged")
                 self._warned_no_probe = True
             return
         self._window.observe(self._step - (self._last_sync_step or 0), self.adapter.averaged_tensors)
@@ -425,8 +425,8 @@ class HDETEnsemble:
         signal = scores.controller_signal(cfg.probe_weight)
         if any(loss is None for loss in signal):
             if not self._warned_no_loss:
-                warnings.warn("HDET: step() got no loss on some replica during a sync interval; the auto-LR "
-                              "controller skips updates until every replica reports losses", stacklevel=3)
+                warn("HDET: step() got no loss on some replica during a sync interval; the auto-LR "
+                     "controller skips updates until every replica reports losses")
                 self._warned_no_loss = True
             return None
         progress = None
@@ -519,6 +519,9 @@ def _check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: Repl
         raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
     error = config.run_length_error(topology.num_replicas, "pass total_steps= when attaching (train.py, the "
                                     "integrations and HDETOneCycleLR do)")
+    if error is not None:
+        raise error
+    error = config.stuck_start_error(topology.num_replicas)
     if error is not None:
         raise error
     num_groups = len(adapter.optimizer.param_groups)

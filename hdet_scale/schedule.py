@@ -9,7 +9,6 @@ multipliers cannot compound with chainable schedulers. ``step(loss)`` replaces `
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
 from hdet_scale.knobs import group_names
+from hdet_scale.notices import warn
 from hdet_scale.replay import OPTIMIZER_KEYS, ScheduleFileError, optimizer_entry, read_schedule
 from hdet_scale.topology import ReplicaTopology
 
@@ -177,8 +177,7 @@ class ReplaySchedule(LRScheduler):
     def _at(self, bases: list[float]) -> float:
         if self.last_epoch >= self.steps and not self._warned_past_end:
             self._warned_past_end = True
-            warnings.warn(f"ReplaySchedule: past the replayed schedule's {self.steps} steps; its last values hold",
-                          stacklevel=3)
+            warn(f"ReplaySchedule: past the replayed schedule's {self.steps} steps; its last values hold")
         return bases[min(self.last_epoch, self.steps - 1)]
 
     def get_lr(self) -> list[float]:

@@ -199,6 +199,9 @@ def plan(args: argparse.Namespace) -> Plan:
     config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
                              world_size=world_size).for_run(args.steps)
     config.validate_world_size(world_size)
+    stuck = config.stuck_start_error(config.num_replicas(world_size))
+    if stuck is not None:
+        raise stuck
     if args.wandb:
         check_wandb_available()
     if config.explore.dropout is not None and args.dropout == 0:
@@ -269,16 +272,18 @@ def _zero_stage(ds_config: dict[str, Any] | None) -> int:
 
 
 def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:
-    """A schedule to replay covers the run, holds only what a plain run can replay, and is the only schedule."""
+    """A schedule to replay is as long as the run, holds only what a plain run can replay, and is the only
+    schedule."""
     from hdet_scale.replay import optimizer_entry, read_schedule
 
     try:
         schedule = read_schedule(args.replay_schedule)
     except ValueError as error:
         raise ValueError(f"--replay_schedule {error}") from None
-    if schedule["steps"] < args.steps:
+    if schedule["steps"] != args.steps:
         raise ValueError(f"--replay_schedule {args.replay_schedule} covers {schedule['steps']} steps and --steps is "
-                         f"{args.steps}: train at most {schedule['steps']} steps, or export a longer run")
+                         f"{args.steps}: pass --steps {schedule['steps']} (a replay trains the whole run it came "
+                         "from)")
     others = [name for name in schedule["values"] if optimizer_entry(name) is None]
     if others:
         raise ValueError(f"--replay_schedule {args.replay_schedule} also explored {others}: train.py replays LRs "
@@ -298,9 +303,9 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
         if args.hdet_config or section is not None:
             raise ValueError("--replay_schedule trains without HDET: drop --hdet_config (or the DeepSpeed JSON's "
                              "\"hdet\" section)")
-        # One replica over every rank: plain FSDP2 / ZeRO. Its syncs only write the metrics lines, at every
-        # checkpoint and evaluation step.
-        every = math.gcd(args.checkpoint_interval, args.eval_interval) or sync_interval_for_run(args.steps)
+        # One replica over every rank: plain FSDP2 / ZeRO. Its syncs only write the metrics lines (the applied
+        # LRs), at every checkpoint and evaluation step, else once at the end.
+        every = math.gcd(args.checkpoint_interval, args.eval_interval) or args.steps
         return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
                 "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)), "auto_lr": {"enabled": False}}
     if args.hdet_config:
@@ -425,7 +430,7 @@ class Run:
         self.stop = StopSignal(cpu_group)
         self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
                                  metrics_path=self.config.metrics_path, wandb_project=args.wandb,
-                                 resumed=checked.resume is not None,
+                                 resumed=checked.resume is not None, sync_lines=not args.replay_schedule,
                                  config={"train": _plain(vars(args)), "hdet": self.config.to_dict()})
         self.engine = checked.engine
 

@@ -288,7 +288,8 @@ def test_a_start_fraction_without_the_runs_length_is_refused():
     from hdet_scale.engines.ddp import DDPAdapter
     from hdet_scale.topology import ReplicaTopology
 
-    config = HDETConfig.from_dict({"ranks_per_replica": 1})  # the defaults: start and stop are shares of the run
+    # the defaults: start and stop are shares of the run
+    config = HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
     with pytest.raises(HDETConfigError, match=r"auto_lr.start_fraction=0.02 needs the run's length: pass "
@@ -335,7 +336,7 @@ def test_the_rise_only_phase_is_checked():
 
 
 @pytest.mark.parametrize(("mode", "sync_interval", "updates"),
-                         [("log", 1, 24), ("log", 2, 12), ("log", 3, 8), ("log", 10, 2), ("log", 1000, 0),
+                         [("log", 1, 24), ("log", 2, 12), ("log", 3, 8), ("log", 10, 2),
                           ("scale", 5, 5), ("scale", 10, 2), ("short", 1, 9)])
 def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, updates):
     """Start 2, stop 25 (the log default's shares of 100 steps; scale mode is given 5-25): the syncs at every T-th
@@ -374,6 +375,29 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
             "(auto_lr.start_fraction, stop_fraction), or narrow the climb (auto_lr.initial_scale, scale_max, "
             "max_log_step)")
     hdet.close()
+
+
+def test_a_controller_that_would_never_leave_its_low_start_is_refused():
+    """With no sync between the controller's start and stop, a start at a tenth of the LR held for the whole run:
+    train.py used to train 300 steps at 0.1 x --lr after a warning that did not say so."""
+    import torch
+
+    from hdet_scale import HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    message = (r"sync_interval=400 puts no sync between the auto-LR controller's start \(step 6\) and stop \(step "
+               r"75\): it would never move from auto_lr.initial_scale=0.1, and the whole run would train at 0.1 x the "
+               r"given LR; set sync_interval to 75 or less, or auto_lr.initial_scale to 1")
+    two = ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(HDETConfigError, match=message):
+        HDETEnsemble(HDETConfig(sync_interval=400, ranks_per_replica=1), DDPAdapter(optimizer), total_steps=300,
+                     topology=two)
+    for fine in ({"sync_interval": 75}, {"sync_interval": 400, "auto_lr": {"initial_scale": 1.0}}):
+        config = HDETConfig.from_dict({"ranks_per_replica": 1, **fine})
+        HDETEnsemble(config, DDPAdapter(optimizer), total_steps=300, topology=two).close()
+    assert HDETConfig(sync_interval=400).for_run(300).stuck_start_error(num_replicas=1) is None  # no controller
 
 
 @pytest.mark.parametrize(("steps", "interval"), [(100, 1), (300, 5), (1000, 10), (1500, 25), (59_900, 500),

@@ -102,7 +102,7 @@ def test_the_lr_starts_at_the_controllers_initial_scale_and_other_values_at_one(
     replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
     scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=replica_one_of_two, alpha=0.5,
                               sync_interval=1000, explore={"weight_decay": {"alpha": 0.5}},
-                              auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01}, total_steps=1000)
+                              auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01}, total_steps=10_000)
     used = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(
         (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))

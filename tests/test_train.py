@@ -158,6 +158,7 @@ def test_a_plain_run_replays_the_schedule_the_controller_found(fsdp_runs, tmp_pa
     assert applied_bases(replay) == applied_bases(full)
     assert len(applied_bases(full)) == STEPS
     assert "replicas=1 ranks_per_replica=4" in result.stdout  # one replica, no spread: a plain run
+    assert "sync step" not in result.stdout  # whose syncs only record what it applied
 
 
 def files_of(directory: Path) -> dict[str, tuple[int, int]]:
@@ -426,7 +427,8 @@ def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(t
     schedule = tmp_path / "schedule.json"
     schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
                                     "values": {"lr/0": [1e-3] * 10}}))
-    check(["--replay_schedule", str(schedule), "--steps", "20"], "covers 10 steps and --steps is 20")
+    check(["--replay_schedule", str(schedule), "--steps", "20"], "covers 10 steps and --steps is 20: pass --steps 10")
+    check(["--replay_schedule", str(schedule), "--steps", "5"], "covers 10 steps and --steps is 5: pass --steps 10")
     check(["--replay_schedule", str(tmp_path / "none.json")], "--replay_schedule .*none.json: no such schedule file")
     check(["--replay_schedule", str(schedule), "--steps", "10", "--hdet_config", str(schedule)],
           "--replay_schedule trains without HDET: drop --hdet_config")

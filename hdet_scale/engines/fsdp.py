@@ -16,7 +16,6 @@ all-reduce hook that averages the reduce-scattered gradient over the column (wha
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from hdet_scale.comm import HealthyMean, broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.notices import warn
 from hdet_scale.topology import ReplicaTopology
 
 
@@ -214,8 +214,8 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
         options["offload_policy"] = offload_policy
     blocks = transformer_blocks(model, block_classes)
     if not blocks and block_classes is None:
-        warnings.warn(f"no transformer blocks found in {type(model).__name__}; sharding it as one unit "
-                      "(pass block_classes to shard block by block)", stacklevel=2)
+        warn(f"no transformer blocks found in {type(model).__name__}; sharding it as one unit "
+             "(pass block_classes to shard block by block)")
     for block in blocks:
         fully_shard(block, **options)
     # The root's parameters are needed again at once by backward: like fully_shard's own default (None), keep

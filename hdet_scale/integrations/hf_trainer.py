@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from hdet_scale.config import HDETConfig, HDETConfigError, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
 from hdet_scale.topology import ReplicaTopology
 
@@ -168,9 +168,8 @@ class HDETCallback(TrainerCallback):
         dataset = trainer.eval_dataset
         if dataset is None:
             if ensemble.topology.rank == 0:
-                warnings.warn(no_probe_warning("the Trainer has no eval_dataset", "give it one (add_hdet's probe "
-                                               "scores its first batch), or pass probe=False to add_hdet"),
-                              stacklevel=3)
+                warn(no_probe_warning("the Trainer has no eval_dataset", "give it one (add_hdet's probe "
+                                      "scores its first batch), or pass probe=False to add_hdet"))
             return
         loader = trainer.get_eval_dataloader(next(iter(dataset)) if isinstance(dataset, dict) else None)
         ensemble.set_probe(batch_probe(trainer.model_wrapped, next(iter(loader)),

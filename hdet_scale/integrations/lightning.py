@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +48,7 @@ from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.engines.fsdp import HDETFSDP
 from hdet_scale.engines.fsdp import wrap as fsdp_wrap
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.notices import warn
 from hdet_scale.probe import no_probe_warning
 from hdet_scale.schedule import resolve_config
 
@@ -115,10 +115,10 @@ class HDETCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ensemble = self._attached()
         if ensemble.wants_probe and trainer.global_rank == 0:
-            warnings.warn(no_probe_warning(
+            warn(no_probe_warning(
                 "HDETCallback has no probe", "set one in the LightningModule's on_fit_start (it runs after the "
                 "callback's): hdet.ensemble.set_probe(batch_probe(self.trainer.strategy.model, held_out_batch, "
-                "loss_fn)), from hdet_scale.probe"), stacklevel=2)
+                "loss_fn)), from hdet_scale.probe"))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
@@ -143,9 +143,9 @@ class HDETCallback(pl.Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         if self.ensemble is not None and not self.ensemble.at_sync_point and trainer.global_rank == 0:
-            warnings.warn(f"HDETCallback: checkpoint at step {trainer.global_step}, between syncs (every "
-                          f"{self.config.sync_interval} steps): the replicas differ and it holds rank 0's only; "
-                          "checkpoint every a multiple of sync_interval steps, or at epoch ends", stacklevel=2)
+            warn(f"HDETCallback: checkpoint at step {trainer.global_step}, between syncs (every "
+                 f"{self.config.sync_interval} steps): the replicas differ and it holds rank 0's only; "
+                 "checkpoint every a multiple of sync_interval steps, or at epoch ends")
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -31,8 +31,9 @@ class Progress:
 
     def __init__(self, out: Path, *, enabled: bool, bar: bool, total: int, metrics_path: str | None,
                  wandb_project: str | None = None, config: dict[str, Any] | None = None,
-                 resumed: bool = False) -> None:
+                 resumed: bool = False, sync_lines: bool = True) -> None:
         self.enabled = enabled
+        self._sync_lines = sync_lines  # a plain run (a replay) has syncs only to record what it applied
         # Held-out losses go into the metrics file too, as {"step", "heldout_loss"} lines (hdet_scale.report
         # plots them next to the sync lines).
         self._metrics = MetricsWriter(metrics_path, is_writer=enabled)
@@ -94,10 +95,11 @@ class Progress:
         self._scale = lr.get("scale", 1.0)
         scalars = report.scalars()
         mean = scalars["train/loss"]
-        self.line(f"sync step {report.step}  loss {mean:.4f}  replica losses "
-                  f"[{', '.join('nan' if loss is None else f'{loss:.4f}' for loss in report.replica_losses)}]  "
-                  f"base lr {lr.get('base', float('nan')):.3e}  scale {self._scale:.3f}  "
-                  f"{self.tokens_per_second(report.step):.0f} tok/s  sync {report.sync_seconds * 1000:.0f} ms")
+        if self._sync_lines:
+            self.line(f"sync step {report.step}  loss {mean:.4f}  replica losses "
+                      f"[{', '.join('nan' if loss is None else f'{loss:.4f}' for loss in report.replica_losses)}]  "
+                      f"base lr {lr.get('base', float('nan')):.3e}  scale {self._scale:.3f}  "
+                      f"{self.tokens_per_second(report.step):.0f} tok/s  sync {report.sync_seconds * 1000:.0f} ms")
         if self._sinks is not None:
             self._sinks.log({**scalars, "train/tokens_per_second": self.tokens_per_second(report.step)}, report.step)
 
