@@ -289,6 +289,9 @@ class ExploreConfig:
     attention_scale: KnobConfig | None = None
     label_smoothing: KnobConfig | None = None
 
+    def __post_init__(self) -> None:
+        _nest(self, "explore.")
+
 
 @dataclass
 class HDETConfig:
@@ -334,6 +337,9 @@ class HDETConfig:
     auto_lr: AutoLRConfig = field(default_factory=AutoLRConfig)
     warm_init: WarmInitConfig = field(default_factory=WarmInitConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
+
+    def __post_init__(self) -> None:
+        _nest(self, "")
 
     # ----------------------------------------------------------------------------------------- loading
     @classmethod
@@ -662,6 +668,18 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
         nested = _NESTED.get(cls, {}).get(key)
         kwargs[key] = _build(nested, value, prefix=f"{prefix}{key}.") if nested and value is not None else value
     return cls(**kwargs)
+
+
+def _nest(config: Any, prefix: str) -> None:
+    """Turns the sections of ``config`` given as mappings (``HDETConfig(auto_lr={...})``) into their dataclasses,
+    checked as ``from_dict`` checks them; anything else that is not the section's class is refused."""
+    for key, section in _NESTED[type(config)].items():
+        value = getattr(config, key)
+        if isinstance(value, Mapping):
+            setattr(config, key, _build(section, value, prefix=f"{prefix}{key}."))
+        elif value is not None and not isinstance(value, section):
+            raise HDETConfigError(f"{prefix}{key} must be a mapping of settings or an instance of {section.__name__}, "
+                                  f"got {value!r}")
 
 
 _NESTED: dict[type, dict[str, type]] = {

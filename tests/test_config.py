@@ -258,6 +258,21 @@ def test_bad_json_files(tmp_path):
         HDETConfig.from_json(listing)
 
 
+def test_sections_given_as_mappings_are_built_and_checked():
+    """HDETConfig(auto_lr={...}) used to fail inside validation with an AttributeError on the dict."""
+    config = HDETConfig(auto_lr={"mode": "scale"}, explore={"weight_decay": {"alpha": 0.3}}, warm_init={"nu": 0.02})
+    assert config == HDETConfig.from_dict({"auto_lr": {"mode": "scale"}, "explore": {"weight_decay": {"alpha": 0.3}},
+                                           "warm_init": {"nu": 0.02}})
+    config.validate()
+    with pytest.raises(HDETConfigError, match="unknown HDET setting 'auto_lr.mdoe'; did you mean 'auto_lr.mode'"):
+        HDETConfig(auto_lr={"mdoe": "scale"})
+    with pytest.raises(HDETConfigError, match="explore.dropout must be a JSON object, got 0.1"):
+        HDETConfig(explore={"dropout": 0.1})
+    with pytest.raises(HDETConfigError,
+                       match=r"auto_lr must be a mapping of settings or an instance of AutoLRConfig, got \[1\]"):
+        HDETConfig(auto_lr=[1])
+
+
 def test_a_log_spread_takes_any_alpha():
     assert HDETConfig.from_dict({"alpha": 1.0, "spread": "log"}).alpha == 1.0  # multipliers 1/2 .. 2
     with pytest.raises(HDETConfigError, match="spread 'log' allows it"):
