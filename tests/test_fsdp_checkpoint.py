@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,14 @@ from test_fsdp import PER_REPLICA, WORLD, full, loss_of, tiny_llama
 from distributed import gather_rows, run_ranks, train_steps
 from hdet_scale import AutoLRConfig, HDETConfig
 from hdet_scale.engines.fsdp import wrap
-from hdet_scale.engines.fsdp_checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_pretrained
+from hdet_scale.engines.fsdp_checkpoint import (
+    EXTRA_STATE_FILE,
+    HDET_STATE_FILE,
+    full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    save_pretrained,
+)
 
 CONFIG = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=PER_REPLICA, gradient_mode="local",
                     auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.01))
@@ -70,6 +78,15 @@ def resume(rank: int, world: int, directory: str) -> None:
         exported = LlamaForCausalLM.from_pretrained(Path(directory) / "export")
         tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
         assert torch.allclose(exported(input_ids=tokens).logits, plain(input_ids=tokens).logits)
+
+    # A checkpoint from elsewhere cannot run code at load: a pickled callable in its HDET or extra state is refused.
+    for name in (HDET_STATE_FILE, EXTRA_STATE_FILE):
+        save_checkpoint(path, *second)
+        if rank == 0:
+            torch.save({"hook": print}, path / name)
+        torch.distributed.barrier()
+        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+            load_checkpoint(path, *second)
 
 
 def test_resume_from_a_checkpoint_continues_exactly(tmp_path):

@@ -86,7 +86,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     path = Path(path)
     if not (path / HDET_STATE_FILE).is_file():
         raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")
-    hdet_state = torch.load(path / HDET_STATE_FILE, weights_only=False)
+    hdet_state = torch.load(path / HDET_STATE_FILE, weights_only=True)
     source = hdet.topology.replica_index % (saved_replicas or int(hdet_state["num_replicas"]))
     state = _sharded_state(model, optimizer, source)
     dcp.load(state, checkpoint_id=path)
@@ -94,7 +94,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                    optim_state_dict=state[f"optimizer_replica{source}"])
     ensemble.load_state_dict(hdet_state)
     extra = path / EXTRA_STATE_FILE
-    return torch.load(extra, weights_only=False) if extra.is_file() else {}
+    return torch.load(extra, weights_only=True) if extra.is_file() else {}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
