@@ -393,15 +393,23 @@ def agreed(action: str, work: Callable[[], Any]) -> Any:
     """``work()`` on every rank, then every rank learns whether any failed (collective); raises ``RunFailed``
     with the first failing rank's cause on all of them, so they stop together, none left waiting."""
     try:
-        result, failure = work(), ""
+        result, failure = work(), None
     except (Exception, CheckpointException) as error:  # any cause: one line, not a traceback per rank
-        result, failure = None, one_line(error)
-    failures: list[str] = [""] * dist.get_world_size()
+        result, failure = None, (failed_rank(error, dist.get_rank()), one_line(error))
+    failures: list[tuple[int, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)
-    first = next(((rank, text) for rank, text in enumerate(failures) if text), None)
+    first = next((found for found in failures if found is not None), None)
     if first is not None:
         raise RunFailed(f"{action}: {first[1]} (rank {first[0]})")
     return result
+
+
+def failed_rank(error: BaseException, rank: int) -> int:
+    """The rank ``error`` comes from: for torch.distributed.checkpoint's collective exception, raised on every
+    rank, the first rank that failed; else ``rank``, the one that raised it."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return min(error.failures)
+    return rank
 
 
 class Run:

@@ -313,3 +313,21 @@ def test_a_collective_checkpoint_failure_is_told_by_its_first_rank_in_one_line()
     assert one_line(CheckpointException("CheckpointException ranks", failures)) == (
         "NotADirectoryError: Not a directory: 'latest.tmp' (rank 1)")
     assert one_line(ValueError("")) == "ValueError: "
+
+
+def checkpoint_failure_on_rank_1(rank: int, world: int) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from hdet_scale.train import RunFailed, agreed
+
+    def save() -> None:  # DCP raises its collective exception on every rank, carrying rank 1's error
+        raise CheckpointException("CheckpointException ranks", {1: _wrap_exception(OSError("No space left"))})
+
+    with pytest.raises(RunFailed) as failed:
+        agreed("saving a checkpoint", save)
+    return str(failed.value)
+
+
+def test_a_collective_failure_names_the_rank_it_came_from():
+    """Every rank holds DCP's exception, rank 0 first: the line used to say rank 0 for rank 1's failure."""
+    assert run_ranks(checkpoint_failure_on_rank_1, 2) == ["saving a checkpoint: OSError: No space left (rank 1)"] * 2
