@@ -1,4 +1,5 @@
-"""Communication: replica-safe gradient means, small gathers and finiteness checks.
+"""Communication: replica-safe gradient means, small gathers, finiteness checks, and rank-0 sections that end
+together on every rank.
 
 In ``global`` gradient mode a contributor count rides with every cross-replica gradient all-reduce
 (``HealthyMean``, and ``healthy_mean_hook`` for DDP): a member whose gradient has a non-finite element contributes
@@ -13,13 +14,16 @@ import gc
 import os
 import sys
 import threading
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hdet_scale.topology import collective_device
+
+T = TypeVar("T")
 
 
 def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -164,6 +168,71 @@ def healthy_mean_hook(state: HealthyMean, bucket: dist.GradBucket) -> torch.futu
 
 # DDP checks a hook's annotations against the real classes, and this module's are strings (future annotations).
 healthy_mean_hook.__annotations__.update(bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
+
+
+class PeerFailed(RuntimeError):
+    """Raised on every rank of a collective section but the one that failed: rank ``rank`` failed ``what`` with
+    ``text`` (its error's one line)."""
+
+    def __init__(self, what: str, rank: int, text: str) -> None:
+        super().__init__(f"{what} failed on rank {rank}: {text}")
+        self.rank, self.text = rank, text
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s type and first line: for a ``PeerFailed``, the failing rank's own; for
+    torch.distributed.checkpoint's collective exception (raised on every rank, its text every rank's traceback),
+    the first failing rank's error."""
+    if isinstance(error, PeerFailed):
+        return error.text
+    if isinstance(error, CheckpointException) and error.failures:
+        error = error.failures[min(error.failures)][0]
+    text = str(error).splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def failed_rank(error: BaseException, rank: int) -> int:
+    """The rank ``error`` comes from: the failing rank for a ``PeerFailed`` or DCP's collective exception, else
+    ``rank``, the one that raised it."""
+    if isinstance(error, PeerFailed):
+        return error.rank
+    if isinstance(error, CheckpointException) and error.failures:
+        return min(error.failures)
+    return rank
+
+
+def raise_together(error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed ``what`` (``error``: this rank's failure, None if it did not),
+    in one collective, and then all raise together: the failing ranks their own error, the others ``PeerFailed``
+    naming the first failing rank. Ends a section in which each rank may fail alone, so that none is left
+    waiting in a collective the failing one never reaches."""
+    texts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, None if error is None else one_line(error))
+    first = next(((rank, text) for rank, text in enumerate(texts) if text is not None), None)
+    if first is None:
+        return
+    if error is not None:
+        raise error
+    raise PeerFailed(what, *first)
+
+
+def on_rank0(work: Callable[[], T], what: str) -> T | None:
+    """``work()`` on global rank 0 alone, ended by one collective on every rank that carries its outcome (it
+    replaces the barrier such a section would end with). A failure on rank 0 is raised there as it is and on every
+    other rank as ``PeerFailed``: all ranks stop together at once, none is left in a barrier that rank 0 never
+    reaches. Returns ``work()``'s result on rank 0, None elsewhere."""
+    result, outcome = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except BaseException as error:
+            outcome[0] = one_line(error)
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise PeerFailed(what, 0, outcome[0])
+    return result
 
 
 @torch.no_grad()

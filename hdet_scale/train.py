@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hdet_scale.comm import shut_down, shut_down_and_exit
+from hdet_scale.comm import failed_rank, on_rank0, one_line, shut_down, shut_down_and_exit
 from hdet_scale.config import HDETConfig, add_hdet_args, sync_interval_for_run
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import (
@@ -53,10 +53,11 @@ from hdet_scale.lm.checkpoints import (
     ResumePoint,
     check_free_space,
     check_resume,
+    checkpoint_dir,
     identity,
     previous_run,
-    remove_leftover_staging,
     remove_previous_run,
+    settle_interrupted_save,
 )
 from hdet_scale.lm.corpus import Corpus, batch, load_corpus
 from hdet_scale.lm.model import PRESETS, build_model, check_preset
@@ -376,15 +377,6 @@ def refuse_bad_input(error: Exception) -> NoReturn:
     raise SystemExit(2) from None
 
 
-def one_line(error: BaseException) -> str:
-    """``error``'s type and first line; for torch.distributed.checkpoint's collective exception (a
-    ``BaseException`` whose text is every rank's traceback), the first failing rank's own error."""
-    if isinstance(error, CheckpointException) and error.failures:
-        error = error.failures[min(error.failures)][0]
-    text = str(error).splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
 class RunFailed(RuntimeError):
     """A failure every rank agreed on (a checkpoint that did not load or save); rank 0 prints it in one line."""
 
@@ -402,14 +394,6 @@ def agreed(action: str, work: Callable[[], Any]) -> Any:
     if first is not None:
         raise RunFailed(f"{action}: {first[1]} (rank {first[0]})")
     return result
-
-
-def failed_rank(error: BaseException, rank: int) -> int:
-    """The rank ``error`` comes from: for torch.distributed.checkpoint's collective exception, raised on every
-    rank, the first rank that failed; else ``rank``, the one that raised it."""
-    if isinstance(error, CheckpointException) and error.failures:
-        return min(error.failures)
-    return rank
 
 
 class Run:
@@ -488,19 +472,20 @@ class Run:
         self._finish()
 
     def _start_or_resume(self) -> None:
-        if self.rank == 0:
-            if self.args.overwrite:
-                for earlier in remove_previous_run(self.out, self.config.metrics_path):
-                    self.progress.line(f"--overwrite: removed {earlier}")
-            for leftover in remove_leftover_staging(self.out):
-                self.progress.line(f"removed {leftover}, left by an interrupted checkpoint")
+        def tidy() -> list[str]:
+            removed = remove_previous_run(self.out, self.config.metrics_path) if self.args.overwrite else []
+            return [f"--overwrite: removed {path}" for path in removed] + settle_interrupted_save(self.out)
+
+        for line in agreed(f"tidying {self.out}", lambda: on_rank0(tidy, f"tidying {self.out}")) or []:
+            self.progress.line(line)
         point = self.plan.resume
         if point is not None:
+            path = checkpoint_dir(self.out)  # where a promoted checkpoint now is
             if point.layout_changed:
                 self.progress.line(point.layout_line())
-            agreed(f"resuming from {point.path}", lambda: self.backend.load(point.path, point.saved_replicas))
+            agreed(f"resuming from {path}", lambda: self.backend.load(path, point.saved_replicas))
             self.step = self.saved_at = self.backend.ensemble.global_step
-            self.progress.line(f"resumed from {point.path} at step {self.step}")  # every rank has loaded
+            self.progress.line(f"resumed from {path} at step {self.step}")  # every rank has loaded
             agreed(f"rewriting {self.config.metrics_path}",
                    lambda: self.progress.truncate_metrics(self.config.metrics_path, self.step))
         elif self.rank == 0 and self.config.metrics_path:

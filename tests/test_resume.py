@@ -18,7 +18,7 @@ from hdet_scale.lm.checkpoints import (
     ResumeError,
     check_resume,
     identity,
-    remove_leftover_staging,
+    settle_interrupted_save,
     write_manifest,
 )
 from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
@@ -93,8 +93,46 @@ def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
     root = tmp_path / "checkpoints"
     (root / "latest.tmp").mkdir(parents=True)
     (root / "latest.tmp" / "shard").write_text("x")
-    assert remove_leftover_staging(tmp_path) == [root / "latest.tmp"]
-    assert not (root / "latest.tmp").exists() and remove_leftover_staging(tmp_path) == []
+    assert settle_interrupted_save(tmp_path) == [f"removed {root / 'latest.tmp'}, left by an interrupted checkpoint"]
+    assert not (root / "latest.tmp").exists() and settle_interrupted_save(tmp_path) == []
+
+
+def staged(out: Path, name: str, step: int) -> Path:
+    """A complete FSDP2 checkpoint at ``step`` under the staging name ``name``."""
+    path = fake_checkpoint(out / name, run())
+    target = out / "checkpoints" / name
+    target.parent.mkdir(exist_ok=True)
+    path.rename(target)
+    write_manifest(target, run(), step=step)
+    return target
+
+
+@pytest.mark.parametrize("newest", ["latest.tmp", "latest.old"])
+def test_a_kill_between_the_two_renames_loses_no_checkpoint(tmp_path, newest):
+    """FSDP2's save moves latest to latest.old, then latest.tmp to latest. Killed in between, --resume found no
+    latest, started afresh, and the start removed both complete checkpoints. Now the newest complete one is
+    resumed from, promoted to latest, and only then is the older one removed."""
+    older = "latest.old" if newest == "latest.tmp" else "latest.tmp"
+    staged(tmp_path, older, step=10)
+    staged(tmp_path, newest, step=30)
+    root = tmp_path / "checkpoints"
+    point = check_resume(tmp_path, run())
+    assert (point.path, point.step) == (root / newest, 30)
+    assert settle_interrupted_save(tmp_path) == [
+        f"promoted {root / newest} (complete, step 30) to {root / 'latest'}, left by a checkpoint interrupted "
+        "between its renames", f"removed {root / older}, left by an interrupted checkpoint"]
+    assert sorted(path.name for path in root.iterdir()) == ["latest"]
+    assert check_resume(tmp_path, run()).step == 30
+
+
+def test_an_incomplete_staging_is_never_preferred_to_a_complete_one(tmp_path):
+    staged(tmp_path, "latest.old", step=10)
+    damaged = staged(tmp_path, "latest.tmp", step=30)
+    (damaged / "__0_0.distcp").write_bytes(b"s" * 40)
+    assert check_resume(tmp_path, run()).step == 10
+    settle_interrupted_save(tmp_path)
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["latest"]
+    assert check_resume(tmp_path, run()).step == 10
 
 
 # ---------------------------------------------------------------------------------------- train.py, no launch
@@ -280,8 +318,8 @@ def smoothing_step(rank: int, world: int) -> tuple[float, float]:
     from hdet_scale.lm.backends import FSDPBackend
     from hdet_scale.lm.model import build_model
 
-    config = HDETConfig.from_dict({"alpha": 0.5, "spread": "linear", "ranks_per_replica": 1, "explore": {
-        "label_smoothing": {"base": 0.2, "alpha": 0.5}}})
+    config = HDETConfig.from_dict({"alpha": 0.5, "spread": "linear", "ranks_per_replica": 1, "sync_interval": 1,
+                                   "explore": {"label_smoothing": {"base": 0.2, "alpha": 0.5}}})
     args = argparse.Namespace(dtype="fp32", grad_accum=1, micro_batch_size=2, lr=1e-3, weight_decay=0.0, steps=10,
                               warmup_steps=1, min_lr_ratio=0.1, grad_clip=0.0, replay_schedule=None)
     torch.manual_seed(0)
@@ -306,7 +344,7 @@ def test_explored_label_smoothing_reaches_train_pys_loss():
 def test_a_collective_checkpoint_failure_is_told_by_its_first_rank_in_one_line():
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    from hdet_scale.train import one_line
+    from hdet_scale.comm import one_line
 
     failures = {rank: _wrap_exception(NotADirectoryError(f"Not a directory: 'latest.tmp' (rank {rank})\nmore"))
                 for rank in (3, 1)}

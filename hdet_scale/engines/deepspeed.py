@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import broadcast_from_rank0
+from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
 from hdet_scale.config import HDETConfig, HDETConfigError, add_hdet_args, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version
@@ -200,15 +200,28 @@ class HDETDeepSpeed:
         state["hdet"] = self.state_dict()
         state.setdefault("universal_checkpoint_info", {})
         tag = tag or f"global_step{self.engine.global_steps}"
-        if self.topology.replica_index > 0:
-            # DeepSpeed creates the tag folder only from ranks whose rank inside the replica equals the global rank.
-            os.makedirs(os.path.join(str(save_dir), tag, REPLICA_FOLDER), exist_ok=True)
+        failure = None
+        try:  # DeepSpeed makes save_dir on rank 0 alone before its first barrier: made here, by every rank
+            os.makedirs(os.path.join(str(save_dir), tag), exist_ok=True)
+            if self.topology.replica_index > 0:
+                # DeepSpeed creates the tag folder only from ranks whose rank inside the replica equals the global
+                # rank.
+                os.makedirs(os.path.join(str(save_dir), tag, REPLICA_FOLDER), exist_ok=True)
+        except OSError as error:
+            failure = error
+        raise_together(failure, f"preparing the checkpoint {tag}")
         self._saving = True
         try:
             with replica_groups(self.engine.mpu):
                 self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, **kwargs)
+        except Exception as error:
+            # A write failed on this rank. DeepSpeed writes after the last collective of its save but one, the
+            # barrier that ends it, where the other ranks now wait: meet them there, then all stop together.
+            failure = error
+            dist.barrier()
         finally:
             self._saving = False
+        raise_together(failure, f"saving the checkpoint {tag}")
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,
@@ -270,9 +283,7 @@ class HDETDeepSpeed:
         if not hasattr(module, "save_pretrained"):
             raise TypeError(f"{type(module).__name__} is not a transformers model; use full_state_dict() instead")
         state = self.full_state_dict()
-        if dist.get_rank() == 0:
-            module.save_pretrained(path, state_dict=state)
-        dist.barrier()
+        on_rank0(lambda: module.save_pretrained(path, state_dict=state), f"writing the model to {path}")
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,

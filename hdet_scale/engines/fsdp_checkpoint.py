@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from hdet_scale.comm import on_rank0
 from hdet_scale.engines.fsdp import HDETFSDP
 
 HDET_STATE_FILE = "hdet_state.pt"
@@ -58,21 +58,22 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         )
     final = Path(path)
     staging = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-    dist.barrier()
+    on_rank0(lambda: shutil.rmtree(staging, ignore_errors=True), f"clearing {staging}")
     dcp.save(_sharded_state(model, optimizer, hdet.topology.replica_index), checkpoint_id=staging)
-    if dist.get_rank() == 0:
+
+    def complete() -> None:
         torch.save(ensemble.state_dict(), staging / HDET_STATE_FILE)
         torch.save(dict(extra_state or {}), staging / EXTRA_STATE_FILE)
         if finalize is not None:
             finalize(staging)
         retired = final.with_name(final.name + ".old")
+        shutil.rmtree(retired, ignore_errors=True)  # older than ``final``, which is complete
         if final.exists():
             final.rename(retired)
-        staging.rename(final)
+        staging.rename(final)  # killed just before: both are complete, and the newer is found and promoted
         shutil.rmtree(retired, ignore_errors=True)
-    dist.barrier()
+
+    on_rank0(complete, f"writing the checkpoint {final}")
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -109,6 +110,4 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"{type(model).__name__} is not a transformers model; use full_state_dict() instead")
     state = full_state_dict(model)
-    if dist.get_rank() == 0:
-        model.save_pretrained(path, state_dict=state)
-    dist.barrier()
+    on_rank0(lambda: model.save_pretrained(path, state_dict=state), f"writing the model to {path}")

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from hdet_scale.comm import on_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.lm.checkpoints import write_manifest
@@ -288,14 +288,16 @@ class DeepSpeedBackend(Backend):
         # after DeepSpeed's closing barrier instead, with the manifest first, so it never names an incomplete
         # checkpoint.
         self.hdet.save_checkpoint(directory, tag=tag, client_state={"train": dict(extra)}, save_latest=False)
-        if dist.get_rank() == 0:
+
+        def complete() -> None:
             write_manifest(directory / tag, dict(run), self.ensemble.global_step)
             staging = directory / "latest.tmp"
             staging.write_text(tag)
             staging.replace(directory / "latest")
             if previous not in (None, tag):
                 _remove_tree(directory / previous)
-        dist.barrier()
+
+        on_rank0(complete, f"writing the checkpoint {directory / tag}")
         return directory / tag
 
     def load(self, path: Path, saved_replicas: int) -> dict[str, Any]:

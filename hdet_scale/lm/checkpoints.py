@@ -72,16 +72,35 @@ def write_manifest(directory: Path, run: dict[str, Any], step: int) -> None:
     staging.replace(directory / MANIFEST)
 
 
+STAGING = ("latest.tmp", "latest.old")
+"""FSDP2's save writes ``latest.tmp``, moves ``latest`` to ``latest.old``, then ``latest.tmp`` to ``latest``."""
+
+
 def checkpoint_dir(out: Path) -> Path | None:
-    """The newest complete checkpoint under ``out/checkpoints``, of either engine: FSDP2's ``latest`` folder,
-    or the folder DeepSpeed's ``latest`` file names; None when there is none."""
+    """The newest checkpoint under ``out/checkpoints``, of either engine: FSDP2's ``latest`` folder, or the
+    folder DeepSpeed's ``latest`` file names; where a kill between FSDP2's two renames left no ``latest``, the
+    newest complete of ``latest.tmp`` and ``latest.old``; None when there is none."""
     root = out / CHECKPOINTS
     latest = root / "latest"
     if latest.is_dir():
         return latest
     if latest.is_file():
         return root / latest.read_text().strip()
-    return None
+    complete = [(step, path) for path in (root / name for name in STAGING)
+                if (step := complete_step(path)) is not None]
+    return max(complete)[1] if complete else None
+
+
+def complete_step(path: Path) -> int | None:
+    """The step of the checkpoint in ``path`` when it is complete (its manifest readable and every file it lists
+    there at its size), else None."""
+    try:
+        saved = json.loads((path / MANIFEST).read_text())
+        sizes_right = all((path / name).is_file() and (path / name).stat().st_size == size
+                          for name, size in saved["files"].items())
+        return int(saved["step"]) if sizes_right else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
@@ -154,20 +173,28 @@ def remove_previous_run(out: Path, metrics_path: str | None) -> list[Path]:
     return removed
 
 
-def remove_leftover_staging(out: Path) -> list[Path]:
-    """Removes what an interrupted save left (DeepSpeed's ``latest.tmp``, FSDP2's ``latest.tmp`` and
-    ``latest.old``, a half-written manifest); returns what was removed."""
+def settle_interrupted_save(out: Path) -> list[str]:
+    """Tidies what an interrupted save left, losing nothing: where no ``latest`` is left (FSDP2 killed between
+    its two renames), the newest complete of ``latest.tmp`` and ``latest.old`` becomes ``latest``; then what is
+    left of the staging is removed, being incomplete or older than ``latest`` (DeepSpeed's ``latest.tmp`` is a
+    pointer file written before it replaces ``latest``). Returns one line per change."""
     root = out / CHECKPOINTS
-    removed = []
-    for name in ("latest.tmp", "latest.old"):
+    done = []
+    newest = checkpoint_dir(out)
+    if newest is not None and newest.name in STAGING:
+        newest.rename(root / "latest")
+        done.append(f"promoted {newest} (complete, step {complete_step(root / 'latest')}) to {root / 'latest'}, "
+                    "left by a checkpoint interrupted between its renames")
+    for name in STAGING:
         leftover = root / name
         if leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover)
-            removed.append(leftover)
         elif leftover.exists():
             os.remove(leftover)
-            removed.append(leftover)
-    return removed
+        else:
+            continue
+        done.append(f"removed {leftover}, left by an interrupted checkpoint")
+    return done
 
 
 def check_free_space(out: Path) -> None:

@@ -1,0 +1,156 @@
+"""A save that fails on one rank, at each of its writes, on FSDP2 and DeepSpeed ZeRO-2 (real gloo ranks, train.py's
+backends): every rank stops within seconds with the same one-line error, never waiting for a process-group
+timeout, and the newest complete checkpoint is kept and loads the model it saved.
+
+Every write of a save is counted on each rank (DCP's shard files, ``torch.save``, the manifest, the renames and
+DeepSpeed's ``latest``) by wrapping the functions that write, then each is made to fail once, on rank 0 and on
+rank 1 (a rank that writes only its shard).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_fsdp import full
+
+from distributed import run_ranks
+from hdet_scale.comm import on_rank0
+from hdet_scale.lm.checkpoints import check_resume, checkpoint_dir, identity, settle_interrupted_save
+
+SYNC_INTERVAL = 2
+VICTIMS = (0, 1)
+ROUND_TRIP_SECONDS = 30.0  # far below the process group's timeout (90 s here, 10 min in train.py)
+
+
+class Injector:
+    """Counts this rank's writes under ``root`` and makes the ``fail_at``-th of them raise an OSError."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.writes: list[str] = []
+        self.fail_at: int | None = None
+
+    def install(self) -> None:
+        import torch.distributed.checkpoint.filesystem as filesystem
+
+        self._wrap(torch, "save", lambda args: args[1])
+        self._wrap(filesystem.FileSystem, "create_stream", lambda args: args[1])
+        for method in ("write_text", "replace", "rename"):
+            self._wrap(pathlib.Path, method, lambda args: args[0])
+
+    def _wrap(self, owner: Any, name: str, path_of: Callable[[tuple], Any]) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            target = path_of(args)  # DCP also torch.saves into open streams: those are counted as its files
+            path = Path(target) if isinstance(target, (str, os.PathLike)) else None
+            if path is not None and path.is_relative_to(self.root):
+                self.writes.append(f"{name} {path.relative_to(self.root)}")
+                if len(self.writes) - 1 == self.fail_at:
+                    raise OSError(f"injected: {name} failed")
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+
+def build(engine: str, directory: Path) -> Any:
+    from hdet_scale import HDETConfig
+    from hdet_scale.lm.backends import DeepSpeedBackend, FSDPBackend
+    from hdet_scale.lm.model import build_model
+    from hdet_scale.train import _deepspeed_config, parse_args
+
+    args = parse_args(["--steps", "200", "--micro_batch_size", "2", "--seq_len", "16", "--engine", engine,
+                       "--zero_stage", "2", "--out", str(directory), "--dtype", "fp32"])
+    config = HDETConfig(alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=2, auto_lr={"enabled": False})
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=64, seq_len=16)
+    if engine == "fsdp":
+        return FSDPBackend(model, config, args, torch.device("cpu"))
+    return DeepSpeedBackend(model, config, args, _deepspeed_config(args), torch.device("cpu"))
+
+
+def parameters(backend: Any) -> torch.Tensor:
+    return full(backend.module.parameters()).clone()
+
+
+def faults(rank: int, world: int, directory: str, engine: str) -> list[tuple[int, str, str, float]]:
+    from hdet_scale.train import RunFailed, agreed
+
+    out = Path(directory)
+    root = out / "checkpoints"
+    run = identity(engine=engine, zero_stage=2 if engine == "deepspeed" else None, model={"preset": "tiny"},
+                   replicas=2, ranks_per_replica=2, explored=[])
+    backend = build(engine, out)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+
+    def train() -> torch.Tensor:
+        for _ in range(SYNC_INTERVAL):
+            backend.train_step([(tokens[:, :-1], tokens[:, 1:])])
+        return parameters(backend)
+
+    def save() -> None:
+        agreed("saving a checkpoint", lambda: backend.save(root, {"step": backend.ensemble.global_step}, run))
+
+    injector = Injector(root)
+    injector.install()
+    train()
+    save()
+    injector.writes.clear()
+    save()  # a save over an existing checkpoint: every write a save makes
+    writes = [None] * world
+    dist.all_gather_object(writes, list(injector.writes))
+    outcomes = []
+    for victim in VICTIMS:
+        for index in range(len(writes[victim])):
+            dist.barrier()  # no rank still reads the last case's checkpoint
+            on_rank0(lambda: shutil.rmtree(root, ignore_errors=True), "clearing")
+            saved = train()
+            save()
+            saved_step = backend.ensemble.global_step
+            now = train()
+            injector.writes.clear()
+            injector.fail_at = index if rank == victim else None
+            started = time.perf_counter()
+            try:
+                save()
+                outcome = "saved"
+            except RunFailed as failure:
+                outcome = str(failure)
+            elapsed = time.perf_counter() - started
+            injector.fail_at = None
+            point = check_resume(out, run)
+            assert point is not None and point.step in (saved_step, backend.ensemble.global_step), (index, point)
+            expected = now if point.step == backend.ensemble.global_step else saved
+            dist.barrier()  # every rank has read the folder as the failed save left it
+            on_rank0(lambda: settle_interrupted_save(out), "settling")
+            backend.load(checkpoint_dir(out), 2)
+            assert torch.equal(parameters(backend), expected), (victim, writes[victim][index])
+            outcomes.append((victim, writes[victim][index], outcome, elapsed))
+    return outcomes
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
+def test_a_write_failing_on_one_rank_stops_every_rank_at_once_and_keeps_the_checkpoint(tmp_path, engine):
+    results = run_ranks(faults, 4, str(tmp_path), engine, timeout=900)
+    cases = results[0]
+    assert {victim for victim, *_ in cases} == set(VICTIMS) and len(cases) >= 3
+    for rank_cases in results:
+        assert [(victim, write) for victim, write, *_ in rank_cases] == [(v, w) for v, w, *_ in cases]
+    for case, *others in zip(*results, strict=True):
+        victim, write, outcome, _ = case
+        # the same one line on every rank, naming the rank the write failed on
+        assert all(other[2] == outcome for other in others), (write, outcome, [other[2] for other in others])
+        assert "\n" not in outcome
+        if outcome != "saved":  # a failure after the checkpoint was complete and in place is no failure
+            assert outcome.startswith("saving a checkpoint: ") and f"(rank {victim})" in outcome, outcome
+            assert "injected" in outcome, outcome
+        assert max(other[3] for other in (case, *others)) < ROUND_TRIP_SECONDS, (write, outcome)
