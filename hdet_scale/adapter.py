@@ -94,6 +94,10 @@ class EngineAdapter(ABC):
         them in place (averaging, warm-init noise)."""
 
     def recover_excluded(self) -> None:
-        """Called on a replica that was left out of an average for non-finite values, after it received the
-        mean: drops optimizer state that may hold the non-finite values, so training continues cleanly."""
-        self.optimizer.state.clear()
+        """Called on every rank of a replica that was left out of an average for non-finite values, after it
+        received the mean: its optimizer state starts afresh (every tensor of it zeroed, step counts included, as
+        a new Adam's), keeping its entries, so a checkpoint saved now holds every key a resumed run loads."""
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hdet_scale.comm import reduction_dtype, zero_unless
+from hdet_scale.comm import all_finite_on, reduction_dtype, zero_unless
 
 Check = Callable[[torch.Tensor | None], None]
 
@@ -58,7 +58,7 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     device = _bucket_device([t.device for t in tensors], group)
     flag = torch.as_tensor(contribute, dtype=torch.bool).to(device)
     if skip_non_finite:
-        flag = flag & _all_finite_on(tensors, device)
+        flag = flag & all_finite_on(tensors, device)
     known = contribute if isinstance(contribute, bool) and not skip_non_finite else None
     return _Averager(group, device, bucket_bytes, flag, known, memory).run(tensors, rider, check)
 
@@ -72,18 +72,6 @@ def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> tor
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _all_finite_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Whether every element of ``tensors`` is finite, as a flag on ``device`` (no host synchronization): each
-    tensor's sum of absolute values, in one fused pass per device and precision, is finite exactly when every
-    element is (up to float32's range, as ``all_finite_flag``; float64 tensors sum in float64)."""
-    kinds: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        kinds.setdefault((tensor.device, tensor.dtype == torch.float64), []).append(tensor)
-    flags = [torch.stack(torch._foreach_norm(group, 1, dtype=torch.float64 if wide else torch.float32))
-             .isfinite().all().to(device, non_blocking=True) for (_, wide), group in kinds.items()]
-    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 
 @dataclass

@@ -262,12 +262,22 @@ def gather_rows(row: Sequence[float], *, world_size: int) -> torch.Tensor:
     return table.cpu()
 
 
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when every element of every tensor is finite (one host synchronization per device)."""
-    flags: dict[torch.device, list[torch.Tensor]] = {}
+def all_finite_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Whether every element of ``tensors`` is finite, as a 0-dim bool tensor on ``device`` (no host
+    synchronization): each tensor's sum of absolute values, in one fused pass per device and precision, is finite
+    exactly when every element is (up to float32's range, as ``all_finite_flag``; float64 tensors sum in
+    float64). A model has hundreds of tensors: one kernel each would cost more than the pass itself on a GPU."""
+    kinds: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
     for tensor in tensors:
-        flags.setdefault(tensor.device, []).append(all_finite_flag(tensor))
-    return all(bool(torch.stack(values).all()) for values in flags.values())
+        kinds.setdefault((tensor.device, tensor.dtype == torch.float64), []).append(tensor)
+    flags = [torch.stack(torch._foreach_norm(group, 1, dtype=torch.float64 if wide else torch.float32))
+             .isfinite().all().to(device, non_blocking=True) for (_, wide), group in kinds.items()]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when every element of every tensor is finite (``all_finite_on``, then one host synchronization)."""
+    return bool(all_finite_on(tensors, tensors[0].device if tensors else torch.device("cpu")))
 
 
 def shut_down() -> None:

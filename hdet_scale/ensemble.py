@@ -332,11 +332,13 @@ class HDETEnsemble:
         return tensors
 
     def _score_row(self, tensors: list[torch.Tensor]) -> list[float]:
-        """This rank's row of the sync's score table: its interval loss sum and step count, whether its loss
-        and tensors are all finite (else it is left out of the average), its probe loss (NaN: no probe), and the
-        probe loss of the weights the interval started from (NaN: not scored)."""
+        """This rank's row of the sync's score table: its interval loss sum and step count, whether its tensors
+        and optimizer state are all finite (else its replica is left out of the average; a non-finite loss alone
+        is only the worst score), its probe loss (NaN: no probe), and the probe loss of the weights the interval
+        started from (NaN: not scored)."""
         loss_sum = self._interval.total()
-        healthy = math.isfinite(loss_sum) and all_finite(tensors)
+        state = [] if self.config.average_optimizer_state else self.adapter.optimizer_state_tensors()
+        healthy = all_finite(tensors) and all_finite(state)
         with self._window.swapped_in(self.adapter.averaged_tensors(), self.adapter.after_average):
             probe = self._run_probe()
         # NaN marks "not scored"; a start scored non-finite is sent as inf (the controller steps down)
@@ -352,34 +354,36 @@ class HDETEnsemble:
         return float(loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else loss)
 
     def _average(self, tensors: list[torch.Tensor], row: list[float]) -> tuple[ReplicaScores, int]:
-        """Gathers every rank's score ``row`` and replaces ``tensors`` by their mean over the healthy ranks
-        holding the same shard; a rank left out receives the mean and drops its optimizer state. Returns the
-        scores and the bytes averaged (collective).
+        """Gathers every rank's score ``row`` and replaces ``tensors`` by their mean over the healthy replicas
+        (every rank of a replica healthy); the ranks of a replica left out receive the mean and start their
+        optimizer state afresh. Returns the scores and the bytes averaged (collective).
 
         When every rank is a replica the score table rides in the average's first bucket: one collective in
-        all. Otherwise (sharded replicas) it is gathered over all ranks alongside. Nothing is written when
-        no replica is healthy: the sync raises instead."""
+        all. Otherwise (sharded replicas) it is gathered over all ranks first, so that every rank of a replica
+        knows whether the replica contributes. Nothing is written when no replica is healthy: the sync raises
+        instead."""
         topo = self.topology
         rides = topo.num_replicas > 1 and topo.ranks_per_replica == 1  # the cross-replica group is every rank
         if rides:
-            table, gathering = torch.zeros(topo.world_size, len(row), dtype=torch.float64), None
+            table = torch.zeros(topo.world_size, len(row), dtype=torch.float64)
             table[topo.rank] = torch.tensor(row, dtype=torch.float64)
+            healthy = bool(row[2])
         else:
             table, gathering = start_gather_rows(row, world_size=topo.world_size)
+            if gathering is not None:
+                gathering.wait()
+            healthy = bool(table[topo.replica_ranks(topo.replica_index), 2].all())
         found: list[ReplicaScores] = []
 
         def check(_: torch.Tensor | None) -> None:
-            if gathering is not None:
-                gathering.wait()
             scores = ReplicaScores.from_table(table.cpu(), topo, with_probe=self._probe is not None)
             if not any(scores.healthy):
                 raise FloatingPointError(
-                    f"HDET sync at step {self._step}: every replica has non-finite loss or parameters (replica "
-                    f"losses {scores.losses}); nothing was averaged. Lower the LR or alpha, or resume from the "
-                    "last checkpoint")
+                    f"HDET sync at step {self._step}: every replica has non-finite parameters or optimizer state "
+                    f"(replica losses {scores.losses}); nothing was averaged. Lower the LR or alpha, or resume from "
+                    "the last checkpoint")
             found.append(scores)
 
-        healthy = bool(row[2])
         sent = average_tensors(tensors, topo.cross_replica_group, contribute=healthy, rider=table if rides else None,
                                check=check, bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets)
         self.adapter.after_average()
@@ -423,6 +427,8 @@ class HDETEnsemble:
         if not self._controller_moves_at(self._step):
             return None
         signal = scores.controller_signal(cfg.probe_weight)
+        if not any(loss is not None and math.isfinite(loss) for loss in signal):
+            return None  # no replica scored: nothing to compare (a non-finite score alone is the worst one)
         if any(loss is None for loss in signal):
             if not self._warned_no_loss:
                 warn("HDET: step() got no loss on some replica during a sync interval; the auto-LR "

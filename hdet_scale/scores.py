@@ -8,7 +8,6 @@ average itself, and ``ReplicaScores`` reduces the rows to one score per replica.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,17 +82,17 @@ class ReplicaScores:
     """``auto_lr.hypergradient='progress'``: the probe loss of the weights every replica started the interval from
     (the mean over the ranks that scored them), or None where none did."""
     healthy: list[bool]
-    """False where a replica's loss or any of its averaged tensors is non-finite: it is left out of the mean."""
+    """False where any averaged tensor or optimizer state of a replica is non-finite: it is left out of the mean
+    (a non-finite loss alone is the worst score, not a reason to leave the replica out)."""
     bytes_gathered: int
 
     @classmethod
     def from_table(cls, table: torch.Tensor, topology: ReplicaTopology, *, with_probe: bool) -> ReplicaScores:
-        """The scores from the gathered rows, one per global rank: (loss sum, loss count, tensors finite as
-        0/1, probe loss, probe loss of the interval's start, NaN where not scored)."""
+        """The scores from the gathered rows, one per global rank: (loss sum, loss count, tensors and optimizer
+        state finite as 0/1, probe loss, probe loss of the interval's start, NaN where not scored)."""
         rows = [table[topology.replica_ranks(replica)] for replica in range(topology.num_replicas)]
         losses = [_replica_loss(replica_rows) for replica_rows in rows]
-        healthy = [bool(replica_rows[:, 2].all()) and (loss is None or math.isfinite(loss))
-                   for replica_rows, loss in zip(rows, losses, strict=True)]
+        healthy = [bool(replica_rows[:, 2].all()) for replica_rows in rows]
         probe_losses = [float(replica_rows[:, 3].mean()) for replica_rows in rows] if with_probe else None
         starts = table[:, 4][~torch.isnan(table[:, 4])]
         start = float(starts.mean()) if with_probe and len(starts) else None

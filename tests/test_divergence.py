@@ -148,3 +148,98 @@ def test_zero1_global_mode_survives_a_diverged_replica():
 
 def test_zero3_global_mode_survives_a_diverged_replica():
     assert run_ranks(zero_run, 4, 3) == [[[1], []]] * 4
+
+
+# ------------------------------------------------------------------------- what leaves a replica out
+def nan_loss_run(rank: int, world: int) -> dict:
+    """DDP, 2 replicas, global gradients: replica 1's loss is NaN at step 3 (so is its gradient, which the
+    replica-safe mean leaves out). Its weights and Adam state stay finite."""
+    from hdet_scale.engines.ddp import attach, wrap_model
+    from hdet_scale.topology import ReplicaTopology
+
+    hdet_config = config(1)
+    topology = ReplicaTopology.build(hdet_config)
+    model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    report = None
+    for step in range(1, SYNC_INTERVAL + 1):
+        optimizer.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        loss = model(x).pow(2).mean() * (float("nan") if step == 3 and rank == 1 else 1.0)
+        loss.backward()
+        optimizer.step()
+        report = hdet.step(loss)
+    moments = torch.cat([state["exp_avg"].reshape(-1) for state in optimizer.state.values()])
+    return {"excluded": report.excluded_replicas, "losses": report.replica_losses, "weights": report.weights,
+            "moments": gather_rows(moments)}
+
+
+def test_a_non_finite_loss_alone_is_the_worst_score_not_an_exclusion():
+    """It used to leave the healthy replica out and wipe its Adam state, saying it 'had non-finite values'."""
+    result = run_ranks(nan_loss_run, 2)[0]
+    assert result["excluded"] == []
+    assert result["losses"][1] is None or not torch.isfinite(torch.tensor(result["losses"][1]))
+    assert result["weights"][1] == 0.0 and result["weights"][0] == 1.0  # the worst score: no weight
+    assert torch.equal(result["moments"][0], result["moments"][1]) and result["moments"].abs().sum() > 0
+
+
+def sharded_exclusion_run(rank: int, world: int, directory: str) -> dict:
+    """FSDP2, 2 replicas x 2 shards, global gradients: one shard of replica 1 turns non-finite just before the
+    sync at step 4 (its other shard is finite). The whole replica is left out, both its ranks restart their Adam
+    state with every entry kept, and a checkpoint at that sync loads."""
+    from pathlib import Path
+
+    from test_fsdp import full, loss_of, tiny_llama
+
+    from hdet_scale.engines.fsdp import wrap
+    from hdet_scale.engines.fsdp_checkpoint import load_checkpoint, save_checkpoint
+
+    def build():
+        model, handle = wrap(tiny_llama(seed=0), config(2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return model, optimizer, handle, handle.attach(optimizer)
+
+    model, optimizer, handle, hdet = build()
+    before: dict[str, torch.Tensor] = {}
+
+    def poison(step: int) -> None:
+        before["weights"] = gather_rows(full(model.parameters()))
+        if rank == 2:
+            with torch.no_grad():
+                next(model.parameters()).to_local()[0, 0] = float("inf")
+
+    hdet.add_pre_sync_hook(poison)
+    report = None
+    for step in range(1, SYNC_INTERVAL + 1):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        report = hdet.step(loss)
+    healthy_weights = before["weights"][0]
+    def local(state: dict) -> list[torch.Tensor]:  # the moments are DTensors, the step count is not
+        return [value.to_local() if hasattr(value, "to_local") else value for value in state.values()]
+
+    states = [value for state in optimizer.state.values() for value in local(state)]
+    path = Path(directory) / "ckpt"
+    save_checkpoint(path, model, optimizer, handle)
+    fresh_model, fresh_optimizer, fresh_handle, _ = build()
+    load_checkpoint(path, fresh_model, fresh_optimizer, fresh_handle)
+    loaded = [value for state in fresh_optimizer.state.values() for value in local(state)]
+    return {"excluded": report.excluded_replicas,
+            "weights_are_replica_0s": torch.equal(full(model.parameters()), healthy_weights),
+            "state_zero": all(not value.any() for value in states), "state_entries": len(states),
+            "loaded_equal": all(torch.equal(a, b) for a, b in zip(states, loaded, strict=True))
+            and len(loaded) == len(states)}
+
+
+def test_a_replica_is_left_out_whole_and_its_checkpoint_loads(tmp_path):
+    """Finiteness was decided per rank: the finite shard of a bad replica was averaged in. And the excluded ranks
+    cleared their optimizer state, so a checkpoint at that sync missed its keys and could not be loaded."""
+    results = run_ranks(sharded_exclusion_run, 4, str(tmp_path))
+    assert all(result["excluded"] == [1] for result in results)
+    assert all(result["weights_are_replica_0s"] for result in results)
+    assert [result["state_zero"] for result in results] == [False, False, True, True]
+    assert len({result["state_entries"] for result in results}) == 1 and results[0]["state_entries"] > 0
+    assert all(result["loaded_equal"] for result in results)

@@ -128,9 +128,14 @@ def test_scores_reduce_rank_rows_to_replicas():
     assert ReplicaScores.from_table(table, topology, with_probe=False).probe_losses is None
 
 
-def test_a_non_finite_loss_makes_a_replica_unhealthy():
-    topology = ReplicaTopology(rank=0, world_size=2, ranks_per_replica=1)
-    table = torch.tensor([[math.inf, 1.0, 1.0, math.nan, math.nan], [1.0, 1.0, 1.0, math.nan, math.nan]],
-                         dtype=torch.float64)
+def test_non_finite_tensors_make_a_replica_unhealthy_and_a_non_finite_loss_does_not():
+    """Column 2 says whether a rank's tensors and optimizer state are finite; a loss is only a score."""
+    topology = ReplicaTopology(rank=0, world_size=3, ranks_per_replica=1)
+    table = torch.tensor([[math.inf, 1.0, 1.0, math.nan, math.nan], [1.0, 1.0, 1.0, math.nan, math.nan],
+                          [2.0, 1.0, 0.0, math.nan, math.nan]], dtype=torch.float64)
     scores = ReplicaScores.from_table(table, topology, with_probe=False)
-    assert scores.healthy == [False, True] and scores.losses[1] == 1.0 and scores.start_probe_loss is None
+    assert scores.healthy == [True, True, False] and scores.excluded == [2]
+    assert scores.losses[:2] == [math.inf, 1.0] and scores.start_probe_loss is None
+    sharded = ReplicaScores.from_table(table[[0, 2, 1, 1]], ReplicaTopology(rank=0, world_size=4, ranks_per_replica=2),
+                                       with_probe=False)
+    assert sharded.healthy == [False, True]  # one unhealthy rank leaves its whole replica out

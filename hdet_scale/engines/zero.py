@@ -236,8 +236,6 @@ class ZeroAdapter(EngineAdapter):
                 wrapper.persistent_parameters[0].all_gather(wrapper.persistent_parameters)
             wrapper.invalidate_secondary_tensor()
 
-    def recover_excluded(self) -> None:
-        self.optimizer.state.clear()
 
 
 def _fragment_shard(param: nn.Parameter) -> ParameterShard:
