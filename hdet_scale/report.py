@@ -196,8 +196,8 @@ def applied_series(run: Run, name: str) -> dict[str, Any] | None:
     """One explored value step by step, from sync lines that carry ``applied_bases`` and ``replica_multipliers``:
     ``steps``, ``base`` (the base each step used), ``replicas`` (each replica's value at each step, the base times
     its multiplier of that interval before the value's bounds; NaN where a replica was left out or absent) and
-    ``excluded`` ((sync step, value) of every interval a replica was left out of for non-finite weights or optimizer state).
-    None for a file written without those fields (an older hdet_scale)."""
+    ``excluded`` ((sync step, value) of every interval a replica was left out of for non-finite weights or
+    optimizer state). None for a file written without those fields (an older hdet_scale)."""
     steps: list[int] = []
     base: list[float] = []
     replicas: list[list[float]] = []
