@@ -491,6 +491,10 @@ class HDETEnsemble:
         same_layout = state["num_replicas"] == self.topology.num_replicas
         for explored in self._explored:
             explored.load_state_dict(saved[explored.name], same_layout=same_layout)
+            # A checkpoint is taken at a sync: no step of the interval it starts has run yet. Loading an
+            # optimizer's state may run a step at LR 0 to create it (torch.distributed.checkpoint does), and
+            # that is no step of the run.
+            explored.applied_bases = []
         self._apply_knobs()
         self._step = int(state["step"])
         # States saved before this field existed were taken at regular sync points.
@@ -499,6 +503,8 @@ class HDETEnsemble:
         self._interval.restore(state["loss_sum"], state["loss_count"])
         self._start_probe = state.get("start_probe_loss")
         self._resumed_at = self._step
+        self._window.reset()  # sized for the step training resumes at, not the step the ensemble was built at
+        self._window.resize(self.config.auto_lr.window(self._probe is not None, self._step))
         if self._displacement is not None:
             self._displacement.reset()
 
