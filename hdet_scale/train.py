@@ -212,6 +212,7 @@ def plan(args: argparse.Namespace) -> Plan:
         from hdet_scale.engines.deepspeed import check_ds_config
 
         check_ds_config(ds_config, world_size)
+        _check_schedule_length(args, ds_config)
     out = _check_out(args, config.metrics_path)
     for name in ("checkpoint_interval", "eval_interval"):
         if getattr(args, name) % config.sync_interval:
@@ -270,6 +271,15 @@ def _read_json(path_text: str, argument: str) -> Any:
 
 def _zero_stage(ds_config: dict[str, Any] | None) -> int:
     return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+def _check_schedule_length(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
+    """The DeepSpeed JSON's scheduler ends when the run does: it sets the LR (and the controller's window)."""
+    total = ((ds_config.get("scheduler") or {}).get("params") or {}).get("total_num_steps")
+    if total is not None and total != "auto" and total != args.steps:
+        raise ValueError(f"--steps is {args.steps} and the DeepSpeed JSON's scheduler.params.total_num_steps is "
+                         f"{total}: the LR schedule must end when the run does; pass --steps {total}, or set "
+                         f"total_num_steps (and warmup_num_steps) for a run of {args.steps} steps")
 
 
 def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:

@@ -1,10 +1,10 @@
 """The shipped ds_configs/: every JSON parses and validates, and every DeepSpeed JSON trains with its HDET JSON.
 
 The end-to-end run launches each pair as the README's command does (``--deepspeed_config`` and
-``--hdet_config``) on 4 CPU gloo ranks posing as 2 nodes of 2 ranks, so ``ranks_per_replica: "node"`` gives
+``--hdet_config``) on 4 CPU gloo ranks posing as 2 nodes of 2 ranks, so ``ranks_per_replica: "auto"`` gives
 2 replicas of 2 ZeRO shards (and ``hdet_zero0.json`` 4 replicas of 1). Only what a 4-step CPU run must change
-is overridden: the scheduler's length, the sync interval and the metrics path; ``train_batch_size`` is added
-to check how HDET splits it.
+is overridden: the scheduler's length, the sync interval, the controller's start at the given LR and the metrics
+path; ``train_batch_size`` is added to check how HDET splits it.
 """
 
 from __future__ import annotations
@@ -225,7 +225,11 @@ def test_every_config_pair_trains_with_hdet_on_cpu(tmp_path):
                                          * ds_config["gradient_accumulation_steps"] * WORLD)
         # A schedule as long as this run, so the LR is not still near zero in its warm-up.
         ds_config["scheduler"]["params"].update(total_num_steps=STEPS, warmup_num_steps=2)
-        hdet_config = {**read(hdet_name), "sync_interval": SYNC_INTERVAL,
+        # 4 steps hold no sync inside the controller's window (steps 0-1): it would never leave its low start,
+        # which HDET refuses; starting at the given LR keeps every other setting as shipped.
+        shipped = read(hdet_name)
+        hdet_config = {**shipped, "sync_interval": SYNC_INTERVAL,
+                       "auto_lr": {**shipped["auto_lr"], "initial_scale": 1.0},
                        "metrics_path": str(tmp_path / f"{Path(ds_name).stem}_metrics.jsonl")}
         ds_path, hdet_path = tmp_path / ds_name, tmp_path / f"{Path(ds_name).stem}_{hdet_name}"
         ds_path.write_text(json.dumps(ds_config))
