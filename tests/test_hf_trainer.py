@@ -373,3 +373,22 @@ def test_warm_init_noises_a_fresh_start_only(tmp_path):
     assert not fresh["at_sync_point"]  # so step 0 is no place for a checkpoint of one model
     assert torch.equal(resumed["weights"], seen["checkpointed"][:1].expand_as(resumed["weights"]))  # not re-noised
     assert resumed["at_sync_point"]
+
+
+def epochs_worker(rank: int, world: int, out_dir: str) -> dict:
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    trainer = fresh_trainer(out_dir, 2, max_steps=-1, num_train_epochs=1)
+    hdet = add_hdet(trainer, {"sync_interval": 4, "ranks_per_replica": 1})  # the controller's start and stop: shares
+    trainer.train()
+    return {"max_steps": trainer.state.max_steps, "global_step": trainer.state.global_step,
+            "window": (hdet.config.auto_lr.warmup_steps, hdet.config.auto_lr.stop_steps)}
+
+
+def test_a_run_given_in_epochs_places_the_controller_by_trainers_own_step_count(tmp_path):
+    """Under DeepSpeed the config needed the run's length before Trainer had counted it: with epochs (max_steps
+    -1) it failed inside train(), telling the user to pass total_steps= to a function they never call."""
+    for result in run_ranks(epochs_worker, 2, str(tmp_path), timeout=600):
+        # 256 rows / (2 per rank x 2 ranks) = 64 batches, 2 per optimizer step
+        assert result["max_steps"] == result["global_step"] == 32
+        assert result["window"] == (round(0.02 * 32), round(0.25 * 32))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -285,8 +286,8 @@ def _hdet_deepspeed_initialize(trainer: Trainer, callback: HDETCallback) -> Iter
         deepspeed.initialize = original  # HDET's initialize builds the engine with DeepSpeed's own
         try:
             # The run's length for auto_lr.start_fraction: Trainer sets its state only after this call.
-            steps = trainer.args.max_steps
-            callback.config = callback.config.for_run(steps) if steps > 0 else callback.config
+            steps = optimizer_steps(trainer)
+            callback.config = callback.config.for_run(steps) if steps is not None else callback.config
             engine, optimizer, loader, scheduler = hdet_deepspeed.initialize(
                 **kwargs, hdet_config=callback.config, paper_decay=callback.paper_decay)
         finally:
@@ -299,6 +300,22 @@ def _hdet_deepspeed_initialize(trainer: Trainer, callback: HDETCallback) -> Iter
         yield
     finally:
         deepspeed.initialize = original
+
+
+def optimizer_steps(trainer: Trainer) -> int | None:
+    """The run's optimizer steps as Trainer counts them: ``max_steps``, or ``num_train_epochs`` times the
+    training data's batches per epoch in optimizer steps (gradient accumulation rounds a last partial group up);
+    None when the data has no length."""
+    args = trainer.args
+    if args.max_steps > 0:
+        return args.max_steps
+    try:
+        batches = len(trainer.get_train_dataloader())
+    except TypeError:  # an iterable dataset: Trainer then needs max_steps itself
+        return None
+    accumulation = args.gradient_accumulation_steps
+    per_epoch = max(batches // accumulation + int(batches % accumulation > 0), 1)
+    return math.ceil(args.num_train_epochs * per_epoch)
 
 
 # ------------------------------------------------------------------------------------------ validation
