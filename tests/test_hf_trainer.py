@@ -320,7 +320,8 @@ def readme_recipe_worker(rank: int, world: int, out_dir: str) -> dict:
                              deepspeed=str(README.parent / TRAINER_DS_CONFIG), save_strategy="no",
                              max_steps=4, use_cpu=True, report_to=[], disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=token_dataset())
-    hdet = add_hdet(trainer, {"alpha": 0.25, "sync_interval": 2, "metrics_path": os.path.join(out_dir, "hdet.jsonl")})
+    # 4 steps: the controller's window is steps 0-1 (2% to 25%), which only a sync every step reaches
+    hdet = add_hdet(trainer, {"alpha": 0.25, "sync_interval": 1, "metrics_path": os.path.join(out_dir, "hdet.jsonl")})
     trainer.train()
     trainer.save_model()
     return {"engine": type(trainer.model_wrapped).__name__, "replicas": hdet.topology.num_replicas,
