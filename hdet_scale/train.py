@@ -540,14 +540,14 @@ class Run:
 
     def _preempt(self) -> None:
         self._end_on_one_model()
+        self.stop.stop_polling()
         path = self._checkpoint()
-        self.stop.close()
         self.progress.line(f"preempted at step {self.step}; checkpoint: {path}; rerun with --resume")
         self.progress.close()
 
     def _finish(self) -> None:
         self._end_on_one_model()
-        self.stop.close()
+        self.stop.stop_polling()  # a signal from here on waits for the last checkpoint and the model
         train_loss = self._evaluate(self.corpus.train)
         heldout_loss = self._evaluate(self.corpus.heldout)
         self.progress.heldout(self.step, heldout_loss, announce=False)  # in the final line below

@@ -42,6 +42,7 @@ class Regression(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.losses: list[float] = []
+        self.validated: list[tuple[int, torch.Tensor]] = []
 
     def loss(self, batch: Any) -> torch.Tensor:
         inputs, targets = batch
@@ -51,6 +52,11 @@ class Regression(pl.LightningModule):
         loss = self.loss(batch)
         self.losses.append(loss.item())
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """With a validation loader (--validate): every rank's parameters at each validation's first batch."""
+        if batch_idx == 0:
+            self.validated.append((self.trainer.global_step, rows(self)))
 
     def on_fit_start(self) -> None:
         """With --probe: the README's way to give HDETCallback a probe (this runs after the callback's)."""
@@ -130,16 +136,18 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--strategy", choices=("ddp", "model_parallel"), default="ddp")
     parser.add_argument("--probe", action="store_true", help="a probe set in the module's on_fit_start")
+    parser.add_argument("--sync_interval", type=int, default=SYNC_INTERVAL)
+    parser.add_argument("--validate", action="store_true", help="validate at every epoch end")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     world = int(__import__("os").environ["WORLD_SIZE"])
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(world * BATCHES_PER_EPOCH * 4, 8, generator=generator)
     data = TensorDataset(inputs, inputs.sum(1).sin())
-    hdet = HDETCallback({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": args.mode,
+    hdet = HDETCallback({"alpha": 0.5, "sync_interval": args.sync_interval, "gradient_mode": args.mode,
                          "ranks_per_replica": args.ranks_per_replica, "metrics_path": str(args.out / "hdet.jsonl"),
                          # one run whatever --epochs (no shares of the run); the probe scores the last iterate
-                         "auto_lr": {"warmup_steps": SYNC_INTERVAL, "stop_steps": 100, "mode": "log", "sigma": 1.0,
+                         "auto_lr": {"warmup_steps": args.sync_interval, "stop_steps": 100, "mode": "log", "sigma": 1.0,
                                      "average_window": 0}})
     recorder = Recorder(hdet)
     checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)
@@ -151,13 +159,15 @@ def main() -> None:
                          logger=CSVLogger(args.out, name="csv", version=0), enable_progress_bar=False,
                          enable_model_summary=False)
     module = Regression(sharded=args.strategy == "model_parallel", probe=args.probe)
-    trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=args.resume)
+    validation = DataLoader(TensorDataset(*held_out_batch()), batch_size=4) if args.validate else None
+    trainer.fit(module, DataLoader(data, batch_size=4), validation, ckpt_path=args.resume)
     losses = [None] * world
     dist.all_gather_object(losses, module.losses)
     final = rows(module)
     if trainer.global_rank == 0:
         torch.save({"after": recorder.after, "before_sync": recorder.before_sync, "losses": losses, "final": final,
-                    "hdet_step": hdet.ensemble.global_step, "held_out_before_sync": recorder.held_out_before_sync},
+                    "hdet_step": hdet.ensemble.global_step, "held_out_before_sync": recorder.held_out_before_sync,
+                    "validated": module.validated},
                    args.out / "record.pt")
     shut_down_and_exit()
 

@@ -49,6 +49,8 @@ def runs(tmp_path_factory) -> dict:
         "fsdp2_first_epoch": fsdp2_first_epoch,
         "fsdp2_resumed": run_job(root / "fsdp2_resumed", *fsdp2, "--epochs", "2", "--resume",
                                  str(root / "fsdp2_first" / "checkpoints" / "last.ckpt")),
+        # epochs of 10 steps at T = 3: each epoch's validation falls between syncs
+        "validated": run_job(root / "validated", "--epochs", "2", "--sync_interval", "3", "--validate"),
         "root": root,
     }
 
@@ -177,3 +179,13 @@ def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
                                               r"Trainer's length is unknown .*: set max_steps, or set "
                                               r"auto_lr.warmup_steps$"):
         HDETCallback().on_fit_start(trainer, None)
+
+
+@pytest.mark.e2e
+def test_validation_scores_the_averaged_model_between_syncs(runs):
+    """Lightning validates at the epoch's last batch, before the epoch-end hook where HDET synced: each rank
+    scored its own replica (10 steps at T = 3 leave the replicas apart at steps 10 and 20)."""
+    validated = [(step, rows) for step, rows in runs["validated"]["validated"] if step > 0]  # not the sanity check
+    assert [step for step, _ in validated] == [10, 20]
+    for step, rows in validated:
+        assert all(torch.equal(row, rows[0]) for row in rows), f"replicas apart at the validation of step {step}"

@@ -46,3 +46,25 @@ def test_a_second_ctrl_c_later_stops_at_once_without_a_checkpoint():
 def test_sigterm_is_a_clean_stop_too():
     result = run_child("SIGTERM", press_again=False)
     assert result.returncode == 0 and "asked to stop: True" in result.stdout
+
+
+FINISHING = textwrap.dedent("""
+    import os, signal, time
+    from hdet_scale.lm.preemption import StopSignal
+
+    stop = StopSignal(group=None)
+    stop.stop_polling()  # train.py's last evaluation, checkpoint and model export follow
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    print("wrote the last checkpoint and model", flush=True)
+    stop.close()
+""")
+
+
+def test_a_sigterm_while_the_run_finishes_waits_for_its_last_checkpoint():
+    """The handlers were restored before the final evaluation, checkpoint and export, so a SIGTERM then (Slurm's
+    time limit) killed the rank in the middle of writing them."""
+    result = subprocess.run([sys.executable, "-c", FINISHING], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "wrote the last checkpoint and model" in result.stdout
+    assert "received SIGTERM while the run finishes; it writes its last checkpoint and model first" in result.stderr

@@ -134,6 +134,11 @@ class HDETCallback(pl.Callback):
             self._stepped = False
             self._record(ensemble.step(), trainer)
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning validates after the epoch's last batch and before its epoch-end hooks: the one model first.
+        if not trainer.sanity_checking:
+            self._sync_if_apart(trainer)
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync_if_apart(trainer)
 

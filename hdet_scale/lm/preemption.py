@@ -33,13 +33,18 @@ class StopSignal:
                  signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.group = group
         self.received: int | None = None
+        self.finishing = False
         self._first = 0.0
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._previous = {number: signal.signal(number, self._handle) for number in signals}
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.received is None:
+        if self.finishing:
+            print(f"rank {rank}: received {signal.Signals(number).name} while the run finishes; it writes its last "
+                  "checkpoint and model first", file=sys.stderr, flush=True)
+            self.received = self.received or number
+        elif self.received is None:
             print(f"rank {rank}: received {signal.Signals(number).name}; stopping at the next safe point to "
                   "checkpoint" + (" (Ctrl-C again: stop now, without one)" if number == signal.SIGINT else ""),
                   file=sys.stderr, flush=True)
@@ -59,11 +64,17 @@ class StopSignal:
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         return agreed
 
-    def close(self) -> None:
-        """Waits for the last poll's all-reduce (it must finish before the process group goes) and restores
-        the previous handlers."""
+    def stop_polling(self) -> None:
+        """Ends the polls (waits for the last one's all-reduce) and keeps catching the signals: a run writing its
+        last checkpoint and model is not killed by a SIGTERM in the middle of it (a second Ctrl-C still aborts)."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
+        self.finishing = True
+
+    def close(self) -> None:
+        """Ends the polls and restores the previous handlers."""
+        self.stop_polling()
         for number, handler in self._previous.items():
             signal.signal(number, handler)
+        self._previous = {}
