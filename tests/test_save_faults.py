@@ -1,6 +1,7 @@
 """A save that fails on one rank, at each of its writes, on FSDP2 and DeepSpeed ZeRO-2 (real gloo ranks, train.py's
 backends): every rank stops within seconds with the same one-line error, never waiting for a process-group
-timeout, and the newest complete checkpoint is kept and loads the model it saved.
+timeout, and the newest complete checkpoint is kept and loads the model it saved. A rank killed (SIGKILL) in a
+save leaves a checkpoint that resumes with the model it saved.
 
 Every write of a save is counted on each rank (DCP's shard files, ``torch.save``, the manifest, the renames and
 DeepSpeed's ``latest``) by wrapping the functions that write, then each is made to fail once, on rank 0 and on
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,12 +34,14 @@ ROUND_TRIP_SECONDS = 30.0  # far below the process group's timeout (90 s here, 1
 
 
 class Injector:
-    """Counts this rank's writes under ``root`` and makes the ``fail_at``-th of them raise an OSError."""
+    """Counts this rank's writes under ``root`` and makes the ``fail_at``-th of them raise an OSError, or kills
+    this rank (SIGKILL) at the write named ``kill_at``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.writes: list[str] = []
         self.fail_at: int | None = None
+        self.kill_at: str | None = None
 
     def install(self) -> None:
         import torch.distributed.checkpoint.filesystem as filesystem
@@ -57,6 +61,8 @@ class Injector:
                 self.writes.append(f"{name} {path.relative_to(self.root)}")
                 if len(self.writes) - 1 == self.fail_at:
                     raise OSError(f"injected: {name} failed")
+                if self.writes[-1] == self.kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
             return original(*args, **kwargs)
 
         setattr(owner, name, counted)
@@ -154,3 +160,62 @@ def test_a_write_failing_on_one_rank_stops_every_rank_at_once_and_keeps_the_chec
             assert outcome.startswith("saving a checkpoint: ") and f"(rank {victim})" in outcome, outcome
             assert "injected" in outcome, outcome
         assert max(other[3] for other in (case, *others)) < ROUND_TRIP_SECONDS, (write, outcome)
+
+
+# ----------------------------------------------------------------------------------------------- kills
+KILLS = {"fsdp": [(0, "save latest.tmp/hdet_state.pt"), (0, "rename latest.tmp"),
+                  (1, "create_stream latest.tmp/__1_0.distcp")],
+         "deepspeed": [(0, "replace latest.tmp"), (1, "save step4/zero_pp_rank_1_mp_rank_00_optim_states.pt")]}
+"""(victim rank, write): on FSDP2 rank 0's first own write, between its two renames, and rank 1's shard; on
+DeepSpeed the pointer's replace and rank 1's optimizer partition."""
+
+
+def killed_in_a_save(rank: int, world: int, directory: str, engine: str, victim: int, write: str) -> None:
+    """Saves at step 2, trains to step 4 and saves again, the victim rank killed at ``write`` of that save;
+    writes each rank's parameters at both steps first."""
+    out = Path(directory)
+    root = out / "checkpoints"
+    backend = build(engine, out)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        for _ in range(SYNC_INTERVAL):
+            backend.train_step([(tokens[:, :-1], tokens[:, 1:])])
+        torch.save(parameters(backend), out / f"expected_{rank}_step{backend.ensemble.global_step}.pt")
+        injector = Injector(root)
+        if backend.ensemble.global_step == 2 * SYNC_INTERVAL and rank == victim:
+            injector.kill_at = write
+            injector.install()
+        backend.save(root, {}, run_identity(engine))
+    raise AssertionError(f"rank {victim} was not killed at {write}")
+
+
+def run_identity(engine: str) -> dict:
+    return identity(engine=engine, zero_stage=2 if engine == "deepspeed" else None, model={"preset": "tiny"},
+                    replicas=2, ranks_per_replica=2, explored=[])
+
+
+def resumed_after_a_kill(rank: int, world: int, directory: str, engine: str) -> int:
+    """What --resume does: the newest complete checkpoint, settled, loaded; it must hold the saved model."""
+    out = Path(directory)
+    point = check_resume(out, run_identity(engine))
+    dist.barrier()
+    on_rank0(lambda: settle_interrupted_save(out), "settling")
+    backend = build(engine, out / "fresh")
+    backend.load(checkpoint_dir(out), 2)
+    expected = torch.load(out / f"expected_{rank}_step{point.step}.pt")
+    assert torch.equal(parameters(backend), expected)
+    return point.step
+
+
+@pytest.mark.parametrize(("engine", "victim", "write"), [(engine, *kill) for engine, kills in KILLS.items()
+                                                          for kill in kills])
+def test_a_rank_killed_in_a_save_leaves_a_checkpoint_that_resumes(tmp_path, engine, victim, write):
+    """SIGKILL of one rank at a write of the second save (the others die with the job): the newest complete
+    checkpoint is found, nothing complete was deleted, and it loads the model it saved. Killed between FSDP2's
+    two renames, the new checkpoint is complete and is the one resumed."""
+    with pytest.raises(AssertionError, match="distributed run failed") as killed:  # gloo tells the others at once
+        run_ranks(killed_in_a_save, 4, str(tmp_path), engine, victim, write, timeout=300)
+    assert "was not killed" not in str(killed.value)
+    steps = run_ranks(resumed_after_a_kill, 4, str(tmp_path), engine, timeout=300)
+    newer = engine == "fsdp" and write == "rename latest.tmp"
+    assert steps == [2 * SYNC_INTERVAL if newer else SYNC_INTERVAL] * 4
