@@ -1,0 +1,148 @@
+"""The LR-finding matrix (benchmarks/lr_finding_matrix.py), its report and the LR range test, against values
+worked out by hand."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+from benchmark_modules import load_benchmark
+
+range_test = load_benchmark("range_test")
+matrix = load_benchmark("lr_finding_matrix")
+report = load_benchmark("lr_finding_matrix_report")
+lr_finding = load_benchmark("lr_finding")
+
+
+# ------------------------------------------------------------------------------------------ range test
+def test_the_ramp_goes_from_its_first_lr_to_its_last_in_equal_ratios():
+    lrs = [range_test.ramp_lr(step, steps=5, lr_min=1e-4, lr_max=1.0) for step in range(5)]
+    assert lrs == pytest.approx([1e-4, 1e-3, 1e-2, 1e-1, 1.0])
+
+
+def test_the_smoothed_loss_is_a_debiased_moving_average_and_stops_at_four_times_its_best():
+    smoother = range_test.SmoothedLoss(beta=0.5)
+    # 0.5 * 4 / (1 - 0.5) = 4; (0.5 * 2 + 0.5 * 2) / (1 - 0.25) = 8/3; (0.5 * 2 + 0.5 * 20) / (1 - 0.125) = 12.57
+    assert smoother.add(4.0) == pytest.approx(4.0)
+    assert smoother.add(2.0) == pytest.approx(2.0 / 0.75)
+    assert not smoother.diverged(2.0 / 0.75)
+    high = smoother.add(20.0)
+    assert high == pytest.approx(11.0 / 0.875) and smoother.best == pytest.approx(2.0 / 0.75)
+    assert smoother.diverged(high)  # 12.57 > 4 x 2.67
+    assert smoother.diverged(math.nan)
+
+
+def test_the_pick_is_the_steepest_descent_after_the_first_ten_points_and_before_the_last():
+    lrs = [10.0 ** (k / 4) for k in range(20)]
+    # flat for 10 points, then a descent that is steepest between points 13 and 14, then flat, then a jump at
+    # the end that the pick leaves out
+    smoothed = [5.0] * 10 + [5.0, 4.9, 4.7, 4.0, 3.9, 3.85, 3.85, 3.85, 3.85, 0.0]
+    # central slopes from point 10: 4.9-5.0 (one-sided) -0.1, (4.7-5.0)/2 -0.15, (4.0-4.9)/2 -0.45,
+    # (3.9-4.7)/2 -0.4, ...: the most negative at point 12 (4.7)
+    assert range_test.steepest_descent(lrs, smoothed) == lrs[12]
+    assert range_test.steepest_descent(lrs[:11], smoothed[:11]) is None  # one point is left: no slope
+
+
+# ---------------------------------------------------------------------------------------------- matrix
+PLAN = {"common": {"nproc": 4, "grid_side": 2},
+        "settings": [{"name": "a", "holdout": False, "args": {"steps": 100, "seeds": [0, 1]}},
+                     {"name": "b", "holdout": False, "args": {"steps": 100, "seeds": [2]}},
+                     {"name": "h", "holdout": True, "args": {"steps": 100, "seeds": [9]}}]}
+
+
+def test_design_settings_run_unless_holdout_is_asked_for_and_unknown_names_are_refused():
+    assert [entry["name"] for entry in matrix.selected(PLAN, matrix.parse_args([]))] == ["a", "b"]
+    assert [entry["name"] for entry in matrix.selected(PLAN, matrix.parse_args(["--holdout"]))] == ["h"]
+    assert [entry["name"] for entry in matrix.selected(PLAN, matrix.parse_args(["--only", "b", "h"]))] == ["b", "h"]
+    with pytest.raises(SystemExit, match="no setting named c"):
+        matrix.selected(PLAN, matrix.parse_args(["--only", "c"]))
+    with pytest.raises(SystemExit):  # a holdout runs the default variant only
+        matrix.parse_args(["--holdout", "--variants", "paper"])
+
+
+def test_a_setting_becomes_lr_findings_arguments():
+    args = matrix.setting_args(PLAN, PLAN["settings"][0], matrix.parse_args([]), ["sweep"])
+    assert (args.steps, args.seeds, args.nproc, args.grid_side, args.methods) == (100, [0, 1], 4, 2, ["sweep"])
+    assert args.runs_dir.name == "a"
+
+
+def test_a_holdout_is_judged_by_the_default_it_first_ran_with():
+    record = {"name": "h", "runs": [{"method": "hdet", "variant": "paper"}]}
+    with pytest.raises(SystemExit, match="already ran HDET variant paper"):
+        matrix.check_holdout(record)
+    matrix.check_holdout({"name": "h", "runs": [{"method": "hdet", "variant": lr_finding.DEFAULT_VARIANT}]})
+
+
+def test_a_changed_setting_is_refused_and_an_imported_one_keeps_only_its_seeds_and_variants(tmp_path, monkeypatch):
+    run_args = matrix.setting_args(PLAN, PLAN["settings"][0], matrix.parse_args([]), ["sweep"])
+    old = {"name": "a", "setting": {**lr_finding.setting(run_args), "steps": 50}}
+    with pytest.raises(SystemExit, match="no longer the one its recorded runs ran"):
+        matrix.record_of({"settings": [old]}, PLAN["settings"][0], run_args)
+    source = {"setting": lr_finding.setting(run_args),
+              "sweep_runs": [{"lr": 1e-3, "seed": seed, "heldout": 1.0} for seed in (0, 1, 5)],
+              "runs": [{"method": "hdet", "variant": variant, "seed": 0} for variant in (lr_finding.DEFAULT_VARIANT,
+                                                                                       "paper")]
+              + [{"method": "prodigy", "variant": "prodigy", "seed": 1}]}
+    path = tmp_path / "old.json"
+    path.write_text(__import__("json").dumps(source))
+    monkeypatch.setattr(matrix, "REPO", tmp_path)
+    record = matrix.record_of({"settings": []}, {**PLAN["settings"][0], "import_from": "old.json"}, run_args)
+    assert [run["seed"] for run in record["sweep_runs"]] == [0, 1]
+    assert [run["variant"] for run in record["runs"]] == [lr_finding.DEFAULT_VARIANT, "prodigy"]
+
+
+# ---------------------------------------------------------------------------------------------- report
+BEST = 1e-3
+
+
+def record(runs: list[dict]) -> dict:
+    # sweep: 1e-3 -> 1.0 (the best), 3.16e-3 -> 1.1
+    sweep = [{"lr": lr, "seed": seed, "heldout": value} for lr, value in ((BEST, 1.0), (BEST * 10 ** 0.5, 1.1))
+             for seed in (0, 1)]
+    return {"name": "s", "holdout": False, "best_lr": BEST, "sweep": sweep, "runs": runs,
+            "setting": {"steps": 100}, "default_variant": "d"}
+
+
+def hdet(factor: float, seed: int, heldout: float) -> dict:
+    return {"method": "hdet", "variant": "d", "start_factor": factor, "seed": seed, "heldout": heldout,
+            "lr": BEST * factor}
+
+
+def test_the_summary_row_gives_each_starts_excess_their_mean_and_the_baselines():
+    runs = [hdet(factor, seed, 1.0 + 0.01 * index) for index, factor in enumerate(report.START_FACTORS)
+            for seed in (0, 1)]
+    runs += [{"method": "range_test", "variant": "range_test", "start_factor": None, "seed": seed, "heldout": value}
+             for seed, value in ((0, 1.02), (1, 1.04))]
+    row = report.summary_rows([record(runs)], "d")[-1]
+    # excess +0.00 .. +0.04 (mean +0.02); the range test's mean 1.03: +0.03; no proxy, schedule-free or Prodigy;
+    # 3.16x meets +0.03 exactly, 10x (+0.04) misses it and is worse than the range test; at 1x +0.02 is more than
+    # 0.01 over plain DP at the best LR
+    assert row == ("| s | +0.000 | +0.010 | +0.020 | +0.030 | +0.040 | +0.020 | +0.030 | - | - | - | "
+                   "no: 10x, plain DP at 1x, range test |")
+
+
+def test_targets_need_every_start_and_name_what_missed():
+    runs = [hdet(factor, 0, 1.0) for factor in report.START_FACTORS[:-1]]
+    assert report.summary_rows([record(runs)], "d")[-1].endswith(" | - |")  # 10x has not run
+    runs.append(hdet(10.0, 0, 1.05))
+    runs[2]["heldout"] = 1.02  # factor 1: +0.02 over plain DP at the best LR
+    assert report.summary_rows([record(runs)], "d")[-1].endswith(" | no: 10x, plain DP at 1x |")
+
+
+def test_where_the_signal_balances_by_share_of_the_run():
+    # 100 steps; updates at steps 5 and 55 (tenths 0 and 5); the scale before each is the previous sync's
+    run = {**hdet(1.0, 0, 1.0), "scales": [[0, 1.0], [5, 2.0], [50, 1.0], [55, 1.0]],
+           "deltas": [[5, 0.2], [55, -0.1]]}
+    points = report.signal_points(record([run]), "d")
+    assert [tuple(round(value, 9) for value in point) for point in points] == [(0.05, 0.0, 0.2), (0.55, 0.0, -0.1)]
+    # tenth 2: +0.3 at 1x (log 0), -0.1 at 10^0.5: the sign changes 3/4 of the way, at 10^(0.375)
+    many = [(0.25, 0.0, 0.3), (0.22, 0.5, -0.1), (0.7, 0.0, -0.2)]
+    balance = report.balance_by_share(many)
+    assert balance[2] == pytest.approx(10 ** 0.375) and balance[7] is None
+
+
+def test_every_variant_the_matrix_runs_is_defined():
+    assert lr_finding.DEFAULT_VARIANT in lr_finding.VARIANTS
+    assert {"range_hold", "range_rise"} <= set(lr_finding.VARIANTS)
+    assert isinstance(matrix.parse_args([]), argparse.Namespace)
