@@ -59,7 +59,7 @@ class Regression(pl.LightningModule):
             self.validated.append((self.trainer.global_step, rows(self)))
 
     def on_fit_start(self) -> None:
-        """With --probe: the README's way to give HDETCallback a probe (this runs after the callback's)."""
+        """With --probe: docs/engines.md's way to give HDETCallback a probe (this runs after the callback's)."""
         if self.probe:
             hdet = next(callback for callback in self.trainer.callbacks if isinstance(callback, HDETCallback))
             hdet.ensemble.set_probe(batch_probe(self.trainer.strategy.model, held_out_batch(),

@@ -157,7 +157,7 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
             used_lrs.clear()
             synced: list[bool] = []
             train_step(engine, rank, step, synced)
-            # True once per sync, after the micro-batch whose step synced: where the README's loop checkpoints.
+            # True once per sync, after the micro-batch whose step synced: where docs/engines.md's loop checkpoints.
             assert synced == [False] * (MICRO_BATCHES - 1) + [step % 3 == 0]
             # The base optimizer stepped (once per ZeRO-3 sub-group) at this replica's LR; outside the step
             # the param groups hold the base schedule again.

@@ -348,7 +348,7 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")  # 300 steps: T = 5
     check(["--steps", "1500", "--eval_interval", "30"], "--eval_interval=30 must be a multiple of sync_interval=25")
     check(["--steps", "0"], "--steps must be at least 1")
-    # the README's DeepSpeed JSON without its --steps: a 300-step run of a 300,000-step schedule learned nothing
+    # docs/train.md's DeepSpeed JSON without its --steps: a 300-step run of a 300,000-step schedule learned nothing
     zero2 = str(Path(__file__).resolve().parents[1] / "ds_configs" / "zero2_bf16.json")
     check(["--deepspeed_config", zero2], "--steps is 300 and the DeepSpeed JSON's "
           "scheduler.params.total_num_steps is 300000: the LR schedule must end when the run does; pass --steps "
