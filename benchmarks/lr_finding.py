@@ -9,7 +9,7 @@ under torchrun; runs share launches (start-up costs more than a short run). Meth
   best LR, by mean held-out loss over the seeds, has ``--grid_side`` points on each side). It gives the
   sweep-best LR and its held-out loss: the anchor.
 * ``hdet``: HDET started at ``--start_factors`` times the sweep-best LR, for each controller ``--variants``.
-* ``range_test``: the LR range test (``range_test.py``: 100 steps of an exponential LR ramp, the LR of the
+* ``range_test``: the LR range test (``hdet_scale.range_test``: 100 steps of an exponential LR ramp, the LR of the
   smoothed loss's steepest descent), then one plain run at the LR it picked; once per seed, whatever the start.
 * ``proxy``: LR transfer from a proxy: a sweep on the model at half the width (``--proxy_seeds``, the same
   grid), its best LR reused for plain runs of the full model.

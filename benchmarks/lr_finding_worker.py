@@ -7,7 +7,7 @@ Every rank is a replica (the paper's layout; global gradients). Without ``--hdet
 parallel with AdamW on the schedule; with one, HDET runs on the same schedule (``HDETScheduler``; the paper's
 controller needs the schedule's floor, ``paper_decay``). ``schedulefree`` (AdamWScheduleFree, warm-up only) and
 ``prodigy`` (Prodigy at LR 1.0 on the schedule) are plain data parallel. ``--range_test`` runs the LR range test
-instead (``range_test.py``: plain data parallel, AdamW at an exponentially growing LR for ``--range_steps``
+instead (``hdet_scale.range_test``: plain data parallel, AdamW at an exponentially growing LR for ``--range_steps``
 steps); its ``result.json`` holds the LRs, the smoothed losses and the picked LR, and no held-out loss.
 
 Schedules, as factors of ``--lr``: ``cosine``, linear warm-up over ``--warmup_fraction`` of the steps, then a
@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from quality_worker import fixed_loss, plain_data_parallel, run_worker, set_heldout_probe, stdlib_corpus, training_step
-from range_test import SmoothedLoss, ramp_lr, steepest_descent
 
 from hdet_scale import HDETScheduler, ReplicaTopology, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import wrap_model
 from hdet_scale.lm.model import build_model
+from hdet_scale.range_test import SmoothedLoss, ramp_lr, steepest_descent
 
 SCHEDULES = ("cosine", "onecycle", "wsd")
 
@@ -209,8 +209,8 @@ def train_one(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def range_test(args: argparse.Namespace, model: torch.nn.Module, corpus: Any, device: torch.device) -> dict[str, Any]:
-    """The LR range test on ``model`` (see ``range_test.py``): the ramp's LRs, the mean loss over the ranks and its
-    smoothed value at each step until the ramp ends or the smoothed loss diverges, and the picked LR."""
+    """The LR range test on ``model`` (see ``hdet_scale.range_test``): the ramp's LRs, the mean loss over the ranks
+    and its smoothed value at each step until the ramp ends or the smoothed loss diverges, and the picked LR."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.range_min, weight_decay=args.weight_decay)
     data = torch.Generator().manual_seed(args.seed * 100_003 + dist.get_rank())
     smoother, lrs, losses, smoothed, started = SmoothedLoss(), [], [], [], time.perf_counter()

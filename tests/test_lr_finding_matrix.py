@@ -9,13 +9,26 @@ import math
 import pytest
 from benchmark_modules import load_benchmark
 
-range_test = load_benchmark("range_test")
+from hdet_scale import range_test
+
 matrix = load_benchmark("lr_finding_matrix")
 report = load_benchmark("lr_finding_matrix_report")
 lr_finding = load_benchmark("lr_finding")
 
 
 # ------------------------------------------------------------------------------------------ range test
+def test_a_range_test_records_its_lrs_stops_where_the_loss_diverges_and_picks():
+    test = range_test.RangeTest(20)
+    assert test.lr(0) == 1e-6 and test.lr(19) == pytest.approx(1.0)
+    losses = [5.0] * 12 + [4.0, 3.0, 2.0, 1.9] + [1000.0]
+    over = [test.add(loss) for loss in losses]
+    assert over[:-1] == [False] * 16 and over[-1]  # the smoothed loss passed 4x its best at the 17th step
+    assert test.lrs == [test.lr(step) for step in range(17)]
+    assert test.pick() == range_test.steepest_descent(test.lrs, test.smoothed)
+    with pytest.raises(ValueError, match="at least 13 steps"):
+        range_test.RangeTest(12)
+
+
 def test_the_ramp_goes_from_its_first_lr_to_its_last_in_equal_ratios():
     lrs = [range_test.ramp_lr(step, steps=5, lr_min=1e-4, lr_max=1.0) for step in range(5)]
     assert lrs == pytest.approx([1e-4, 1e-3, 1e-2, 1e-1, 1.0])

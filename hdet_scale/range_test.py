@@ -1,0 +1,88 @@
+"""The LR range test a run can start with (``auto_lr.range_test``), by the rule of Lightning's ``Tuner.lr_find`` and
+fastai's ``lr_find``: train for a number of steps while the LR grows exponentially from ``LR_MIN`` to ``LR_MAX``,
+smooth the losses, and pick the LR where the smoothed loss falls fastest.
+
+The loss is an exponential moving average with ``beta`` 0.98, divided by ``1 - beta^(i+1)`` so the first values
+are not pulled towards zero; the ramp stops once the smoothed loss exceeds ``DIVERGED_OVER_BEST`` times its lowest
+value; the pick is the LR of the most negative slope of the smoothed loss per step, leaving out the first
+``SKIP_BEGIN`` and the last ``SKIP_END`` steps. The ensemble (``HDETEnsemble``) runs it on every replica at once
+and then starts the run again from the weights it had before the test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+LR_MIN, LR_MAX = 1e-6, 1.0
+BETA = 0.98
+DIVERGED_OVER_BEST = 4.0
+SKIP_BEGIN, SKIP_END = 10, 1
+
+
+def ramp_lr(step: int, *, steps: int, lr_min: float = LR_MIN, lr_max: float = LR_MAX) -> float:
+    """The LR of 0-based ``step`` of a ramp that goes from ``lr_min`` at step 0 to ``lr_max`` at step
+    ``steps - 1``, equal ratios per step."""
+    return lr_min * (lr_max / lr_min) ** (step / max(1, steps - 1))
+
+
+class SmoothedLoss:
+    """The debiased moving average of the losses seen so far, and whether the ramp should stop."""
+
+    def __init__(self, beta: float = BETA) -> None:
+        self.beta, self.average, self.count, self.best = beta, 0.0, 0, math.inf
+
+    def add(self, loss: float) -> float:
+        """Takes the next loss and returns the smoothed value for it."""
+        self.average = self.beta * self.average + (1 - self.beta) * loss
+        self.count += 1
+        smoothed = self.average / (1 - self.beta ** self.count)
+        self.best = min(self.best, smoothed)
+        return smoothed
+
+    def diverged(self, smoothed: float) -> bool:
+        """The ramp stops: ``smoothed`` is above ``DIVERGED_OVER_BEST`` times the best so far (or not finite)."""
+        return not math.isfinite(smoothed) or (self.count > 1 and smoothed > DIVERGED_OVER_BEST * self.best)
+
+
+def steepest_descent(lrs: Sequence[float], smoothed: Sequence[float]) -> float | None:
+    """The LR at the most negative slope of ``smoothed`` (central differences per step, one-sided at the ends),
+    after leaving out the first ``SKIP_BEGIN`` and last ``SKIP_END`` points and any non-finite one; None when
+    fewer than two points are left."""
+    kept = [(lr, loss) for lr, loss in list(zip(lrs, smoothed, strict=True))[SKIP_BEGIN:len(lrs) - SKIP_END]
+            if math.isfinite(loss)]
+    if len(kept) < 2:
+        return None
+    losses = [loss for _, loss in kept]
+    last = len(losses) - 1
+    slopes = [losses[1] - losses[0],
+              *((losses[i + 1] - losses[i - 1]) / 2 for i in range(1, last)),
+              losses[last] - losses[last - 1]]
+    return kept[min(range(len(slopes)), key=slopes.__getitem__)][0]
+
+
+class RangeTest:
+    """One range test of ``steps`` steps: the LR of each step, the losses seen, the pick."""
+
+    def __init__(self, steps: int) -> None:
+        if steps < SKIP_BEGIN + SKIP_END + 2:
+            raise ValueError(f"a range test needs at least {SKIP_BEGIN + SKIP_END + 2} steps, got {steps}")
+        self.steps = steps
+        self.lrs: list[float] = []
+        self.smoothed: list[float] = []
+        self._smoother = SmoothedLoss()
+
+    def lr(self, step: int) -> float:
+        """The LR of 0-based ``step`` of the test."""
+        return ramp_lr(step, steps=self.steps)
+
+    def add(self, loss: float) -> bool:
+        """Records the loss of the test's next step (run at ``lr`` of that step); True when the test is over
+        (its last step, or the smoothed loss diverged)."""
+        self.lrs.append(self.lr(len(self.lrs)))
+        self.smoothed.append(self._smoother.add(loss))
+        return len(self.lrs) == self.steps or self._smoother.diverged(self.smoothed[-1])
+
+    def pick(self) -> float | None:
+        """The LR the test picks (``steepest_descent``), None when it saw too few finite losses."""
+        return steepest_descent(self.lrs, self.smoothed)
