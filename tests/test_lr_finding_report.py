@@ -50,13 +50,15 @@ def test_without_the_default_variant_no_variant_has_the_full_grid():
 
 def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_definition():
     """A variant in benchmarks/lr_finding.py that never ran is a setting the results say nothing about, and a
-    recorded run whose variant is gone can no longer be rerun: the committed results and VARIANTS name the same
-    variants."""
+    recorded run whose variant is gone can no longer be rerun: the committed results (the benchmark's own setting
+    and the matrix of settings) and VARIANTS name the same variants."""
     lr_finding = load_benchmark("lr_finding")
     results = lr_finding.read_json(lr_finding.RESULTS / "lr_finding.json")
-    recorded = {run["variant"] for run in results["runs"] if run["method"] == "hdet"}
+    matrix = lr_finding.read_json(lr_finding.RESULTS / "lr_finding_matrix.json")
+    runs = results["runs"] + [run for setting in matrix["settings"] for run in setting["runs"]]
+    recorded = {run["variant"] for run in runs if run["method"] == "hdet"}
     assert recorded == set(lr_finding.VARIANTS)
-    assert results["default_variant"] == lr_finding.DEFAULT_VARIANT
+    assert results["default_variant"] == matrix["default_variant"] == lr_finding.DEFAULT_VARIANT
 
 
 def test_every_variant_line_is_told_apart_and_the_legend_fits_the_figure():
