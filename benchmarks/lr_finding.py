@@ -18,7 +18,7 @@ under torchrun; runs share launches (start-up costs more than a short run). Meth
 
     .venv/bin/python benchmarks/lr_finding.py                                  # everything, default setting
     .venv/bin/python benchmarks/lr_finding.py --methods sweep --seeds 0       # the sweep alone, one seed
-    .venv/bin/python benchmarks/lr_finding.py --methods hdet --variants log_averaged --start_factors 0.1 10
+    .venv/bin/python benchmarks/lr_finding.py --methods hdet --variants tenth_rise --start_factors 0.1 10
     .venv/bin/python benchmarks/lr_finding.py --steps 300 --out /tmp/lrf --runs_dir /tmp/lrf_runs   # a quick try
 
 Results accumulate in ``<out>.json`` (a run recorded with the same setting is not rerun) with ``<out>.md`` and
@@ -85,146 +85,32 @@ def without_probe(variant: dict[str, Any]) -> dict[str, Any]:
     return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": False}
 
 
-def range_start(variant: dict[str, Any], low: float = 0.1, high: float = 10.0) -> dict[str, Any]:
-    """``variant`` started at the LR the range test picks (run first, from the same initial weights), its scale
-    bounded to [``low``, ``high``] times that LR."""
-    auto_lr = {**variant["hdet"]["auto_lr"], "initial_scale": 1.0, "scale_min": low, "scale_max": high}
+def range_start(variant: dict[str, Any], at: float = 1.0, low: float = 0.1, high: float = 10.0) -> dict[str, Any]:
+    """``variant`` started at ``at`` times the LR the range test picks (run first, from the same initial weights),
+    its scale bounded to [``low``, ``high``] times that LR."""
+    auto_lr = {**variant["hdet"]["auto_lr"], "initial_scale": at, "scale_min": low, "scale_max": high}
     return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": variant["probe"], "range_start": True}
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
-    # whether a probe batch scores the replicas
+    # whether a probe batch scores the replicas. The default, the paper's controller and the variants the findings
+    # compare against; the others tried are described in benchmarks/README.md ("LR-finding variants tried"), and
+    # every recorded run keeps the HDET config it ran with ("hdet_config" in the results JSON)
     "paper": {"hdet": {"alpha": 1 / 9, "auto_lr": {"mode": "paper"}}, "probe": False},
-    "scale_probe": {"hdet": {"alpha": 0.5, "auto_lr": {"mode": "scale"}}, "probe": True},
+    # the scale-free controller on the probe batch's scores of the last iterates, moving to the end of the run
     "log": {"hdet": {"alpha": 1.0, "spread": "log", "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0}},
             "probe": True},
-    "log_averaged": {"hdet": {"alpha": 1.0, "spread": "log",
-                              "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5}},
-                     "probe": True},
-    # the same with a narrower spread ([0.67, 1.5] x base instead of [0.5, 2]): from a too-high start the widest
-    # replica of log_averaged trains at 20x the best LR
-    "log_averaged_narrow": {"hdet": {"alpha": 0.5, "spread": "log",
-                                     "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5}},
-                            "probe": True},
-    # ... and holding the scale from 40% of the run: late in the cosine the greedy signal prefers lower LRs again
-    "log_averaged_held": {"hdet": {"alpha": 0.5, "spread": "log",
-                                   "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 1.0, "average_window": 0.5,
-                                               "stop_fraction": 0.4}},
-                          "probe": True},
-    # ... with bolder steps (lambda 2.5, up to x1.65 per sync): from 10x too high the held variant needs 40% of
-    # the run to come down, and the damage is done by then
-    "log_averaged_held_fast": {"hdet": {"alpha": 0.5, "spread": "log",
-                                        "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                                    "average_window": 0.5, "stop_fraction": 0.4}},
-                               "probe": True},
-    # ... starting at a third of the given LR: 100 steps at 10x the best LR cost +0.38 at the end even when the LR
-    # then drops to the best (plain runs replaying that path), while a too-low start is climbed out of
-    "log_averaged_low_start": {"hdet": {"alpha": 0.5, "spread": "log",
-                                        "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                                    "average_window": 0.5, "stop_fraction": 0.4,
-                                                    "initial_scale": 1 / SQRT10, "scale_min": 0.03}},
-                               "probe": True},
-    # ... with the default floor (a tenth of the given LR): from 10x too high log_averaged_low_start came down
-    # to a third of the best LR (its floor 0.03) and ended +0.23
-    "low_start": {"hdet": {"alpha": 0.5, "spread": "log",
-                           "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                       "average_window": 0.5, "stop_fraction": 0.4, "initial_scale": 1 / SQRT10}},
-                  "probe": True},
-    # ... holding from a quarter of the run: low_start's scale climbs early and drifts down again between 20%
-    # and 40% of the run (seed 0, from 1x: 1.36x the best LR at step 275, 0.17x by step 650)
-    "low_start_early_hold": {"hdet": {"alpha": 0.5, "spread": "log",
-                                      "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                                  "average_window": 0.5, "stop_fraction": 0.25,
-                                                  "initial_scale": 1 / SQRT10}},
-                             "probe": True},
-    # ... starting at a tenth of the given LR: from 10x, a third is still 3x too high for the first quarter
+    # An earlier default: the log controller on half-interval averaged weights (the spread [0.67, 1.5] x base),
+    # starting at a tenth of the given LR (a too-high LR early does damage no later LR undoes, a too-low one is
+    # climbed out of) and moving with beta 0.9 from 5% to 25% of the run, then holding the scale
     "tenth_start_early_hold": tenth(),
-    # from a tenth of the best LR, tenth_start_early_hold ends +0.07: its start (0.01x the best) is climbed out of
-    # too slowly (x1.4-x5 per 100 steps) though max_log_step allows x7.4 (the limit is the velocity's momentum, see
-    # tenth_beta5 below). Three ways to a stronger or longer climb:
-    # ... twice the step (lambda 5)
-    "tenth_step5": tenth(step_size=5.0),
-    # ... the wider spread ([0.5, 2] x base): the replicas' losses differ more
-    "tenth_wide": tenth(alpha=1.0),
-    # ... starting the controller at 2% of the run instead of 5% (inside the LR warm-up)
-    "tenth_early": tenth(start_fraction=0.02),
-    # The velocity's momentum (beta 0.9, the paper's) averages Delta over ~10 syncs, while the controller runs for
-    # 12 (5% to 25% of the run at T = 25): from a hundredth of the best LR the step ramps up as 1 - 0.9^n and the
-    # climb is over before it reaches full speed (at most x31 in 12 syncs), and from nearer the optimum the velocity
-    # carries the scale on after Delta turns. A momentum with a time constant of ~2 syncs:
-    "tenth_beta5": tenth(beta=0.5),
-    # ... and none: each sync's Delta alone
-    "tenth_beta0": tenth(beta=0.0),
-    # Seed 0 of both: from 1/10 the scale climbs at max_log_step's pace to the best LR by step 300 (tenth_beta5:
-    # 1.166, +0.009); from the best LR it follows the signal up to 2x the best LR by step 250 and down to 0.42x
-    # (beta 0.5) or 0.26x (beta 0) by the hold at step 375 (+0.08, +0.12). A responsive controller follows the
-    # signal's own drift: it leans above the best LR early and below it from ~15% of the run on. In between:
-    "tenth_beta7": tenth(beta=0.7),
-    # ... and beta 0.5 held from a fifth of the run, before the drift down (chosen from seed 0's paths)
-    "tenth_beta5_stop20": tenth(stop_fraction=0.2, beta=0.5),
-    # ... beta 0.5 holding the geometric mean of the scales over the second half of its window (auto_lr.hold_average)
-    # instead of where the drift left it at the stop: on seed 0's paths of tenth_beta5, 0.71x, 1.09x and 1.01x the
-    # best LR from 1/10, 1 and 10 x, against the 0.95x, 0.42x and 1.00x held at the stop
-    "tenth_beta5_hold": tenth(beta=0.5, hold_average=0.5),
-    # From 3x and 10x, tenth_beta5_stop20 follows the early signal up to 2.5x the best LR by steps 125-175 and
-    # ends +0.02 to +0.05 however well it holds: is the early lean above the best LR the averaged weights' (half
-    # the interval)? The same with a quarter of the interval averaged:
-    "tenth_beta5_stop20_w25": tenth(average_window=0.25, stop_fraction=0.2, beta=0.5),
-    # ... and the other way: most of the interval averaged (0.9), with beta 0.5 held at a quarter: does a long window
-    # keep the signal from pulling the LR under the best one late in the controller's window?
-    "tenth_beta5_w90": tenth(average_window=0.9, beta=0.5),
-    # A quarter-interval window leans lower through the run (from 3x: early peak 1.9x the best LR, then 0.39x at the
-    # stop), a 0.9 one higher (early peak 3.3-3.8x, still 1.6-2.2x at the stop): the window growing from a quarter
-    # at the controller's start to 0.9 at its stop (auto_lr.average_window_late), with beta 0.5
-    "tenth_beta5_grow": tenth(average_window=0.25, average_window_late=0.9, beta=0.5),
-    # ... and the 0.9 window with beta 0.7: a slower velocity for a smaller early peak from 10x (3.8x with beta 0.5)
-    "tenth_beta7_w90": tenth(average_window=0.9, beta=0.7),
-    # The velocity starts at 0 and beta 0.9 ramps its steps up as 1 - 0.9^n: Adam's bias correction
-    # (auto_lr.bias_correction) makes the first steps full size and leaves the later ones as they were
-    "tenth_bc": tenth(bias_correction=True),
-    # Seed 0 of tenth_bc: from 1/10 it reaches the best LR by step 300 (-0.008 against seed 0's sweep-best), from 1x
-    # too (-0.008), but from 3x and 10x it follows the early signal up to 4.2-4.5x the best LR by steps 150-250
-    # (+0.029, +0.052). The quarter-interval window leans lower early (tenth_beta5_stop20_w25):
-    "tenth_bc_w25": tenth(bias_correction=True, average_window=0.25),
-    # ... and a slower velocity, which the correction no longer makes slow to start: beta 0.95
-    "tenth_bc_beta95": tenth(bias_correction=True, beta=0.95),
-    # Every variant above steps by z-scored weights, which step as far for a slight but consistent preference for
-    # the top replica as for a strong one: from 3x and 10x the bias-corrected controller runs at full speed to the
-    # early signal's balance (4x the best LR). auto_lr.hypergradient='progress' steps by how much the replicas'
-    # progress grows with their LR: fully when it grows in proportion (far below the best LR), little near the
-    # short-horizon optimum
-    "tenth_progress": tenth(hypergradient="progress", bias_correction=True),
-    # Seed 0 of tenth_progress from 1x: the same full steps as tenth_bc up to 2x the best LR by step 200, 3.5x at 250:
-    # early in the run the replicas' progress still grows about in proportion to the LR at 2x the best. Settling
-    # where it grows at half that rate (auto_lr.progress_target):
-    "tenth_progress_t50": tenth(hypergradient="progress", bias_correction=True, progress_target=0.5),
-    # ... which reads the elasticity: it crosses 0 at 0.6-0.75x the best LR by steps 175-275 and keeps falling (the
-    # short-horizon optimum passes below the run's best LR early). Aiming above that optimum: a target of -0.3
-    "tenth_progress_tm30": tenth(hypergradient="progress", bias_correction=True, progress_target=-0.3),
-    # ... where beta 0.9 carried the LR on for several syncs after the elasticity turned (from 1x: -0.75 at step 225,
-    # the LR still climbing to 8.9x the best by step 300). The progress signal's size needs less smoothing: beta 0.5
-    "tenth_progress_beta5": tenth(hypergradient="progress", bias_correction=True, beta=0.5),
-    # The signals lean above the best LR early (steps 75-175: every fast controller from 10x and 3x peaks at 1.8-4.5x)
-    # and below it from ~12% of the run on (the elasticity crosses 0 at 0.6-0.75x by steps 175-275): a known sign
-    # of bias in each phase. tenth_beta5_stop20_w25 (seed 0) came down from its early peak from 10x (+0.015) and
-    # climbed to the best LR from 1/10 (+0.008), but followed the late drift to 0.39x from 3x (+0.096). The same
-    # with the controller only raising the LR after 35% of its window (12% of the run) up to its stop
-    # (auto_lr.rise_only_after): a late signal to lower the LR is what the bias gives even at the best LR, one to
-    # raise it goes against the bias
+    # The signals lean above the best LR early (steps 75-175) and below it from ~12% of the run on: a known sign of
+    # bias in each phase. beta 0.5 and a quarter-interval window, with the controller only raising the LR after 35%
+    # of its window (12% of the run) up to its stop (auto_lr.rise_only_after): a late signal to lower the LR is what
+    # the bias gives even at the best LR, one to raise it goes against the bias
     "tenth_rise": rise(),
-    # ... and how much the one-sided phase's start matters: after a fifth of the window (9% of the run; from 10x the
-    # scale is still near its early peak then) and after half of it (15%: from 3x, past the start of the drift)
-    "tenth_rise_after20": rise(rise_only_after=0.2),
-    "tenth_rise_after50": rise(rise_only_after=0.5),
-    # ... with its scale bounds two decades wider: the default's bounds ([0.1, 10] x the given LR) put the ceiling
-    # exactly on the best LR from 1/10 and the floor on it from 10x; this measures where the controller alone takes
-    # those two starts
-    "tenth_rise_wide_bounds": rise(scale_min=0.01, scale_max=100.0),
-    # ... climbing faster from far below: from 1/10 the default climbs at max_log_step (0.5) a sync for 9 syncs
-    # (steps 75-300) from a hundredth of the best LR; 0.7 a sync takes 7
-    "tenth_rise_step7": rise(max_log_step=0.7),
-    # ... or starting the climb earlier: the controller from 2% of the run (inside the LR warm-up), the one-sided
+    # ... starting the climb earlier: the controller from 2% of the run (inside the LR warm-up), the one-sided
     # phase still from 12% of the run (0.43 of the window 2%-25%)
     "tenth_rise_start2": rise(rise_only_after=0.43, start_fraction=0.02),
     # The default without a probe batch, as in a user's own loop or under Lightning when none is set: the replicas'
@@ -235,6 +121,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "range_hold": range_start(rise(rise_only_after=0.43, start_fraction=0.02), low=1.0, high=1.0),
     # ... the default controller moving from there, up to 10x either way
     "range_rise": range_start(rise(rise_only_after=0.43, start_fraction=0.02)),
+    # On cosine_tiny both trailed the plain run at the pick (+0.034, +0.070 against +0.002): the pick is 1.4-2.4x
+    # the best LR there, and the spread's top replica trains at 1.5 times it. Held at the pick with half the spread
+    # ([0.8, 1.25] x base) ...
+    "range_narrow_hold": range_start(rise(alpha=0.25, rise_only_after=0.43, start_fraction=0.02), low=1.0, high=1.0),
+    # ... or with the spread's top replica at the pick (the base at 1/1.5 of it)
+    "range_top_hold": range_start(rise(rise_only_after=0.43, start_fraction=0.02), at=1 / 1.5, low=1 / 1.5,
+                                  high=1 / 1.5),
 }
 DEFAULT_VARIANT = "tenth_rise_start2"
 

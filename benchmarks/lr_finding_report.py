@@ -116,7 +116,8 @@ def write_report(stem: Path, record: dict[str, Any]) -> None:
                     f"{_fmt(mean)} ± {_fmt(sd)} ({n})", _fmt(mean - best_mean, signed=True))
           for lr, (mean, sd, n) in sweep.items()], "",
         "## Every method and variant", "", *all_methods(record, best_mean), "",
-        "Variants: the HDET settings of each are `VARIANTS` in `benchmarks/lr_finding.py`; `final LR / best` is the "
+        "Variants: the HDET settings of each are `VARIANTS` in `benchmarks/lr_finding.py`, and each run's in the JSON "
+        "(`hdet_config`; the variants since dropped are described in benchmarks/README.md); `final LR / best` is the "
         "start LR times the controller's last effective scale (base LR over the schedule's), as a geometric mean "
         "over seeds.", "",
         *figures(stem, record, sweep), "",

@@ -35,7 +35,7 @@ the results. Measured:
    bytes); the estimate leaves out that ZeRO then shards over a replica instead of all ranks, which the
    direct ratios include. The auto-LR controller runs at every sync (``warmup_steps = 0``). In the same
    round-robin, HDET at the shortest T with each controller signal of ``overhead_engines.SIGNALS`` (a probe
-   batch scoring the replicas, the averaged-weight probe, the displacement signal), estimated from their own
+   batch scoring the replicas, the averaged-weight probe, the default controller), estimated from their own
    hot path and syncs (section 1b).
 2. Sync time. ``hdet.sync()`` (bucketed averaging of all parameters, FSDP and DeepSpeed: of each rank's
    local shards, over the cross-replica group, the tiny loss gather, the finiteness check and the

@@ -24,22 +24,18 @@ from hdet_scale.config import FRACTION_FIELDS, AutoLRConfig
 from hdet_scale.engines import ddp, fsdp
 
 LR = 1e-3  # AdamW's LR in every variant
-PROGRESS = {"mode": "log", "hypergradient": "progress", "initial_scale": 1.0, "average_window": 0.0,
-            "stop_steps": 10**9}
-"""The progress hypergradient alone: the ``log`` controller it needs, on the last iterate, never stopping."""
 DEFAULT_CONTROLLER = {**{key: value for key, value in dataclasses.asdict(AutoLRConfig().filled()).items()
                          if key not in FRACTION_FIELDS}, "warmup_steps": 0, "stop_steps": 10**9}
 """The library's default controller (``AutoLRConfig()``) moving at every sync and never holding: what each sync
 costs between the default's start and stop (its times are shares of a run; here the run has no set length)."""
 SIGNALS: dict[str, dict[str, Any]] = {"probe": {}, "averaged": {"average_window": 0.5},
-                                      "displacement": {"displacement": 1.0}, "progress": PROGRESS,
                                       "default": DEFAULT_CONTROLLER}
 """Controller signals whose cost is measured, each with a probe batch scoring the replicas at every sync (global
 gradient mode): the probe alone on the last iterate (one forward per sync), the probe scoring each replica's
 weights averaged over the last half of the interval (one more copy of this rank's local parameters, an in-place
-update per step inside the window), the displacement signal (two copies), the progress hypergradient (one
-more probe forward per sync, on the model the sync averaged), and the library's default controller (the
-``log`` controller on weights averaged over the last quarter of the interval)."""
+update per step inside the window), and the library's default controller (the ``log`` controller on weights
+averaged over the last quarter of the interval). Results recorded earlier also hold ``displacement`` and
+``progress``, signals since removed from the library."""
 
 
 @dataclass(frozen=True)

@@ -172,18 +172,29 @@ def signals_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gr
         lines.append(table_row(name, _ratio(entry["block_median_ratio"]), f"{entry['total_time_ratio']:.3f}",
                                f"{cost['hot_path_s'] * US:.1f}", f"{cost['sync_s'] * MS:.2f}",
                                f"{1 + cost['estimate']:.4f}", f"{cost['estimate'] - base['estimate']:+.4f}"))
+    legends = [legend for signal, legend in SIGNAL_LEGENDS.items() if f"hdet_T{interval}_{signal}" in costs]
     return [
         *lines,
         "",
-        "Each signal variant scores the replicas on a probe batch at every sync (one forward); `averaged` also "
-        "adds each step's weights in the second half of the interval to a running mean and "
-        "swaps that mean in for the probe, `displacement` keeps two more copies and compares the "
-        "sync-to-sync moves, `progress` scores the model the sync averaged once more (the next "
-        "interval's start), `default` is the library's default controller (`log`, on weights averaged over the "
-        "last quarter of the interval). Own sync: the median `SyncReport.sync_seconds` of the variant's syncs in "
+        "Each signal variant scores the replicas on a probe batch at every sync (one forward); "
+        + ", ".join(legends) + ". Own sync: the median `SyncReport.sync_seconds` of the variant's syncs in "
         "training (rank 0). Estimate: as above, with the variant's own sync time"
         + (" and the gradient all-reduce across replicas" if gradient_average else "") + ".",
     ]
+
+
+SIGNAL_LEGENDS = {
+    "averaged": "`averaged` also adds each step's weights in the second half of the interval to a running mean and "
+                "swaps that mean in for the probe",
+    "displacement": "`displacement` (a signal since removed from the library) keeps two more copies and compares "
+                    "the sync-to-sync moves",
+    "progress": "`progress` (the progress hypergradient, since removed from the library) scores the model the sync "
+                "averaged once more (the next interval's start)",
+    "default": "`default` is the library's default controller (`log`, on weights averaged over the last quarter of "
+               "the interval)",
+}
+"""What each signal variant adds, for the legend of the variants a results file holds (those measured before the
+``displacement`` and ``progress`` signals left the library still do)."""
 
 
 def sync_markdown(cfg: dict[str, Any], sync: dict[str, Any], heading: str, per_rank: str,

@@ -242,7 +242,7 @@ def direction_markdown(entries: list[dict[str, Any]]) -> list[str]:
         "it would be without the controller's votes: `scale` mode, its scale (base over the plain OneCycle "
         "schedule); `paper` mode, its owned base over the pure geometric decay to OneCycle's floor that mode "
         "follows by itself. `gmean`: its geometric mean over the controller's updates; `up`: the share of updates "
-        "whose hypergradient pointed up; `moved`: from the ratio at the end (`paper`: from gmean; flat within "
+        "whose Delta (eqs. 5-6) pointed up; `moved`: from the ratio at the end (`paper`: from gmean; flat within "
         f"±{DIRECTION_BAND}).",
         "",
         *table_header("start", "T", "mode", "probe", "lambda", "seeds", "ratio at end", "gmean ratio", "up share",

@@ -117,7 +117,7 @@ def controller_direction(syncs: Sequence[dict[str, Any]], schedule: dict[int, fl
     scale (the base over the plain schedule); ``paper`` mode, the owned base over the pure geometric decay
     from the schedule's value at the first update to OneCycle's floor (``max(schedule) / floor_div``) over the
     remaining syncs, which that mode follows by itself. ``ratio_end`` is its last value, ``ratio_gmean`` its
-    geometric mean over the updates, ``up_fraction`` the share of updates whose hypergradient (``delta``)
+    geometric mean over the updates, ``up_fraction`` the share of updates whose Delta (eqs. 5-6, ``delta``)
     pointed up, ``direction`` up/down/flat (outside 1 +- DIRECTION_BAND) from ``ratio_end`` in ``scale`` mode
     and from ``ratio_gmean`` in ``paper`` mode (whose base and decay path both end on the floor: ratio 1).
     """

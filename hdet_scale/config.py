@@ -5,8 +5,8 @@ The defaults are the controller that found the LR best from either side in ``ben
 quarter-interval averaged weights from a tenth of the given LR, moving between 2% and 25% of the run, only upward
 from 12% of it. ``HDETConfig.paper()`` gives the paper's settings. Every field carries the paper's symbol where
 it has one (arXiv 2604.24708, section 3). A config is loaded from a JSON file (``--hdet_config PATH``), a mapping,
-or built in code; unknown keys are errors, and ``validate()`` names the field, the allowed range and the value it
-got.
+or built in code; unknown keys are errors (one an earlier version had is refused as removed), and ``validate()``
+names the field, the allowed range and the value it got.
 """
 
 from __future__ import annotations
@@ -25,17 +25,16 @@ from typing import Any
 GRADIENT_MODES = ("global", "local")
 CONTROLLER_MODES = ("scale", "paper", "log")
 SPREADS = ("linear", "log")
-HYPERGRADIENTS = ("weights", "progress")
-MODE_DEFAULTS: dict[str, dict[str, float | bool | None]] = {
+MODE_DEFAULTS: dict[str, dict[str, float | None]] = {
     "log": {"beta": 0.5, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "start_fraction": 0.02,
-            "stop_fraction": 0.25, "hold_average": 0.0, "bias_correction": False, "rise_only_after": 0.43},
+            "stop_fraction": 0.25, "rise_only_after": 0.43},
     "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "start_fraction": 0.05,
-              "stop_fraction": None, "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
+              "stop_fraction": None, "rise_only_after": 1.0},
     "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "start_fraction": 0.05,
-              "stop_fraction": None, "hold_average": 0.0, "bias_correction": False, "rise_only_after": 1.0},
+              "stop_fraction": None, "rise_only_after": 1.0},
 }
-"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the start and stop, ``hold_average``,
-``bias_correction`` and ``rise_only_after`` are when left unset, per controller mode: ``log``'s from
+"""What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the start and stop and ``rise_only_after`` are when
+left unset, per controller mode: ``log``'s from
 benchmarks/lr_finding.py (its controller climbs from a tenth of the LR, so it starts early, inside a usual LR
 warm-up), ``scale``'s and ``paper``'s the paper's (eqs. 4, 7) with the start at 5% of the run (the paper's
 S_warm is a fixed 100,000 steps)."""
@@ -45,6 +44,13 @@ FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_step
 """The controller's times given as a share of the run, and the step fields ``HDETConfig.for_run`` turns them into."""
 DEFAULT_AVERAGE_WINDOW = 0.25
 """``average_window`` when unset, in ``log`` mode with a probe."""
+REMOVED_SETTINGS: dict[str, tuple[str, ...]] = {
+    "auto_lr": ("hold_average", "average_window_late", "displacement", "hypergradient", "progress_target",
+                "bias_correction"),
+}
+"""Settings that earlier versions had and that left the library because they measured no better than the default
+controller (benchmarks/README.md, "LR-finding variants tried"): a config naming one is refused with that reason,
+not read as a misspelling."""
 
 
 class HDETConfigError(ValueError):
@@ -92,22 +98,14 @@ class AutoLRConfig:
     rise_only_after: float | None = None
     """The share of the controller's window (from its start to its stop) after which it only raises the LR's scale,
     in [0, 1] (1: never; 0: every update after the first): at the syncs after ``start + share x (stop - start)``
-    the velocity is floored at 0, so the scale does not fall (a held geometric mean, ``hold_average``, may still
-    sit below the last scale). The
-    replicas' short-horizon scores lean above the best LR early in the run and below it from ~10-15% of it on
-    (benchmarks/results/lr_finding.md): past that point a signal to lower the LR is what the bias gives even at
-    the best LR, while one to raise it goes against the bias. The LR only (other explored values move both ways).
-    Needs a stop; not with ``paper`` mode. null: the mode's default (``MODE_DEFAULTS``)."""
+    the velocity is floored at 0, so the scale does not fall. The replicas' short-horizon scores lean above the
+    best LR early in the run and below it from ~10-15% of it on (benchmarks/results/lr_finding.md): past that point
+    a signal to lower the LR is what the bias gives even at the best LR, while one to raise it goes against the
+    bias. The LR only (other explored values move both ways). Needs a stop; not with ``paper`` mode. null: the
+    mode's default (``MODE_DEFAULTS``)."""
 
     beta: float | None = None
     """beta: momentum of the velocity (eq. 7), in [0, 1). null: the mode's default (``MODE_DEFAULTS``)."""
-
-    bias_correction: bool | None = None
-    """``scale`` and ``log`` mode: step along the velocity divided by ``1 - beta^n`` after its n-th update (Adam's
-    bias correction). The velocity starts at 0, so without it the first steps are a fraction ``1 - beta^n`` of
-    the signal (with beta 0.9: a tenth, then a fifth, ...): a controller that starts far below the best LR climbs
-    slowly for its first ~10 syncs. With it the first steps follow Delta at full size; later ones are as before.
-    Not with ``paper`` mode (eq. 7 as printed). null: the mode's default (``MODE_DEFAULTS``)."""
 
     sigma: float | None = None
     """sigma: softmax temperature on loss differences (eq. 4), > 0. Smaller trusts small differences more.
@@ -138,16 +136,6 @@ class AutoLRConfig:
     max_log_step: float = 0.5
     """``log`` mode: the largest change of log(scale) at one sync (0.5: x1.65 or /1.65), > 0."""
 
-    hold_average: float | None = None
-    """With a stop (``stop_steps`` / ``stop_fraction``): the scale held after it is the geometric mean of the
-    scales the controller reached over the last ``hold_average`` share of its window (its updates from
-    ``stop - hold_average * (stop - start)`` to the stop) instead of the last one, in [0, 1] (0: the last).
-    A controller that follows its signal closely also follows the signal's drift (above the best LR early in
-    the run, below it later; see benchmarks/results/lr_finding.md): the average of where it went is steadier
-    than where it happened to be at the stop (Polyak-Ruppert averaging of a stochastic approximation's
-    iterates); measured no better than the last in benchmarks/results/lr_finding.md (``tenth_beta5_hold``). Not with
-    ``paper`` mode. null: the mode's default (``MODE_DEFAULTS``)."""
-
     average_window: float | None = None
     """With a probe set: score each replica's weights averaged over the last ``average_window`` of the
     interval (e.g. 0.5: its second half) instead of its last iterate, in [0, 1). Averaging removes the
@@ -156,38 +144,6 @@ class AutoLRConfig:
     update per step inside the window, and at each sync an exchange of the weights and their mean one tensor at a
     time. 0: the last iterate. null: 0.25 with the ``log`` controller on and a probe set (a longer window leans
     to higher LRs, a shorter one to lower: benchmarks/results/lr_finding.md), else 0."""
-
-    average_window_late: float | None = None
-    """With a window (``average_window``) and a stop: the window grows linearly from ``average_window`` at the
-    controller's start to this share at its stop, in [0, 1) (null: it stays). A longer window makes the signal
-    lean to higher LRs all through the run, a shorter one to lower (benchmarks/results/lr_finding.md); the
-    signal leans high early in the run and low later, so a window that grows over the run may offset both."""
-
-    displacement: float = 0.0
-    """Weight of the displacement signal in the LR's hypergradient, >= 0 (0: off): the cosine of the last two
-    sync-to-sync moves of the averaged weights (moving on the same way: the LR may rise; turning back: it should
-    fall; see ``hdet_scale.displacement``) times this is added to Delta (in ``scale`` mode relative units, in
-    ``log`` mode log units). Costs two copies of this rank's shard. Not with ``paper`` mode."""
-
-    hypergradient: str = "weights"
-    """What Delta is made of. ``weights``: eq. 4's softmax weights of the replicas' losses (eqs. 5-6).
-    ``progress`` (``log`` mode, with a probe; the LR only, other explored values keep ``weights``): how the
-    replicas' progress on the probe batch over the interval grows with their LR, an elasticity ``e``: the
-    least-squares slope of progress on ``log rho`` over the mean progress, clipped to [-1, 1], times the spread's
-    half-width in log units. Every replica starts the interval from the same averaged weights, so each one's
-    progress is the probe loss of those weights (scored once more after each sync) minus its own. Far below the
-    best LR progress grows about in proportion to the LR (``e`` near 1: 0.95 for exactly proportional progress
-    at the default spread); near the short-horizon optimum it barely changes (small steps), past it it falls
-    (steps down). The weights, being z-scored, step as far for a slight but consistent preference as for a strong
-    one. A non-finite probe loss reads ``e = -1``; the first interval, with no start measured, moves nothing.
-    Costs one more probe forward per sync while the controller moves."""
-
-    progress_target: float = 0.0
-    """With ``hypergradient='progress'``: the elasticity the controller settles at, in (-1, 1) (Delta is the
-    elasticity minus this). 0 aims at the LR that makes the most progress over the interval; above 0 settles
-    where a higher LR still helps, but less than in proportion (below that short-horizon optimum), below 0 where
-    a higher LR already makes less progress (above it), whatever the LR's scale. The short-horizon optimum falls
-    through the LR that is best for the whole run early in it (benchmarks/results/lr_finding.md)."""
 
     probe_weight: float = 1.0
     """With a probe set (``HDETEnsemble.set_probe``): the weight of the replicas' probe-batch losses in the
@@ -200,7 +156,7 @@ class AutoLRConfig:
         (``resolve_config``) is read as given."""
         defaults = MODE_DEFAULTS.get(self.mode, MODE_DEFAULTS["scale"])  # an unknown mode: validate names it
         changes: dict[str, Any] = {}
-        for name in ("beta", "sigma", "step_size", "hold_average", "bias_correction", "rise_only_after"):
+        for name in ("beta", "sigma", "step_size", "rise_only_after"):
             if getattr(self, name) is None:
                 changes[name] = defaults[name]
         if self.initial_scale is None:
@@ -213,21 +169,15 @@ class AutoLRConfig:
 
     def for_other_knobs(self) -> AutoLRConfig:
         """The controller of every explored value but the LR: only the LR follows the paper's mode (the others
-        move a scale on their base value) and the progress hypergradient, which measures how progress grows with
-        the LR."""
-        return dataclasses.replace(self, mode="scale" if self.mode == "paper" else self.mode,
-                                   hypergradient="weights", progress_target=0.0, rise_only_after=1.0)
+        move a scale on their base value) and only the LR's scale is held from falling (``rise_only_after``)."""
+        return dataclasses.replace(self, mode="scale" if self.mode == "paper" else self.mode, rise_only_after=1.0)
 
-    def window(self, probing: bool, step: int = 0) -> float:
-        """The share of the interval after ``step`` whose weights the probe scores: ``average_window`` (or its
-        default), growing to ``average_window_late`` between the controller's start and stop when that is set."""
-        early = self.average_window
-        if early is None:
-            early = DEFAULT_AVERAGE_WINDOW if probing and self.enabled and self.mode == "log" else 0.0
-        share = self.window_share(step)
-        if self.average_window_late is None or early == 0.0 or share is None:
-            return early
-        return early + (self.average_window_late - early) * min(max(share, 0.0), 1.0)
+    def window(self, probing: bool) -> float:
+        """The share of each interval whose weights the probe scores: ``average_window``, or where unset its
+        default (``probing``: a probe is set)."""
+        if self.average_window is not None:
+            return self.average_window
+        return DEFAULT_AVERAGE_WINDOW if probing and self.enabled and self.mode == "log" else 0.0
 
     def updates_to_climb(self) -> int:
         """How many controller updates the LR needs to climb from ``initial_scale`` to ``scale_max`` at the
@@ -240,16 +190,14 @@ class AutoLRConfig:
         climb = math.ceil(math.log(lr.scale_max / lr.initial_scale) / lr.max_log_step - 1e-9)
         return max(MIN_CONTROLLER_UPDATES, climb)
 
-    def window_share(self, step: int, *, from_stop: bool = False) -> float | None:
+    def window_share(self, step: int) -> float | None:
         """How far ``step`` is into the controller's window, from ``warmup_steps`` (an unresolved start counts as 0)
         to ``stop_steps`` as resolved by ``for_run``: 0 at the start, 1 at the stop, below 0 before and above 1
-        after; None without a stop. ``from_stop``: the share still ahead of ``step`` instead (1 at the start, 0 at
-        the stop), so that a phase given as a share before the stop, such as ``hold_average``, is compared without
-        the rounding of ``1 - share``. Every phase of the window is placed by this share."""
+        after; None without a stop. The one-sided phase (``rise_only_after``) is placed by this share."""
         if self.stop_steps is None:
             return None
         start = self.warmup_steps or 0
-        return ((self.stop_steps - step) if from_stop else (step - start)) / max(self.stop_steps - start, 1)
+        return (step - start) / max(self.stop_steps - start, 1)
 
 
 @dataclass
@@ -423,28 +371,8 @@ class HDETConfig:
         _check_number("auto_lr.scale_min", lr.scale_min, low=0.0, low_open=True)
         _check_number("auto_lr.probe_weight", lr.probe_weight, low=0.0, high=1.0)
         _check_number("auto_lr.max_log_step", lr.max_log_step, low=0.0, low_open=True)
-        _check_number("auto_lr.hold_average", lr.hold_average, low=0.0, high=1.0)
-        if lr.hold_average and (lr.mode == "paper" or (lr.stop_steps is None and lr.stop_fraction is None)):
-            raise HDETConfigError("auto_lr.hold_average averages the scale the controller holds after its stop: it "
-                                  "needs auto_lr.stop_steps or stop_fraction, in 'scale' or 'log' mode; set it to 0 "
-                                  "or give a stop")
         if lr.average_window is not None:
             _check_number("auto_lr.average_window", lr.average_window, low=0.0, high=1.0, high_open=True)
-        if lr.average_window_late is not None:
-            _check_number("auto_lr.average_window_late", lr.average_window_late, low=0.0, high=1.0, high_open=True)
-            if lr.stop_steps is None and lr.stop_fraction is None:
-                raise HDETConfigError("auto_lr.average_window_late grows the window up to the controller's stop: it "
-                                      "needs auto_lr.stop_steps or stop_fraction; remove it or give a stop")
-        _check_choice("auto_lr.hypergradient", lr.hypergradient, HYPERGRADIENTS)
-        if lr.hypergradient == "progress" and (lr.mode != "log" or lr.probe_weight != 1.0):
-            raise HDETConfigError("auto_lr.hypergradient='progress' measures progress on the probe batch in log "
-                                  f"units: it needs auto_lr.mode='log' and probe_weight 1 (got mode={lr.mode!r}, "
-                                  f"probe_weight={lr.probe_weight}); set them or use hypergradient 'weights'")
-        _check_number("auto_lr.progress_target", lr.progress_target, low=-1.0, high=1.0, low_open=True,
-                      high_open=True)
-        if lr.progress_target and lr.hypergradient != "progress":
-            raise HDETConfigError(f"auto_lr.progress_target={lr.progress_target} sets where the 'progress' "
-                                  "hypergradient settles: set auto_lr.hypergradient='progress' or remove it")
         _check_number("auto_lr.rise_only_after", lr.rise_only_after, low=0.0, high=1.0)
         if lr.rise_only_after < 1.0 and lr.mode == "paper":
             raise HDETConfigError(f"auto_lr.rise_only_after={lr.rise_only_after} works in 'scale' and 'log' mode; "
@@ -454,14 +382,6 @@ class HDETConfig:
             raise HDETConfigError(f"auto_lr.rise_only_after={lr.rise_only_after} is a share of the controller's "
                                   "window up to its stop: give auto_lr.stop_steps or stop_fraction, or set it to 1 "
                                   "(off)")
-        _check_bool("auto_lr.bias_correction", lr.bias_correction)
-        if lr.bias_correction and lr.mode == "paper":
-            raise HDETConfigError("auto_lr.bias_correction changes eq. 7's velocity; 'paper' mode keeps it as "
-                                  "printed: remove it or choose 'log' or 'scale' mode")
-        _check_number("auto_lr.displacement", lr.displacement, low=0.0)
-        if lr.displacement and lr.mode == "paper":
-            raise HDETConfigError("auto_lr.displacement works in 'scale' and 'log' mode; the paper's controller has "
-                                  "no such term: set auto_lr.displacement to 0 or choose another mode")
         _check_number("auto_lr.scale_max", lr.scale_max, low=lr.scale_min,
                       hint="scale_max must be at least auto_lr.scale_min")
         _check_number("auto_lr.initial_scale", lr.initial_scale, low=0.0, low_open=True)
@@ -659,6 +579,9 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
+        if key in REMOVED_SETTINGS.get(prefix.rstrip("."), ()):
+            raise HDETConfigError(f"HDET setting '{prefix}{key}' was removed (it measured no better than the default "
+                                  "controller, see benchmarks/README.md): delete it from the config")
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             suggestion = f"; did you mean '{prefix}{close[0]}'?" if close else ""

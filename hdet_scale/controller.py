@@ -24,9 +24,9 @@ Three modes (see ``AutoLRConfig.mode``):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from hdet_scale.config import AutoLRConfig
 
@@ -70,42 +70,9 @@ def log_hypergradient(weights: Sequence[float], replica_multipliers: Sequence[fl
     return math.fsum(w * math.log(rho) for w, rho in zip(weights, replica_multipliers, strict=True))
 
 
-def progress_hypergradient(losses: Sequence[float], start_loss: float, replica_multipliers: Sequence[float],
-                           target: float = 0.0) -> float:
-    """``auto_lr.hypergradient='progress'``'s Delta in log units: the elasticity of the replicas' progress
-    ``p_r = start_loss - L_r`` in their multipliers, ``e = slope / mean(p)`` with ``slope`` the least-squares slope
-    of ``p_r`` on ``log rho_r``, clipped to [-1, 1], minus ``target``, times the spread's half-width
-    ``(max - min) log rho / 2``. With no net progress (mean <= 0) ``e`` is -1 if the higher multipliers did worse,
-    else 0; a non-finite loss gives -1 (a replica diverged: the LR is too high somewhere)."""
-    logs = [math.log(rho) for rho in replica_multipliers]
-    half_width = (max(logs) - min(logs)) / 2.0
-    return (_elasticity(losses, start_loss, logs) - target) * half_width
-
-
-def _elasticity(losses: Sequence[float], start_loss: float, logs: Sequence[float]) -> float:
-    if not all(math.isfinite(loss) for loss in losses) or not math.isfinite(start_loss):
-        return -1.0
-    mean_log = math.fsum(logs) / len(logs)
-    spread = math.fsum((x - mean_log) ** 2 for x in logs)
-    if spread == 0.0:
-        return 0.0
-    progress = [start_loss - loss for loss in losses]
-    mean_progress = math.fsum(progress) / len(progress)
-    slope = math.fsum((x - mean_log) * p for x, p in zip(logs, progress, strict=True)) / spread
-    if mean_progress <= 0.0:
-        return -1.0 if slope < 0.0 else 0.0
-    return min(max(slope / mean_progress, -1.0), 1.0)
-
-
 def momentum(velocity: float, delta: float, beta: float) -> float:
     """Eq. 7 (left): v <- beta v + (1 - beta) Delta."""
     return beta * velocity + (1.0 - beta) * delta
-
-
-def bias_corrected(velocity: float, beta: float, updates: int) -> float:
-    """The velocity after its ``updates``-th update divided by ``1 - beta^updates``: the mean of the Deltas it has
-    seen, weighted as the momentum weighs them, rather than that mean shrunk toward the velocity's start at 0."""
-    return velocity / (1.0 - beta**updates)
 
 
 def decay_to_floor(current: float, floor: float, num_syncs: int) -> float:
@@ -138,21 +105,20 @@ class ControllerState:
     """The last Delta (for metrics): relative in ``scale`` mode, in log units in ``log`` mode, absolute in
     ``paper`` mode."""
 
-    updates: int = 0
-    """``scale`` and ``log`` mode: the velocity's updates so far (``auto_lr.bias_correction`` divides by
-    ``1 - beta^updates``)."""
-
-    SETTLED: ClassVar[int] = 10_000
-    """An update count past any bias correction (0.999^10000 < 1e-4): what a state saved without one loads with."""
-
-    log_scale_sum: float = 0.0
-    """``auto_lr.hold_average``: the sum of log(scale) over the updates inside the averaged part of the window."""
-
-    scales_averaged: int = 0
-    """``auto_lr.hold_average``: how many updates ``log_scale_sum`` holds."""
-
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> ControllerState:
+        """Restores ``state_dict()``, also one saved by an earlier version with the fields of removed settings
+        (``REMOVED_FIELDS``), which are dropped."""
+        return cls(**{key: value for key, value in state.items() if key not in REMOVED_FIELDS})
+
+
+REMOVED_FIELDS = ("updates", "log_scale_sum", "scales_averaged")
+"""``ControllerState`` fields of earlier versions, kept by the settings that left the library (the update count of
+``auto_lr.bias_correction``, the running log-scale mean of ``auto_lr.hold_average``): a checkpoint holding them
+still loads."""
 
 
 @dataclass(frozen=True)
@@ -185,35 +151,23 @@ class Controller:
         return softmax_weights(losses, self.config.sigma)
 
     def update(self, state: ControllerState, *, weights: Sequence[float], replica_multipliers: Sequence[float],
-               scheduled_value: float, step: int, sync_interval: int, paper_decay: PaperDecay | None = None,
-               extra_delta: float = 0.0, progress: tuple[Sequence[float], float] | None = None) -> ControllerState:
+               scheduled_value: float, step: int, sync_interval: int,
+               paper_decay: PaperDecay | None = None) -> ControllerState:
         """One sync's update from eq. 4's ``weights``. ``replica_multipliers[r]`` is rho_{pi(r)}, the multiplier
         replica r trained with; ``scheduled_value`` is the base schedule's value now (``paper`` mode takes
-        over from it at its first update). ``extra_delta`` is added to Delta (``scale`` and ``log`` mode: e.g.
-        the displacement signal). ``progress``, for ``auto_lr.hypergradient='progress'``: the replicas' probe
-        losses and the probe loss of the weights they all started the interval from."""
+        over from it at its first update)."""
         cfg = self.config
-        updates = state.updates + 1
         if cfg.mode == "log":
-            if cfg.hypergradient == "progress":
-                if progress is None:
-                    raise ValueError("auto_lr.hypergradient='progress' needs the replicas' probe losses and the "
-                                     "interval's start loss")
-                delta_log = progress_hypergradient(progress[0], progress[1], replica_multipliers,
-                                                   cfg.progress_target) + extra_delta
-            else:
-                delta_log = log_hypergradient(weights, replica_multipliers) + extra_delta
+            delta_log = log_hypergradient(weights, replica_multipliers)
             velocity = self._one_sided(momentum(state.velocity, delta_log, cfg.beta), step)
-            log_step = min(max(cfg.step_size * self._stepped(velocity, updates), -cfg.max_log_step), cfg.max_log_step)
+            log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
             scale = self._clamp(state.scale * math.exp(log_step))
-            return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_log,
-                                                     updates=updates), step, sync_interval)
-        delta_rel = relative_hypergradient(weights, replica_multipliers) + extra_delta
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log)
+        delta_rel = relative_hypergradient(weights, replica_multipliers)
         if cfg.mode == "scale":
             velocity = self._one_sided(momentum(state.velocity, delta_rel, cfg.beta), step)
-            scale = self._clamp(state.scale * (1.0 + cfg.step_size * self._stepped(velocity, updates)))
-            return self._held(state, ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel,
-                                                     updates=updates), step, sync_interval)
+            scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity))
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel)
         if paper_decay is None:
             raise ValueError(
                 "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, or pass "
@@ -237,25 +191,5 @@ class Controller:
             return velocity
         return max(velocity, 0.0) if share > self.config.rise_only_after else velocity
 
-    def _stepped(self, velocity: float, updates: int) -> float:
-        """What the scale steps along: the velocity, bias-corrected when ``auto_lr.bias_correction`` is on."""
-        if self.config.bias_correction and self.config.beta > 0.0:
-            return bias_corrected(velocity, self.config.beta, updates)
-        return velocity
-
     def _clamp(self, scale: float) -> float:
         return min(max(scale, self.config.scale_min), self.config.scale_max)
-
-    def _held(self, before: ControllerState, after: ControllerState, step: int, sync_interval: int) -> ControllerState:
-        """``after`` with ``auto_lr.hold_average`` applied: an update inside the averaged part of the window adds
-        its log scale to the running sum, and the last update before the stop (the next sync would be past
-        ``stop_steps``) replaces the scale by the sum's geometric mean, the value held from then on."""
-        cfg = self.config
-        ahead = cfg.window_share(step, from_stop=True)
-        if not cfg.hold_average or ahead is None or ahead > cfg.hold_average:
-            return after
-        after.log_scale_sum = before.log_scale_sum + math.log(after.scale)
-        after.scales_averaged = before.scales_averaged + 1
-        if step + sync_interval > cfg.stop_steps:
-            after.scale = self._clamp(math.exp(after.log_scale_sum / after.scales_averaged))
-        return after

@@ -23,7 +23,6 @@ from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import all_finite, start_gather_rows
 from hdet_scale.config import MIN_CONTROLLER_UPDATES, HDETConfig
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
-from hdet_scale.displacement import DisplacementSignal
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
@@ -51,10 +50,6 @@ class SyncReport:
     sync_seconds: float
     bytes_averaged: int
     bytes_gathered: int
-    displacement: float | None = None
-    """The displacement signal's cosine at this sync (``auto_lr.displacement``), None when off or not yet known."""
-    start_probe_loss: float | None = None
-    """``auto_lr.hypergradient='progress'``: the probe loss of the weights the replicas started the interval from."""
 
     def as_record(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,10 +115,7 @@ class HDETEnsemble:
         self._warned_no_loss = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._probe: Callable[[], LossLike] | None = None
-        self._start_probe: float | None = None  # the probe loss of the weights the interval started from
-        self._resumed_at = 0  # the step training (re)starts from: the missing-probe check runs there
         self._window = WindowAverage(config.auto_lr.window(probing=False), config.sync_interval)
-        self._displacement = DisplacementSignal() if config.auto_lr.displacement > 0 else None
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
         self._warned_no_probe = False
         if config.warm_init.enabled and state is None:
@@ -242,10 +234,6 @@ class HDETEnsemble:
         their device until the next sync, so this adds no host-device synchronization. Returns the sync
         report on sync steps, else None.
         """
-        if self._step == self._resumed_at and self._probe is None and self._uses_progress():
-            raise ValueError("auto_lr.hypergradient='progress' scores the replicas' progress on a probe batch: set "
-                             "one with hdet.set_probe before the first step (hdet_scale.train and the Trainer "
-                             "integration set one from held-out data), or use hypergradient 'weights'")
         self._interval.add_step(loss)
         self._step += 1
         steps_in_interval = self._step - (self._last_sync_step or 0)
@@ -283,8 +271,7 @@ class HDETEnsemble:
         Called on every rank, inside ``torch.no_grad()``, before the first step (the window of averaged weights,
         ``auto_lr.average_window``, follows it); None removes the probe."""
         self._probe = probe
-        self._window = WindowAverage(self.config.auto_lr.window(probe is not None, self._step),
-                                     self.config.sync_interval)
+        self._window = WindowAverage(self.config.auto_lr.window(probe is not None), self.config.sync_interval)
 
     # ------------------------------------------------------------------------------------ a sync
     def sync(self) -> SyncReport:
@@ -299,18 +286,15 @@ class HDETEnsemble:
         started = time.perf_counter()
         tensors = self._sync_tensors()
         scores, sent = self._average(tensors, self._score_row(tensors))
-        self._start_probe = self._run_probe() if self._measures_progress(self._step) else None
-        displacement = self._displacement_cosine()
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
         applied = {explored.name: (explored.applied_bases, explored.replica_multipliers())
                    for explored in self._explored}
         for explored in self._explored:
             explored.applied_bases = []
-        weights = self._update_values(scores, displacement)
+        weights = self._update_values(scores)
         self._reassign()
         self._interval.reset()
         self._window.reset()
-        self._window.resize(self.config.auto_lr.window(self._probe is not None, self._step))
         self._last_sync_step = self._step
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,
@@ -318,8 +302,7 @@ class HDETEnsemble:
                                                                    *applied[explored.name])
                                     for explored in self._explored},
                             sync_seconds=time.perf_counter() - started, bytes_averaged=sent,
-                            bytes_gathered=scores.bytes_gathered, displacement=displacement,
-                            start_probe_loss=scores.start_probe_loss)
+                            bytes_gathered=scores.bytes_gathered)
         if self._metrics.path is not None:  # the record is a deep copy: only when there is a file to write
             self._metrics.write(report.as_record())
         return report
@@ -334,17 +317,13 @@ class HDETEnsemble:
     def _score_row(self, tensors: list[torch.Tensor]) -> list[float]:
         """This rank's row of the sync's score table: its interval loss sum and step count, whether its tensors
         and optimizer state are all finite (else its replica is left out of the average; a non-finite loss alone
-        is only the worst score), its probe loss (NaN: no probe), and the probe loss of the weights the interval
-        started from (NaN: not scored)."""
+        is only the worst score), and its probe loss (NaN: no probe)."""
         loss_sum = self._interval.total()
         state = [] if self.config.average_optimizer_state else self.adapter.optimizer_state_tensors()
         healthy = all_finite(tensors) and all_finite(state)
         with self._window.swapped_in(self.adapter.averaged_tensors(), self.adapter.after_average):
             probe = self._run_probe()
-        # NaN marks "not scored"; a start scored non-finite is sent as inf (the controller steps down)
-        start = math.nan if self._start_probe is None else (math.inf if math.isnan(self._start_probe)
-                                                            else self._start_probe)
-        return [loss_sum, float(self._interval.count), float(healthy), math.nan if probe is None else probe, start]
+        return [loss_sum, float(self._interval.count), float(healthy), math.nan if probe is None else probe]
 
     def _run_probe(self) -> float | None:
         if self._probe is None:
@@ -401,28 +380,9 @@ class HDETEnsemble:
         return (self.topology.num_replicas > 1 and cfg.enabled and step >= cfg.warmup_steps
                 and (cfg.stop_steps is None or step <= cfg.stop_steps))
 
-    def _uses_progress(self) -> bool:
-        """Whether the LR's controller runs on the progress hypergradient (it is on, with 2+ replicas)."""
-        cfg = self.config.auto_lr
-        return cfg.hypergradient == "progress" and cfg.enabled and self.topology.num_replicas > 1
-
-    def _measures_progress(self, step: int) -> bool:
-        """Whether the controller updates with the progress hypergradient at the first regular sync after
-        ``step``, which needs the probe loss of the weights at ``step`` (every rank runs the probe or none)."""
-        interval = self.config.sync_interval
-        return self._uses_progress() and self._controller_moves_at(step - step % interval + interval)
-
-    def _displacement_cosine(self) -> float | None:
-        """The displacement signal after this sync's average (collective over the replica when sharded)."""
-        if self._displacement is None:
-            return None
-        group = self.topology.intra_replica_group if self.topology.ranks_per_replica > 1 else None
-        return self._displacement.update(self.adapter.averaged_tensors(), group)
-
-    def _update_values(self, scores: ReplicaScores, displacement: float | None) -> list[float] | None:
-        """Moves every explored value's controller by eq. 4's weights (the LRs also by the displacement signal);
-        returns the weights, or None when the controller does not update at this sync (off, warming up, one
-        replica, or a replica without loss)."""
+    def _update_values(self, scores: ReplicaScores) -> list[float] | None:
+        """Moves every explored value's controller by eq. 4's weights; returns the weights, or None when the
+        controller does not update at this sync (off, warming up, one replica, or a replica without loss)."""
         cfg = self.config.auto_lr
         if not self._controller_moves_at(self._step):
             return None
@@ -435,17 +395,10 @@ class HDETEnsemble:
                      "controller skips updates until every replica reports losses")
                 self._warned_no_loss = True
             return None
-        progress = None
-        if cfg.hypergradient == "progress":
-            if scores.start_probe_loss is None:  # the first interval: no start was scored
-                return None
-            progress = (signal, scores.start_probe_loss)
         weights = self._controllers["lr"].weights(signal)
-        pushed = cfg.displacement * displacement if displacement is not None else 0.0
         for explored in self._explored:
             explored.update(self._controllers["lr" if explored.is_lr else "other"], weights=weights,
-                            step=self._step, sync_interval=self.config.sync_interval,
-                            extra_delta=pushed if explored.is_lr else 0.0, progress=progress)
+                            step=self._step, sync_interval=self.config.sync_interval)
         return weights
 
     def _reassign(self) -> None:
@@ -477,12 +430,13 @@ class HDETEnsemble:
             "num_replicas": self.topology.num_replicas,
             "loss_sum": self._interval.total(),
             "loss_count": self._interval.count,
-            "start_probe_loss": self._start_probe,
             "explored": {explored.name: explored.state_dict() for explored in self._explored},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores ``state_dict()``; with a different replica count the permutations are drawn afresh."""
+        """Restores ``state_dict()``; with a different replica count the permutations are drawn afresh. A state
+        saved by an earlier version loads too: keys it holds for settings since removed (``start_probe_loss``, the
+        controller's ``updates``, ``log_scale_sum`` and ``scales_averaged``) are ignored."""
         saved = state["explored"]
         names = [explored.name for explored in self._explored]
         if sorted(saved) != sorted(names):
@@ -501,12 +455,7 @@ class HDETEnsemble:
         last_sync = state.get("last_sync_step", self._step - self._step % self.config.sync_interval)
         self._last_sync_step = None if last_sync is None else int(last_sync)
         self._interval.restore(state["loss_sum"], state["loss_count"])
-        self._start_probe = state.get("start_probe_loss")
-        self._resumed_at = self._step
-        self._window.reset()  # sized for the step training resumes at, not the step the ensemble was built at
-        self._window.resize(self.config.auto_lr.window(self._probe is not None, self._step))
-        if self._displacement is not None:
-            self._displacement.reset()
+        self._window.reset()
 
     def close(self) -> None:
         """Removes the optimizer hooks and returns every knob to its base value; the optimizer then trains at

@@ -89,13 +89,11 @@ class ExploredValue:
         return [self.value(replica) for replica in range(self.num_replicas)]
 
     # ------------------------------------------------------------------------------------ a sync
-    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int,
-               extra_delta: float = 0.0, progress: tuple[Sequence[float], float] | None = None) -> None:
-        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended (and an
-        ``extra_delta`` added to its hypergradient; ``progress``: see ``Controller.update``)."""
+    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int) -> None:
+        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended."""
         self.state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
                                        scheduled_value=self.knob.scheduled(), step=step, sync_interval=sync_interval,
-                                       paper_decay=self.paper_decay, extra_delta=extra_delta, progress=progress)
+                                       paper_decay=self.paper_decay)
 
     def redraw(self) -> None:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""
@@ -125,8 +123,7 @@ class ExploredValue:
     def load_state_dict(self, state: dict[str, Any], *, same_layout: bool) -> None:
         """Restores ``state_dict()``; with another replica count (``same_layout`` False) the permutation is
         drawn afresh from the restored stream."""
-        # A state saved before the update count existed has run long enough for 1 - beta^n to be 1.
-        self.state = ControllerState(**{"updates": ControllerState.SETTLED, **state["controller"]})
+        self.state = ControllerState.from_state_dict(state["controller"])
         self.stream.load_state_dict(state["stream"])
         if same_layout:
             self.permutation = list(state["permutation"])

@@ -2,8 +2,8 @@
 
 Between syncs every rank accumulates its step losses on the loss's device (``IntervalLoss``: no host
 synchronization). At a sync every rank contributes a row (interval loss sum and count, whether its loss and
-tensors are finite, probe loss, probe loss of the weights the interval started from) to a table gathered with the
-average itself, and ``ReplicaScores`` reduces the rows to one score per replica.
+tensors are finite, probe loss) to a table gathered with the average itself, and ``ReplicaScores`` reduces the rows
+to one score per replica.
 """
 
 from __future__ import annotations
@@ -78,9 +78,6 @@ class ReplicaScores:
     of the replica reported a loss."""
     probe_losses: list[float] | None
     """Each replica's probe loss (mean over its ranks), or None without a probe."""
-    start_probe_loss: float | None
-    """``auto_lr.hypergradient='progress'``: the probe loss of the weights every replica started the interval from
-    (the mean over the ranks that scored them), or None where none did."""
     healthy: list[bool]
     """False where any averaged tensor or optimizer state of a replica is non-finite: it is left out of the mean
     (a non-finite loss alone is the worst score, not a reason to leave the replica out)."""
@@ -89,14 +86,12 @@ class ReplicaScores:
     @classmethod
     def from_table(cls, table: torch.Tensor, topology: ReplicaTopology, *, with_probe: bool) -> ReplicaScores:
         """The scores from the gathered rows, one per global rank: (loss sum, loss count, tensors and optimizer
-        state finite as 0/1, probe loss, probe loss of the interval's start, NaN where not scored)."""
+        state finite as 0/1, probe loss or NaN)."""
         rows = [table[topology.replica_ranks(replica)] for replica in range(topology.num_replicas)]
         losses = [_replica_loss(replica_rows) for replica_rows in rows]
         healthy = [bool(replica_rows[:, 2].all()) for replica_rows in rows]
         probe_losses = [float(replica_rows[:, 3].mean()) for replica_rows in rows] if with_probe else None
-        starts = table[:, 4][~torch.isnan(table[:, 4])]
-        start = float(starts.mean()) if with_probe and len(starts) else None
-        return cls(losses=losses, probe_losses=probe_losses, start_probe_loss=start, healthy=healthy,
+        return cls(losses=losses, probe_losses=probe_losses, healthy=healthy,
                    bytes_gathered=table.numel() * table.element_size())
 
     @property

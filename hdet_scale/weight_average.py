@@ -28,8 +28,8 @@ class WindowAverage:
 
     def __init__(self, fraction: float, sync_interval: int) -> None:
         self.sync_interval = sync_interval
-        self.window = 0
-        self.resize(fraction)
+        self.window = math.ceil(fraction * sync_interval) if fraction > 0 else 0
+        """The steps averaged: the last ``window`` before each regular sync (0: none)."""
         self._mean: list[torch.Tensor] = []
         self.count = 0
         """Iterates averaged so far in this interval."""
@@ -79,10 +79,6 @@ class WindowAverage:
             held = tensor.clone()
             tensor.copy_(mean)
             mean.copy_(held)
-
-    def resize(self, fraction: float) -> None:
-        """From the next interval on, average over its last ``ceil(fraction * sync_interval)`` steps (0: none)."""
-        self.window = math.ceil(fraction * self.sync_interval) if fraction > 0 else 0
 
     def reset(self) -> None:
         """Starts a new interval (the memory of the mean is kept for the next one)."""

@@ -1,6 +1,11 @@
 """The LR-finding benchmark's report (benchmarks/lr_finding_report.py) against hand-computed tables."""
 
+import json
+
 from benchmark_modules import load_benchmark
+
+from hdet_scale import HDETConfig
+from hdet_scale.config import REMOVED_SETTINGS
 
 report = load_benchmark("lr_finding_report")
 
@@ -50,15 +55,45 @@ def test_without_the_default_variant_no_variant_has_the_full_grid():
 
 def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_definition():
     """A variant in benchmarks/lr_finding.py that never ran is a setting the results say nothing about, and a
-    recorded run whose variant is gone can no longer be rerun: the committed results (the benchmark's own setting
-    and the matrix of settings) and VARIANTS name the same variants."""
+    recorded run must say what it ran: by a variant VARIANTS still defines, or, for a variant since dropped, by the
+    HDET config it ran with recorded on the run (``hdet_config``, and whether a probe batch scored it). Read from
+    the committed results: the benchmark's own setting, its new seeds, its GPU run and the matrix of settings."""
     lr_finding = load_benchmark("lr_finding")
     results = lr_finding.read_json(lr_finding.RESULTS / "lr_finding.json")
+    others = [lr_finding.read_json(lr_finding.RESULTS / f"lr_finding_{name}.json") for name in ("new_seeds", "gpu")]
     matrix = lr_finding.read_json(lr_finding.RESULTS / "lr_finding_matrix.json")
-    runs = results["runs"] + [run for setting in matrix["settings"] for run in setting["runs"]]
-    recorded = {run["variant"] for run in runs if run["method"] == "hdet"}
-    assert recorded == set(lr_finding.VARIANTS)
+    runs = [run for record in (results, *others) for run in record["runs"]]
+    runs += [run for setting in matrix["settings"] for run in setting["runs"]]
+    hdet_runs = [run for run in runs if run["method"] == "hdet"]
+    assert set(lr_finding.VARIANTS) <= {run["variant"] for run in hdet_runs}
+    undefined = [run for run in hdet_runs if run["variant"] not in lr_finding.VARIANTS]
+    assert undefined  # the variants dropped from VARIANTS
+    for run in undefined:
+        config = HDETConfig.from_dict(run["hdet_config"] | {"auto_lr": {
+            key: value for key, value in run["hdet_config"]["auto_lr"].items()
+            if key not in REMOVED_SETTINGS["auto_lr"]}})  # what it ran, as far as today's library reads it
+        assert config.seed == run["seed"] and isinstance(run["probe"], bool), run["variant"]
     assert results["default_variant"] == matrix["default_variant"] == lr_finding.DEFAULT_VARIANT
+
+
+def test_each_recorded_run_of_a_variant_still_defined_ran_its_definition(tmp_path):
+    """Where a run records its HDET config and its variant is still defined, the benchmark's worker writes the same
+    config for it today (less the removed settings' values that meant "off")."""
+    lr_finding = load_benchmark("lr_finding")
+    for name in ("lr_finding", "lr_finding_new_seeds", "lr_finding_gpu"):
+        record = lr_finding.read_json(lr_finding.RESULTS / f"{name}.json")
+        args = lr_finding.parse_args([])
+        for key, value in record["setting"].items():
+            setattr(args, key, value)
+        kept = [run for run in record["runs"] if run["method"] == "hdet" and run["variant"] in lr_finding.VARIANTS]
+        assert kept and all("hdet_config" in run for run in kept)
+        for run in kept:
+            words = lr_finding.worker_args(args, run, tmp_path)
+            now = json.loads((tmp_path / "hdet.json").read_text())
+            ran = {**run["hdet_config"], "auto_lr": {key: value for key, value in run["hdet_config"]["auto_lr"].items()
+                                                     if key != "hold_average" or value != 0.0}}
+            assert now == ran, (name, run["variant"])
+            assert ("--probe" in words) == run["probe"]
 
 
 def test_every_variant_line_is_told_apart_and_the_legend_fits_the_figure():

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
-from benchmark_modules import load_benchmark
+from benchmark_modules import BENCHMARKS, load_benchmark
 
 from hdet_scale.config import AutoLRConfig
 
@@ -22,8 +23,6 @@ STEPS = {
     "hdet_T10": {"hdet_step_call_s": _median(50e-6), "sync_seconds_report": _median(0.040)},
     "hdet_T10_probe": {"hdet_step_call_s": _median(50e-6), "sync_seconds_report": _median(0.050)},
     "hdet_T10_averaged": {"hdet_step_call_s": _median(650e-6), "sync_seconds_report": _median(0.055)},
-    "hdet_T10_displacement": {"hdet_step_call_s": _median(60e-6), "sync_seconds_report": _median(0.056)},
-    "hdet_T10_progress": {"hdet_step_call_s": _median(55e-6), "sync_seconds_report": _median(0.058)},
     "hdet_T10_default": {"hdet_step_call_s": _median(300e-6), "sync_seconds_report": _median(0.054)},
 }
 SYNC = {"ops": {"hdet.sync bucket_mb=25": {"seconds": _median(0.030)},
@@ -33,18 +32,17 @@ HOOKS = {"hook_s": 20e-6}
 
 def test_each_signal_is_estimated_from_its_own_hot_path_and_syncs():
     costs = timing.signal_costs(STEPS, SYNC, HOOKS, 10, gradient_average=False)
-    assert list(costs) == ["hdet_T10", "hdet_T10_probe", "hdet_T10_averaged", "hdet_T10_displacement",
-                           "hdet_T10_progress", "hdet_T10_default"]
+    assert list(costs) == ["hdet_T10", "hdet_T10_probe", "hdet_T10_averaged", "hdet_T10_default"]
     # (hot path 650 us + hooks 20 us + sync 55 ms / 10) / plain 10 ms
     assert costs["hdet_T10_averaged"]["estimate"] == pytest.approx((650 + 20 + 5500) / 10_000)
     assert costs["hdet_T10"]["estimate"] == pytest.approx((50 + 20 + 4000) / 10_000)
-    assert costs["hdet_T10_progress"]["estimate"] == pytest.approx((55 + 20 + 5800) / 10_000)
+    assert costs["hdet_T10_default"]["estimate"] == pytest.approx((300 + 20 + 5400) / 10_000)
     assert (costs["hdet_T10_probe"]["hot_path_s"], costs["hdet_T10_probe"]["sync_s"]) == (50e-6, 0.050)
 
 
 def test_the_gradient_all_reduce_counts_on_every_step_where_hdet_runs_it():
     costs = timing.signal_costs(STEPS, SYNC, HOOKS, 10, gradient_average=True)
-    assert costs["hdet_T10_displacement"]["estimate"] == pytest.approx((60 + 20 + 2000 + 5600) / 10_000)
+    assert costs["hdet_T10_averaged"]["estimate"] == pytest.approx((650 + 20 + 2000 + 5500) / 10_000)
     # the intervals' estimates use section 2's sync time instead: (50 + 20 + 2000 + 30000 / 10) / 10000
     steps = {**STEPS, "hdet_T100": {"hdet_step_call_s": _median(50e-6)}}
     estimates = timing.estimates(steps, SYNC, HOOKS, (10, 100), gradient_average=True)
@@ -61,3 +59,34 @@ def test_the_default_signal_is_the_librarys_controller_moving_at_every_sync():
     assert ran.filled() == dataclasses.replace(AutoLRConfig().filled(), start_fraction=None, stop_fraction=None,
                                                warmup_steps=0, stop_steps=10**9)
     assert ran.window(probing=True) == 0.25
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "deepspeed"])
+def test_the_report_renders_results_that_hold_the_removed_signals(tmp_path, engine):
+    """The committed results were measured with the ``displacement`` and ``progress`` signals, since removed from
+    the library and from ``SIGNALS``: the report still renders their rows (every table line as committed) and says
+    what they were."""
+    report = load_benchmark("overhead_report")
+    committed = BENCHMARKS / "results" / f"overhead_{engine}_cpu"
+    data = json.loads(committed.with_suffix(".json").read_text())
+    assert set(engines.SIGNALS) == {"probe", "averaged", "default"}
+    path = tmp_path / "overhead.md"
+    report.write_markdown(path, data)
+    rendered = path.read_text()
+    assert "| hdet_T10_displacement |" in rendered and "| hdet_T10_progress |" in rendered
+    assert "`displacement` (a signal since removed from the library)" in rendered
+    assert "`progress` (the progress hypergradient, since removed from the library)" in rendered
+    tables = [[line for line in text.splitlines() if line.startswith("|")]
+              for text in (rendered, committed.with_suffix(".md").read_text())]
+    assert tables[0] == tables[1]
+
+
+def test_the_legend_names_only_the_signals_a_results_file_holds():
+    report = load_benchmark("overhead_report")
+    costs = timing.signal_costs(STEPS, SYNC, HOOKS, 10, gradient_average=False)
+    steps = {name: {**entry, "block_median_ratio": {"median": 1.0, "q1": 1.0, "q3": 1.0}, "total_time_ratio": 1.0}
+             for name, entry in STEPS.items()}
+    legend = report.signals_markdown({"sync_intervals": [10]}, {"step_time": steps, "signal_costs": costs}, "##",
+                                     False)[-1]
+    assert "`averaged` also adds" in legend and "`default` is the library's default controller" in legend
+    assert "displacement" not in legend and "progress" not in legend

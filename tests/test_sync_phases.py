@@ -76,15 +76,50 @@ def test_state_round_trips_and_redraws_on_another_layout():
     assert other.permutation == expected_next
 
 
-def test_a_state_saved_without_an_update_count_loads_as_settled():
-    """A state from before ``ControllerState.updates`` existed has a warmed-up velocity: bias correction must not
-    divide it by 1 - beta (10x at beta 0.9) on the first update after the resume."""
+OLD_CONTROLLER_FIELDS = {"updates": 12, "log_scale_sum": 0.7, "scales_averaged": 3}
+"""What a checkpoint of an earlier version holds for ``auto_lr.bias_correction`` and ``hold_average``, since removed."""
+
+
+def test_a_controller_state_saved_with_the_fields_of_removed_settings_loads():
     explored = ExploredValue.start(lr_value().knob, seed=3, num_replicas=3, alpha=0.5)
+    explored.state = ControllerState(scale=1.5, velocity=0.1, last_delta=0.2)
     saved = explored.state_dict()
-    del saved["controller"]["updates"]
-    explored.load_state_dict(saved, same_layout=True)
-    assert explored.state.updates == ControllerState.SETTLED
-    assert 1 - 0.999**ControllerState.SETTLED > 1 - 1e-4
+    old = {**saved, "controller": {**saved["controller"], **OLD_CONTROLLER_FIELDS}}
+    for state in (old, saved):  # with and without them
+        loaded = ExploredValue.start(lr_value().knob, seed=99, num_replicas=3, alpha=0.5)
+        loaded.load_state_dict(state, same_layout=True)
+        assert loaded.state == explored.state and loaded.permutation == explored.permutation
+    with pytest.raises(TypeError, match="unexpected keyword argument 'momentum'"):  # anything else is still refused
+        ControllerState.from_state_dict({**saved["controller"], "momentum": 0.9})
+
+
+def test_an_ensemble_state_saved_with_the_keys_of_removed_settings_loads():
+    """A checkpoint of an earlier version holds ``start_probe_loss`` (the progress hypergradient's) and the
+    controller fields of bias correction and the held average: it resumes as one saved without them."""
+    from hdet_scale import HDETConfig, HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+
+    config = HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5})
+    two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
+
+    def ensemble() -> HDETEnsemble:
+        optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        return HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas, total_steps=1000)
+
+    def plain(value):  # tensors (the generators' states) as lists, to compare whole states
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        return value.tolist() if isinstance(value, torch.Tensor) else value
+
+    saved = ensemble().state_dict()
+    assert "start_probe_loss" not in saved
+    old = {**saved, "start_probe_loss": 2.5,
+           "explored": {name: {**value, "controller": {**value["controller"], **OLD_CONTROLLER_FIELDS}}
+                        for name, value in saved["explored"].items()}}
+    for state in (old, saved):
+        resumed = ensemble()
+        resumed.load_state_dict(state)
+        assert plain(resumed.state_dict()) == plain(saved)
 
 
 def test_interval_loss_averages_micro_batches_into_steps():
@@ -108,20 +143,19 @@ def test_interval_loss_averages_micro_batches_into_steps():
 def test_scores_reduce_rank_rows_to_replicas():
     topology = ReplicaTopology(rank=0, world_size=6, ranks_per_replica=2)  # 3 replicas of 2 ranks
     table = torch.tensor([
-        # loss sum, steps, tensors finite, probe, probe of the interval's start (NaN: not scored)
-        [6.0, 3.0, 1.0, 1.0, 4.0],  # replica 0: interval means 2 and 4 -> 3; probe 1.5
-        [12.0, 3.0, 1.0, 2.0, 4.0],
-        [0.0, 0.0, 1.0, 5.0, 4.5],  # replica 1: one rank without losses -> 5; its tensors are not finite
-        [10.0, 2.0, 0.0, 7.0, math.nan],
-        [0.0, 0.0, 1.0, 3.0, 4.0],  # replica 2: no losses at all
-        [0.0, 0.0, 1.0, 3.0, 4.0],
+        # loss sum, steps, tensors finite, probe
+        [6.0, 3.0, 1.0, 1.0],  # replica 0: interval means 2 and 4 -> 3; probe 1.5
+        [12.0, 3.0, 1.0, 2.0],
+        [0.0, 0.0, 1.0, 5.0],  # replica 1: one rank without losses -> 5; its tensors are not finite
+        [10.0, 2.0, 0.0, 7.0],
+        [0.0, 0.0, 1.0, 3.0],  # replica 2: no losses at all
+        [0.0, 0.0, 1.0, 3.0],
     ], dtype=torch.float64)
     scores = ReplicaScores.from_table(table, topology, with_probe=True)
     assert scores.losses == [3.0, 5.0, None]
     assert scores.probe_losses == [1.5, 6.0, 3.0]
-    assert scores.start_probe_loss == pytest.approx(4.1)  # the mean of the five ranks that scored it
     assert scores.healthy == [True, False, True] and scores.excluded == [1]
-    assert scores.bytes_gathered == 6 * 5 * 8
+    assert scores.bytes_gathered == 6 * 4 * 8
     assert scores.controller_signal(0.0) == [3.0, 5.0, None]
     assert scores.controller_signal(1.0) == [1.5, 6.0, 3.0]
     assert scores.controller_signal(0.25) == pytest.approx([2.625, 5.25, None])
@@ -131,11 +165,11 @@ def test_scores_reduce_rank_rows_to_replicas():
 def test_non_finite_tensors_make_a_replica_unhealthy_and_a_non_finite_loss_does_not():
     """Column 2 says whether a rank's tensors and optimizer state are finite; a loss is only a score."""
     topology = ReplicaTopology(rank=0, world_size=3, ranks_per_replica=1)
-    table = torch.tensor([[math.inf, 1.0, 1.0, math.nan, math.nan], [1.0, 1.0, 1.0, math.nan, math.nan],
-                          [2.0, 1.0, 0.0, math.nan, math.nan]], dtype=torch.float64)
+    table = torch.tensor([[math.inf, 1.0, 1.0, math.nan], [1.0, 1.0, 1.0, math.nan], [2.0, 1.0, 0.0, math.nan]],
+                         dtype=torch.float64)
     scores = ReplicaScores.from_table(table, topology, with_probe=False)
     assert scores.healthy == [True, True, False] and scores.excluded == [2]
-    assert scores.losses[:2] == [math.inf, 1.0] and scores.start_probe_loss is None
+    assert scores.losses[:2] == [math.inf, 1.0]
     sharded = ReplicaScores.from_table(table[[0, 2, 1, 1]], ReplicaTopology(rank=0, world_size=4, ranks_per_replica=2),
                                        with_probe=False)
     assert sharded.healthy == [False, True]  # one unhealthy rank leaves its whole replica out
