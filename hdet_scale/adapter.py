@@ -93,10 +93,17 @@ class EngineAdapter(ABC):
         """Refreshes derived copies (e.g. low-precision parameters) from the master tensors after HDET edited
         them in place (averaging, warm-init noise)."""
 
-    def recover_excluded(self) -> None:
-        """Called on every rank of a replica that was left out of an average for non-finite values, after it
-        received the mean: its optimizer state starts afresh (every tensor of it zeroed, step counts included, as
-        a new Adam's), keeping its entries, so a checkpoint saved now holds every key a resumed run loads."""
+    def peak_lrs(self) -> list[float]:
+        """Each param group's peak LR as its schedule gives it (what an LR range test's pick is measured against):
+        OneCycleLR's ``max_lr``, else the LR the optimizer was built with, which torch's schedulers keep as
+        ``initial_lr``, else its LR now."""
+        return [float(group.get("max_lr", group.get("initial_lr", group["lr"])))
+                for group in self.optimizer.param_groups]
+
+    def restart_optimizer_state(self) -> None:
+        """Starts this rank's optimizer state afresh (every tensor of it zeroed, step counts included, as a new
+        Adam's), keeping its entries, so a checkpoint saved after it holds every key a resumed run loads: on a
+        replica left out of an average for non-finite values, and after an LR range test."""
         for state in self.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):

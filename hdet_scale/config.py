@@ -42,6 +42,8 @@ MIN_CONTROLLER_UPDATES = 4
 """Fewer controller updates than this (or than ``AutoLRConfig.updates_to_climb``) in its window are warned about."""
 FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_steps"}
 """The controller's times given as a share of the run, and the step fields ``HDETConfig.for_run`` turns them into."""
+MIN_RANGE_TEST_STEPS = 13
+"""The fewest steps a range test may have: its pick leaves out its first 10 and its last step."""
 DEFAULT_AVERAGE_WINDOW = 0.25
 """``average_window`` when unset, in ``log`` mode with a probe."""
 REMOVED_SETTINGS: dict[str, tuple[str, ...]] = {
@@ -121,6 +123,19 @@ class AutoLRConfig:
     ``initial_scale`` 0.1, a run cannot go below the LR it starts at, so a given LR more than 10x too high stays
     too high; lower it to reach further."""
 
+    range_test: int = 0
+    """Steps of the LR range test the run starts with, 0 (none) or at least 13 (``hdet_scale.range_test``): every
+    replica trains at the same LR, growing exponentially from 1e-6 to 1 over these steps (other param groups keep
+    their ratio to the first); the LR where the smoothed loss falls fastest is picked, every replica goes back to
+    the weights it had before the test with a fresh optimizer state, and the run goes on with the spread's fastest
+    replica at the picked LR (the base at the pick over the largest multiplier). The controller then moves from
+    there, ``initial_scale`` unused and ``scale_min``/``scale_max`` relative to that start. The test's steps come
+    before the run's (``HDETEnsemble.global_step`` stays 0; ``hdet_scale.train`` runs them before ``--steps``), and
+    ``HDETScheduler`` holds the schedule meanwhile: loop ``while hdet.global_step < total_steps``. The schedule's
+    peak LR is read from the optimizer (OneCycleLR's ``max_lr``, else the ``initial_lr`` torch's schedulers keep).
+    Each rank holds a copy of its weights (its shards) during the test. Not with ``paper`` mode; not yet with
+    DeepSpeed, the Trainer or Lightning, whose schedulers would run on."""
+
     initial_scale: float | None = None
     """``scale`` and ``log`` mode: the LR's scale from the first step (other explored values start at 1), in
     [scale_min, scale_max]. Below 1 the run starts under the LR it was given and the controller climbs: a too-high
@@ -160,7 +175,9 @@ class AutoLRConfig:
             if getattr(self, name) is None:
                 changes[name] = defaults[name]
         if self.initial_scale is None:
-            changes["initial_scale"] = defaults["initial_scale"] if self.enabled is True else 1.0
+            # after a range test the scale starts at its pick: 1 relative to it
+            starts_below = self.enabled is True and not self.range_test
+            changes["initial_scale"] = defaults["initial_scale"] if starts_below else 1.0
         if self.warmup_steps is None and self.start_fraction is None:
             changes["start_fraction"] = defaults["start_fraction"]
         if self.stop_steps is None and self.stop_fraction is None:
@@ -361,6 +378,16 @@ class HDETConfig:
         if lr.mode == "paper" and (lr.stop_steps is not None or lr.stop_fraction is not None):
             raise HDETConfigError("auto_lr.stop_steps/stop_fraction work in 'scale' and 'log' mode; the paper's "
                                   "controller also decays the LR (eq. 8): remove them or choose another mode")
+        _check_int("auto_lr.range_test", lr.range_test, low=0)
+        if 0 < lr.range_test < MIN_RANGE_TEST_STEPS:
+            raise HDETConfigError(f"auto_lr.range_test={lr.range_test}: a range test needs at least "
+                                  f"{MIN_RANGE_TEST_STEPS} steps (100 is usual); 0 turns it off")
+        if lr.range_test and (lr.mode == "paper" or not lr.enabled):
+            raise HDETConfigError("auto_lr.range_test sets the scale the controller starts from: it needs the "
+                                  "controller on in 'scale' or 'log' mode; set it to 0 or turn auto_lr on")
+        if lr.range_test and lr.initial_scale not in (None, 1.0):
+            raise HDETConfigError(f"auto_lr.initial_scale={lr.initial_scale} and auto_lr.range_test both set where "
+                                  "the LR starts: remove initial_scale (the test picks the start)")
         if lr.initial_scale is not None and lr.initial_scale != 1.0 and (lr.mode == "paper" or not lr.enabled):
             raise HDETConfigError(f"auto_lr.initial_scale={lr.initial_scale} needs the controller on in 'scale' or "
                                   "'log' mode (else the LR would stay at that scale): set it to 1 or turn auto_lr on")
@@ -455,7 +482,8 @@ class HDETConfig:
         falls between its start and stop while it starts away from the given LR (``initial_scale`` != 1): the
         whole run would train at ``initial_scale`` times that LR."""
         lr = self.auto_lr
-        if not lr.enabled or num_replicas < 2 or lr.initial_scale in (None, 1.0) or self.controller_updates() != 0:
+        if (not lr.enabled or num_replicas < 2 or lr.range_test or lr.initial_scale in (None, 1.0)
+                or self.controller_updates() != 0):
             return None
         reachable = lr.stop_steps >= max(lr.warmup_steps, 1)
         fix = f"set sync_interval to {lr.stop_steps} or less, or " if reachable else "set "

@@ -105,6 +105,10 @@ class ControllerState:
     """The last Delta (for metrics): relative in ``scale`` mode, in log units in ``log`` mode, absolute in
     ``paper`` mode."""
 
+    anchor: float = 1.0
+    """``scale`` and ``log`` mode: what ``scale_min`` and ``scale_max`` are relative to: 1 (the given LR), or the
+    scale an LR range test started the run at (``auto_lr.range_test``)."""
+
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -161,13 +165,13 @@ class Controller:
             delta_log = log_hypergradient(weights, replica_multipliers)
             velocity = self._one_sided(momentum(state.velocity, delta_log, cfg.beta), step)
             log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
-            scale = self._clamp(state.scale * math.exp(log_step))
-            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log)
+            scale = self._clamp(state.scale * math.exp(log_step), state.anchor)
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log, anchor=state.anchor)
         delta_rel = relative_hypergradient(weights, replica_multipliers)
         if cfg.mode == "scale":
             velocity = self._one_sided(momentum(state.velocity, delta_rel, cfg.beta), step)
-            scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity))
-            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel)
+            scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity), state.anchor)
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel, anchor=state.anchor)
         if paper_decay is None:
             raise ValueError(
                 "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, or pass "
@@ -191,5 +195,5 @@ class Controller:
             return velocity
         return max(velocity, 0.0) if share > self.config.rise_only_after else velocity
 
-    def _clamp(self, scale: float) -> float:
-        return min(max(scale, self.config.scale_min), self.config.scale_max)
+    def _clamp(self, scale: float, anchor: float) -> float:
+        return min(max(scale, self.config.scale_min * anchor), self.config.scale_max * anchor)

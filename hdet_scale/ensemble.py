@@ -20,7 +20,7 @@ import torch
 
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import all_finite, start_gather_rows
+from hdet_scale.comm import all_finite, gather_rows, start_gather_rows
 from hdet_scale.config import MIN_CONTROLLER_UPDATES, HDETConfig
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
@@ -28,6 +28,7 @@ from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter
 from hdet_scale.notices import warn
+from hdet_scale.range_test import RangeTest, RangeTestStart
 from hdet_scale.scores import IntervalLoss, LossLike, ReplicaScores
 from hdet_scale.topology import ReplicaTopology
 from hdet_scale.warm_init import add_warm_noise
@@ -121,10 +122,17 @@ class HDETEnsemble:
         if config.warm_init.enabled and state is None:
             add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
             self._last_sync_step = None  # the replicas differ until the first sync
+        self._range_start: RangeTestStart | None = None
+        self.range_test_pick: float | None = None
+        """The LR the run's range test picked (``auto_lr.range_test``), once it has run; None without one."""
+        if config.auto_lr.range_test and state is None:
+            self._range_start = RangeTestStart(RangeTest(config.auto_lr.range_test),
+                                               [tensor.detach().clone() for tensor in adapter.averaged_tensors()],
+                                               adapter.peak_lrs())
         step_scoped = [explored for explored in self._explored if explored.knob.step_scoped]
         self._step_scoped = StepScopedValues(
             adapter.optimizer, [(explored.knob.group_index, explored.knob.key) for explored in step_scoped],
-            lambda index, scheduled: step_scoped[index].applied_value(self.topology.replica_index, scheduled))
+            lambda index, scheduled: self._step_value(step_scoped[index], scheduled))
         self._apply_knobs()
         if state is not None:
             self.load_state_dict(state)
@@ -193,11 +201,25 @@ class HDETEnsemble:
 
     def value(self, name: str) -> float:
         """This replica's current value of the explored hyperparameter ``name`` (e.g. ``"label_smoothing"``,
-        ``"lr/0"``: for optimizer knobs, the value the next ``optimizer.step()`` uses)."""
+        ``"lr/0"``: for optimizer knobs, the value the next ``optimizer.step()`` uses, during the run's LR range
+        test that test's LR)."""
         for explored in self._explored:
             if explored.name == name:
-                return explored.value(self.topology.replica_index)
+                ramp = self._range_test_lr(explored)
+                return explored.value(self.topology.replica_index) if ramp is None else ramp
         raise KeyError(f"'{name}' is not explored; explored: {[explored.name for explored in self._explored]}")
+
+    def _step_value(self, explored: ExploredValue, scheduled: float) -> float:
+        """This replica's value of a value set inside ``optimizer.step()`` (LR, weight decay) for the step about to
+        run: the range test's LR while it runs, else base times multiplier."""
+        ramp = self._range_test_lr(explored)
+        return explored.applied_value(self.topology.replica_index, scheduled) if ramp is None else ramp
+
+    def _range_test_lr(self, explored: ExploredValue) -> float | None:
+        """The LR of the range test's next step for an explored LR while the test runs; None otherwise."""
+        if self._range_start is None or not explored.is_lr:
+            return None
+        return self._range_start.lr(explored.knob.group_index, len(self._range_start.test.lrs))
 
     def _apply_knobs(self) -> None:
         """Gives this replica its values of the knobs that are not set inside ``optimizer.step()``."""
@@ -208,8 +230,15 @@ class HDETEnsemble:
     # ------------------------------------------------------------------------------------ the loop
     @property
     def global_step(self) -> int:
-        """Optimizer steps taken so far (``step()`` calls)."""
+        """Optimizer steps of the run taken so far (``step()`` calls; an LR range test's are not the run's)."""
         return self._step
+
+    @property
+    def ramping(self) -> bool:
+        """True while the run's LR range test runs (``auto_lr.range_test``). The test's steps are not steps of the
+        run (``global_step`` stays 0): a loop should count them apart, hold its LR schedule meanwhile (``HDETScheduler``
+        and ``hdet_scale.train`` do), and take no checkpoint; ``while hdet.global_step < total_steps`` runs them all."""
+        return self._range_start is not None
 
     @property
     def wants_probe(self) -> bool:
@@ -232,8 +261,11 @@ class HDETEnsemble:
         ``loss`` is this step's loss (a float or scalar tensor; a sequence is taken as its micro-batch
         losses), or None when the losses were passed to ``observe`` or are not available. Tensors stay on
         their device until the next sync, so this adds no host-device synchronization. Returns the sync
-        report on sync steps, else None.
+        report on sync steps, else None. While the run's LR range test runs it takes one step of it.
         """
+        if self._range_start is not None:
+            self._range_test_step(loss)
+            return None
         self._interval.add_step(loss)
         self._step += 1
         steps_in_interval = self._step - (self._last_sync_step or 0)
@@ -246,6 +278,40 @@ class HDETEnsemble:
         if self._step % self.config.sync_interval == 0:
             return self.sync()
         return None
+
+    def _range_test_step(self, loss: LossLike | Sequence[LossLike] | None) -> None:
+        """One step of the run's range test: the mean loss over every rank (one small all-reduce), and at the
+        test's end the pick and the restart from the weights every replica had before it."""
+        self._interval.reset()
+        self._interval.add_step(loss)
+        if not self._interval.count:
+            raise ValueError("the LR range test (auto_lr.range_test) needs every step's loss: pass it to step(), or "
+                             "observe() the micro-batch losses")
+        losses = gather_rows([self._interval.total()], world_size=self.topology.world_size)[:, 0]
+        self._interval.reset()
+        if self._range_start.test.add(float(losses.mean())):
+            self._finish_range_test()
+
+    @torch.no_grad()
+    def _finish_range_test(self) -> None:
+        """Every replica back to the weights it had before the test, with a fresh optimizer state; the LR's scale
+        (and the controller's bounds) from the pick, the spread's fastest replica at it."""
+        start, self._range_start = self._range_start, None
+        for tensor, saved in zip(self.adapter.averaged_tensors(), start.snapshot, strict=True):
+            tensor.copy_(saved)
+        self.adapter.after_average()
+        self.adapter.restart_optimizer_state()
+        pick = start.test.pick()
+        self.range_test_pick = pick
+        scale = 1.0
+        if pick is None:
+            warn("the LR range test saw too few finite losses to pick an LR; the run goes on at the LR it was given")
+        for explored in self._lr_explored():
+            if pick is not None:
+                scale = pick / (start.peaks[0] * max(explored.multipliers))
+            explored.state = ControllerState(scale=scale, anchor=scale)
+        self._metrics.write({"step": self._step, "range_test": {"lrs": start.test.lrs, "smoothed": start.test.smoothed,
+                                                                "picked_lr": pick, "scale": scale}})
 
     def _observe_window(self) -> None:
         """Adds this step's weights to the interval's average, when the probe is to score averaged weights."""
@@ -281,6 +347,9 @@ class HDETEnsemble:
         (e.g. before a final export or a preemption checkpoint). The next regular sync stays at the next
         multiple of ``sync_interval``.
         """
+        if self._range_start is not None:
+            raise RuntimeError(f"the LR range test is running (step {len(self._range_start.test.lrs)} of "
+                               f"{self._range_start.test.steps}): syncs start after it")
         for hook in self._pre_sync_hooks:
             hook(self._step)
         started = time.perf_counter()
@@ -367,7 +436,7 @@ class HDETEnsemble:
                                check=check, bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets)
         self.adapter.after_average()
         if not healthy:
-            self.adapter.recover_excluded()
+            self.adapter.restart_optimizer_state()
         if found[0].excluded:
             logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",
                            self._step, found[0].excluded)
@@ -423,7 +492,11 @@ class HDETEnsemble:
     def state_dict(self) -> dict[str, Any]:
         """Controller, generator and interval state. No rank id: a rank's multipliers are re-derived from
         the topology, so the state loads on any world size. Between syncs it also holds this rank's interval
-        loss accumulator (identical replicas make the state rank-independent at sync points)."""
+        loss accumulator (identical replicas make the state rank-independent at sync points). Not while the run's
+        LR range test runs: a resumed run could not take it up again."""
+        if self._range_start is not None:
+            raise RuntimeError("HDET's state was asked for during the LR range test (auto_lr.range_test), which a "
+                               "resumed run could not take up again: checkpoint once `ramping` is False")
         return {
             "step": self._step,
             "last_sync_step": self._last_sync_step,
@@ -438,6 +511,7 @@ class HDETEnsemble:
         saved by an earlier version loads too: keys it holds for settings since removed (``start_probe_loss``, the
         controller's ``updates``, ``log_scale_sum`` and ``scales_averaged``) are ignored."""
         saved = state["explored"]
+        self._range_start = None  # a saved run is past its range test (none is saved during one)
         names = [explored.name for explored in self._explored]
         if sorted(saved) != sorted(names):
             raise ValueError(f"HDET state explores {sorted(saved)} but this run explores {sorted(names)}; "

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hdet_scale.config import HDETConfig, HDETConfigError
 
 LR_MIN, LR_MAX = 1e-6, 1.0
 BETA = 0.98
@@ -86,3 +91,26 @@ class RangeTest:
     def pick(self) -> float | None:
         """The LR the test picks (``steepest_descent``), None when it saw too few finite losses."""
         return steepest_descent(self.lrs, self.smoothed)
+
+
+def refuse_range_test(config: HDETConfig, where: str) -> None:
+    """Raises, naming ``where``, for ``auto_lr.range_test`` where the loop's own LR scheduler would run on through
+    the test (the run would start again with its warm-up spent)."""
+    if config.auto_lr.range_test:
+        raise HDETConfigError(f"auto_lr.range_test is not supported {where} yet: its LR scheduler would run on "
+                              "through the test; use hdet_scale.train on FSDP2, HDETScheduler or HDETOneCycleLR, "
+                              "or set auto_lr.range_test to 0")
+
+
+@dataclass
+class RangeTestStart:
+    """A range test at the start of a run: the test, the weights every replica goes back to after it, and each
+    param group's peak LR (the test ramps the first group's LR; the others keep their ratio to it)."""
+
+    test: RangeTest
+    snapshot: list[torch.Tensor]
+    peaks: list[float]
+
+    def lr(self, group_index: int, step: int) -> float:
+        """Param group ``group_index``'s LR at 0-based ``step`` of the test."""
+        return self.test.lr(step) * self.peaks[group_index] / self.peaks[0]

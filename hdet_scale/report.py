@@ -76,6 +76,8 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
     step = record.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
         raise ReportError(f"{where}: needs an integer 'step', got {step!r}")
+    if isinstance(record.get("range_test"), dict):  # the LR range test a run started with: no loss of the run
+        return record
     if not any(field in record for field in LOSS_FIELDS):
         raise ReportError(f"{where}: has none of {', '.join(LOSS_FIELDS)}")
     for field in ("loss", "heldout_loss"):

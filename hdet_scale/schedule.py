@@ -68,8 +68,10 @@ class HDETScheduler:
                                  paper_decay=paper_decay, total_steps=total_steps)
 
     def step(self, loss: LossLike | None = None) -> SyncReport | None:
-        """Advances the base schedule, then HDET (which syncs every ``sync_interval`` calls)."""
-        self.scheduler.step()
+        """Advances the base schedule, then HDET (which syncs every ``sync_interval`` calls). While an LR range
+        test runs (``auto_lr.range_test``) the schedule holds: the run starts again after it."""
+        if not self.hdet.ramping:
+            self.scheduler.step()
         return self.hdet.step(loss)
 
     def get_last_lr(self) -> list[float]:
@@ -119,8 +121,10 @@ class HDETOneCycleLR(OneCycleLR):
                                  paper_decay=floors)
 
     def step(self, loss: LossLike | None = None) -> SyncReport | None:  # type: ignore[override]
-        """Advances OneCycleLR, then HDET (which syncs every ``sync_interval`` calls)."""
-        super().step()
+        """Advances OneCycleLR, then HDET (which syncs every ``sync_interval`` calls); OneCycleLR holds while an
+        LR range test runs (``auto_lr.range_test``)."""
+        if self.hdet is None or not self.hdet.ramping:
+            super().step()
         return self.hdet.step(loss) if self.hdet is not None else None
 
     def state_dict(self) -> dict[str, Any]:

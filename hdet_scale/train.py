@@ -66,6 +66,7 @@ from hdet_scale.lm.progress import Progress
 from hdet_scale.lm.scalars import check_wandb_available
 from hdet_scale.metrics import writable_directory
 from hdet_scale.probe import batch_probe
+from hdet_scale.range_test import refuse_range_test
 
 PROBE_SEED = 777
 """Where --probe_batch draws its held-out windows (fixed: the same probe whatever the training seed)."""
@@ -213,6 +214,7 @@ def plan(args: argparse.Namespace) -> Plan:
 
         check_ds_config(ds_config, world_size)
         _check_schedule_length(args, ds_config)
+        refuse_range_test(config, "with DeepSpeed")
     out = _check_out(args, config.metrics_path)
     for name in ("checkpoint_interval", "eval_interval"):
         if getattr(args, name) % config.sync_interval:
@@ -464,6 +466,8 @@ class Run:
             f"tokens/step={tokens_per_step}")
         if self.backend.ensemble.single_replica_warning:
             self.progress.line(f"WARNING: {self.backend.ensemble.single_replica_warning}")
+        if self.backend.ensemble.ramping and not self._range_test():
+            return
         self.progress.start(self.step, tokens_per_step)
         stop_at_sync = False
         while self.step < args.steps:
@@ -480,6 +484,27 @@ class Run:
                 self._preempt()
                 return
         self._finish()
+
+    def _range_test(self) -> bool:
+        """Runs the LR range test the run starts with (``auto_lr.range_test``), on the run's first batches, before
+        its --steps; False when stopped during it (nothing to save: a rerun starts afresh)."""
+        ensemble, test_step = self.backend.ensemble, 0
+        self.progress.line(f"LR range test: up to {self.config.auto_lr.range_test} steps, the LR growing from 1e-06 "
+                           "to 1 on every replica")
+        while ensemble.ramping:
+            self.backend.train_step(self._batches(test_step))
+            test_step += 1
+            if self.stop.poll():
+                self.progress.line(f"stopped during the LR range test at its step {test_step}: nothing to save; "
+                                   "a rerun starts afresh")
+                return False
+        pick = ensemble.range_test_pick
+        if pick is None:
+            self.progress.line(f"LR range test: no LR picked in {test_step} steps; the run goes on at --lr")
+        else:
+            self.progress.line(f"LR range test: picked {pick:.3g} ({pick / self.args.lr:.3g} x --lr) in {test_step} "
+                               "steps; every replica starts again from its first weights, the fastest at that LR")
+        return True
 
     def _start_or_resume(self) -> None:
         def tidy() -> list[str]:

@@ -10,6 +10,7 @@ real launch.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -232,6 +233,21 @@ def test_ctrl_c_checkpoints_like_sigterm(fsdp_runs, tmp_path):
     assert result.stdout.count("Traceback") <= 1  # torchrun's own report of the signal it received, at most
 
 
+@pytest.mark.e2e
+def test_a_run_can_start_with_an_lr_range_test(tmp_path):
+    """2 replicas of 1 rank: the test's steps come before --steps, and the run syncs every T of its own steps."""
+    config = tmp_path / "hdet.json"
+    config.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "auto_lr": {"range_test": 20}}))
+    out = tmp_path / "out"
+    result = launch([*torchrun(2), *SHORT, "--hdet_config", str(config), "--out", str(out)], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-5000:]
+    picked = re.search(r"LR range test: picked (\S+) \((\S+) x --lr\) in 20 steps", result.stdout)
+    assert picked, result.stdout[-5000:]
+    lines = [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 0 and lines[0]["range_test"]["picked_lr"] == pytest.approx(float(picked[1]), rel=1e-2)
+    assert [line["step"] for line in metric_lines(out)] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+
+
 # -------------------------------------------------------------------------------------- DeepSpeed
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory):
@@ -444,6 +460,16 @@ def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(t
     schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
                                     "values": {"lr/0": [1e-3] * 10, "label_smoothing": [0.1] * 10}}))
     check(["--replay_schedule", str(schedule), "--steps", "10"], r"also explored \['label_smoothing'\]")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_range_test_under_deepspeed_is_refused_before_any_process_group(tmp_path):
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"auto_lr": {"range_test": 20}}))
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
+    check(["--hdet_config", str(hdet), "--deepspeed_config", str(ds_config)],
+          "range_test is not supported with DeepSpeed yet")
 
 
 @pytest.mark.usefixtures("single_process")

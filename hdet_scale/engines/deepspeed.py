@@ -40,6 +40,7 @@ from hdet_scale.config import HDETConfig, HDETConfigError, add_hdet_args, load_c
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.range_test import refuse_range_test
 from hdet_scale.topology import ReplicaTopology
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
@@ -321,6 +322,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     hdet = _hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     hdet = hdet.resolved(auto="rank" if stage == 0 else "node")
+    refuse_range_test(hdet, "with DeepSpeed")
     if total_steps is None:  # the run's length, if DeepSpeed's scheduler knows it
         total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
     if isinstance(total_steps, int) and not isinstance(total_steps, bool):

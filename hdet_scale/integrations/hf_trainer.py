@@ -55,6 +55,7 @@ from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
+from hdet_scale.range_test import refuse_range_test
 from hdet_scale.topology import ReplicaTopology
 
 STATE_FILE = "hdet_state.pt"
@@ -244,6 +245,7 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
     if getattr(trainer, "_hdet_callback", None) is not None:
         raise ValueError("HDET is added to this Trainer already")
     config = load_config(hdet_config, world_size=None)
+    refuse_range_test(config, "in the transformers Trainer")
     engine = check_trainer(trainer, config)
     callback = HDETCallback(trainer, config, engine, paper_decay=paper_decay, sync_at_end=sync_at_end,
                             probe=probe)

@@ -50,6 +50,7 @@ from hdet_scale.engines.fsdp import wrap as fsdp_wrap
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import no_probe_warning
+from hdet_scale.range_test import refuse_range_test
 from hdet_scale.schedule import resolve_config
 
 
@@ -66,6 +67,7 @@ class HDETCallback(pl.Callback):
     def __init__(self, hdet_config: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  **hdet_fields: Any) -> None:
         self.config = resolve_config(hdet_config, hdet_fields)
+        refuse_range_test(self.config, "in Lightning")
         self.ensemble: HDETEnsemble | None = None
         self.last_report: SyncReport | None = None
         self._restored: dict[str, Any] | None = None

@@ -167,7 +167,8 @@ class FSDPBackend(Backend):
         if self.args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
+        if not self.ensemble.ramping:  # an LR range test holds the schedule: the run starts again after it
+            self.scheduler.step()
         report = self.hdet.step(losses)
         return torch.stack(losses).mean(), report
 
