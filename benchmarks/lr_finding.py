@@ -128,6 +128,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ... or with the spread's top replica at the pick (the base at 1/1.5 of it)
     "range_top_hold": range_start(rise(rise_only_after=0.43, start_fraction=0.02), at=1 / 1.5, low=1 / 1.5,
                                   high=1 / 1.5),
+    # ... and the default controller moving from there (on cosine_tiny it only lost; does it help where the pick
+    # is below the best LR?)
+    "range_top_rise": range_start(rise(rise_only_after=0.43, start_fraction=0.02), at=1 / 1.5, low=0.1 / 1.5,
+                                  high=10 / 1.5),
 }
 DEFAULT_VARIANT = "tenth_rise_start2"
 
