@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hdet_scale import HDETOneCycleLR, ReplicaTopology, add_hdet_args, load_config
 from hdet_scale.data import random_windows, stdlib_corpus
 from hdet_scale.engines.ddp import wrap_model
+from hdet_scale.extras import require
 from hdet_scale.lm.model import next_token_loss
 
 DEMO_DEFAULTS = {
@@ -64,6 +65,7 @@ def mean_loss(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Names
 
 def main() -> None:
     args = parse_args()
+    require("transformers", "train", "hdet_scale.demo_ddp (its Llama model)")
     # Validate the HDET settings (and the replica layout against WORLD_SIZE) before any process group.
     config = load_config(args.hdet_config or _demo_config(args.out))
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hdet_scale.comm import failed_rank, on_rank0, one_line, shut_down, shut_down_and_exit
 from hdet_scale.config import HDETConfig, add_hdet_args, sync_interval_for_run
+from hdet_scale.extras import MissingExtra, require
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import (
     FINAL_MODEL,
@@ -63,7 +64,6 @@ from hdet_scale.lm.corpus import Corpus, batch, load_corpus
 from hdet_scale.lm.model import PRESETS, build_model, check_preset
 from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
-from hdet_scale.lm.scalars import check_wandb_available
 from hdet_scale.metrics import writable_directory
 from hdet_scale.probe import batch_probe
 from hdet_scale.range_test import refuse_range_test
@@ -191,6 +191,9 @@ def plan(args: argparse.Namespace) -> Plan:
     engine = args.engine
     if engine == "auto":
         engine = "deepspeed" if args.deepspeed_config or args.local_rank >= 0 else "fsdp"
+    require("transformers", "train", "hdet_scale.train (its Llama model)")
+    if engine == "deepspeed":
+        require("deepspeed", "deepspeed", "hdet_scale.train on DeepSpeed")
     ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
     if engine == "fsdp" and args.deepspeed_config:
         raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
@@ -205,7 +208,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if stuck is not None:
         raise stuck
     if args.wandb:
-        check_wandb_available()
+        require("wandb", "wandb", "--wandb")
     if config.explore.dropout is not None and args.dropout == 0:
         raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
                          "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         os.environ.update(SINGLE_PROCESS)
     try:
         checked = plan(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, MissingExtra) as error:
         refuse_bad_input(error)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

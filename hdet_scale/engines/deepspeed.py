@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,8 +39,12 @@ from hdet_scale.config import HDETConfig, HDETConfigError, add_hdet_args, load_c
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.extras import require
 from hdet_scale.range_test import refuse_range_test
 from hdet_scale.topology import ReplicaTopology
+
+require("deepspeed", "deepspeed", "hdet_scale.engines.deepspeed")
+import deepspeed  # noqa: E402
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
 REPLICA_FOLDER = "hdet_replicas"

@@ -47,16 +47,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from hdet_scale.config import HDETConfig, HDETConfigError, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.extras import require
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
 from hdet_scale.range_test import refuse_range_test
 from hdet_scale.topology import ReplicaTopology
+
+require("transformers", "trainer", "hdet_scale.integrations.hf_trainer")
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
 STATE_FILE = "hdet_state.pt"
 """In a Trainer checkpoint folder: HDET's state (controller, permutations, step), written by global rank 0."""

@@ -38,9 +38,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 
 from hdet_scale.config import HDETConfig, HDETConfigError
@@ -48,10 +46,15 @@ from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.engines.fsdp import HDETFSDP
 from hdet_scale.engines.fsdp import wrap as fsdp_wrap
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.extras import require
 from hdet_scale.notices import warn
 from hdet_scale.probe import no_probe_warning
 from hdet_scale.range_test import refuse_range_test
 from hdet_scale.schedule import resolve_config
+
+require("lightning", "lightning", "hdet_scale.integrations.lightning")
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 
 
 class HDETCallback(pl.Callback):

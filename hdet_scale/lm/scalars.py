@@ -15,15 +15,6 @@ WANDB_ID_FILE = "wandb_run_id"
 run starts a W&B run of its own)."""
 
 
-def check_wandb_available() -> None:
-    """Raises ``ValueError`` (train.py's one-line error) when ``--wandb`` is given without the package."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError as error:
-        raise ValueError("--wandb needs the wandb package: pip install 'hdet_scale[wandb]', or drop --wandb") \
-            from error
-
-
 class ScalarSinks:
     """TensorBoard (``<out>/tensorboard``, when installed) and W&B (with a project); rank 0 only. ``resumed``: the
     run continues a checkpoint, and W&B continues the W&B run recorded in ``out``."""
