@@ -128,10 +128,9 @@ def with_measured_defaults(settings: dict[str, Any]) -> dict[str, Any]:
     from a scale of 1, unless ``settings`` say otherwise (a ``log`` controller's stop is then a share of the
     run: the worker passes the run's length)."""
     auto_lr = {**MEASURED_CONTROLLER_DEFAULTS, **(settings.get("auto_lr") or {})}
-    if "warmup_steps" not in auto_lr and "start_fraction" not in auto_lr:
-        auto_lr["warmup_steps"] = 100_000
-    if "stop_steps" not in auto_lr and "stop_fraction" not in auto_lr and auto_lr["mode"] == "log":
-        auto_lr["stop_fraction"] = 1.0  # (its default now holds from a quarter of the run)
+    auto_lr.setdefault("start", 100_000)
+    if "stop" not in auto_lr and auto_lr["mode"] == "log":
+        auto_lr["stop"] = 1.0  # (its default now holds from a quarter of the run)
     auto_lr.setdefault("initial_scale", 1.0)
     return {**MEASURED_DEFAULTS, **settings, "auto_lr": auto_lr}
 
@@ -145,6 +144,17 @@ def hdet_config(**settings: Any) -> dict[str, Any]:
     settings = with_measured_defaults(settings)
     HDETConfig.from_dict(settings)
     return json.loads(json.dumps(settings))
+
+
+def with_todays_names(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded run's HDET config with the settings renamed since under their names of today
+    (``hdet_scale.config.RENAMED_SETTINGS``: ``auto_lr.warmup_steps`` is now ``start``...)."""
+    from hdet_scale.config import RENAMED_SETTINGS
+
+    renamed = {section: {RENAMED_SETTINGS.get(section, {}).get(key, key): value for key, value in values.items()}
+               if isinstance(values, dict) and section in RENAMED_SETTINGS else values
+               for section, values in config.items()}
+    return json.loads(json.dumps(renamed))
 
 
 def torchrun_command(nproc: int, *args: str) -> list[str]:

@@ -7,8 +7,8 @@ Runs the DDP demo (``hdet_scale.demo_ddp``: a tiny byte-level Llama on the stdli
   check: LR = 3e-3 is the demo's default),
 * HDET with the ``scale`` controller and with the ``paper`` controller at LR (alpha 0.25), at 3 LR (alpha
   0.5, the colleague's "too high" LR) and at 10 LR (alpha 0.5, one seed), the controller starting after
-  ``warmup_steps = steps / 4`` (inside OneCycle's ramp, which peaks at 0.3 * steps),
-* one diagnostic ``paper`` row at LR whose controller starts after OneCycle's peak (``warmup_steps = 0.4 *
+  ``start = steps / 4`` (inside OneCycle's ramp, which peaks at 0.3 * steps),
+* one diagnostic ``paper`` row at LR whose controller starts after OneCycle's peak (``start = 0.4 *
   steps``), to tell a bad take-over point from a bad decay, and one row at 3 LR with alpha 0.5 and the
   controller off, to tell the controller's effect from the spread's.
 
@@ -55,6 +55,7 @@ from common import (
     table_header,
     table_row,
     torchrun_command,
+    with_todays_names,
     write_json,
 )
 
@@ -64,7 +65,7 @@ RUNS_DIR = REPO / "runs" / "controller_modes"
 NPROC = 4
 SYNC_INTERVAL = 25
 SIGMA = 0.1
-CONTROLLER_START = 0.25  # warmup_steps as a fraction of the run: inside OneCycle's ramp (peak at 0.3)
+CONTROLLER_START = 0.25  # the controller start as a fraction of the run: inside OneCycle's ramp (peak at 0.3)
 FINAL_LINE = re.compile(r"final train loss (\S+)\s+held-out loss (\S+)")
 
 # The colleague's report (400 steps, 4 replicas, global gradients, T = 25): row name -> (final loss, scale).
@@ -115,7 +116,7 @@ LR_LABELS = ("LR", "3LR", "10LR")
 def row_config(row: Row, steps: int, metrics_path: Path) -> dict[str, Any]:
     """The HDET JSON for ``row``; plain data parallel is alpha 0 with the controller off."""
     auto_lr = {"enabled": False} if row.mode is None else {
-        "enabled": True, "mode": row.mode, "warmup_steps": round(row.warmup_fraction * steps), "sigma": SIGMA}
+        "enabled": True, "mode": row.mode, "start": round(row.warmup_fraction * steps), "sigma": SIGMA}
     return hdet_config(alpha=row.alpha, sync_interval=SYNC_INTERVAL, gradient_mode="global",
                        metrics_path=str(metrics_path), auto_lr=auto_lr)
 
@@ -200,7 +201,7 @@ def _controller_cell(row: Row, entry: dict[str, Any]) -> str:
 def _paper_takeover(runs: list[dict[str, Any]], row_name: str) -> str:
     """How the paper controller's base LR moves once it owns it (first seed of ``row_name``)."""
     run = next(run for run in runs if run["row"] == row_name)
-    warmup = run["hdet_config"]["auto_lr"]["warmup_steps"]
+    warmup = with_todays_names(run["hdet_config"])["auto_lr"]["start"]
     trajectory = dict(run["base_lr_per_sync"])
     first = min(step for step in trajectory if step >= warmup)  # the first update
     before, after = trajectory[first - SYNC_INTERVAL], trajectory[first + SYNC_INTERVAL]

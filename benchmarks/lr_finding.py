@@ -69,7 +69,7 @@ def tenth(alpha: float = 0.5, **auto_lr: Any) -> dict[str, Any]:
     starting at a tenth of the given LR, moving from 5% to 25% of the run) with ``auto_lr`` fields changed."""
     return {"hdet": {"alpha": alpha, "spread": "log",
                      "auto_lr": {"mode": "log", "sigma": 1.0, "step_size": 2.5, "max_log_step": 0.5,
-                                 "average_window": 0.5, "stop_fraction": 0.25, "initial_scale": 0.1, **auto_lr}},
+                                 "average_window": 0.5, "stop": 0.25, "initial_scale": 0.1, **auto_lr}},
             "probe": True}
 
 
@@ -112,25 +112,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tenth_rise": rise(),
     # ... starting the climb earlier: the controller from 2% of the run (inside the LR warm-up), the one-sided
     # phase still from 12% of the run (0.43 of the window 2%-25%)
-    "tenth_rise_start2": rise(rise_only_after=0.43, start_fraction=0.02),
+    "tenth_rise_start2": rise(rise_only_after=0.43, start=0.02),
     # The default without a probe batch, as in a user's own loop or under Lightning when none is set: the replicas'
     # interval training losses drive the controller and no weights are averaged
-    "tenth_rise_start2_no_probe": without_probe(rise(rise_only_after=0.43, start_fraction=0.02)),
+    "tenth_rise_start2_no_probe": without_probe(rise(rise_only_after=0.43, start=0.02)),
     # Started at the LR range test's pick (what a practitioner would run first), whatever LR was given:
     # ... held there (the spread and the averaging alone)
-    "range_hold": range_start(rise(rise_only_after=0.43, start_fraction=0.02), low=1.0, high=1.0),
+    "range_hold": range_start(rise(rise_only_after=0.43, start=0.02), low=1.0, high=1.0),
     # ... the default controller moving from there, up to 10x either way
-    "range_rise": range_start(rise(rise_only_after=0.43, start_fraction=0.02)),
+    "range_rise": range_start(rise(rise_only_after=0.43, start=0.02)),
     # On cosine_tiny both trailed the plain run at the pick (+0.034, +0.070 against +0.002): the pick is 1.4-2.4x
     # the best LR there, and the spread's top replica trains at 1.5 times it. Held at the pick with half the spread
     # ([0.8, 1.25] x base) ...
-    "range_narrow_hold": range_start(rise(alpha=0.25, rise_only_after=0.43, start_fraction=0.02), low=1.0, high=1.0),
+    "range_narrow_hold": range_start(rise(alpha=0.25, rise_only_after=0.43, start=0.02), low=1.0, high=1.0),
     # ... or with the spread's top replica at the pick (the base at 1/1.5 of it)
-    "range_top_hold": range_start(rise(rise_only_after=0.43, start_fraction=0.02), at=1 / 1.5, low=1 / 1.5,
+    "range_top_hold": range_start(rise(rise_only_after=0.43, start=0.02), at=1 / 1.5, low=1 / 1.5,
                                   high=1 / 1.5),
     # ... and the default controller moving from there (on cosine_tiny it only lost; does it help where the pick
     # is below the best LR?)
-    "range_top_rise": range_start(rise(rise_only_after=0.43, start_fraction=0.02), at=1 / 1.5, low=0.1 / 1.5,
+    "range_top_rise": range_start(rise(rise_only_after=0.43, start=0.02), at=1 / 1.5, low=0.1 / 1.5,
                                   high=10 / 1.5),
 }
 DEFAULT_VARIANT = "tenth_rise_start2"
@@ -206,10 +206,11 @@ def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) ->
         variant = VARIANTS[run["variant"]]
         config = json.loads(json.dumps(variant["hdet"]))
         config.update(sync_interval=args.sync_interval, ranks_per_replica=1, gradient_mode="global", seed=run["seed"])
-        start = config.setdefault("auto_lr", {}).pop("start_fraction", args.controller_start)  # a variant's own
-        config["auto_lr"]["warmup_steps"] = round(start * args.steps)
-        if "stop_fraction" in config["auto_lr"]:  # as train.py resolves it (HDETConfig.for_run)
-            config["auto_lr"]["stop_steps"] = round(config["auto_lr"].pop("stop_fraction") * args.steps)
+        auto_lr = config.setdefault("auto_lr", {})
+        auto_lr.setdefault("start", args.controller_start)  # a variant's own wins
+        for name in ("start", "stop"):  # shares of the run to steps, as train.py resolves them (HDETConfig.for_run)
+            if isinstance(auto_lr.get(name), float):
+                auto_lr[name] = round(auto_lr[name] * args.steps)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "hdet.json").write_text(json.dumps(checked_hdet_config(**config), indent=1) + "\n")
         words += ["--hdet_config", str(run_dir / "hdet.json")] + (["--probe"] if variant["probe"] else [])

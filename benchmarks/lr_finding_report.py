@@ -105,7 +105,7 @@ def write_report(stem: Path, record: dict[str, Any]) -> None:
         f"{''.join(f', {key} {s[key]}' for key in ('hidden', 'layers') if s[key] is not None)}, "
         f"{s['steps']} steps, {s['nproc']} ranks = replicas, batch {s['batch_size']} x {s['seq_len']} bytes per rank, "
         f"schedule `{s['schedule']}`, T = {s['sync_interval']}, controller from {s['controller_start']:.0%} of "
-        f"the steps (a variant's own `start_fraction` wins). Machine: {m['nproc']} CPUs, "
+        f"the steps (a variant's own `start` wins). Machine: {m['nproc']} CPUs, "
         f"{f'one {gpu} GPU that the ranks share over gloo, ' if (gpu := m.get('gpu')) else ''}"
         f"torch {m['torch']}, {m['date']}. Command: "
         "`python benchmarks/lr_finding.py` with the setting above; every launch is in the JSON.", "",

@@ -33,7 +33,7 @@ the results. Measured:
    hooks are most of the work). DeepSpeed's hot path also holds the all-reduce of the gradients across
    replicas that HDET adds in global mode, counted at the time of ``average_tensors`` in section 2 (same
    bytes); the estimate leaves out that ZeRO then shards over a replica instead of all ranks, which the
-   direct ratios include. The auto-LR controller runs at every sync (``warmup_steps = 0``). In the same
+   direct ratios include. The auto-LR controller runs at every sync (``auto_lr.start = 0``). In the same
    round-robin, HDET at the shortest T with each controller signal of ``overhead_engines.SIGNALS`` (a probe
    batch scoring the replicas, the averaged-weight probe, the default controller), estimated from their own
    hot path and syncs (section 1b).

@@ -20,12 +20,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology, SyncReport
-from hdet_scale.config import FRACTION_FIELDS, AutoLRConfig
+from hdet_scale.config import AutoLRConfig
 from hdet_scale.engines import ddp, fsdp
 
 LR = 1e-3  # AdamW's LR in every variant
-DEFAULT_CONTROLLER = {**{key: value for key, value in dataclasses.asdict(AutoLRConfig().filled()).items()
-                         if key not in FRACTION_FIELDS}, "warmup_steps": 0, "stop_steps": 10**9}
+DEFAULT_CONTROLLER = {**dataclasses.asdict(AutoLRConfig().filled()), "start": 0, "stop": 10**9}
 """The library's default controller (``AutoLRConfig()``) moving at every sync and never holding: what each sync
 costs between the default's start and stop (its times are shares of a run; here the run has no set length)."""
 SIGNALS: dict[str, dict[str, Any]] = {"probe": {}, "averaged": {"average_window": 0.5},
@@ -92,7 +91,7 @@ def hdet_config(settings: Settings, sync_interval: int, *, gradient_mode: str = 
     adds controller settings (a signal)."""
     return HDETConfig.from_dict(with_measured_defaults(
         {"sync_interval": sync_interval, "gradient_mode": gradient_mode, "bucket_mb": bucket_mb,
-         "ranks_per_replica": settings.ranks_per_replica, "auto_lr": {"warmup_steps": 0, **(auto_lr or {})}}))
+         "ranks_per_replica": settings.ranks_per_replica, "auto_lr": {"start": 0, **(auto_lr or {})}}))
 
 
 # ---------------------------------------------------------------------------------------------- clock

@@ -31,7 +31,7 @@ class Settings:
     t_short: int = 10
     t_long: int = 100
     controller_start: float = 0.25
-    """auto_lr.warmup_steps as a fraction of the run."""
+    """auto_lr.start as a fraction of the run."""
     # The plain-DP sweep's max LRs (factors of 3, so that 9x is two points up).
     grid: tuple[float, ...] = (1e-3, 3e-3, 9e-3, 2.7e-2, 8.1e-2, 2.43e-1, 7.29e-1)
 

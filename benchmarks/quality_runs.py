@@ -34,7 +34,7 @@ def worker_args(row: Row, seed: int, s: Settings, lr: float, run_dir: Path) -> l
     if row.hdet is not None:
         config = json.loads(json.dumps(row.hdet))
         config["seed"] = seed
-        config["auto_lr"]["warmup_steps"] = round(s.controller_start * s.steps)
+        config["auto_lr"]["start"] = round(s.controller_start * s.steps)
         config["metrics_path"] = str(run_dir / "hdet_metrics.jsonl")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "hdet.json").write_text(json.dumps(config, indent=1) + "\n")

@@ -26,12 +26,12 @@ GRADIENT_MODES = ("global", "local")
 CONTROLLER_MODES = ("scale", "paper", "log")
 SPREADS = ("linear", "log")
 MODE_DEFAULTS: dict[str, dict[str, float | None]] = {
-    "log": {"beta": 0.5, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "start_fraction": 0.02,
-            "stop_fraction": 0.25, "rise_only_after": 0.43},
-    "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "start_fraction": 0.05,
-              "stop_fraction": None, "rise_only_after": 1.0},
-    "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "start_fraction": 0.05,
-              "stop_fraction": None, "rise_only_after": 1.0},
+    "log": {"beta": 0.5, "sigma": 1.0, "step_size": 2.5, "initial_scale": 0.1, "start": 0.02,
+            "stop": 0.25, "rise_only_after": 0.43},
+    "scale": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "start": 0.05,
+              "stop": None, "rise_only_after": 1.0},
+    "paper": {"beta": 0.9, "sigma": 0.1, "step_size": 0.5, "initial_scale": 1.0, "start": 0.05,
+              "stop": None, "rise_only_after": 1.0},
 }
 """What ``beta``, ``sigma``, ``step_size``, ``initial_scale``, the start and stop and ``rise_only_after`` are when
 left unset, per controller mode: ``log``'s from
@@ -40,8 +40,9 @@ warm-up), ``scale``'s and ``paper``'s the paper's (eqs. 4, 7) with the start at 
 S_warm is a fixed 100,000 steps)."""
 MIN_CONTROLLER_UPDATES = 4
 """Fewer controller updates than this (or than ``AutoLRConfig.updates_to_climb``) in its window are warned about."""
-FRACTION_FIELDS = {"start_fraction": "warmup_steps", "stop_fraction": "stop_steps"}
-"""The controller's times given as a share of the run, and the step fields ``HDETConfig.for_run`` turns them into."""
+WINDOW_FIELDS = ("start", "stop")
+"""The controller's start and stop: a step (an int), or a share of the run (a float) that ``HDETConfig.for_run``
+turns into a step."""
 MIN_RANGE_TEST_STEPS = 13
 """The fewest steps a range test may have: its pick leaves out its first 10 and its last step."""
 DEFAULT_AVERAGE_WINDOW = 0.25
@@ -53,6 +54,10 @@ REMOVED_SETTINGS: dict[str, tuple[str, ...]] = {
 """Settings that earlier versions had and that left the library because they measured no better than the default
 controller (benchmarks/README.md, "LR-finding variants tried"): a config naming one is refused with that reason,
 not read as a misspelling."""
+RENAMED_SETTINGS: dict[str, dict[str, str]] = {
+    "auto_lr": {"warmup_steps": "start", "start_fraction": "start", "stop_steps": "stop", "stop_fraction": "stop"},
+}
+"""Settings of earlier versions now given under another name: a config naming one is refused with the new one."""
 
 
 class HDETConfigError(ValueError):
@@ -74,28 +79,20 @@ class AutoLRConfig:
     in units of that spread), the hypergradient is the weighted mean of log multipliers, and the scale moves
     by ``exp(lambda * v)``, at most ``max_log_step`` per sync either way: up and down alike."""
 
-    warmup_steps: int | None = None
-    """S_warm: optimizer steps before the controller starts updating (the spread applies from step 0). null:
-    ``start_fraction``."""
+    start: int | float | None = None
+    """When the controller starts updating (the spread applies from step 0): an optimizer step (an int; the
+    paper's S_warm) or a share of the run (a float in [0, 1): 0.02 is after the first 2% of the steps, one setting
+    for runs of any length). A share needs the run's length: train.py, the integrations and ``HDETOneCycleLR``
+    know it; elsewhere pass ``total_steps`` when attaching (or call ``config.for_run(total_steps)``). null: 0.02 in
+    ``log`` mode (its climb from a tenth of the LR needs the syncs), 0.05 in the others."""
 
-    start_fraction: float | None = None
-    """The controller's start as a share of the run instead of ``warmup_steps`` (0.02: after the first 2% of the
-    optimizer steps), in [0, 1): one setting for runs of any length. It needs the run's length: train.py, the
-    integrations and ``HDETOneCycleLR`` know it; elsewhere pass ``total_steps`` when attaching (or call
-    ``config.for_run(total_steps)``). Neither this nor ``warmup_steps`` given: 0.02 in ``log`` mode (its climb
-    from a tenth of the LR needs the syncs), 0.05 in the others."""
-
-    stop_steps: int | None = None
-    """Optimizer steps after which the controller holds its values (the spread and the averaging go on). Once
-    the schedule is past its first quarter or so the replicas' short-horizon losses favour lower values again
-    (see benchmarks/results/lr_finding.md): holding keeps what the controller found. Not with ``paper`` mode,
-    whose controller also carries eq. 8's decay."""
-
-    stop_fraction: float | None = None
-    """``stop_steps`` as a share of the run, in (0, 1] (1: never hold), resolved like ``start_fraction``. Neither
-    this nor ``stop_steps`` given: 0.25 in ``log`` mode, no stop in the others. In ``log`` mode the controller
-    only raises the LR over the last part of its window, whatever the stop (``rise_only_after``; 1 for a
-    controller that moves both ways to the end)."""
+    stop: int | float | None = None
+    """When the controller stops and holds its values (the spread and the averaging go on): a step (an int) or a
+    share of the run (a float in (0, 1]; 1.0: never hold). Once the schedule is past its first quarter or so the
+    replicas' short-horizon losses favour lower values again (see benchmarks/results/lr_finding.md): holding keeps
+    what the controller found. null: 0.25 in ``log`` mode, no stop in the others; not with ``paper`` mode, whose
+    controller also carries eq. 8's decay. In ``log`` mode the controller only raises the LR over the last part of
+    its window, whatever the stop (``rise_only_after``; 1 for a controller that moves both ways to the end)."""
 
     rise_only_after: float | None = None
     """The share of the controller's window (from its start to its stop) after which it only raises the LR's scale,
@@ -178,10 +175,9 @@ class AutoLRConfig:
             # after a range test the scale starts at its pick: 1 relative to it
             starts_below = self.enabled is True and not self.range_test
             changes["initial_scale"] = defaults["initial_scale"] if starts_below else 1.0
-        if self.warmup_steps is None and self.start_fraction is None:
-            changes["start_fraction"] = defaults["start_fraction"]
-        if self.stop_steps is None and self.stop_fraction is None:
-            changes["stop_fraction"] = defaults["stop_fraction"]
+        for name in WINDOW_FIELDS:
+            if getattr(self, name) is None:
+                changes[name] = defaults[name]
         return dataclasses.replace(self, **changes) if changes else self
 
     def for_other_knobs(self) -> AutoLRConfig:
@@ -208,13 +204,13 @@ class AutoLRConfig:
         return max(MIN_CONTROLLER_UPDATES, climb)
 
     def window_share(self, step: int) -> float | None:
-        """How far ``step`` is into the controller's window, from ``warmup_steps`` (an unresolved start counts as 0)
-        to ``stop_steps`` as resolved by ``for_run``: 0 at the start, 1 at the stop, below 0 before and above 1
+        """How far ``step`` is into the controller's window, from ``start`` (an unresolved start counts as 0) to
+        ``stop``, both steps as ``for_run`` resolves them: 0 at the start, 1 at the stop, below 0 before and above 1
         after; None without a stop. The one-sided phase (``rise_only_after``) is placed by this share."""
-        if self.stop_steps is None:
+        if not _is_step(self.stop):
             return None
-        start = self.warmup_steps or 0
-        return (step - start) / max(self.stop_steps - start, 1)
+        start = self.start if _is_step(self.start) else 0
+        return (step - start) / max(self.stop - start, 1)
 
 
 @dataclass
@@ -319,7 +315,7 @@ class HDETConfig:
         """The paper's settings (section 4): alpha 1/9 on a linear spread, T = 1000, the ``paper`` controller
         from step 100,000 with sigma 0.1 and lambda 0.5; ``changes`` replace top-level fields."""
         return dataclasses.replace(cls(alpha=1.0 / 9.0, spread="linear", sync_interval=1000,
-                                       auto_lr=AutoLRConfig(mode="paper", warmup_steps=100_000)), **changes)
+                                       auto_lr=AutoLRConfig(mode="paper", start=100_000)), **changes)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> HDETConfig:
@@ -361,23 +357,13 @@ class HDETConfig:
         lr = self.auto_lr
         _check_bool("auto_lr.enabled", lr.enabled)
         _check_choice("auto_lr.mode", lr.mode, CONTROLLER_MODES)
-        if lr.warmup_steps is not None:
-            _check_int("auto_lr.warmup_steps", lr.warmup_steps, low=0)
-        if lr.warmup_steps is not None and lr.start_fraction is not None:
-            raise HDETConfigError("auto_lr.warmup_steps and auto_lr.start_fraction both say when the controller "
-                                  "starts: give one of them")
-        if lr.start_fraction is not None:
-            _check_number("auto_lr.start_fraction", lr.start_fraction, low=0.0, high=1.0, high_open=True)
-        if lr.stop_steps is not None:
-            _check_int("auto_lr.stop_steps", lr.stop_steps, low=0)
-        if lr.stop_fraction is not None:
-            _check_number("auto_lr.stop_fraction", lr.stop_fraction, low=0.0, high=1.0, low_open=True)
-        if lr.stop_steps is not None and lr.stop_fraction is not None:
-            raise HDETConfigError("auto_lr.stop_steps and auto_lr.stop_fraction both say when the controller "
-                                  "stops: give one of them")
-        if lr.mode == "paper" and (lr.stop_steps is not None or lr.stop_fraction is not None):
-            raise HDETConfigError("auto_lr.stop_steps/stop_fraction work in 'scale' and 'log' mode; the paper's "
-                                  "controller also decays the LR (eq. 8): remove them or choose another mode")
+        if lr.start is not None:
+            _check_step_or_share("auto_lr.start", lr.start, high_open=True)
+        if lr.stop is not None:
+            _check_step_or_share("auto_lr.stop", lr.stop, low_open=True)
+        if lr.mode == "paper" and lr.stop is not None:
+            raise HDETConfigError("auto_lr.stop works in 'scale' and 'log' mode; the paper's controller also decays "
+                                  "the LR (eq. 8): remove it or choose another mode")
         _check_int("auto_lr.range_test", lr.range_test, low=0)
         if 0 < lr.range_test < MIN_RANGE_TEST_STEPS:
             raise HDETConfigError(f"auto_lr.range_test={lr.range_test}: a range test needs at least "
@@ -405,9 +391,9 @@ class HDETConfig:
             raise HDETConfigError(f"auto_lr.rise_only_after={lr.rise_only_after} works in 'scale' and 'log' mode; "
                                   "the paper's controller keeps eq. 7 as printed: set it to 1 (off) or choose "
                                   "another mode")
-        if lr.rise_only_after < 1.0 and lr.stop_steps is None and lr.stop_fraction is None:
+        if lr.rise_only_after < 1.0 and lr.stop is None:
             raise HDETConfigError(f"auto_lr.rise_only_after={lr.rise_only_after} is a share of the controller's "
-                                  "window up to its stop: give auto_lr.stop_steps or stop_fraction, or set it to 1 "
+                                  "window up to its stop: give auto_lr.stop, or set it to 1 "
                                   "(off)")
         _check_number("auto_lr.scale_max", lr.scale_max, low=lr.scale_min,
                       hint="scale_max must be at least auto_lr.scale_min")
@@ -454,28 +440,26 @@ class HDETConfig:
         return world_size // self.resolved(auto=auto, world_size=world_size).ranks_per_replica
 
     def for_run(self, total_steps: int) -> HDETConfig:
-        """This config for a run of ``total_steps`` optimizer steps: ``auto_lr.start_fraction`` becomes
-        ``auto_lr.warmup_steps`` and ``stop_fraction`` ``stop_steps`` (rounded), the unset controller fields
-        their mode's defaults (``AutoLRConfig.filled``)."""
+        """This config for a run of ``total_steps`` optimizer steps: ``auto_lr.start`` and ``stop`` given as shares
+        of the run become steps (rounded), the unset controller fields their mode's defaults
+        (``AutoLRConfig.filled``)."""
         lr = self.auto_lr.filled()
-        fractions = {name: steps for name, steps in FRACTION_FIELDS.items() if getattr(lr, name) is not None}
-        if not fractions:
+        shares = [name for name in WINDOW_FIELDS if isinstance(getattr(lr, name), float)]
+        if not shares:
             return self if lr is self.auto_lr else dataclasses.replace(self, auto_lr=lr)
-        _check_int("total_steps (the run's length, for auto_lr." + "/".join(FRACTION_FIELDS) + ")", total_steps,
-                   low=1)
-        changes: dict[str, Any] = dict.fromkeys(FRACTION_FIELDS)
-        for name, steps in fractions.items():
-            changes[steps] = round(getattr(lr, name) * total_steps)
+        _check_int("total_steps (the run's length, for auto_lr." + "/".join(shares) + " given as a share of it)",
+                   total_steps, low=1)
+        changes = {name: round(getattr(lr, name) * total_steps) for name in shares}
         return dataclasses.replace(self, auto_lr=dataclasses.replace(lr, **changes))
 
     def controller_updates(self) -> int | None:
-        """How many syncs the controller updates at: those from ``auto_lr.warmup_steps`` to ``stop_steps``
-        inclusive, in steps (``for_run`` applied); None where it has no stop."""
+        """How many syncs the controller updates at: those from ``auto_lr.start`` to ``stop`` inclusive, in steps
+        (``for_run`` applied); None where it has no stop."""
         lr = self.auto_lr
-        if lr.stop_steps is None:
+        if lr.stop is None:
             return None
-        first = -(-max(lr.warmup_steps, 1) // self.sync_interval) * self.sync_interval
-        return len(range(first, lr.stop_steps + 1, self.sync_interval))
+        first = -(-max(lr.start, 1) // self.sync_interval) * self.sync_interval
+        return len(range(first, lr.stop + 1, self.sync_interval))
 
     def stuck_start_error(self, num_replicas: int) -> HDETConfigError | None:
         """The error to raise when the controller would run (on, 2+ replicas, ``for_run`` applied) but no sync
@@ -485,11 +469,11 @@ class HDETConfig:
         if (not lr.enabled or num_replicas < 2 or lr.range_test or lr.initial_scale in (None, 1.0)
                 or self.controller_updates() != 0):
             return None
-        reachable = lr.stop_steps >= max(lr.warmup_steps, 1)
-        fix = f"set sync_interval to {lr.stop_steps} or less, or " if reachable else "set "
+        reachable = lr.stop >= max(lr.start, 1)
+        fix = f"set sync_interval to {lr.stop} or less, or " if reachable else "set "
         return HDETConfigError(
             f"sync_interval={self.sync_interval} puts no sync between the auto-LR controller's start (step "
-            f"{lr.warmup_steps}) and stop (step {lr.stop_steps}): it would never move from auto_lr.initial_scale="
+            f"{lr.start}) and stop (step {lr.stop}): it would never move from auto_lr.initial_scale="
             f"{lr.initial_scale:g}, and the whole run would train at {lr.initial_scale:g} x the given LR; {fix}"
             "auto_lr.initial_scale to 1")
 
@@ -497,10 +481,10 @@ class HDETConfig:
         """The error to raise when the controller would run (on, 2+ replicas) and its start or stop is still a
         share of a run whose length is unknown (``for_run`` not applied); ``fix`` says how to give the length."""
         lr = self.auto_lr.filled()
-        for name, steps in FRACTION_FIELDS.items():
-            if lr.enabled and num_replicas > 1 and getattr(lr, name) is not None:
-                return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} needs the run's length: {fix}, or set "
-                                       f"auto_lr.{steps}")
+        for name in WINDOW_FIELDS:
+            if lr.enabled and num_replicas > 1 and isinstance(getattr(lr, name), float):
+                return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} is a share of the run and needs its "
+                                       f"length: {fix}, or give auto_lr.{name} as a step (an int)")
         return None
 
     def resolved(self, *, auto: str = "rank", world_size: int | None = None) -> HDETConfig:
@@ -607,6 +591,10 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
+        renamed = RENAMED_SETTINGS.get(prefix.rstrip("."), {}).get(key)
+        if renamed is not None:
+            raise HDETConfigError(f"HDET setting '{prefix}{key}' is now '{prefix}{renamed}' (a step as an int, a share "
+                                  "of the run as a float): rename it")
         if key in REMOVED_SETTINGS.get(prefix.rstrip("."), ()):
             raise HDETConfigError(f"HDET setting '{prefix}{key}' was removed (it measured no better than the default "
                                   "controller, see benchmarks/README.md): delete it from the config")
@@ -649,6 +637,20 @@ def _check_int(name: str, value: Any, *, low: int, also: str = "") -> None:
         raise HDETConfigError(f"{name} must be an integer >= {low}{also}, got {value!r}")
     if value < low:
         raise HDETConfigError(f"{name} must be an integer >= {low}{also}, got {value}")
+
+
+def _is_step(value: Any) -> bool:
+    """A controller time given as a step (an int), not a share of the run (a float) nor unset."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_step_or_share(name: str, value: Any, *, low_open: bool = False, high_open: bool = False) -> None:
+    """A step (an int >= 0) or a share of the run (a float in [0, 1], ends as given)."""
+    if isinstance(value, float):
+        _check_number(name, value, low=0.0, high=1.0, low_open=low_open, high_open=high_open,
+                      hint="a float is a share of the run; give a step as an int")
+    else:
+        _check_int(name, value, low=0, also=" (a step) or a float in [0, 1] (a share of the run)")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -27,7 +27,7 @@ from hdet_scale.lm.model import next_token_loss
 DEMO_DEFAULTS = {
     "alpha": 0.25,
     "sync_interval": 25,
-    "auto_lr": {"warmup_steps": 100},
+    "auto_lr": {"start": 100},
 }
 
 

@@ -87,7 +87,7 @@ class HDETEnsemble:
         paper_decay: per param group, the schedule's floor and length, for ``auto_lr.mode='paper'``.
         state: the ``state_dict()`` of the run this one continues (no warm init), or None for a fresh start.
         total_steps: the run's length in optimizer steps, for the controller's start and stop given as shares of
-            the run (``auto_lr.start_fraction``/``stop_fraction``, the defaults): ``config.for_run(total_steps)``.
+            the run (``auto_lr.start``/``stop`` as floats, the defaults): ``config.for_run(total_steps)``.
     """
 
     def __init__(self, config: HDETConfig, adapter: EngineAdapter, *, topology: ReplicaTopology | None = None,
@@ -166,12 +166,12 @@ class HDETEnsemble:
         reach = (f"; climbing from auto_lr.initial_scale={cfg.initial_scale:g} to scale_max={cfg.scale_max:g} at "
                  f"max_log_step={cfg.max_log_step:g} a sync takes {needed}, so a too-low LR may not climb all the way"
                  if climb_sets_it else "")
-        interval_for_enough = (cfg.stop_steps - cfg.warmup_steps) // needed
+        interval_for_enough = (cfg.stop - cfg.start) // needed
         fix = (f"set sync_interval to {interval_for_enough} or less for {needed}" if interval_for_enough >= 1 else
-               f"the window is shorter than {needed} steps: train longer, or widen it (auto_lr.start_fraction, "
-               "stop_fraction)" + (", or narrow the climb (auto_lr.initial_scale, scale_max, max_log_step)"
+               f"the window is shorter than {needed} steps: train longer, or widen it (auto_lr.start, "
+               "stop)" + (", or narrow the climb (auto_lr.initial_scale, scale_max, max_log_step)"
                                    if climb_sets_it else ""))
-        return (f"the auto-LR controller moves only between steps {cfg.warmup_steps} and {cfg.stop_steps}, where "
+        return (f"the auto-LR controller moves only between steps {cfg.start} and {cfg.stop}, where "
                 f"sync_interval={interval} gives it {updates} update(s){reach}: {fix}")
 
     def _explore(self, knob: Knob, paper_decay: PaperDecay | None = None) -> ExploredValue:
@@ -443,11 +443,11 @@ class HDETEnsemble:
         return found[0], sent
 
     def _controller_moves_at(self, step: int) -> bool:
-        """Whether a sync at ``step`` updates the controller: it is on, with 2+ replicas, past its warm-up and
+        """Whether a sync at ``step`` updates the controller: it is on, with 2+ replicas, past its start and
         not past its stop (config and step alone decide: the same on every rank)."""
         cfg = self.config.auto_lr
-        return (self.topology.num_replicas > 1 and cfg.enabled and step >= cfg.warmup_steps
-                and (cfg.stop_steps is None or step <= cfg.stop_steps))
+        return (self.topology.num_replicas > 1 and cfg.enabled and step >= cfg.start
+                and (cfg.stop is None or step <= cfg.stop))
 
     def _update_values(self, scores: ReplicaScores) -> list[float] | None:
         """Moves every explored value's controller by eq. 4's weights; returns the weights, or None when the

@@ -60,7 +60,7 @@ def run_main_job(root: Path) -> MainJob:
     at = words.index("--hdet_config") + 1
     hdet = json.loads((ROOT / words[at]).read_text())
     hdet.update(sync_interval=SYNC_INTERVAL, gradient_mode="global",
-                auto_lr={**hdet.get("auto_lr", {}), "warmup_steps": 10, "stop_steps": 30})
+                auto_lr={**hdet.get("auto_lr", {}), "start": 10, "stop": 30})
     config = root / "hdet.json"
     config.write_text(json.dumps(hdet))
     command = [str(BIN / Path(words[0]).name), *words[1:at], str(config), *words[at + 1:], *SHORT,

@@ -147,7 +147,7 @@ def main() -> None:
     hdet = HDETCallback({"alpha": 0.5, "sync_interval": args.sync_interval, "gradient_mode": args.mode,
                          "ranks_per_replica": args.ranks_per_replica, "metrics_path": str(args.out / "hdet.jsonl"),
                          # one run whatever --epochs (no shares of the run); the probe scores the last iterate
-                         "auto_lr": {"warmup_steps": args.sync_interval, "stop_steps": 100, "mode": "log", "sigma": 1.0,
+                         "auto_lr": {"start": args.sync_interval, "stop": 100, "mode": "log", "sigma": 1.0,
                                      "average_window": 0}})
     recorder = Recorder(hdet)
     checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)

@@ -43,7 +43,7 @@ def test_window_average_by_hand():
 
 def hdet_settings(per_replica: int) -> dict:
     return {"alpha": 0.5, "spread": "log", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
-            "auto_lr": {"mode": "log", "warmup_steps": 0, "stop_steps": STEPS, "initial_scale": 1.0,
+            "auto_lr": {"mode": "log", "start": 0, "stop": STEPS, "initial_scale": 1.0,
                         "average_window": WINDOW}}
 
 

@@ -38,7 +38,7 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
         assert HDETConfig().for_run(steps) == measured.for_run(steps)
     config = HDETConfig().for_run(1500)
     assert (config.alpha, config.spread, config.auto_lr.mode) == (0.5, "log", "log")
-    assert (config.auto_lr.warmup_steps, config.auto_lr.stop_steps) == (30, 375)
+    assert (config.auto_lr.start, config.auto_lr.stop) == (30, 375)
     assert (config.auto_lr.sigma, config.auto_lr.step_size, config.auto_lr.max_log_step) == (1.0, 2.5, 0.5)
     assert (config.auto_lr.beta, config.auto_lr.rise_only_after) == (0.5, 0.43)
     assert config.auto_lr.initial_scale == pytest.approx(0.1)
@@ -71,14 +71,14 @@ def test_benchmark_variants_keep_the_controller_they_were_measured_with(tmp_path
     assert (new.auto_lr.filled().beta, new.auto_lr.filled().rise_only_after) == (0.5, 0.35)
     for variant, start in (("tenth_rise", 75), ("tenth_rise_start2", 30)):  # of the setting's 1,500 steps
         ran = config_the_benchmark_ran(lr_finding, variant, tmp_path).auto_lr
-        assert (ran.warmup_steps, ran.stop_steps) == (start, 375)
+        assert (ran.start, ran.stop) == (start, 375)
 
 
 def test_the_papers_settings():
     config = HDETConfig.paper()
     assert (config.alpha, config.spread, config.sync_interval) == (pytest.approx(1 / 9), "linear", 1000)
     lr = config.for_run(10**6).auto_lr
-    assert (lr.mode, lr.warmup_steps, lr.stop_steps, lr.beta, lr.sigma, lr.step_size, lr.initial_scale) == \
+    assert (lr.mode, lr.start, lr.stop, lr.beta, lr.sigma, lr.step_size, lr.initial_scale) == \
         ("paper", 100_000, None, 0.9, 0.1, 0.5, 1.0)
     assert config.warm_init.nu == 0.01 and config.gradient_mode == "global"
     assert HDETConfig.paper(sync_interval=50).sync_interval == 50
@@ -89,20 +89,20 @@ def test_the_papers_settings():
 def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_size, initial_scale, start_steps,
                                                            stop_steps):
     lr = HDETConfig.from_dict({"auto_lr": {"mode": mode}}).for_run(1000).auto_lr
-    assert (lr.sigma, lr.step_size, lr.warmup_steps, lr.stop_steps) == (sigma, step_size, start_steps, stop_steps)
+    assert (lr.sigma, lr.step_size, lr.start, lr.stop) == (sigma, step_size, start_steps, stop_steps)
     assert lr.initial_scale == pytest.approx(initial_scale)
     # what the user gives wins, and a start or stop in steps replaces the default share
-    lr = HDETConfig.from_dict({"auto_lr": {"mode": mode, "sigma": 0.3, "warmup_steps": 7}}).for_run(1000).auto_lr
-    assert (lr.sigma, lr.warmup_steps) == (0.3, 7)
+    lr = HDETConfig.from_dict({"auto_lr": {"mode": mode, "sigma": 0.3, "start": 7}}).for_run(1000).auto_lr
+    assert (lr.sigma, lr.start) == (0.3, 7)
     assert HDETConfig.from_dict({"auto_lr": {"enabled": False}}).for_run(1000).auto_lr.initial_scale == 1.0
 
 
 def test_overrides_merge_onto_the_given_fields_not_the_filled_ones():
     """A dict of overrides (HDETScheduler's keywords, the tests' launcher) changes the mode or the start as if
     given with the rest: the first config's unset fields stay unset."""
-    merged = resolve_config(HDETConfig(), {"auto_lr": {"mode": "scale", "warmup_steps": 10}})
+    merged = resolve_config(HDETConfig(), {"auto_lr": {"mode": "scale", "start": 10}})
     lr = merged.for_run(1000).auto_lr
-    assert (lr.mode, lr.warmup_steps, lr.sigma, lr.stop_steps, lr.initial_scale) == ("scale", 10, 0.1, None, 1.0)
+    assert (lr.mode, lr.start, lr.sigma, lr.stop, lr.initial_scale) == ("scale", 10, 0.1, None, 1.0)
 
 
 def test_a_scale_range_that_leaves_out_the_default_start_names_it():
@@ -119,8 +119,8 @@ def test_only_the_lr_follows_the_paper_mode_and_the_rise_only_phase():
 
 
 def test_the_window_and_the_share_of_the_controllers_window():
-    lr = HDETConfig.from_dict({"auto_lr": {"average_window": 0.2, "warmup_steps": 100,
-                                           "stop_steps": 400}}).for_run(1000).auto_lr
+    lr = HDETConfig.from_dict({"auto_lr": {"average_window": 0.2, "start": 100,
+                                           "stop": 400}}).for_run(1000).auto_lr
     assert lr.window(True) == 0.2 and AutoLRConfig(average_window=0.3).window(False) == 0.3  # as given
     # the share of the window 100-400 at a step; none without a stop
     assert [lr.window_share(step) for step in (40, 100, 190, 400, 700)] == pytest.approx([-0.2, 0.0, 0.3, 1.0, 2.0])
@@ -187,7 +187,7 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"beta": 1.0}}, r"auto_lr.beta must be a number in \[0.0, 1.0\), got 1.0"),
         ({"auto_lr": {"beta": -0.5}}, r"auto_lr.beta must be a number in \[0.0, 1.0\)"),
         ({"auto_lr": {"mode": "magic"}}, r"auto_lr.mode must be one of 'scale', 'paper'"),
-        ({"auto_lr": {"warmup_steps": -1}}, r"auto_lr.warmup_steps must be an integer >= 0"),
+        ({"auto_lr": {"start": -1}}, r"auto_lr.start must be an integer >= 0"),
         ({"auto_lr": {"scale_min": 2.0, "mode": "scale"}}, r"must bracket auto_lr.initial_scale=1 \(the 'scale'"),
         ({"auto_lr": {"initial_scale": 0.05}}, r"scale_min=0.1 and auto_lr.scale_max=10.0 must bracket "
                                                r"auto_lr.initial_scale=0.05"),
@@ -270,23 +270,31 @@ def test_a_log_spread_takes_any_alpha():
 
 
 def test_the_controller_start_as_a_share_of_the_run():
-    config = HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.05}})
-    assert config.auto_lr.start_fraction == 0.05
-    run = config.for_run(1500)
-    assert (run.auto_lr.warmup_steps, run.auto_lr.start_fraction) == (75, None)  # 0.05 x 1500
-    assert config.for_run(7).auto_lr.warmup_steps == 0  # round(0.35)
-    assert HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.1}}).for_run(7).auto_lr.warmup_steps == 1
-    fixed = HDETConfig.from_dict({"auto_lr": {"warmup_steps": 5, "stop_steps": 8}}).for_run(10).auto_lr
-    assert (fixed.warmup_steps, fixed.stop_steps) == (5, 8)  # as given
-    with pytest.raises(HDETConfigError, match="give one of them"):
-        HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.1, "warmup_steps": 10}})
-    with pytest.raises(HDETConfigError, match=r"auto_lr.start_fraction must be a number in \[0.0, 1.0\)"):
-        HDETConfig.from_dict({"auto_lr": {"start_fraction": 1.0}})
+    config = HDETConfig.from_dict({"auto_lr": {"start": 0.05}})
+    assert config.auto_lr.start == 0.05
+    assert config.for_run(1500).auto_lr.start == 75  # 0.05 x 1500
+    assert config.for_run(7).auto_lr.start == 0  # round(0.35)
+    assert HDETConfig.from_dict({"auto_lr": {"start": 0.1}}).for_run(7).auto_lr.start == 1
+    fixed = HDETConfig.from_dict({"auto_lr": {"start": 5, "stop": 8}}).for_run(10).auto_lr
+    assert (fixed.start, fixed.stop) == (5, 8)  # steps, as given
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start must be a number in \[0.0, 1.0\), got 1.0 \(a float "
+                                              r"is a share of the run; give a step as an int\)"):
+        HDETConfig.from_dict({"auto_lr": {"start": 1.0}})
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start must be an integer >= 0 \(a step\) or a float"):
+        HDETConfig.from_dict({"auto_lr": {"start": "10%"}})
     with pytest.raises(HDETConfigError, match="total_steps"):
         config.for_run(0)
 
 
-def test_a_start_fraction_without_the_runs_length_is_refused():
+@pytest.mark.parametrize(("old", "new"), [("warmup_steps", "start"), ("start_fraction", "start"),
+                                          ("stop_steps", "stop"), ("stop_fraction", "stop")])
+def test_the_earlier_names_of_the_start_and_stop_are_refused_with_the_new_one(old, new):
+    with pytest.raises(HDETConfigError, match=rf"^HDET setting 'auto_lr.{old}' is now 'auto_lr.{new}' \(a step as "
+                                              r"an int, a share of the run as a float\): rename it$"):
+        HDETConfig.from_dict({"auto_lr": {old: 10}})
+
+
+def test_a_start_as_a_share_without_the_runs_length_is_refused():
     import torch
 
     from hdet_scale import HDETEnsemble
@@ -297,11 +305,11 @@ def test_a_start_fraction_without_the_runs_length_is_refused():
     config = HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
-    with pytest.raises(HDETConfigError, match=r"auto_lr.start_fraction=0.02 needs the run's length: pass "
-                                              r"total_steps= when attaching"):
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start=0.02 is a share of the run and needs its length: "
+                                              r"pass total_steps= when attaching"):
         HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas, total_steps=100)
-    assert (hdet.config.auto_lr.warmup_steps, hdet.config.auto_lr.stop_steps) == (2, 25)
+    assert (hdet.config.auto_lr.start, hdet.config.auto_lr.stop) == (2, 25)
     hdet.close()
     # one replica has no controller: nothing to place, and the LR is the one given (no low start)
     with pytest.warns(UserWarning, match="ONE replica"):
@@ -310,22 +318,19 @@ def test_a_start_fraction_without_the_runs_length_is_refused():
     alone.close()
 
 
-def test_a_start_fraction_survives_the_round_trip():
-    config = HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.2}})
+def test_a_start_as_a_share_survives_the_round_trip():
+    config = HDETConfig.from_dict({"auto_lr": {"start": 0.2}})
     assert HDETConfig.from_dict(config.to_dict()) == config
 
 
 def test_the_controller_stop_as_steps_or_a_share_of_the_run():
-    config = HDETConfig.from_dict({"auto_lr": {"start_fraction": 0.05, "stop_fraction": 0.5}}).for_run(1500)
-    assert (config.auto_lr.warmup_steps, config.auto_lr.stop_steps) == (75, 750)
-    assert (config.auto_lr.start_fraction, config.auto_lr.stop_fraction) == (None, None)
-    assert HDETConfig.from_dict({"auto_lr": {"stop_steps": 300}}).auto_lr.stop_steps == 300
-    with pytest.raises(HDETConfigError, match="give one of them"):
-        HDETConfig.from_dict({"auto_lr": {"stop_steps": 300, "stop_fraction": 0.5}})
-    with pytest.raises(HDETConfigError, match=r"auto_lr.stop_fraction must be a number in \(0.0, 1.0\]"):
-        HDETConfig.from_dict({"auto_lr": {"stop_fraction": 0.0}})
-    with pytest.raises(HDETConfigError, match="work in 'scale' and 'log' mode"):
-        HDETConfig.from_dict({"auto_lr": {"mode": "paper", "stop_steps": 10}})
+    config = HDETConfig.from_dict({"auto_lr": {"start": 0.05, "stop": 0.5}}).for_run(1500)
+    assert (config.auto_lr.start, config.auto_lr.stop) == (75, 750)
+    assert HDETConfig.from_dict({"auto_lr": {"stop": 300}}).auto_lr.stop == 300
+    with pytest.raises(HDETConfigError, match=r"auto_lr.stop must be a number in \(0.0, 1.0\]"):
+        HDETConfig.from_dict({"auto_lr": {"stop": 0.0}})
+    with pytest.raises(HDETConfigError, match="auto_lr.stop works in 'scale' and 'log' mode"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "paper", "stop": 10}})
 
 
 def test_the_rise_only_phase_is_checked():
@@ -335,9 +340,9 @@ def test_the_rise_only_phase_is_checked():
     with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 works in 'scale' and 'log' mode"):
         HDETConfig.from_dict({"auto_lr": {"mode": "paper", "rise_only_after": 0.2}})
     with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 is a share of the controller's window "
-                                              r"up to its stop: give auto_lr.stop_steps"):
+                                              r"up to its stop: give auto_lr.stop"):
         HDETConfig.from_dict({"auto_lr": {"mode": "scale", "rise_only_after": 0.2}})  # scale mode: no stop
-    assert HDETConfig.from_dict({"auto_lr": {"mode": "scale", "stop_steps": 9, "rise_only_after": 0.2}})
+    assert HDETConfig.from_dict({"auto_lr": {"mode": "scale", "stop": 9, "rise_only_after": 0.2}})
 
 
 @pytest.mark.parametrize(("mode", "sync_interval", "updates"),
@@ -355,7 +360,7 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
     from hdet_scale.engines.ddp import DDPAdapter
     from hdet_scale.topology import ReplicaTopology
 
-    auto_lr = {"mode": "log"} if mode != "scale" else {"mode": mode, "start_fraction": 0.05, "stop_fraction": 0.25}
+    auto_lr = {"mode": "log"} if mode != "scale" else {"mode": mode, "start": 0.05, "stop": 0.25}
     config = HDETConfig.from_dict({"sync_interval": sync_interval, "ranks_per_replica": 1, "auto_lr": auto_lr})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=36 if mode == "short" else 100,
@@ -377,7 +382,7 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
             "the auto-LR controller moves only between steps 1 and 9, where sync_interval=1 gives it 9 update(s); "
             "climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 a sync takes 10, so a "
             "too-low LR may not climb all the way: the window is shorter than 10 steps: train longer, or widen it "
-            "(auto_lr.start_fraction, stop_fraction), or narrow the climb (auto_lr.initial_scale, scale_max, "
+            "(auto_lr.start, stop), or narrow the climb (auto_lr.initial_scale, scale_max, "
             "max_log_step)")
     hdet.close()
 
@@ -430,10 +435,10 @@ def test_updates_to_climb_by_hand(auto_lr, updates):
     assert AutoLRConfig(**auto_lr).filled().updates_to_climb() == updates
 
 
-@pytest.mark.parametrize(("auto_lr", "updates"), [({"warmup_steps": 0, "stop_steps": 30}, 3),
-                                                  ({"warmup_steps": 11, "stop_steps": 29}, 1),
-                                                  ({"warmup_steps": 20, "stop_steps": 20}, 1),
-                                                  ({"warmup_steps": 21, "stop_steps": 29}, 0)])
+@pytest.mark.parametrize(("auto_lr", "updates"), [({"start": 0, "stop": 30}, 3),
+                                                  ({"start": 11, "stop": 29}, 1),
+                                                  ({"start": 20, "stop": 20}, 1),
+                                                  ({"start": 21, "stop": 29}, 0)])
 def test_controller_updates_counts_the_syncs_from_start_to_stop(auto_lr, updates):
     """T = 10: syncs at 10, 20, 30; step 0 is no sync, and the start and the stop both count."""
     config = HDETConfig.from_dict({"sync_interval": 10, "auto_lr": {"mode": "scale", **auto_lr}})
@@ -456,11 +461,11 @@ def test_a_run_without_a_controller_needs_no_run_length_even_with_a_stop():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     alone = ReplicaTopology.single_process()
     with pytest.warns(UserWarning, match="ONE replica"):
-        hdet = HDETEnsemble(HDETConfig.from_dict({"auto_lr": {"stop_steps": 300}}), DDPAdapter(optimizer),
+        hdet = HDETEnsemble(HDETConfig.from_dict({"auto_lr": {"stop": 300}}), DDPAdapter(optimizer),
                             topology=alone)
     assert hdet.few_updates_warning is None and hdet.current_lrs() == [0.1]
     hdet.close()
-    off = HDETConfig.from_dict({"auto_lr": {"enabled": False, "stop_steps": 300}})
+    off = HDETConfig.from_dict({"auto_lr": {"enabled": False, "stop": 300}})
     hdet = HDETEnsemble(off, DDPAdapter(optimizer), topology=ReplicaTopology(world_size=2, rank=0,
                                                                              ranks_per_replica=1))
     assert hdet.few_updates_warning is None

@@ -61,7 +61,7 @@ def test_past_rise_only_after_the_scale_only_rises(mode):
 
     def scales(rise_only_after: float) -> list[float]:
         controller = Controller(AutoLRConfig(mode=mode, beta=0.5, step_size=1.0, sigma=1.0, initial_scale=1.0,
-                                             max_log_step=10.0, warmup_steps=0, stop_steps=40,
+                                             max_log_step=10.0, start=0, stop=40,
                                              rise_only_after=rise_only_after))
         state, seen = ControllerState(), []
         for step, weights in ((10, [0.8, 0.2]), (20, [0.8, 0.2]), (30, [0.2, 0.8])):
@@ -174,7 +174,7 @@ def test_the_sync_on_the_one_sided_phases_first_step_still_lowers():
     """Window 0-90, rise-only after 0.7 of it: the phase starts after step 63 (63 / 90 = 0.7 exactly; 0.7 x 90
     rounds to 62.99999999999999, which would start it at 63). The low replica wins at 63 and 72: the scale falls at
     63, and at 72 the velocity (beta 0) is stopped at 0."""
-    controller = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, warmup_steps=0, stop_steps=90,
+    controller = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, start=0, stop=90,
                                          initial_scale=1.0, rise_only_after=0.7))
     state = ControllerState()
     down = math.exp(0.8 * math.log(0.5) + 0.2 * math.log(2.0))  # Delta = 0.8 log 0.5 + 0.2 log 2

@@ -57,7 +57,7 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
 # ------------------------------------------------------------------------------- fan-out and converge
 def fanout_and_converge(rank: int, world: int, mode: str, per_replica: int, metrics_path: str) -> dict:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=per_replica, gradient_mode=mode,
-                        metrics_path=metrics_path, auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.01))
+                        metrics_path=metrics_path, auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01))
     topology = ReplicaTopology.build(config)
     model = wrap_model(make_model(seed=rank), config, topology)  # different seeds: the wrap must align them
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -134,7 +134,7 @@ def test_replicas_fan_out_and_converge(tmp_path, mode, per_replica):
 # ----------------------------------------------------------------------------- alpha = 0 is plain DDP
 def alpha_zero_matches_ddp(rank: int, world: int, per_replica: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.0, sync_interval=2, ranks_per_replica=per_replica,
-                        auto_lr=AutoLRConfig(mode="scale", warmup_steps=0))
+                        auto_lr=AutoLRConfig(mode="scale", start=0))
     topology = ReplicaTopology.build(config)
     plain = nn.parallel.DistributedDataParallel(make_model())
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
@@ -179,7 +179,7 @@ def train(model, optimizer, scheduler, rank: int, steps: range) -> list[float]:
 
 def resume_matches(rank: int, world: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=2, gradient_mode="local",
-                        auto_lr=AutoLRConfig(mode="scale", warmup_steps=0, sigma=0.01))
+                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01))
     topology = ReplicaTopology.build(config)
     straight = build_run(config, topology, seed=0)
     straight_losses = train(*straight, rank, range(1, 11))
@@ -214,7 +214,7 @@ def test_resume_continues_exactly():
 # ------------------------------------------------------------------------------- non-finite replicas
 def non_finite_replicas(rank: int, world: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local",
-                        auto_lr=AutoLRConfig(mode="scale", warmup_steps=0))
+                        auto_lr=AutoLRConfig(mode="scale", start=0))
     topology = ReplicaTopology.build(config)
     model = wrap_model(make_model(), config, topology)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -269,7 +269,7 @@ def test_world_size_not_divisible_fails_before_any_group():
 
 
 # ----------------------------------------------------------------------------------- paper mode, end to end
-PAPER = {"alpha": 0.2, "sync_interval": 4, "warmup_steps": 12, "total_steps": 40, "max_lr": 0.05,
+PAPER = {"alpha": 0.2, "sync_interval": 4, "start": 12, "total_steps": 40, "max_lr": 0.05,
          "beta": 0.5, "sigma": 0.05, "step_size": 0.5}
 
 
@@ -292,7 +292,7 @@ def train_under_onecycle(rank: int, config: HDETConfig, *, max_lr: float, total_
 def paper_mode_run(rank: int, world: int, metrics_path: str) -> None:
     config = HDETConfig(spread="linear", alpha=PAPER["alpha"], sync_interval=PAPER["sync_interval"],
                         metrics_path=metrics_path,
-                        auto_lr=AutoLRConfig(mode="paper", warmup_steps=PAPER["warmup_steps"], beta=PAPER["beta"],
+                        auto_lr=AutoLRConfig(mode="paper", start=PAPER["start"], beta=PAPER["beta"],
                                              sigma=PAPER["sigma"], step_size=PAPER["step_size"]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no loss before the warm-up is fine: no warning, no crash
@@ -310,12 +310,12 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
     # Independent recomputation of eqs. 4-8 from the recorded losses and the values each replica used.
     reference = OneCycleLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01), max_lr=PAPER["max_lr"],
                            total_steps=PAPER["total_steps"])
-    for _ in range(PAPER["warmup_steps"]):
+    for _ in range(PAPER["start"]):
         reference.optimizer.step()
         reference.step()
     base, velocity = reference.get_last_lr()[0], 0.0
     floor = PAPER["max_lr"] / 25 / 1e4
-    syncs_left = (PAPER["total_steps"] - PAPER["warmup_steps"]) // PAPER["sync_interval"]
+    syncs_left = (PAPER["total_steps"] - PAPER["start"]) // PAPER["sync_interval"]
     gamma = 1 - (floor / base) ** (1 / syncs_left)
     for record in records[2:]:
         values = record["values"]["lr/0"]
@@ -339,7 +339,7 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
 def held_controller_run(rank: int, world: int, metrics_path: str) -> None:
     """Scale mode through HDETOneCycleLR: the controller from 20% to 60% of 40 steps, T = 4."""
     config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": 4, "metrics_path": metrics_path, "auto_lr": {
-        "mode": "scale", "start_fraction": 0.2, "stop_fraction": 0.6, "sigma": 0.05, "step_size": 2.0}})
+        "mode": "scale", "start": 0.2, "stop": 0.6, "sigma": 0.05, "step_size": 2.0}})
     train_under_onecycle(rank, config, max_lr=0.05, total_steps=40)
 
 

@@ -86,7 +86,7 @@ def fresh_trainer(out_dir: str, stage: int | None = None, seed: int = 0, **overr
 def hdet_settings(out_dir: str, mode: str, per_replica: int, metrics: str = "metrics.jsonl") -> dict:
     return {"alpha": ALPHA, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
             "gradient_mode": mode, "metrics_path": os.path.join(out_dir, metrics),
-            "auto_lr": {"mode": "scale", "warmup_steps": 0, "sigma": 0.05}}
+            "auto_lr": {"mode": "scale", "start": 0, "sigma": 0.05}}
 
 
 def error_of(build) -> str:
@@ -383,7 +383,7 @@ def epochs_worker(rank: int, world: int, out_dir: str) -> dict:
     hdet = add_hdet(trainer, {"sync_interval": 4, "ranks_per_replica": 1})  # the controller's start and stop: shares
     trainer.train()
     return {"max_steps": trainer.state.max_steps, "global_step": trainer.state.global_step,
-            "window": (hdet.config.auto_lr.warmup_steps, hdet.config.auto_lr.stop_steps)}
+            "window": (hdet.config.auto_lr.start, hdet.config.auto_lr.stop)}
 
 
 def test_a_run_given_in_epochs_places_the_controller_by_trainers_own_step_count(tmp_path):

@@ -175,9 +175,9 @@ def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     trainer = SimpleNamespace(optimizers=[optimizer], estimated_stepping_batches=float("inf"), world_size=2,
                               strategy=DDPStrategy())
-    with pytest.raises(HDETConfigError, match=r"^auto_lr.start_fraction=0.02 needs the run's length: this "
-                                              r"Trainer's length is unknown .*: set max_steps, or set "
-                                              r"auto_lr.warmup_steps$"):
+    with pytest.raises(HDETConfigError, match=r"^auto_lr.start=0.02 is a share of the run and needs its "
+                                              r"length: this Trainer's length is unknown .*: set max_steps, or "
+                                              r"give auto_lr.start as a step \(an int\)$"):
         HDETCallback().on_fit_start(trainer, None)
 
 

@@ -58,7 +58,7 @@ def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_defini
     recorded run must say what it ran: by a variant VARIANTS still defines, or, for a variant since dropped, by the
     HDET config it ran with recorded on the run (``hdet_config``, and whether a probe batch scored it). Read from
     the committed results: the benchmark's own setting, its new seeds, its GPU run and the matrix of settings."""
-    lr_finding = load_benchmark("lr_finding")
+    lr_finding, common = load_benchmark("lr_finding"), load_benchmark("common")
     results = lr_finding.read_json(lr_finding.RESULTS / "lr_finding.json")
     others = [lr_finding.read_json(lr_finding.RESULTS / f"lr_finding_{name}.json") for name in ("new_seeds", "gpu")]
     matrix = lr_finding.read_json(lr_finding.RESULTS / "lr_finding_matrix.json")
@@ -69,8 +69,9 @@ def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_defini
     undefined = [run for run in hdet_runs if run["variant"] not in lr_finding.VARIANTS]
     assert undefined  # the variants dropped from VARIANTS
     for run in undefined:
-        config = HDETConfig.from_dict(run["hdet_config"] | {"auto_lr": {
-            key: value for key, value in run["hdet_config"]["auto_lr"].items()
+        ran = common.with_todays_names(run["hdet_config"])
+        config = HDETConfig.from_dict(ran | {"auto_lr": {
+            key: value for key, value in ran["auto_lr"].items()
             if key not in REMOVED_SETTINGS["auto_lr"]}})  # what it ran, as far as today's library reads it
         assert config.seed == run["seed"] and isinstance(run["probe"], bool), run["variant"]
     assert results["default_variant"] == matrix["default_variant"] == lr_finding.DEFAULT_VARIANT
@@ -79,7 +80,7 @@ def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_defini
 def test_each_recorded_run_of_a_variant_still_defined_ran_its_definition(tmp_path):
     """Where a run records its HDET config and its variant is still defined, the benchmark's worker writes the same
     config for it today (less the removed settings' values that meant "off")."""
-    lr_finding = load_benchmark("lr_finding")
+    lr_finding, common = load_benchmark("lr_finding"), load_benchmark("common")
     for name in ("lr_finding", "lr_finding_new_seeds", "lr_finding_gpu"):
         record = lr_finding.read_json(lr_finding.RESULTS / f"{name}.json")
         args = lr_finding.parse_args([])
@@ -90,8 +91,9 @@ def test_each_recorded_run_of_a_variant_still_defined_ran_its_definition(tmp_pat
         for run in kept:
             words = lr_finding.worker_args(args, run, tmp_path)
             now = json.loads((tmp_path / "hdet.json").read_text())
-            ran = {**run["hdet_config"], "auto_lr": {key: value for key, value in run["hdet_config"]["auto_lr"].items()
-                                                     if key != "hold_average" or value != 0.0}}
+            recorded = common.with_todays_names(run["hdet_config"])
+            ran = {**recorded, "auto_lr": {key: value for key, value in recorded["auto_lr"].items()
+                                           if key != "hold_average" or value != 0.0}}
             assert now == ran, (name, run["variant"])
             assert ("--probe" in words) == run["probe"]
 

@@ -55,9 +55,8 @@ def test_the_default_signal_is_the_librarys_controller_moving_at_every_sync():
     controller settings (not the benchmark's pinned older ones), with the probe scoring the last quarter's average."""
     settings = load_benchmark("overhead").parse_args(["--engine", "ddp", "--backend", "gloo"])
     ran = engines.hdet_config(settings, 10, auto_lr=engines.SIGNALS["default"]).auto_lr
-    assert (ran.warmup_steps, ran.stop_steps) == (0, 10**9)
-    assert ran.filled() == dataclasses.replace(AutoLRConfig().filled(), start_fraction=None, stop_fraction=None,
-                                               warmup_steps=0, stop_steps=10**9)
+    assert (ran.start, ran.stop) == (0, 10**9)
+    assert ran.filled() == dataclasses.replace(AutoLRConfig().filled(), start=0, stop=10**9)
     assert ran.window(probing=True) == 0.25
 
 

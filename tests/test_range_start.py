@@ -44,7 +44,7 @@ def gradient_of(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str) -> dict:
     config = HDETConfig(alpha=ALPHA, sync_interval=4, metrics_path=metrics_path,
-                        auto_lr=AutoLRConfig(mode="scale", range_test=TEST_STEPS, warmup_steps=100))
+                        auto_lr=AutoLRConfig(mode="scale", range_test=TEST_STEPS, start=100))
     topology = ReplicaTopology.build(config)
     torch.manual_seed(0)
     model = nn.Linear(3, 2).double()  # float64: the smallest steps of the ramp are read back from the weights
@@ -138,7 +138,7 @@ def test_adam_starts_afresh_and_onecycle_holds_through_the_test():
     parameter = nn.Parameter(torch.ones(4))
     optimizer = torch.optim.AdamW([parameter], lr=0.1)
     scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=50, sync_interval=5,
-                               auto_lr={"range_test": 15, "warmup_steps": 100})
+                               auto_lr={"range_test": 15, "start": 100})
     first_lr = scheduler.get_last_lr()
     for step in range(15):
         optimizer.zero_grad()
@@ -161,7 +161,7 @@ def test_adam_starts_afresh_and_onecycle_holds_through_the_test():
 def test_a_resumed_run_does_not_test_again():
     def scheduler_of(parameter: nn.Parameter) -> HDETOneCycleLR:
         return HDETOneCycleLR(torch.optim.SGD([parameter], lr=0.1), max_lr=0.1, total_steps=50, sync_interval=5,
-                              auto_lr={"range_test": 15, "warmup_steps": 100})
+                              auto_lr={"range_test": 15, "start": 100})
 
     first = scheduler_of(nn.Parameter(torch.ones(2)))
     for _ in range(15):

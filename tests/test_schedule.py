@@ -43,7 +43,7 @@ def test_one_process_is_exactly_onecyclelr(kind, kwargs):
     reference_opt, hdet_opt = two_group_optimizer(kind), two_group_optimizer(kind)
     reference = OneCycleLR(reference_opt, **kwargs)
     rng_before = torch.random.get_rng_state()
-    scheduler = HDETOneCycleLR(hdet_opt, **kwargs, alpha=0.5, sync_interval=7, auto_lr={"warmup_steps": 0})
+    scheduler = HDETOneCycleLR(hdet_opt, **kwargs, alpha=0.5, sync_interval=7, auto_lr={"start": 0})
     momentum_key = "betas" if kind == "adam" else "momentum"
     for step in range(59):
         train_step(reference_opt)
@@ -168,5 +168,5 @@ def test_bad_settings_fail_before_any_work():
 
 def test_onecycle_starts_the_controller_at_its_share_of_total_steps():
     scheduler = HDETOneCycleLR(two_group_optimizer("adam"), max_lr=0.1, total_steps=40, sync_interval=5,
-                               auto_lr={"start_fraction": 0.25})
-    assert scheduler.hdet.config.auto_lr.warmup_steps == 10  # 0.25 x 40
+                               auto_lr={"start": 0.25})
+    assert scheduler.hdet.config.auto_lr.start == 10  # 0.25 x 40

@@ -30,7 +30,7 @@ from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
 def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
     path = tmp / f"hdet_{mode}_{ranks_per_replica}.json"
     path.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": mode,
-                                "ranks_per_replica": ranks_per_replica, "auto_lr": {"warmup_steps": 10}}))
+                                "ranks_per_replica": ranks_per_replica, "auto_lr": {"start": 10}}))
     return str(path)
 
 
@@ -475,9 +475,9 @@ def test_a_range_test_under_deepspeed_is_refused_before_any_process_group(tmp_pa
 @pytest.mark.usefixtures("single_process")
 def test_the_controller_starts_at_its_share_of_the_run(tmp_path):
     hdet = tmp_path / "hdet.json"
-    hdet.write_text(json.dumps({"sync_interval": 5, "auto_lr": {"start_fraction": 0.1}}))
+    hdet.write_text(json.dumps({"sync_interval": 5, "auto_lr": {"start": 0.1}}))
     checked = plan(parse_args(["--hdet_config", str(hdet), "--steps", "40"]))
-    assert checked.config.auto_lr.warmup_steps == 4 and checked.config.auto_lr.start_fraction is None
+    assert checked.config.auto_lr.start == 4  # round(0.1 x 40)
 
 
 @pytest.mark.usefixtures("single_process")

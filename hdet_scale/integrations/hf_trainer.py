@@ -290,7 +290,7 @@ def _hdet_deepspeed_initialize(trainer: Trainer, callback: HDETCallback) -> Iter
             return original(*args, **kwargs)
         deepspeed.initialize = original  # HDET's initialize builds the engine with DeepSpeed's own
         try:
-            # The run's length for auto_lr.start_fraction: Trainer sets its state only after this call.
+            # The run's length for auto_lr.start/stop given as shares: Trainer sets its state only after this call.
             steps = optimizer_steps(trainer)
             callback.config = callback.config.for_run(steps) if steps is not None else callback.config
             engine, optimizer, loader, scheduler = hdet_deepspeed.initialize(
