@@ -24,6 +24,7 @@ from hdet_scale.comm import all_finite, gather_rows, start_gather_rows
 from hdet_scale.config import MIN_CONTROLLER_UPDATES, HDETConfig
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
+from hdet_scale.handle import HDETHandle
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter
@@ -72,7 +73,7 @@ class SyncReport:
         return scalars
 
 
-class HDETEnsemble:
+class HDETEnsemble(HDETHandle):
     """Hyperparameter-Divergent Ensemble Training over any engine.
 
     Build it after the engine has wrapped (and broadcast) the model: on a fresh start with
@@ -119,6 +120,7 @@ class HDETEnsemble:
         self._window = WindowAverage(config.auto_lr.window(probing=False), config.sync_interval)
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
         self._warned_no_probe = False
+        self._last_report: SyncReport | None = None
         if config.warm_init.enabled and state is None:
             add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
             self._last_sync_step = None  # the replicas differ until the first sync
@@ -232,6 +234,14 @@ class HDETEnsemble:
     def global_step(self) -> int:
         """Optimizer steps of the run taken so far (``step()`` calls; an LR range test's are not the run's)."""
         return self._step
+
+    @property
+    def last_report(self) -> SyncReport | None:
+        """The most recent sync's report (also a line of ``metrics_path``); None before the first."""
+        return self._last_report
+
+    def _attached(self) -> HDETEnsemble:
+        return self  # the handle of a loop that attaches HDET to its optimizer directly (DDP's ``attach``)
 
     @property
     def ramping(self) -> bool:
@@ -374,6 +384,7 @@ class HDETEnsemble:
                             bytes_gathered=scores.bytes_gathered)
         if self._metrics.path is not None:  # the record is a deep copy: only when there is a file to write
             self._metrics.write(report.as_record())
+        self._last_report = report
         return report
 
     def _sync_tensors(self) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from hdet_scale.config import HDETConfig, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.handle import HDETHandle
 from hdet_scale.knobs import group_names
 from hdet_scale.notices import warn
 from hdet_scale.replay import OPTIMIZER_KEYS, ScheduleFileError, optimizer_entry, read_schedule
@@ -42,7 +43,7 @@ def resolve_config(source: ConfigSource, overrides: Mapping[str, Any]) -> HDETCo
     return load_config(merged)
 
 
-class HDETScheduler:
+class HDETScheduler(HDETHandle):
     """Puts HDET on any torch LR scheduler (cosine, LambdaLR, warmup-stable-decay, chained...).
 
     Call ``step(loss)`` where you called ``scheduler.step()``, after ``optimizer.step()``. ``paper`` mode
@@ -67,6 +68,9 @@ class HDETScheduler:
         self.hdet = HDETEnsemble(config, DDPAdapter(scheduler.optimizer, model), topology=topology,
                                  paper_decay=paper_decay, total_steps=total_steps)
 
+    def _attached(self) -> HDETEnsemble:
+        return self.hdet
+
     def step(self, loss: LossLike | None = None) -> SyncReport | None:
         """Advances the base schedule, then HDET (which syncs every ``sync_interval`` calls). While an LR range
         test runs (``auto_lr.range_test``) the schedule holds: the run starts again after it."""
@@ -86,7 +90,7 @@ class HDETScheduler:
         self.hdet.load_state_dict(state["hdet"])
 
 
-class HDETOneCycleLR(OneCycleLR):
+class HDETOneCycleLR(OneCycleLR, HDETHandle):
     """Drop-in replacement for ``torch.optim.lr_scheduler.OneCycleLR`` with HDET (the paper's interface).
 
     Same arguments and defaults as OneCycleLR, plus the keyword-only HDET settings. Use
@@ -119,6 +123,11 @@ class HDETOneCycleLR(OneCycleLR):
         floors = [PaperDecay(total_steps=self.total_steps, floor=group["min_lr"]) for group in optimizer.param_groups]
         self.hdet = HDETEnsemble(config.for_run(self.total_steps), DDPAdapter(optimizer, model), topology=topology,
                                  paper_decay=floors)
+
+    def _attached(self) -> HDETEnsemble:
+        if self.hdet is None:
+            raise RuntimeError("HDETOneCycleLR is still being built: HDET is attached at the end of its __init__")
+        return self.hdet
 
     def step(self, loss: LossLike | None = None) -> SyncReport | None:  # type: ignore[override]
         """Advances OneCycleLR, then HDET (which syncs every ``sync_interval`` calls); OneCycleLR holds while an

@@ -117,7 +117,7 @@ def ddp_and_fsdp(rank: int, world: int) -> dict[str, list[list[float]]]:
         optimizer.step()
         hdet.step(loss)
         check_noise_kept(noised, gather_rows(full_parameters(model)))
-        hdet.attached().close()
+        hdet.ensemble.close()
     return results
 
 

@@ -38,8 +38,9 @@ from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
 from hdet_scale.config import HDETConfig, HDETConfigError, add_hdet_args, load_config
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version
-from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
 from hdet_scale.extras import require
+from hdet_scale.handle import HDETHandle
 from hdet_scale.range_test import refuse_range_test
 from hdet_scale.topology import ReplicaTopology
 
@@ -62,8 +63,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-class HDETDeepSpeed:
-    """The HDET side of one DeepSpeed engine, reachable as ``engine.hdet`` after ``initialize``.
+class HDETDeepSpeed(HDETHandle):
+    """The HDET side of one DeepSpeed engine, reachable as ``engine.hdet`` after ``initialize`` (``HDETHandle``).
 
     It needs no calls in the training loop: ``engine.backward(loss)`` records the loss and every optimizer
     step (``engine.step()`` at a gradient-accumulation boundary) advances HDET, which syncs every
@@ -80,8 +81,6 @@ class HDETDeepSpeed:
         self.gradient_bytes_across_replicas = 0
         """Payload bytes of gradients this rank all-reduced across replicas (``global`` mode, every step)."""
         self._gradient_buckets: list[torch.Tensor] = []  # the gradient average's buckets, reused every step
-        self.last_report: SyncReport | None = None
-        """The report of the most recent sync (also written to ``metrics_path``)."""
         self._saving = False
         self._saved_replicas_given: int | None = None  # replicas of the checkpoint being loaded, when known
         self._synced_in_step = False
@@ -95,8 +94,17 @@ class HDETDeepSpeed:
             own_file = "_get_rank_zero_ckpt_name" if engine.zero_optimization() else "_get_ckpt_name"
             shared_name = getattr(engine, own_file)
             setattr(engine, own_file, lambda *args, **kwargs: self._replica_file(shared_name(*args, **kwargs)))
-        self.ensemble = HDETEnsemble(config, self.adapter, topology=topology, paper_decay=paper_decay)
+        self._ensemble = HDETEnsemble(config, self.adapter, topology=topology, paper_decay=paper_decay)
         self._install(engine)
+
+    def _attached(self) -> HDETEnsemble:
+        return self._ensemble
+
+    def step(self, loss: LossLike | None = None) -> SyncReport | None:
+        """Not called under DeepSpeed: ``engine.step()`` takes HDET's step, with the loss ``engine.backward``
+        saw."""
+        raise RuntimeError("under DeepSpeed, engine.step() takes HDET's step (with the loss engine.backward(loss) "
+                           "saw): call engine.step(), not engine.hdet.step()")
 
     def _install(self, engine: Any) -> None:
         backward, step, take_model_step = engine.backward, engine.step, engine._take_model_step
@@ -116,9 +124,7 @@ class HDETDeepSpeed:
                 self._average_gradients_across_replicas()
             result = take_model_step(*args, **kwargs)
             # Every replica counts every step, skipped (overflow) or not, so syncs stay collective.
-            report = self.ensemble.step()
-            if report is not None:
-                self.last_report = report
+            if self.ensemble.step() is not None:
                 self._synced_in_step = True
             return result
 
@@ -153,11 +159,6 @@ class HDETDeepSpeed:
         checkpoint. ``global_step % sync_interval == 0`` stays true for all the micro-batches that follow."""
         return self._synced_in_step
 
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps HDET has counted."""
-        return self.ensemble.global_step
-
     def current_lrs(self) -> list[float]:
         """The LR of each param group this replica trains with at the next optimizer step."""
         return self.ensemble.current_lrs()
@@ -171,16 +172,9 @@ class HDETDeepSpeed:
         preemption checkpoint or an export. The next regular sync stays at the next multiple of
         ``sync_interval``."""
         with replica_groups(self.engine.mpu):
-            self.last_report = self.ensemble.sync()
-        return self.last_report
+            return self.ensemble.sync()
 
     # ---------------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        return self.ensemble.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ensemble.load_state_dict(state)
-
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
         """``engine.save_checkpoint`` with the HDET state, at a sync point (collective: every rank calls it).
@@ -195,7 +189,7 @@ class HDETDeepSpeed:
         if not self.ensemble.at_sync_point:
             raise RuntimeError(
                 f"HDET checkpoints are taken at sync points (every {self.config.sync_interval} steps); step {step} "
-                "is between syncs, where replicas differ. Save right after a sync, or call engine.hdet.ensemble.sync() "
+                "is between syncs, where replicas differ. Save right after a sync, or call engine.hdet.sync() "
                 "first"
             )
         state = dict(client_state or {})

@@ -30,7 +30,8 @@ from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_paramete
 from hdet_scale.comm import HealthyMean, broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.ensemble import HDETEnsemble
+from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
 from hdet_scale.topology import ReplicaTopology
 
@@ -132,16 +133,16 @@ def _flat_offset(param: DTensor) -> int:
     return min(param.device_mesh.get_local_rank() * chunk, rows) * row_numel
 
 
-class HDETFSDP:
-    """The HDET handle of an FSDP2-wrapped model: ``attach(optimizer)`` once, then ``step(loss)`` after every
-    ``optimizer.step()``. Returned by ``wrap``."""
+class HDETFSDP(HDETHandle):
+    """The HDET handle of an FSDP2-wrapped model (``HDETHandle``): ``attach(optimizer)`` once, then
+    ``step(loss)`` after every ``optimizer.step()``. Returned by ``wrap``."""
 
     def __init__(self, model: nn.Module, config: HDETConfig, topology: ReplicaTopology, mesh: DeviceMesh) -> None:
         self.model = model
         self.config = config
         self.topology = topology
         self.mesh = mesh
-        self.ensemble: HDETEnsemble | None = None
+        self._ensemble: HDETEnsemble | None = None
         self.gradient_bytes_across_replicas = 0
         """Payload bytes of gradients this rank all-reduced across replicas (``global`` mode's every-step
         traffic); HDET's own sync traffic is in each ``SyncReport``."""
@@ -161,26 +162,20 @@ class HDETFSDP:
         if not any(id(p) in model_params for group in optimizer.param_groups for p in group["params"]):
             raise ValueError("the optimizer holds none of the wrapped model's parameters: build it from "
                              "model.parameters() after wrap()")
-        self.ensemble = HDETEnsemble(self.config, FSDPAdapter(self.model, optimizer), topology=self.topology,
-                                     paper_decay=paper_decay, total_steps=total_steps)
-        return self.ensemble
+        self._ensemble = HDETEnsemble(self.config, FSDPAdapter(self.model, optimizer), topology=self.topology,
+                                      paper_decay=paper_decay, total_steps=total_steps)
+        return self._ensemble
 
-    def attached(self) -> HDETEnsemble:
-        """The ensemble made by ``attach``; a clear error if the optimizer was never attached."""
-        if self.ensemble is None:
+    @property
+    def is_attached(self) -> bool:
+        """Whether ``attach(optimizer)`` has run."""
+        return self._ensemble is not None
+
+    def _attached(self) -> HDETEnsemble:
+        if self._ensemble is None:
             raise RuntimeError("call hdet.attach(optimizer) first: HDET needs the optimizer built over the wrapped "
                                "model's parameters")
-        return self.ensemble
-
-    def step(self, loss: LossLike | Sequence[LossLike] | None = None) -> SyncReport | None:
-        """``HDETEnsemble.step``: call after every ``optimizer.step()``."""
-        return self.attached().step(loss)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.attached().state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.attached().load_state_dict(state)
+        return self._ensemble
 
 def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolicy | None = None,
          reshard_after_forward: bool = True, offload_policy: OffloadPolicy | None = None,

@@ -49,12 +49,12 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     rank 0 once every file of the checkpoint is written, before it is renamed into place (e.g. to record what
     made it).
     """
-    ensemble = hdet.attached()
+    ensemble = hdet.ensemble
     if not ensemble.at_sync_point:
         raise ValueError(
             f"checkpoints are taken at sync points, where the replicas are identical: step {ensemble.global_step} "
             f"is between syncs (every {ensemble.config.sync_interval} steps); save right after one, or call "
-            "hdet.ensemble.sync() first"
+            "hdet.sync() first"
         )
     final = Path(path)
     staging = final.with_name(final.name + ".tmp")
@@ -83,7 +83,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     The replica layout may differ from the saved one: DCP reshards the model for another number of ranks per
     replica, and replica ``r`` takes saved replica ``r mod saved_replicas``'s optimizer state (default: the
     saved HDET state's replica count)."""
-    ensemble = hdet.attached()
+    ensemble = hdet.ensemble
     path = Path(path)
     if not (path / HDET_STATE_FILE).is_file():
         raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")

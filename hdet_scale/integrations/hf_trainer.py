@@ -53,6 +53,7 @@ from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.extras import require
+from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
 from hdet_scale.range_test import refuse_range_test
@@ -65,15 +66,15 @@ STATE_FILE = "hdet_state.pt"
 """In a Trainer checkpoint folder: HDET's state (controller, permutations, step), written by global rank 0."""
 
 
-class HDETCallback(TrainerCallback):
-    """The HDET side of one ``transformers.Trainer``; made and installed by ``add_hdet``.
+class HDETCallback(TrainerCallback, HDETHandle):
+    """The HDET side of one ``transformers.Trainer``; made and installed by ``add_hdet``. Once training begins it is
+    the run's HDET handle (``HDETHandle``: ``set_probe``, ``sync``, ``value``, ``last_report``...); the Trainer's
+    optimizer steps take HDET's steps.
 
     Attributes:
         config: the HDET settings.
         engine: ``"ddp"`` or ``"deepspeed"``.
-        ensemble: the ``HDETEnsemble`` (None until training begins).
         deepspeed: under DeepSpeed, the engine's ``HDETDeepSpeed`` handle (``engine.hdet``), else None.
-        last_report: the report of the most recent sync (also written to ``config.metrics_path``).
     """
 
     def __init__(self, trainer: Trainer, config: HDETConfig, engine: str, *,
@@ -85,25 +86,32 @@ class HDETCallback(TrainerCallback):
         self.paper_decay = paper_decay
         self.sync_at_end = sync_at_end
         self.probe = probe
-        self.ensemble: HDETEnsemble | None = None
+        self._ensemble: HDETEnsemble | None = None
         self.deepspeed: Any = None
-        self.last_report: SyncReport | None = None
 
     # ------------------------------------------------------------------------------------ reporting
-    def attached(self) -> HDETEnsemble:
-        """The ensemble; a clear error before ``trainer.train()`` has started."""
-        if self.ensemble is None:
+    def _attached(self) -> HDETEnsemble:
+        if self._ensemble is None:
             raise RuntimeError("HDET attaches when trainer.train() starts; call this during or after training")
-        return self.ensemble
+        return self._ensemble
+
+    def step(self, loss: Any = None) -> SyncReport | None:
+        """Not called under the Trainer: the callback takes HDET's step after every optimizer step."""
+        raise RuntimeError("the Trainer's optimizer steps take HDET's steps: do not call the callback's step()")
+
+    def sync(self) -> SyncReport:
+        """A sync now, between the regular ones (collective: every rank calls it)."""
+        with self._replica_groups():
+            return self.ensemble.sync()
 
     def current_lrs(self) -> list[float]:
         """The LR of each param group this replica trains with at the next optimizer step."""
-        return self.attached().current_lrs()
+        return self.ensemble.current_lrs()
 
     @property
     def topology(self) -> ReplicaTopology:
         """The replica layout (this rank's replica, the groups between replicas)."""
-        return self.attached().topology
+        return self.ensemble.topology
 
     # ------------------------------------------------------------------------------------- events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -115,31 +123,27 @@ class HDETCallback(TrainerCallback):
             if state.global_step:
                 raise RuntimeError("resuming a Trainer run with HDET under DeepSpeed is not supported; use "
                                    "hdet_scale.engines.deepspeed (engine.hdet.save_checkpoint / load_checkpoint)")
-            self.ensemble = self.deepspeed.ensemble
-        elif self.ensemble is None:
+            self._ensemble = self.deepspeed.ensemble
+        elif self._ensemble is None:
             self.config = self.config.for_run(state.max_steps)
-            self.ensemble = self._attach_ddp(kwargs["optimizer"],
-                                             self._saved_state(args, state) if state.global_step else None)
+            self._ensemble = self._attach_ddp(kwargs["optimizer"],
+                                              self._saved_state(args, state) if state.global_step else None)
         if self.probe:
-            self._set_probe(self.ensemble)
+            self._set_probe(self._ensemble)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        ensemble = self.attached()
-        if self.engine == "deepspeed":
-            # HDET stepped inside engine.step(), with the optimizer step.
-            self._record(self.deepspeed.last_report)
-        else:
-            self._record(ensemble.step())
+        ensemble = self.ensemble
+        if self.engine != "deepspeed":  # under DeepSpeed HDET stepped inside engine.step(), with the optimizer step
+            ensemble.step()
         # DefaultFlowCallback (which runs first) asks for the final save and the stop here: end on one model.
         ending = control.should_training_stop or state.global_step >= state.max_steps
         if (control.should_save or ending and self.sync_at_end) and not self.at_sync_point:
-            with self._replica_groups():
-                self._record(ensemble.sync())
+            self.sync()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
-        ensemble = self.attached()
+        ensemble = self.ensemble
         if not self.at_sync_point:
             raise RuntimeError(f"Trainer saved a checkpoint at step {state.global_step}, between HDET syncs, where "
                                "replicas differ")
@@ -150,18 +154,13 @@ class HDETCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if self.sync_at_end and self.ensemble is not None and not self.at_sync_point:
-            with self._replica_groups():
-                self._record(self.ensemble.sync())
+        if self.sync_at_end and self._ensemble is not None and not self.at_sync_point:
+            self.sync()
 
     @property
     def at_sync_point(self) -> bool:
         """True at the start and right after a sync: every replica holds the same parameters."""
-        return self.ensemble is None or self.ensemble.at_sync_point
-
-    def _record(self, report: SyncReport | None) -> None:
-        if report is not None:
-            self.last_report = report
+        return self._ensemble is None or self._ensemble.at_sync_point
 
     # ------------------------------------------------------------------------------------ internals
     def _set_probe(self, ensemble: HDETEnsemble) -> None:
@@ -201,9 +200,9 @@ class HDETCallback(TrainerCallback):
         ensemble.observe = observe_unscaled
 
     def _observe(self, loss: torch.Tensor) -> None:
-        if self.engine != "deepspeed" and self.ensemble is not None:
+        if self.engine != "deepspeed" and self._ensemble is not None:
             # The step's loss is the mean of what is observed: scaling by the micro-batch count makes it the sum.
-            self.ensemble.observe(loss * self.trainer.current_gradient_accumulation_steps)
+            self._ensemble.observe(loss * self.trainer.current_gradient_accumulation_steps)
 
     def _saved_state(self, args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
         """HDET's state saved next to the Trainer checkpoint this run resumes from."""

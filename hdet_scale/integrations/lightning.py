@@ -47,6 +47,7 @@ from hdet_scale.engines.fsdp import HDETFSDP
 from hdet_scale.engines.fsdp import wrap as fsdp_wrap
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
 from hdet_scale.extras import require
+from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
 from hdet_scale.probe import no_probe_warning
 from hdet_scale.range_test import refuse_range_test
@@ -57,22 +58,22 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 
 
-class HDETCallback(pl.Callback):
+class HDETCallback(pl.Callback, HDETHandle):
     """Hyperparameter-Divergent Ensemble Training in a Lightning ``Trainer``.
 
     Args:
         hdet_config: an HDETConfig, a dict, a JSON path, or None for defaults.
         **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
 
-    After ``fit`` starts, ``ensemble`` is the ``HDETEnsemble`` and ``last_report`` the last sync's report.
+    It is the run's HDET handle (``HDETHandle``: ``set_probe``, ``sync``, ``value``, ``last_report``...) once
+    ``fit`` starts; Lightning's optimizer steps take HDET's steps.
     """
 
     def __init__(self, hdet_config: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  **hdet_fields: Any) -> None:
         self.config = resolve_config(hdet_config, hdet_fields)
         refuse_range_test(self.config, "in Lightning")
-        self.ensemble: HDETEnsemble | None = None
-        self.last_report: SyncReport | None = None
+        self._ensemble: HDETEnsemble | None = None
         self._restored: dict[str, Any] | None = None
         self._stepped = False
         self._fsdp: HDETFSDP | None = None  # set by shard() under ModelParallelStrategy
@@ -108,12 +109,12 @@ class HDETCallback(pl.Callback):
                                       "hdet_scale.integrations.lightning.shard in configure_model: "
                                       "self.model = shard(self, self.model)")
             self._fsdp.config = self.config.resolved(auto="node", world_size=trainer.world_size)
-            self.ensemble = self._fsdp.attach(trainer.optimizers[0])
+            self._ensemble = self._fsdp.attach(trainer.optimizers[0])
             if self._restored is not None:
-                self.ensemble.load_state_dict(self._restored)
+                self._ensemble.load_state_dict(self._restored)
             self._restored = None
             return
-        self.ensemble = attach_to_wrapped(trainer.strategy.model, trainer.optimizers[0], self.config,
+        self._ensemble = attach_to_wrapped(trainer.strategy.model, trainer.optimizers[0], self.config,
                                           state=self._restored)
         self._restored = None
 
@@ -122,7 +123,7 @@ class HDETCallback(pl.Callback):
         if ensemble.wants_probe and trainer.global_rank == 0:
             warn(no_probe_warning(
                 "HDETCallback has no probe", "set one in the LightningModule's on_fit_start (it runs after the "
-                "callback's): hdet.ensemble.set_probe(batch_probe(self.trainer.strategy.model, held_out_batch, "
+                "callback's): hdet.set_probe(batch_probe(self.trainer.strategy.model, held_out_batch, "
                 "loss_fn)), from hdet_scale.probe"))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -152,7 +153,7 @@ class HDETCallback(pl.Callback):
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        if self.ensemble is not None and not self.ensemble.at_sync_point and trainer.global_rank == 0:
+        if self._ensemble is not None and not self._ensemble.at_sync_point and trainer.global_rank == 0:
             warn(f"HDETCallback: checkpoint at step {trainer.global_step}, between syncs (every "
                  f"{self.config.sync_interval} steps): the replicas differ and it holds rank 0's only; "
                  "checkpoint every a multiple of sync_interval steps, or at epoch ends")
@@ -160,33 +161,36 @@ class HDETCallback(pl.Callback):
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """HDET's state (controller, permutations, step), saved in Lightning's checkpoint."""
-        if self.ensemble is not None:
-            return self.ensemble.state_dict()
+        if self._ensemble is not None:
+            return self._ensemble.state_dict()
         return dict(self._restored or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continues a checkpoint's HDET state (kept until ``fit`` attaches HDET, when it is restored first)."""
-        if self.ensemble is not None:
-            self.ensemble.load_state_dict(state_dict)
+        if self._ensemble is not None:
+            self._ensemble.load_state_dict(state_dict)
         else:
             self._restored = dict(state_dict)
 
     # ------------------------------------------------------------------------------------ internals
     def _attached(self) -> HDETEnsemble:
-        if self.ensemble is None:
+        if self._ensemble is None:
             raise RuntimeError("HDETCallback has not attached yet: it attaches in on_fit_start")
-        return self.ensemble
+        return self._ensemble
+
+    def step(self, loss: Any = None) -> SyncReport | None:
+        """Not called under Lightning: the callback takes HDET's step after every optimizer step."""
+        raise RuntimeError("HDETCallback steps HDET after every Lightning optimizer step: do not call its step()")
 
     def _sync_if_apart(self, trainer: pl.Trainer) -> None:
-        if self.ensemble is not None and not self.ensemble.at_sync_point:
-            self._record(self.ensemble.sync(), trainer)
+        if self._ensemble is not None and not self._ensemble.at_sync_point:
+            self._record(self._ensemble.sync(), trainer)
 
     def _record(self, report: SyncReport | None, trainer: pl.Trainer) -> None:
-        """Keeps the sync's report and logs its scalars (loss, base, scale, replica values) to the Trainer's
+        """Logs a sync's scalars (loss, base, scale, replica values) to the Trainer's
         loggers (W&B, TensorBoard, CSV: whatever the Trainer has; they write on rank 0)."""
         if report is None:
             return
-        self.last_report = report
         for logger in trainer.loggers:
             logger.log_metrics(report.scalars(), step=trainer.global_step)
 

@@ -1,0 +1,60 @@
+"""The one shape of HDET handle that every way of attaching it hands back: ``HDETEnsemble`` itself (DDP's
+``attach``), the schedulers (``HDETScheduler``, ``HDETOneCycleLR``), FSDP2's ``wrap``, DeepSpeed's ``engine.hdet``
+and the Trainer and Lightning callbacks all answer the same calls, so a loop reads the same on every engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+
+
+class HDETHandle:
+    """``step(loss)``, ``sync()``, ``set_probe(fn)``, ``value(name)``, ``state_dict()``, ``load_state_dict()``,
+    ``last_report``, ``global_step`` and ``ensemble`` on every engine. A subclass says where its ensemble is
+    (``_attached``); one whose loop steps HDET itself (DeepSpeed's ``engine.step()``, the integrations) refuses
+    ``step``."""
+
+    def _attached(self) -> HDETEnsemble:
+        raise NotImplementedError
+
+    @property
+    def ensemble(self) -> HDETEnsemble:
+        """The engine-agnostic orchestrator behind this handle."""
+        return self._attached()
+
+    def step(self, loss: LossLike | None = None) -> SyncReport | None:
+        """Call after every ``optimizer.step()``: HDET's step (a sync every ``sync_interval`` calls)."""
+        return self._attached().step(loss)
+
+    def sync(self) -> SyncReport:
+        """A sync now, between the regular ones (collective: every rank calls it), e.g. before an export."""
+        return self._attached().sync()
+
+    def set_probe(self, probe: Callable[[], LossLike] | None) -> None:
+        """Scores the replicas on a held-out batch at each sync (``HDETEnsemble.set_probe``)."""
+        self._attached().set_probe(probe)
+
+    def value(self, name: str) -> float:
+        """This replica's current value of an explored hyperparameter (``"lr/0"``, ``"label_smoothing"``...)."""
+        return self._attached().value(name)
+
+    @property
+    def last_report(self) -> SyncReport | None:
+        """The most recent sync's report; None before the first."""
+        return self._attached().last_report
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps of the run HDET has counted."""
+        return self._attached().global_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """HDET's state for a checkpoint (taken at a sync point)."""
+        return self._attached().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state_dict()``."""
+        self._attached().load_state_dict(state)
