@@ -24,7 +24,6 @@ from hdet_scale.comm import all_finite, gather_rows, start_gather_rows
 from hdet_scale.config import MIN_CONTROLLER_UPDATES, HDETConfig
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
-from hdet_scale.handle import HDETHandle
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter
@@ -73,7 +72,7 @@ class SyncReport:
         return scalars
 
 
-class HDETEnsemble(HDETHandle):
+class HDETEnsemble:
     """Hyperparameter-Divergent Ensemble Training over any engine.
 
     Build it after the engine has wrapped (and broadcast) the model: on a fresh start with
@@ -240,8 +239,11 @@ class HDETEnsemble(HDETHandle):
         """The most recent sync's report (also a line of ``metrics_path``); None before the first."""
         return self._last_report
 
-    def _attached(self) -> HDETEnsemble:
-        return self  # the handle of a loop that attaches HDET to its optimizer directly (DDP's ``attach``)
+    @property
+    def ensemble(self) -> HDETEnsemble:
+        """Itself: the ensemble is the HDET handle of a loop that attaches it to its optimizer directly (DDP's
+        ``attach``), and answers every call of ``hdet_scale.handle.HDETHandle``."""
+        return self
 
     @property
     def ramping(self) -> bool:

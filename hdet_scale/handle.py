@@ -4,21 +4,22 @@ and the Trainer and Lightning callbacks all answer the same calls, so a loop rea
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
 
 
-class HDETHandle:
+class HDETHandle(ABC):
     """``step(loss)``, ``sync()``, ``set_probe(fn)``, ``value(name)``, ``state_dict()``, ``load_state_dict()``,
     ``last_report``, ``global_step`` and ``ensemble`` on every engine. A subclass says where its ensemble is
     (``_attached``); one whose loop steps HDET itself (DeepSpeed's ``engine.step()``, the integrations) refuses
     ``step``."""
 
+    @abstractmethod
     def _attached(self) -> HDETEnsemble:
-        raise NotImplementedError
+        """The ensemble behind the handle, or a clear error where it is not attached yet."""
 
     @property
     def ensemble(self) -> HDETEnsemble:
@@ -58,3 +59,6 @@ class HDETHandle:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores ``state_dict()``."""
         self._attached().load_state_dict(state)
+
+
+HDETHandle.register(HDETEnsemble)  # the ensemble answers every call itself
