@@ -4,16 +4,10 @@ Data-parallel replicas train at a symmetric spread of LR multipliers, are averag
 auto-LR controller moves the shared base schedule toward the replicas that did better.
 """
 
-from hdet_scale.config import (
-    AutoLRConfig,
-    HDETConfig,
-    HDETConfigError,
-    WarmInitConfig,
-    add_hdet_args,
-    load_config,
-)
+from hdet_scale.config import AutoLRConfig, HDETConfig, HDETConfigError, WarmInitConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.resolve import add_hdet_args, load_config
 from hdet_scale.schedule import HDETOneCycleLR, HDETScheduler, ReplaySchedule
 from hdet_scale.spread import multipliers
 from hdet_scale.topology import ReplicaTopology

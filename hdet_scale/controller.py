@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hdet_scale.config import AutoLRConfig
+from hdet_scale.config import AutoLRConfig, HDETConfig
+from hdet_scale.config_checks import is_step
 
 
 def softmax_weights(losses: Sequence[float], sigma: float) -> list[float]:
@@ -190,10 +191,64 @@ class Controller:
     def _one_sided(self, velocity: float, step: int) -> float:
         """``velocity``, stopped at 0 past ``auto_lr.rise_only_after`` of the controller's window: the scale then
         only rises."""
-        share = self.config.window_share(step)
+        share = window_share(self.config, step)
         if share is None or self.config.rise_only_after >= 1.0:
             return velocity
         return max(velocity, 0.0) if share > self.config.rise_only_after else velocity
 
     def _clamp(self, scale: float, anchor: float) -> float:
         return min(max(scale, self.config.scale_min * anchor), self.config.scale_max * anchor)
+
+
+# ------------------------------------------------------------------------------------ the controller's window
+MIN_CONTROLLER_UPDATES = 4
+"""Fewer controller updates than this (or than ``updates_to_climb``) in its window are warned about."""
+ROUND_SYNC_INTERVALS = (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000)
+"""The sync intervals ``sync_interval_for_run`` picks from: round numbers, so that checkpoint and evaluation
+intervals can be multiples of them, up to the library's default."""
+MEASURED_CONTROLLER_UPDATES = 14
+"""The controller updates in the default window of benchmarks/lr_finding.py's default setting (T = 25, 1,500 steps),
+where the defaults were measured: ``updates_to_climb`` (10) and four more."""
+
+
+def window_share(config: AutoLRConfig, step: int) -> float | None:
+    """How far ``step`` is into the controller's window, from ``start`` (an unresolved start counts as 0) to
+    ``stop``, both steps as ``HDETConfig.for_run`` resolves them: 0 at the start, 1 at the stop, below 0 before and
+    above 1 after; None without a stop. The one-sided phase (``rise_only_after``) is placed by this share."""
+    if not is_step(config.stop):
+        return None
+    start = config.start if is_step(config.start) else 0
+    return (step - start) / max(config.stop - start, 1)
+
+
+def updates_to_climb(config: AutoLRConfig) -> int:
+    """How many controller updates the LR needs to climb from ``initial_scale`` to ``scale_max`` at the largest
+    step, ``max_log_step`` a sync (``log`` mode: the reach of a too-low start), at least MIN_CONTROLLER_UPDATES.
+    Other modes have no largest step: MIN_CONTROLLER_UPDATES."""
+    lr = config.filled()
+    if lr.mode != "log" or lr.initial_scale >= lr.scale_max:
+        return MIN_CONTROLLER_UPDATES
+    # less a hair: a climb of exactly n steps (log(100) / (log(100) / 14)) must not round up to n + 1
+    climb = math.ceil(math.log(lr.scale_max / lr.initial_scale) / lr.max_log_step - 1e-9)
+    return max(MIN_CONTROLLER_UPDATES, climb)
+
+
+def controller_updates(config: HDETConfig) -> int | None:
+    """How many syncs the controller updates at: those from ``auto_lr.start`` to ``stop`` inclusive, in steps
+    (``for_run`` applied); None where it has no stop."""
+    lr = config.auto_lr
+    if lr.stop is None:
+        return None
+    first = -(-max(lr.start, 1) // config.sync_interval) * config.sync_interval
+    return len(range(first, lr.stop + 1, config.sync_interval))
+
+
+def sync_interval_for_run(total_steps: int) -> int:
+    """The sync interval for a run of ``total_steps`` with the default controller: the largest of
+    ``ROUND_SYNC_INTERVALS`` whose window (2% to 25% of the run) holds ``MEASURED_CONTROLLER_UPDATES`` updates, 1
+    where none does (a run that short is warned about at start). 5 for 300 steps, 25 for 1,500, 1000 from about
+    60,000."""
+    for interval in reversed(ROUND_SYNC_INTERVALS):
+        if controller_updates(HDETConfig(sync_interval=interval).for_run(total_steps)) >= MEASURED_CONTROLLER_UPDATES:
+            return interval
+    return 1

@@ -21,14 +21,22 @@ import torch
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import all_finite, gather_rows, start_gather_rows
-from hdet_scale.config import MIN_CONTROLLER_UPDATES, HDETConfig
-from hdet_scale.controller import Controller, ControllerState, PaperDecay
+from hdet_scale.config import HDETConfig
+from hdet_scale.controller import (
+    MIN_CONTROLLER_UPDATES,
+    Controller,
+    ControllerState,
+    PaperDecay,
+    controller_updates,
+    updates_to_climb,
+)
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter
 from hdet_scale.notices import warn
 from hdet_scale.range_test import RangeTest, RangeTestStart
+from hdet_scale.resolve import resolve, run_length_error, stuck_start_error
 from hdet_scale.scores import IntervalLoss, LossLike, ReplicaScores
 from hdet_scale.topology import ReplicaTopology
 from hdet_scale.warm_init import add_warm_noise
@@ -93,12 +101,8 @@ class HDETEnsemble:
     def __init__(self, config: HDETConfig, adapter: EngineAdapter, *, topology: ReplicaTopology | None = None,
                  paper_decay: Sequence[PaperDecay] | None = None, state: Mapping[str, Any] | None = None,
                  total_steps: int | None = None) -> None:
-        config.validate()
-        config = config.resolved()
-        if total_steps is not None:
-            config = config.for_run(total_steps)
-        else:  # the values the controller runs with; shares of the run stay (refused below if it would run)
-            config = dataclasses.replace(config, auto_lr=config.auto_lr.filled())
+        # shares of the run without total_steps stay (refused below where the controller would run)
+        config = resolve(config, total_steps=total_steps)
         self.config = config
         self.adapter = adapter
         self.topology = topology or ReplicaTopology.build(config)
@@ -160,7 +164,7 @@ class HDETEnsemble:
         cfg, interval = self.config.auto_lr, self.config.sync_interval
         if not cfg.enabled or self.topology.num_replicas == 1:  # no controller (its start may be an unplaced share)
             return None
-        updates, needed = self.config.controller_updates(), cfg.updates_to_climb()
+        updates, needed = controller_updates(self.config), updates_to_climb(cfg)
         if updates is None or updates >= needed:
             return None
         climb_sets_it = needed > MIN_CONTROLLER_UPDATES  # else the bare minimum of updates does
@@ -565,11 +569,11 @@ def _check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: Repl
         )
     if getattr(adapter.optimizer, "_hdet_attached", False):
         raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
-    error = config.run_length_error(topology.num_replicas, "pass total_steps= when attaching (train.py, the "
-                                    "integrations and HDETOneCycleLR do)")
+    error = run_length_error(config, topology.num_replicas, "pass total_steps= when attaching (train.py, the "
+                             "integrations and HDETOneCycleLR do)")
     if error is not None:
         raise error
-    error = config.stuck_start_error(topology.num_replicas)
+    error = stuck_start_error(config, topology.num_replicas)
     if error is not None:
         raise error
     num_groups = len(adapter.optimizer.param_groups)

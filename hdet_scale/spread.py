@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hdet_scale.config import SPREADS
+from hdet_scale.config_rules import SPREADS
 
 
 def multipliers(num_replicas: int, alpha: float, spread: str = "linear") -> list[float]:

@@ -8,12 +8,16 @@ The rank at position ``p`` of every replica holds the same shard, so the cross-r
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hdet_scale.config import HDETConfig
+from hdet_scale.config_checks import HDETConfigError
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class ReplicaTopology:
 
         Without an initialized process group this is the single-process topology.
         """
-        config = config.resolved()
+        config = with_replica_size(config)
         if not (dist.is_available() and dist.is_initialized()):
             if config.ranks_per_replica != 1:
                 raise ValueError(
@@ -71,7 +75,7 @@ class ReplicaTopology:
                 )
             return cls.single_process()
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        config.validate_world_size(world_size)
+        check_world_size(config, world_size)
         per = config.ranks_per_replica
         layout = cls(rank=rank, world_size=world_size, ranks_per_replica=per)
         cross = None
@@ -81,6 +85,58 @@ class ReplicaTopology:
         intra, _ = dist.new_subgroups_by_enumeration([layout.replica_ranks(r) for r in range(layout.num_replicas)])
         return cls(rank=rank, world_size=world_size, ranks_per_replica=per,
                    cross_replica_group=cross, intra_replica_group=intra)
+
+
+def with_replica_size(config: HDETConfig, *, auto: str = "rank", world_size: int | None = None) -> HDETConfig:
+    """``config`` with ``ranks_per_replica`` as a number: ``"node"`` read from the launcher's LOCAL_WORLD_SIZE
+    (torchrun) or LOCAL_SIZE (deepspeed); ``"auto"`` as ``auto`` says: ``"rank"``, 1; ``"node"``, a node, except
+    where that would leave one replica (every rank on one node): then the largest replica that still gives two or
+    more (half of the world size when it is even), so a first run on one machine explores too. ``world_size``
+    defaults to the launcher's WORLD_SIZE."""
+    value = config.ranks_per_replica
+    if value == "auto":
+        if auto not in ("rank", "node"):
+            raise ValueError(f"auto must be 'rank' or 'node', got {auto!r}")
+        value = 1 if auto == "rank" else _node_but_two_replicas(world_size)
+    if value == "node":
+        value = ranks_per_node()
+    return config if value == config.ranks_per_replica else dataclasses.replace(config, ranks_per_replica=value)
+
+
+def check_world_size(config: HDETConfig, world_size: int, *, auto: str = "rank") -> int:
+    """How many replicas ``world_size`` ranks form under ``config`` (``auto`` as in ``with_replica_size``); an
+    HDETConfigError where they do not split evenly."""
+    per_replica = with_replica_size(config, auto=auto, world_size=world_size).ranks_per_replica
+    if world_size < 1 or world_size % per_replica != 0:
+        source = "" if per_replica == config.ranks_per_replica else f" (from '{config.ranks_per_replica}')"
+        raise HDETConfigError(
+            f"ranks_per_replica={per_replica}{source} does not divide the world size {world_size}; "
+            "set ranks_per_replica to a divisor of the number of ranks (e.g. the GPUs per node)"
+        )
+    return world_size // per_replica
+
+
+def ranks_per_node() -> int:
+    """The launcher's ranks on this node: LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (deepspeed launcher)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit() and int(os.environ[name]) >= 1:
+            return int(os.environ[name])
+    raise HDETConfigError(
+        "ranks_per_replica='node' needs the ranks per node from the launcher (LOCAL_WORLD_SIZE under torchrun, "
+        "LOCAL_SIZE under the deepspeed launcher), and neither is set; set ranks_per_replica to a number"
+    )
+
+
+def _node_but_two_replicas(world_size: int | None) -> int:
+    """A node's ranks, or where the whole world is one node, the largest divisor of the world size that leaves
+    two replicas or more (the world size over its smallest prime factor; 1 for one rank)."""
+    per_node = ranks_per_node()
+    if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
+    if world_size is None or world_size // per_node >= 2 or world_size % per_node:
+        return per_node
+    smallest_factor = next((f for f in range(2, math.isqrt(world_size) + 1) if world_size % f == 0), world_size)
+    return world_size // smallest_factor
 
 
 def collective_device() -> torch.device:

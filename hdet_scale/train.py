@@ -46,7 +46,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hdet_scale.comm import failed_rank, on_rank0, one_line, shut_down, shut_down_and_exit
-from hdet_scale.config import HDETConfig, add_hdet_args, sync_interval_for_run
+from hdet_scale.config import HDETConfig
+from hdet_scale.controller import sync_interval_for_run
 from hdet_scale.extras import MissingExtra, require
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import (
@@ -67,6 +68,7 @@ from hdet_scale.lm.progress import Progress
 from hdet_scale.metrics import writable_directory
 from hdet_scale.probe import batch_probe
 from hdet_scale.range_test import refuse_range_test
+from hdet_scale.resolve import add_hdet_args, load_config, resolve, stuck_start_error
 
 PROBE_SEED = 777
 """Where --probe_batch draws its held-out windows (fixed: the same probe whatever the training seed)."""
@@ -173,8 +175,6 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Checks every input and loads the corpus; raises ValueError / FileNotFoundError naming the argument."""
-    from hdet_scale.config import load_config
-
     check_preset(args.preset)
     for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "eval_batches"):
         if getattr(args, name) < 1:
@@ -199,12 +199,12 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
     if args.replay_schedule:
         _check_replay(args, ds_config)
-    config = load_config(_hdet_values(args, ds_config), world_size=None)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    config = config.resolved(auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
-                             world_size=world_size).for_run(args.steps)
-    config.validate_world_size(world_size)
-    stuck = config.stuck_start_error(config.num_replicas(world_size))
+    config = resolve(load_config(_hdet_values(args, ds_config), world_size=None), world_size=world_size,
+                     auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
+                     total_steps=args.steps)
+    replicas = world_size // config.ranks_per_replica
+    stuck = stuck_start_error(config, replicas)
     if stuck is not None:
         raise stuck
     if args.wandb:
@@ -232,7 +232,7 @@ def plan(args: argparse.Namespace) -> Plan:
     zero_stage = _zero_stage(ds_config) if engine == "deepspeed" else None
     run = identity(engine=engine, zero_stage=zero_stage,
                    model={"preset": args.preset, **PRESETS[args.preset], "vocab_size": corpus.vocab_size},
-                   replicas=config.num_replicas(world_size), ranks_per_replica=config.ranks_per_replica,
+                   replicas=replicas, ranks_per_replica=config.ranks_per_replica,
                    explored=[name for name, knob in vars(config.explore).items() if knob is not None])
     resume = check_resume(out, run) if args.resume else None
     return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)

@@ -8,7 +8,10 @@ from benchmark_modules import load_benchmark
 
 from hdet_scale import HDETConfig, HDETConfigError, add_hdet_args, load_config
 from hdet_scale.config import AutoLRConfig
+from hdet_scale.controller import controller_updates, sync_interval_for_run, updates_to_climb, window_share
+from hdet_scale.resolve import resolve, stuck_start_error
 from hdet_scale.schedule import resolve_config
+from hdet_scale.topology import check_world_size, with_replica_size
 
 
 def config_the_benchmark_ran(lr_finding, variant: str, directory) -> HDETConfig:
@@ -43,7 +46,7 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
     assert (config.auto_lr.beta, config.auto_lr.rise_only_after) == (0.5, 0.43)
     assert config.auto_lr.initial_scale == pytest.approx(0.1)
     assert AutoLRConfig().window(probing=False) == 0.0  # no probe: nothing to score averaged weights
-    HDETConfig().validate(world_size=8)
+    resolve(HDETConfig(), world_size=8)
 
 
 def test_the_no_probe_variant_is_the_default_without_a_probe(tmp_path):
@@ -123,8 +126,8 @@ def test_the_window_and_the_share_of_the_controllers_window():
                                            "stop": 400}}).for_run(1000).auto_lr
     assert lr.window(True) == 0.2 and AutoLRConfig(average_window=0.3).window(False) == 0.3  # as given
     # the share of the window 100-400 at a step; none without a stop
-    assert [lr.window_share(step) for step in (40, 100, 190, 400, 700)] == pytest.approx([-0.2, 0.0, 0.3, 1.0, 2.0])
-    assert AutoLRConfig().window_share(190) is None
+    assert [window_share(lr, step) for step in (40, 100, 190, 400, 700)] == pytest.approx([-0.2, 0.0, 0.3, 1.0, 2.0])
+    assert window_share(AutoLRConfig(), 190) is None
 
 
 @pytest.mark.parametrize("key", ["hold_average", "average_window_late", "displacement", "hypergradient",
@@ -213,26 +216,26 @@ def test_bad_values_name_the_field(values, message):
 def test_world_size_must_divide():
     config = HDETConfig(ranks_per_replica=4)
     with pytest.raises(HDETConfigError, match="ranks_per_replica=4 does not divide the world size 6"):
-        config.validate(world_size=6)
-    assert config.num_replicas(8) == 2
+        resolve(config, world_size=6)
+    assert check_world_size(config, 8) == 2
 
 
 def test_replica_size_by_name(monkeypatch):
     """'node' is the launcher's ranks per node; 'auto' is a rank for unsharded engines and a node for sharded."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "8")  # the deepspeed launcher's name
-    assert HDETConfig(ranks_per_replica="node").resolved().ranks_per_replica == 8
-    assert HDETConfig().resolved(auto="node").ranks_per_replica == 8
-    assert HDETConfig().resolved().ranks_per_replica == 1
-    assert HDETConfig(ranks_per_replica=2).resolved(auto="node").ranks_per_replica == 2
+    assert with_replica_size(HDETConfig(ranks_per_replica="node")).ranks_per_replica == 8
+    assert with_replica_size(HDETConfig(), auto="node").ranks_per_replica == 8
+    assert with_replica_size(HDETConfig()).ranks_per_replica == 1
+    assert with_replica_size(HDETConfig(ranks_per_replica=2), auto="node").ranks_per_replica == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's name wins where both are set
-    assert HDETConfig(ranks_per_replica="node").num_replicas(16) == 4
+    assert check_world_size(HDETConfig(ranks_per_replica="node"), 16) == 4
     with pytest.raises(HDETConfigError, match=r"ranks_per_replica=4 \(from 'node'\) does not divide the world size 6"):
-        HDETConfig(ranks_per_replica="node").validate(world_size=6)
+        resolve(HDETConfig(ranks_per_replica="node"), world_size=6)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("LOCAL_SIZE")
     with pytest.raises(HDETConfigError, match="ranks_per_replica='node' needs the ranks per node"):
-        HDETConfig().resolved(auto="node")
+        with_replica_size(HDETConfig(), auto="node")
 
 
 def test_bad_json_files(tmp_path):
@@ -365,7 +368,7 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=36 if mode == "short" else 100,
                         topology=ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1))
-    assert hdet.config.controller_updates() == updates
+    assert controller_updates(hdet.config) == updates
     if updates >= (4 if mode == "scale" else 10):
         assert hdet.few_updates_warning is None
     elif mode == "log":
@@ -407,7 +410,7 @@ def test_a_controller_that_would_never_leave_its_low_start_is_refused():
     for fine in ({"sync_interval": 75}, {"sync_interval": 400, "auto_lr": {"initial_scale": 1.0}}):
         config = HDETConfig.from_dict({"ranks_per_replica": 1, **fine})
         HDETEnsemble(config, DDPAdapter(optimizer), total_steps=300, topology=two).close()
-    assert HDETConfig(sync_interval=400).for_run(300).stuck_start_error(num_replicas=1) is None  # no controller
+    assert stuck_start_error(HDETConfig(sync_interval=400).for_run(300), num_replicas=1) is None  # no controller
 
 
 @pytest.mark.parametrize(("steps", "interval"), [(100, 1), (300, 5), (1000, 10), (1500, 25), (59_900, 500),
@@ -418,8 +421,6 @@ def test_the_sync_interval_for_a_run_gives_the_controller_its_measured_updates(s
     1000: 20-250, T = 10 gives 24, T = 20 20, ..., 240 (12). 60,000: 1200-15000, T = 1000 gives 2000, ..., 15000
     (14); 59,900: 1198-14975, T = 1000 gives 2000, ..., 14000 (13). A million steps: capped at the library's
     1000."""
-    from hdet_scale.config import sync_interval_for_run
-
     assert sync_interval_for_run(steps) == interval
 
 
@@ -432,7 +433,7 @@ def test_the_sync_interval_for_a_run_gives_the_controller_its_measured_updates(s
                           ({"max_log_step": math.log(100) / 14}, 14),  # exactly 14 steps, not 15 by rounding
                           ({"mode": "scale"}, 4)])  # no largest step
 def test_updates_to_climb_by_hand(auto_lr, updates):
-    assert AutoLRConfig(**auto_lr).filled().updates_to_climb() == updates
+    assert updates_to_climb(AutoLRConfig(**auto_lr).filled()) == updates
 
 
 @pytest.mark.parametrize(("auto_lr", "updates"), [({"start": 0, "stop": 30}, 3),
@@ -442,11 +443,11 @@ def test_updates_to_climb_by_hand(auto_lr, updates):
 def test_controller_updates_counts_the_syncs_from_start_to_stop(auto_lr, updates):
     """T = 10: syncs at 10, 20, 30; step 0 is no sync, and the start and the stop both count."""
     config = HDETConfig.from_dict({"sync_interval": 10, "auto_lr": {"mode": "scale", **auto_lr}})
-    assert config.controller_updates() == updates
+    assert controller_updates(config) == updates
 
 
 def test_controller_updates_is_none_without_a_stop():
-    assert HDETConfig.paper().controller_updates() is None
+    assert controller_updates(HDETConfig.paper()) is None
 
 
 def test_a_run_without_a_controller_needs_no_run_length_even_with_a_stop():

@@ -25,7 +25,9 @@ from torch.utils.data import TensorDataset
 
 from distributed import gather_rows, run_ranks
 from hdet_scale import HDETConfig, load_config, multipliers
+from hdet_scale.controller import controller_updates
 from hdet_scale.engines.deepspeed import add_config_arguments, check_supported, initialize
+from hdet_scale.topology import check_world_size
 
 CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 MATCHING_HDET = {
@@ -67,7 +69,7 @@ def test_hdet_json_loads_and_lays_out_the_readme_cluster(name, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "8")
     expected_replicas = {"hdet_zero.json": 4, "hdet_zero0.json": 32}[name]
-    assert config.num_replicas(32, auto="node") == expected_replicas
+    assert check_world_size(config, 32, auto="node") == expected_replicas
 
 
 @pytest.mark.parametrize("name", sorted(set(MATCHING_HDET.values())))
@@ -95,7 +97,7 @@ def test_deepspeed_json_passes_deepspeeds_parser_and_hdets_checks(name):
     optimizer = torch.optim.AdamW(model.parameters(), lr=values["optimizer"]["params"]["lr"])
     scheduler = getattr(lr_schedules, parsed.scheduler_name)(optimizer, **parsed.scheduler_params)
     hdet = HDETConfig.from_json(CONFIGS / MATCHING_HDET[name]).for_run(scheduler.total_num_steps)
-    assert hdet.controller_updates() >= 10, "the schedule gives HDET's controller too few syncs to move the LR"
+    assert controller_updates(hdet) >= 10, "the schedule gives HDET's controller too few syncs to move the LR"
     check_supported(values, model)
 
 

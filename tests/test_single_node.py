@@ -15,6 +15,7 @@ from torch import nn
 from distributed import run_ranks
 from hdet_scale import AutoLRConfig, HDETConfig, HDETEnsemble, ReplicaTopology
 from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.topology import with_replica_size
 
 
 @pytest.mark.parametrize(("per_node", "world", "expected"), [
@@ -28,10 +29,10 @@ from hdet_scale.engines.ddp import DDPAdapter
 def test_auto_replica_size_leaves_two_replicas_on_one_node(monkeypatch, per_node, world, expected):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    assert HDETConfig().resolved(auto="node").ranks_per_replica == expected
-    assert HDETConfig().resolved(auto="node", world_size=2 * per_node).ranks_per_replica == per_node
-    assert HDETConfig().resolved().ranks_per_replica == 1  # unsharded engines: every rank a replica
-    assert HDETConfig(ranks_per_replica="node").resolved().ranks_per_replica == per_node  # asked for: kept
+    assert with_replica_size(HDETConfig(), auto="node").ranks_per_replica == expected
+    assert with_replica_size(HDETConfig(), auto="node", world_size=2 * per_node).ranks_per_replica == per_node
+    assert with_replica_size(HDETConfig()).ranks_per_replica == 1  # unsharded engines: every rank a replica
+    assert with_replica_size(HDETConfig(ranks_per_replica="node")).ranks_per_replica == per_node  # asked for: kept
 
 
 def ensemble(config: HDETConfig) -> HDETEnsemble:

@@ -35,14 +35,15 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
-from hdet_scale.config import HDETConfig, HDETConfigError, add_hdet_args, load_config
+from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version
 from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
 from hdet_scale.range_test import refuse_range_test
-from hdet_scale.topology import ReplicaTopology
+from hdet_scale.resolve import add_hdet_args, load_config, run_length_error
+from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_size
 
 require("deepspeed", "deepspeed", "hdet_scale.engines.deepspeed")
 import deepspeed  # noqa: E402
@@ -318,7 +319,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     ds_config, args = _take_ds_config(args, config if config is not None else config_params)
     hdet = _hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    hdet = hdet.resolved(auto="rank" if stage == 0 else "node")
+    hdet = with_replica_size(hdet, auto="rank" if stage == 0 else "node")
     refuse_range_test(hdet, "with DeepSpeed")
     if total_steps is None:  # the run's length, if DeepSpeed's scheduler knows it
         total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
@@ -327,16 +328,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     launched_world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # the launcher's
     check_supported(ds_config, model, world_size=launched_world)  # batch sizes too, before any set-up
     if launched_world is not None:
-        _per_replica_batch(ds_config, hdet.num_replicas(launched_world))
-        error = hdet.run_length_error(hdet.num_replicas(launched_world), "pass total_steps= to initialize (or "
-                                      "give DeepSpeed a scheduler with total_num_steps)")
+        replicas = check_world_size(hdet, launched_world)
+        _per_replica_batch(ds_config, replicas)
+        error = run_length_error(hdet, replicas, "pass total_steps= to initialize (or give DeepSpeed a scheduler "
+                                 "with total_num_steps)")
         if error is not None:
             raise error
 
     deepspeed.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     world_size = dist.get_world_size()
-    hdet.validate_world_size(world_size)
-    ds_config = _per_replica_batch(ds_config, hdet.num_replicas(world_size))
+    ds_config = _per_replica_batch(ds_config, check_world_size(hdet, world_size))
     topology = ReplicaTopology.build(hdet)
     replica_mpu = ReplicaMPU(topology)
     broadcast_from_rank0(model)  # DeepSpeed broadcasts only inside the replica (its data-parallel group)

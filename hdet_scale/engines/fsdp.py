@@ -33,7 +33,8 @@ from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
-from hdet_scale.topology import ReplicaTopology
+from hdet_scale.resolve import resolve
+from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_size
 
 
 def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh:
@@ -42,8 +43,8 @@ def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh
     if not dist.is_initialized():
         raise RuntimeError("the FSDP2 adapter needs torch.distributed initialized (launch with torchrun)")
     world = dist.get_world_size()
-    config = config.resolved(auto="node", world_size=world)
-    config.validate_world_size(world)
+    config = with_replica_size(config, auto="node", world_size=world)
+    check_world_size(config, world)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = (world // config.ranks_per_replica, config.ranks_per_replica)
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
@@ -54,7 +55,7 @@ def topology_from_mesh(mesh: DeviceMesh, config: HDETConfig) -> ReplicaTopology:
     if mesh.mesh_dim_names != ("replicate", "shard"):
         raise ValueError(f"the mesh must have dims ('replicate', 'shard'), got {mesh.mesh_dim_names}")
     replicas, per_replica = mesh.shape
-    config = config.resolved(auto="node", world_size=replicas * per_replica)
+    config = with_replica_size(config, auto="node", world_size=replicas * per_replica)
     if per_replica != config.ranks_per_replica:
         raise ValueError(f"the mesh has {per_replica} ranks per replica but the config says ranks_per_replica="
                          f"{config.ranks_per_replica}; build the mesh with build_mesh(config)")
@@ -195,8 +196,7 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
         mesh: a ("replicate", "shard") mesh; default ``build_mesh(config, device_type)``.
         device_type: the mesh's device type when building it.
     """
-    config.validate()
-    config = config.resolved(auto="node", world_size=dist.get_world_size() if dist.is_initialized() else None)
+    config = resolve(config, auto="node", world_size=dist.get_world_size() if dist.is_initialized() else None)
     if not any(param.requires_grad for param in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: nothing for HDET to train")
     mesh = mesh or build_mesh(config, device_type)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from hdet_scale.config import HDETConfig, HDETConfigError, load_config
+from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble, SyncReport
@@ -57,7 +57,8 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
 from hdet_scale.range_test import refuse_range_test
-from hdet_scale.topology import ReplicaTopology
+from hdet_scale.resolve import load_config
+from hdet_scale.topology import ReplicaTopology, check_world_size
 
 require("transformers", "trainer", "hdet_scale.integrations.hf_trainer")
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
@@ -354,7 +355,7 @@ def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
     world = args.world_size
     if engine == "deepspeed":
         _check_deepspeed(trainer, config)
-    config.validate_world_size(world, auto=_auto_replica_size(trainer, engine))
+    check_world_size(config, world, auto=_auto_replica_size(trainer, engine))
     _check_saving(args, config, engine)
     return engine
 

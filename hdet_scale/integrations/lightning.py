@@ -51,7 +51,9 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
 from hdet_scale.probe import no_probe_warning
 from hdet_scale.range_test import refuse_range_test
+from hdet_scale.resolve import run_length_error
 from hdet_scale.schedule import resolve_config
+from hdet_scale.topology import check_world_size, with_replica_size
 
 require("lightning", "lightning", "hdet_scale.integrations.lightning")
 import lightning.pytorch as pl  # noqa: E402
@@ -98,9 +100,9 @@ class HDETCallback(pl.Callback, HDETHandle):
         if math.isfinite(steps):
             self.config = self.config.for_run(int(steps))
         else:
-            replicas = self.config.num_replicas(trainer.world_size, auto="node" if sharded else "rank")
-            error = self.config.run_length_error(replicas, "this Trainer's length is unknown (an iterable dataset "
-                                                           "without max_steps): set max_steps")
+            replicas = check_world_size(self.config, trainer.world_size, auto="node" if sharded else "rank")
+            error = run_length_error(self.config, replicas, "this Trainer's length is unknown (an iterable dataset "
+                                                            "without max_steps): set max_steps")
             if error is not None:
                 raise error
         if sharded:
@@ -108,7 +110,7 @@ class HDETCallback(pl.Callback, HDETHandle):
                 raise HDETConfigError("under ModelParallelStrategy, shard the model with "
                                       "hdet_scale.integrations.lightning.shard in configure_model: "
                                       "self.model = shard(self, self.model)")
-            self._fsdp.config = self.config.resolved(auto="node", world_size=trainer.world_size)
+            self._fsdp.config = with_replica_size(self.config, auto="node", world_size=trainer.world_size)
             self._ensemble = self._fsdp.attach(trainer.optimizers[0])
             if self._restored is not None:
                 self._ensemble.load_state_dict(self._restored)

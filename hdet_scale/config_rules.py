@@ -1,0 +1,164 @@
+"""``HDETConfig.validate``'s rules as data: the range of every number, the choices of every name, and the settings
+that cannot go together. Each failing rule raises one ``HDETConfigError`` naming the field and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from hdet_scale.config_checks import (
+    HDETConfigError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_step_or_share,
+)
+
+GRADIENT_MODES = ("global", "local")
+CONTROLLER_MODES = ("scale", "paper", "log")
+SPREADS = ("linear", "log")
+REPLICA_SIZE_NAMES = ("auto", "node")
+MIN_RANGE_TEST_STEPS = 13
+"""The fewest steps a range test may have: its pick leaves out its first 10 and its last step."""
+KNOB_NAMES = ("weight_decay", "dropout", "attention_scale", "label_smoothing")
+
+
+class Range(NamedTuple):
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+
+NUMBER_RANGES: dict[str, Range] = {
+    "bucket_mb": Range(0.0, low_open=True),
+    "auto_lr.beta": Range(0.0, 1.0, high_open=True),
+    "auto_lr.sigma": Range(0.0, low_open=True),
+    "auto_lr.step_size": Range(0.0),
+    "auto_lr.scale_min": Range(0.0, low_open=True),
+    "auto_lr.probe_weight": Range(0.0, 1.0),
+    "auto_lr.max_log_step": Range(0.0, low_open=True),
+    "auto_lr.rise_only_after": Range(0.0, 1.0),
+    "auto_lr.initial_scale": Range(0.0, low_open=True),
+    "warm_init.nu": Range(0.0),
+}
+"""Every number's allowed range, checked on the values the run uses (a mode's defaults included)."""
+OPTIONAL_NUMBER_RANGES: dict[str, Range] = {"auto_lr.average_window": Range(0.0, 1.0, high_open=True)}
+"""Numbers that may also be null (their default then depends on the run)."""
+CHOICES: dict[str, tuple[str, ...]] = {"spread": SPREADS, "gradient_mode": GRADIENT_MODES,
+                                       "auto_lr.mode": CONTROLLER_MODES}
+BOOLS = ("average_optimizer_state", "auto_lr.enabled", "warm_init.enabled")
+
+
+class Conflict(NamedTuple):
+    """Settings that cannot go together: ``applies(given, filled)`` on the auto-LR section as given and with the
+    mode's defaults filled in; ``message(given, filled)`` names the fields and the fix."""
+
+    applies: Callable[[Any, Any], bool]
+    message: Callable[[Any, Any], str]
+
+
+def _paper_or_off(lr: Any) -> bool:
+    return lr.mode == "paper" or not lr.enabled
+
+
+def _default_of(given: Any, lr: Any) -> str:
+    """Where the initial scale comes from when the user did not give it."""
+    return "" if given.initial_scale is not None else f" (the '{lr.mode}' mode's default)"
+
+
+AUTO_LR_CONFLICTS: tuple[Conflict, ...] = (
+    Conflict(lambda given, lr: lr.mode == "paper" and given.stop is not None,
+             lambda given, lr: "auto_lr.stop works in 'scale' and 'log' mode; the paper's controller also decays the "
+                               "LR (eq. 8): remove it or choose another mode"),
+    Conflict(lambda given, lr: 0 < given.range_test < MIN_RANGE_TEST_STEPS,
+             lambda given, lr: f"auto_lr.range_test={given.range_test}: a range test needs at least "
+                               f"{MIN_RANGE_TEST_STEPS} steps (100 is usual); 0 turns it off"),
+    Conflict(lambda given, lr: given.range_test and _paper_or_off(given),
+             lambda given, lr: "auto_lr.range_test sets the scale the controller starts from: it needs the "
+                               "controller on in 'scale' or 'log' mode; set it to 0 or turn auto_lr on"),
+    Conflict(lambda given, lr: given.range_test and given.initial_scale not in (None, 1.0),
+             lambda given, lr: f"auto_lr.initial_scale={given.initial_scale} and auto_lr.range_test both set where "
+                               "the LR starts: remove initial_scale (the test picks the start)"),
+    Conflict(lambda given, lr: given.initial_scale not in (None, 1.0) and _paper_or_off(given),
+             lambda given, lr: f"auto_lr.initial_scale={given.initial_scale} needs the controller on in 'scale' or "
+                               "'log' mode (else the LR would stay at that scale): set it to 1 or turn auto_lr on"),
+    Conflict(lambda given, lr: lr.rise_only_after < 1.0 and lr.mode == "paper",
+             lambda given, lr: f"auto_lr.rise_only_after={lr.rise_only_after} works in 'scale' and 'log' mode; the "
+                               "paper's controller keeps eq. 7 as printed: set it to 1 (off) or choose another mode"),
+    Conflict(lambda given, lr: lr.rise_only_after < 1.0 and lr.stop is None,
+             lambda given, lr: f"auto_lr.rise_only_after={lr.rise_only_after} is a share of the controller's window "
+                               "up to its stop: give auto_lr.stop, or set it to 1 (off)"),
+    Conflict(lambda given, lr: not lr.scale_min <= lr.initial_scale <= lr.scale_max,
+             lambda given, lr: f"auto_lr.scale_min={lr.scale_min} and auto_lr.scale_max={lr.scale_max} must bracket "
+                               f"auto_lr.initial_scale={lr.initial_scale:g}{_default_of(given, lr)} (where the "
+                               "controller starts; 1: the base schedule)"),
+)
+"""Checked in this order, after the types and ranges of the fields they read."""
+
+
+def validate(config: Any, filled_auto_lr: Any) -> None:
+    """Raises HDETConfigError naming the first bad field of ``config`` (an ``HDETConfig``); ``filled_auto_lr`` is
+    its auto-LR section with the mode's defaults filled in, the values the controller runs with."""
+    given = config.auto_lr
+    sections = {"": config, "auto_lr": filled_auto_lr, "warm_init": config.warm_init}
+
+    def value(path: str) -> Any:
+        section, _, name = path.rpartition(".")
+        return getattr(sections[section], name)
+
+    _check_layout(config)
+    for path in BOOLS:
+        check_bool(path, value(path))
+    for path, choices in CHOICES.items():
+        check_choice(path, value(path), choices)
+    if config.metrics_path is not None and not isinstance(config.metrics_path, str):
+        raise HDETConfigError(f"metrics_path must be a file path string or null, got {config.metrics_path!r}")
+    for name, options in (("start", {"high_open": True}), ("stop", {"low_open": True})):
+        if getattr(given, name) is not None:
+            check_step_or_share(f"auto_lr.{name}", getattr(given, name), **options)
+    check_int("auto_lr.range_test", given.range_test, low=0)
+    for path, allowed in NUMBER_RANGES.items():
+        check_number(path, value(path), **allowed._asdict())
+    for path, allowed in OPTIONAL_NUMBER_RANGES.items():
+        if value(path) is not None:
+            check_number(path, value(path), **allowed._asdict())
+    check_number("auto_lr.scale_max", filled_auto_lr.scale_max, low=filled_auto_lr.scale_min,
+                 hint="scale_max must be at least auto_lr.scale_min")
+    for conflict in AUTO_LR_CONFLICTS:
+        if conflict.applies(given, filled_auto_lr):
+            raise HDETConfigError(conflict.message(given, filled_auto_lr))
+    _check_explored(config.explore)
+
+
+def _check_layout(config: Any) -> None:
+    """The spread's ratio, the sync interval, the replica size and the seed."""
+    if config.spread == "log":  # multipliers in [1/(1 + alpha), 1 + alpha]: positive for any alpha
+        check_number("alpha", config.alpha, low=0.0)
+    else:
+        check_number("alpha", config.alpha, low=0.0, high=1.0, high_open=True,
+                     hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0; spread 'log' allows it")
+    check_int("sync_interval", config.sync_interval, low=1)
+    if config.ranks_per_replica not in REPLICA_SIZE_NAMES:
+        check_int("ranks_per_replica", config.ranks_per_replica, low=1,
+                  also=" or one of " + ", ".join(repr(name) for name in REPLICA_SIZE_NAMES))
+    check_int("seed", config.seed, low=0)
+
+
+def _check_explored(explore: Any) -> None:
+    """Each explored value's spread ratio and base: label smoothing needs one, the others read theirs."""
+    for name in KNOB_NAMES:
+        knob = getattr(explore, name)
+        if knob is None:
+            continue
+        if knob.alpha is not None:
+            check_number(f"explore.{name}.alpha", knob.alpha, low=0.0, high=1.0, high_open=True)
+        if name == "label_smoothing":
+            if knob.base is None:
+                raise HDETConfigError("explore.label_smoothing.base is required: the label smoothing to start "
+                                      "from, in [0, 1)")
+            check_number("explore.label_smoothing.base", knob.base, low=0.0, high=1.0, high_open=True)
+        elif knob.base is not None:
+            raise HDETConfigError(f"explore.{name}.base is not used: {name} takes its base value from the "
+                                  "optimizer or the model; remove it")

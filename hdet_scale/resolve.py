@@ -1,0 +1,99 @@
+"""From what the user gave to the config a run uses, once, at the front door (train.py, an engine's attach, an
+integration): loaded and validated, the replica size a number for this world, the controller's start and stop
+steps of this run, and the run refused in one line where it could not learn anything."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from hdet_scale.config import WINDOW_FIELDS, HDETConfig
+from hdet_scale.config_checks import HDETConfigError
+from hdet_scale.controller import controller_updates
+from hdet_scale.topology import check_world_size, with_replica_size
+
+
+def resolve(config: HDETConfig, *, world_size: int | None = None, auto: str = "rank",
+            total_steps: int | None = None) -> HDETConfig:
+    """``config`` validated, with ``ranks_per_replica`` a number (``auto``: ``"rank"`` for unsharded engines,
+    ``"node"`` for sharded ones, see ``topology.with_replica_size``), checked against ``world_size`` where given,
+    and with the controller's unset fields filled (its start and stop as steps where ``total_steps`` is given)."""
+    config.validate()
+    if world_size is not None:
+        check_world_size(config, world_size, auto=auto)
+    config = with_replica_size(config, auto=auto, world_size=world_size)
+    return config.for_run(total_steps) if total_steps is not None else filled(config)
+
+
+def filled(config: HDETConfig) -> HDETConfig:
+    """``config`` with its controller's unset fields at their mode's defaults (``AutoLRConfig.filled``)."""
+    lr = config.auto_lr.filled()
+    return config if lr is config.auto_lr else dataclasses.replace(config, auto_lr=lr)
+
+
+def stuck_start_error(config: HDETConfig, num_replicas: int) -> HDETConfigError | None:
+    """The error to raise when the controller would run (on, 2+ replicas, ``for_run`` applied) but no sync falls
+    between its start and stop while it starts away from the given LR (``initial_scale`` != 1): the whole run would
+    train at ``initial_scale`` times that LR."""
+    lr = config.auto_lr
+    if (not lr.enabled or num_replicas < 2 or lr.range_test or lr.initial_scale in (None, 1.0)
+            or controller_updates(config) != 0):
+        return None
+    reachable = lr.stop >= max(lr.start, 1)
+    fix = f"set sync_interval to {lr.stop} or less, or " if reachable else "set "
+    return HDETConfigError(
+        f"sync_interval={config.sync_interval} puts no sync between the auto-LR controller's start (step "
+        f"{lr.start}) and stop (step {lr.stop}): it would never move from auto_lr.initial_scale="
+        f"{lr.initial_scale:g}, and the whole run would train at {lr.initial_scale:g} x the given LR; {fix}"
+        "auto_lr.initial_scale to 1")
+
+
+def run_length_error(config: HDETConfig, num_replicas: int, fix: str) -> HDETConfigError | None:
+    """The error to raise when the controller would run (on, 2+ replicas) and its start or stop is still a share
+    of a run whose length is unknown (``for_run`` not applied); ``fix`` says how to give the length."""
+    lr = config.auto_lr.filled()
+    for name in WINDOW_FIELDS:
+        if lr.enabled and num_replicas > 1 and isinstance(getattr(lr, name), float):
+            return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} is a share of the run and needs its "
+                                   f"length: {fix}, or give auto_lr.{name} as a step (an int)")
+    return None
+
+
+def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds ``--hdet_config PATH`` to a user's parser (next to ``deepspeed.add_config_arguments``)."""
+    group = parser.add_argument_group("HDET")
+    group.add_argument("--hdet_config", type=str, default=None, metavar="PATH",
+                       help="JSON file of HDET settings (spread, sync interval, controller, replica layout)")
+    return parser
+
+
+def load_config(source: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | argparse.Namespace | None,
+                *, world_size: int | None = None) -> HDETConfig:
+    """A validated config from a config object, a mapping, a JSON path, parsed args or None (defaults).
+
+    With ``world_size`` (or a WORLD_SIZE variable set by the launcher) the replica layout is checked too,
+    so a bad layout fails before any process group exists.
+    """
+    if isinstance(source, argparse.Namespace):
+        source = getattr(source, "hdet_config", None)
+    if source is None:
+        config = HDETConfig()
+    elif isinstance(source, HDETConfig):
+        config = source
+    elif isinstance(source, Mapping):
+        config = HDETConfig.from_dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        config = HDETConfig.from_json(source)
+    else:
+        raise HDETConfigError(
+            f"hdet_config must be an HDETConfig, a dict, a JSON path or None, got {type(source).__name__}"
+        )
+    if world_size is None and "WORLD_SIZE" in os.environ:
+        world_size = int(os.environ["WORLD_SIZE"])
+    config.validate()
+    if world_size is not None:
+        check_world_size(config, world_size)
+    return config
