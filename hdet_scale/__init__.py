@@ -6,7 +6,8 @@ auto-LR controller moves the shared base schedule toward the replicas that did b
 
 from hdet_scale.config import AutoLRConfig, HDETConfig, HDETConfigError, WarmInitConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.ensemble import HDETEnsemble
+from hdet_scale.metrics import SyncReport
 from hdet_scale.resolve import add_hdet_args, load_config
 from hdet_scale.schedule import HDETOneCycleLR, HDETScheduler, ReplaySchedule
 from hdet_scale.spread import multipliers

@@ -18,13 +18,19 @@ tensor as it was.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from hdet_scale.comm import all_finite_on, reduction_dtype, zero_unless
+from hdet_scale.adapter import EngineAdapter
+from hdet_scale.comm import all_finite_on, reduction_dtype, start_gather_rows, zero_unless
+from hdet_scale.scores import ReplicaScores
+from hdet_scale.topology import ReplicaTopology
+
+logger = logging.getLogger(__name__)
 
 Check = Callable[[torch.Tensor | None], None]
 
@@ -252,3 +258,46 @@ def _decode(encoded: torch.Tensor, dtype: torch.dtype, like: torch.Tensor) -> to
         return encoded.view(like.shape)
     high, low = encoded.to(torch.float64).chunk(2)
     return (high + low).view(like.shape)
+
+
+def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: ReplicaTopology,
+                    adapter: EngineAdapter, *, step: int, with_probe: bool, bucket_bytes: int,
+                    memory: list[torch.Tensor]) -> tuple[ReplicaScores, int]:
+    """Gathers every rank's score ``row`` (``ReplicaScorer.row``) and replaces ``tensors`` by their mean over the
+    healthy replicas (every rank of a replica healthy); the ranks of a replica left out receive the mean and start
+    their optimizer state afresh. Returns the scores and the bytes averaged (collective).
+
+    When every rank is a replica the score table rides in the average's first bucket: one collective in all.
+    Otherwise (sharded replicas) it is gathered over all ranks first, so that every rank of a replica knows whether
+    the replica contributes. Nothing is written when no replica is healthy: the sync raises instead."""
+    topo = topology
+    rides = topo.num_replicas > 1 and topo.ranks_per_replica == 1  # the cross-replica group is every rank
+    if rides:
+        table = torch.zeros(topo.world_size, len(row), dtype=torch.float64)
+        table[topo.rank] = torch.tensor(row, dtype=torch.float64)
+        healthy = bool(row[2])
+    else:
+        table, gathering = start_gather_rows(row, world_size=topo.world_size)
+        if gathering is not None:
+            gathering.wait()
+        healthy = bool(table[topo.replica_ranks(topo.replica_index), 2].all())
+    found: list[ReplicaScores] = []
+
+    def check(_: torch.Tensor | None) -> None:
+        scores = ReplicaScores.from_table(table.cpu(), topo, with_probe=with_probe)
+        if not any(scores.healthy):
+            raise FloatingPointError(
+                f"HDET sync at step {step}: every replica has non-finite parameters or optimizer state (replica "
+                f"losses {scores.losses}); nothing was averaged. Lower the LR or alpha, or resume from the last "
+                "checkpoint")
+        found.append(scores)
+
+    sent = average_tensors(tensors, topo.cross_replica_group, contribute=healthy, rider=table if rides else None,
+                           check=check, bucket_bytes=bucket_bytes, memory=memory)
+    adapter.after_average()
+    if not healthy:
+        adapter.restart_optimizer_state()
+    if found[0].excluded:
+        logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",
+                       step, found[0].excluded)
+    return found[0], sent

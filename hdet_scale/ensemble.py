@@ -8,76 +8,37 @@ multipliers. Between syncs it does no communication.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hdet_scale.adapter import EngineAdapter
-from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import all_finite, gather_rows, start_gather_rows
+from hdet_scale.averaging import average_healthy
 from hdet_scale.config import HDETConfig
-from hdet_scale.controller import (
-    MIN_CONTROLLER_UPDATES,
-    Controller,
-    ControllerState,
-    PaperDecay,
-    controller_updates,
-    updates_to_climb,
-)
+from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
-from hdet_scale.metrics import MetricsWriter
+from hdet_scale.metrics import MetricsWriter, SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.range_test import RangeTest, RangeTestStart
-from hdet_scale.resolve import resolve, run_length_error, stuck_start_error
-from hdet_scale.scores import IntervalLoss, LossLike, ReplicaScores
+from hdet_scale.resolve import (
+    few_updates_warning,
+    resolve,
+    run_length_error,
+    single_replica_warning,
+    stuck_start_error,
+)
+from hdet_scale.scorer import ReplicaScorer
+from hdet_scale.scores import LossLike, ReplicaScores
 from hdet_scale.topology import ReplicaTopology
 from hdet_scale.warm_init import add_warm_noise
-from hdet_scale.weight_average import WindowAverage
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SyncReport:
-    """What one sync did; also the metrics line (``as_record``)."""
-
-    step: int
-    replica_losses: list[float | None]
-    probe_losses: list[float] | None
-    excluded_replicas: list[int]
-    weights: list[float] | None
-    controller_updated: bool
-    values: dict[str, dict[str, Any]]
-    sync_seconds: float
-    bytes_averaged: int
-    bytes_gathered: int
-
-    def as_record(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def scalars(self) -> dict[str, float]:
-        """This sync as named scalars for loggers (TensorBoard, W&B, Lightning's): the replicas' mean loss and
-        each replica's, and per explored value (``lr/0``, ``weight_decay/0``, ...) its base, the controller's
-        scale and each replica's value in the interval."""
-        losses = [loss for loss in self.replica_losses if loss is not None and math.isfinite(loss)]
-        scalars = {"train/loss": sum(losses) / len(losses) if losses else math.nan}
-        for replica, loss in enumerate(self.replica_losses):
-            if loss is not None and math.isfinite(loss):  # an excluded replica has no loss to show
-                scalars[f"train/replica_{replica}_loss"] = loss
-        for name, value in self.values.items():
-            scalars[f"hdet/{name}/base"] = value["base"]
-            scalars[f"hdet/{name}/scale"] = value["scale"]
-            for replica, replica_value in enumerate(value["replica_values"]):
-                scalars[f"hdet/{name}/replica_{replica}"] = replica_value
-        return scalars
 
 
 class HDETEnsemble:
@@ -116,13 +77,10 @@ class HDETEnsemble:
         self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
         self._step = 0
         self._last_sync_step: int | None = 0  # the start counts: replicas are identical there (unless noised)
-        self._interval = IntervalLoss()
+        self._scorer = ReplicaScorer(config.auto_lr, config.sync_interval)
         self._warned_no_loss = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
-        self._probe: Callable[[], LossLike] | None = None
-        self._window = WindowAverage(config.auto_lr.window(probing=False), config.sync_interval)
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
-        self._warned_no_probe = False
         self._last_report: SyncReport | None = None
         if config.warm_init.enabled and state is None:
             add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
@@ -150,34 +108,14 @@ class HDETEnsemble:
     @property
     def single_replica_warning(self) -> str | None:
         """What this run loses when it has one replica while HDET is set to explore; None otherwise."""
-        topo, cfg = self.topology, self.config
-        if topo.num_replicas > 1 or not (cfg.auto_lr.enabled or any(max(e.multipliers) > 1 for e in self._explored)):
-            return None
-        return (f"HDET has ONE replica ({topo.world_size} rank(s), ranks_per_replica={topo.ranks_per_replica}): no "
-                "spread, no averaging and no auto-LR, it trains as plain data parallel. Give it 2 replicas or more: "
-                "a ranks_per_replica that divides the world size into 2+ parts (e.g. half a node), or more nodes")
+        return single_replica_warning(self.config, self.topology,
+                                      explores=any(max(explored.multipliers) > 1 for explored in self._explored))
 
     @property
     def few_updates_warning(self) -> str | None:
         """What the controller cannot do when fewer syncs fall between its start and its stop than it needs to
-        climb its whole range (``AutoLRConfig.updates_to_climb``, at least 4); else None."""
-        cfg, interval = self.config.auto_lr, self.config.sync_interval
-        if not cfg.enabled or self.topology.num_replicas == 1:  # no controller (its start may be an unplaced share)
-            return None
-        updates, needed = controller_updates(self.config), updates_to_climb(cfg)
-        if updates is None or updates >= needed:
-            return None
-        climb_sets_it = needed > MIN_CONTROLLER_UPDATES  # else the bare minimum of updates does
-        reach = (f"; climbing from auto_lr.initial_scale={cfg.initial_scale:g} to scale_max={cfg.scale_max:g} at "
-                 f"max_log_step={cfg.max_log_step:g} a sync takes {needed}, so a too-low LR may not climb all the way"
-                 if climb_sets_it else "")
-        interval_for_enough = (cfg.stop - cfg.start) // needed
-        fix = (f"set sync_interval to {interval_for_enough} or less for {needed}" if interval_for_enough >= 1 else
-               f"the window is shorter than {needed} steps: train longer, or widen it (auto_lr.start, "
-               "stop)" + (", or narrow the climb (auto_lr.initial_scale, scale_max, max_log_step)"
-                                   if climb_sets_it else ""))
-        return (f"the auto-LR controller moves only between steps {cfg.start} and {cfg.stop}, where "
-                f"sync_interval={interval} gives it {updates} update(s){reach}: {fix}")
+        climb its whole range; else None."""
+        return few_updates_warning(self.config, self.topology.num_replicas)
 
     def _explore(self, knob: Knob, paper_decay: PaperDecay | None = None) -> ExploredValue:
         if any(explored.name == knob.name for explored in self._explored):
@@ -259,7 +197,7 @@ class HDETEnsemble:
     @property
     def wants_probe(self) -> bool:
         """True where a probe would drive a controller (it is on, with 2+ replicas) and none is set."""
-        return self._probe is None and self.config.auto_lr.enabled and self.topology.num_replicas > 1
+        return self._scorer.probe is None and self.config.auto_lr.enabled and self.topology.num_replicas > 1
 
     @property
     def at_sync_point(self) -> bool:
@@ -269,7 +207,7 @@ class HDETEnsemble:
 
     def observe(self, loss: LossLike) -> None:
         """Records one micro-batch loss; the step's loss is the mean of the micro-batches observed."""
-        self._interval.observe(loss)
+        self._scorer.interval.observe(loss)
 
     def step(self, loss: LossLike | Sequence[LossLike] | None = None) -> SyncReport | None:
         """Call once per optimizer step, after ``optimizer.step()``.
@@ -282,64 +220,33 @@ class HDETEnsemble:
         if self._range_start is not None:
             self._range_test_step(loss)
             return None
-        self._interval.add_step(loss)
         self._step += 1
         steps_in_interval = self._step - (self._last_sync_step or 0)
+        self._scorer.add_step(loss, steps_in_interval, self.adapter.averaged_tensors)
         for explored in self._explored:
             # Values set at syncs held their base for the whole step. A step-scoped value's base was recorded in
             # optimizer.step(), unless that step did not run (an AMP overflow skip): then its base as of now.
             if len(explored.applied_bases) < steps_in_interval:
                 explored.applied_bases.append(explored.base())
-        self._observe_window()
         if self._step % self.config.sync_interval == 0:
             return self.sync()
         return None
 
     def _range_test_step(self, loss: LossLike | Sequence[LossLike] | None) -> None:
-        """One step of the run's range test: the mean loss over every rank (one small all-reduce), and at the
-        test's end the pick and the restart from the weights every replica had before it."""
-        self._interval.reset()
-        self._interval.add_step(loss)
-        if not self._interval.count:
-            raise ValueError("the LR range test (auto_lr.range_test) needs every step's loss: pass it to step(), or "
-                             "observe() the micro-batch losses")
-        losses = gather_rows([self._interval.total()], world_size=self.topology.world_size)[:, 0]
-        self._interval.reset()
-        if self._range_start.test.add(float(losses.mean())):
-            self._finish_range_test()
-
-    @torch.no_grad()
-    def _finish_range_test(self) -> None:
-        """Every replica back to the weights it had before the test, with a fresh optimizer state; the LR's scale
-        (and the controller's bounds) from the pick, the spread's fastest replica at it."""
+        """One step of the run's range test; at its end every replica back to its first weights and the LR's
+        scale (and the controller's bounds) from the pick, the spread's fastest replica at it."""
+        if not self._range_start.add_step(self._scorer.interval, loss, self.topology.world_size):
+            return
         start, self._range_start = self._range_start, None
-        for tensor, saved in zip(self.adapter.averaged_tensors(), start.snapshot, strict=True):
-            tensor.copy_(saved)
-        self.adapter.after_average()
-        self.adapter.restart_optimizer_state()
-        pick = start.test.pick()
-        self.range_test_pick = pick
+        start.restore(self.adapter)
+        self.range_test_pick = pick = start.test.pick()
         scale = 1.0
-        if pick is None:
-            warn("the LR range test saw too few finite losses to pick an LR; the run goes on at the LR it was given")
         for explored in self._lr_explored():
             if pick is not None:
                 scale = pick / (start.peaks[0] * max(explored.multipliers))
             explored.state = ControllerState(scale=scale, anchor=scale)
         self._metrics.write({"step": self._step, "range_test": {"lrs": start.test.lrs, "smoothed": start.test.smoothed,
                                                                 "picked_lr": pick, "scale": scale}})
-
-    def _observe_window(self) -> None:
-        """Adds this step's weights to the interval's average, when the probe is to score averaged weights."""
-        if not self._window.enabled:
-            return
-        if self._probe is None:
-            if not self._warned_no_probe:
-                warn("auto_lr.average_window needs a probe (hdet.set_probe): without one the interval "
-                     "losses drive the controller and no weights are averaged")
-                self._warned_no_probe = True
-            return
-        self._window.observe(self._step - (self._last_sync_step or 0), self.adapter.averaged_tensors)
 
     def add_pre_sync_hook(self, hook: Callable[[int], None]) -> None:
         """Calls ``hook(step)`` at the start of every sync, while the replicas still differ (e.g. to score
@@ -352,8 +259,7 @@ class HDETEnsemble:
         controller is driven by those losses (blended with the interval losses by ``auto_lr.probe_weight``).
         Called on every rank, inside ``torch.no_grad()``, before the first step (the window of averaged weights,
         ``auto_lr.average_window``, follows it); None removes the probe."""
-        self._probe = probe
-        self._window = WindowAverage(self.config.auto_lr.window(probe is not None), self.config.sync_interval)
+        self._scorer.set_probe(probe)
 
     # ------------------------------------------------------------------------------------ a sync
     def sync(self) -> SyncReport:
@@ -370,7 +276,10 @@ class HDETEnsemble:
             hook(self._step)
         started = time.perf_counter()
         tensors = self._sync_tensors()
-        scores, sent = self._average(tensors, self._score_row(tensors))
+        state = [] if self.config.average_optimizer_state else self.adapter.optimizer_state_tensors()
+        scores, sent = average_healthy(tensors, self._scorer.row(tensors, state, self.adapter), self.topology,
+                                       self.adapter, step=self._step, with_probe=self._scorer.probe is not None,
+                                       bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets)
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
         applied = {explored.name: (explored.applied_bases, explored.replica_multipliers())
                    for explored in self._explored}
@@ -378,8 +287,7 @@ class HDETEnsemble:
             explored.applied_bases = []
         weights = self._update_values(scores)
         self._reassign()
-        self._interval.reset()
-        self._window.reset()
+        self._scorer.reset()
         self._last_sync_step = self._step
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,
@@ -400,64 +308,6 @@ class HDETEnsemble:
             tensors += self.adapter.optimizer_state_tensors()
         return tensors
 
-    def _score_row(self, tensors: list[torch.Tensor]) -> list[float]:
-        """This rank's row of the sync's score table: its interval loss sum and step count, whether its tensors
-        and optimizer state are all finite (else its replica is left out of the average; a non-finite loss alone
-        is only the worst score), and its probe loss (NaN: no probe)."""
-        loss_sum = self._interval.total()
-        state = [] if self.config.average_optimizer_state else self.adapter.optimizer_state_tensors()
-        healthy = all_finite(tensors) and all_finite(state)
-        with self._window.swapped_in(self.adapter.averaged_tensors(), self.adapter.after_average):
-            probe = self._run_probe()
-        return [loss_sum, float(self._interval.count), float(healthy), math.nan if probe is None else probe]
-
-    def _run_probe(self) -> float | None:
-        if self._probe is None:
-            return None
-        with torch.no_grad():
-            loss = self._probe()
-        return float(loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else loss)
-
-    def _average(self, tensors: list[torch.Tensor], row: list[float]) -> tuple[ReplicaScores, int]:
-        """Gathers every rank's score ``row`` and replaces ``tensors`` by their mean over the healthy replicas
-        (every rank of a replica healthy); the ranks of a replica left out receive the mean and start their
-        optimizer state afresh. Returns the scores and the bytes averaged (collective).
-
-        When every rank is a replica the score table rides in the average's first bucket: one collective in
-        all. Otherwise (sharded replicas) it is gathered over all ranks first, so that every rank of a replica
-        knows whether the replica contributes. Nothing is written when no replica is healthy: the sync raises
-        instead."""
-        topo = self.topology
-        rides = topo.num_replicas > 1 and topo.ranks_per_replica == 1  # the cross-replica group is every rank
-        if rides:
-            table = torch.zeros(topo.world_size, len(row), dtype=torch.float64)
-            table[topo.rank] = torch.tensor(row, dtype=torch.float64)
-            healthy = bool(row[2])
-        else:
-            table, gathering = start_gather_rows(row, world_size=topo.world_size)
-            if gathering is not None:
-                gathering.wait()
-            healthy = bool(table[topo.replica_ranks(topo.replica_index), 2].all())
-        found: list[ReplicaScores] = []
-
-        def check(_: torch.Tensor | None) -> None:
-            scores = ReplicaScores.from_table(table.cpu(), topo, with_probe=self._probe is not None)
-            if not any(scores.healthy):
-                raise FloatingPointError(
-                    f"HDET sync at step {self._step}: every replica has non-finite parameters or optimizer state "
-                    f"(replica losses {scores.losses}); nothing was averaged. Lower the LR or alpha, or resume from "
-                    "the last checkpoint")
-            found.append(scores)
-
-        sent = average_tensors(tensors, topo.cross_replica_group, contribute=healthy, rider=table if rides else None,
-                               check=check, bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets)
-        self.adapter.after_average()
-        if not healthy:
-            self.adapter.restart_optimizer_state()
-        if found[0].excluded:
-            logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",
-                           self._step, found[0].excluded)
-        return found[0], sent
 
     def _controller_moves_at(self, step: int) -> bool:
         """Whether a sync at ``step`` updates the controller: it is on, with 2+ replicas, past its start and
@@ -518,8 +368,8 @@ class HDETEnsemble:
             "step": self._step,
             "last_sync_step": self._last_sync_step,
             "num_replicas": self.topology.num_replicas,
-            "loss_sum": self._interval.total(),
-            "loss_count": self._interval.count,
+            "loss_sum": self._scorer.interval.total(),
+            "loss_count": self._scorer.interval.count,
             "explored": {explored.name: explored.state_dict() for explored in self._explored},
         }
 
@@ -545,8 +395,8 @@ class HDETEnsemble:
         # States saved before this field existed were taken at regular sync points.
         last_sync = state.get("last_sync_step", self._step - self._step % self.config.sync_interval)
         self._last_sync_step = None if last_sync is None else int(last_sync)
-        self._interval.restore(state["loss_sum"], state["loss_count"])
-        self._window.reset()
+        self._scorer.reset()
+        self._scorer.interval.restore(state["loss_sum"], state["loss_count"])
 
     def close(self) -> None:
         """Removes the optimizer hooks and returns every knob to its base value; the optimizer then trains at

@@ -8,7 +8,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.ensemble import HDETEnsemble
+from hdet_scale.metrics import SyncReport
+from hdet_scale.scores import LossLike
 
 
 class HDETHandle(ABC):

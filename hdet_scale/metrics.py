@@ -1,10 +1,12 @@
-"""One JSON line per sync, written by global rank 0."""
+"""What a sync reports (``SyncReport``), written as one JSON line per sync by global rank 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +50,38 @@ class MetricsWriter:
             return
         with self.path.open("a") as handle:
             handle.write(json.dumps(_json_safe(record)) + "\n")
+
+
+@dataclass
+class SyncReport:
+    """What one sync did; also the metrics line (``as_record``)."""
+
+    step: int
+    replica_losses: list[float | None]
+    probe_losses: list[float] | None
+    excluded_replicas: list[int]
+    weights: list[float] | None
+    controller_updated: bool
+    values: dict[str, dict[str, Any]]
+    sync_seconds: float
+    bytes_averaged: int
+    bytes_gathered: int
+
+    def as_record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def scalars(self) -> dict[str, float]:
+        """This sync as named scalars for loggers (TensorBoard, W&B, Lightning's): the replicas' mean loss and
+        each replica's, and per explored value (``lr/0``, ``weight_decay/0``, ...) its base, the controller's
+        scale and each replica's value in the interval."""
+        losses = [loss for loss in self.replica_losses if loss is not None and math.isfinite(loss)]
+        scalars = {"train/loss": sum(losses) / len(losses) if losses else math.nan}
+        for replica, loss in enumerate(self.replica_losses):
+            if loss is not None and math.isfinite(loss):  # an excluded replica has no loss to show
+                scalars[f"train/replica_{replica}_loss"] = loss
+        for name, value in self.values.items():
+            scalars[f"hdet/{name}/base"] = value["base"]
+            scalars[f"hdet/{name}/scale"] = value["scale"]
+            for replica, replica_value in enumerate(value["replica_values"]):
+                scalars[f"hdet/{name}/replica_{replica}"] = replica_value
+        return scalars

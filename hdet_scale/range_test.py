@@ -17,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hdet_scale.adapter import EngineAdapter
+from hdet_scale.comm import gather_rows
 from hdet_scale.config import HDETConfig, HDETConfigError
+from hdet_scale.notices import warn
+from hdet_scale.scores import IntervalLoss, LossLike
 
 LR_MIN, LR_MAX = 1e-6, 1.0
 BETA = 0.98
@@ -114,3 +118,25 @@ class RangeTestStart:
     def lr(self, group_index: int, step: int) -> float:
         """Param group ``group_index``'s LR at 0-based ``step`` of the test."""
         return self.test.lr(step) * self.peaks[group_index] / self.peaks[0]
+
+    def add_step(self, interval: IntervalLoss, loss: LossLike | Sequence[LossLike] | None, world_size: int) -> bool:
+        """Takes one step of the test: its loss (a sequence: the micro-batches'; None: those ``observe``d into
+        ``interval``) as the mean over every rank (one small all-reduce); True once the test is over."""
+        interval.add_step(loss)
+        if not interval.count:
+            raise ValueError("the LR range test (auto_lr.range_test) needs every step's loss: pass it to step(), or "
+                             "observe() the micro-batch losses")
+        losses = gather_rows([interval.total()], world_size=world_size)[:, 0]
+        interval.reset()
+        return self.test.add(float(losses.mean()))
+
+    @torch.no_grad()
+    def restore(self, adapter: EngineAdapter) -> None:
+        """Every replica back to the weights it had before the test, with a fresh optimizer state; a warning
+        where the test picked no LR (the run goes on at the one it was given)."""
+        for tensor, saved in zip(adapter.averaged_tensors(), self.snapshot, strict=True):
+            tensor.copy_(saved)
+        adapter.after_average()
+        adapter.restart_optimizer_state()
+        if self.test.pick() is None:
+            warn("the LR range test saw too few finite losses to pick an LR; the run goes on at the LR it was given")

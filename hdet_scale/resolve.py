@@ -12,8 +12,8 @@ from typing import Any
 
 from hdet_scale.config import WINDOW_FIELDS, HDETConfig
 from hdet_scale.config_checks import HDETConfigError
-from hdet_scale.controller import controller_updates
-from hdet_scale.topology import check_world_size, with_replica_size
+from hdet_scale.controller import MIN_CONTROLLER_UPDATES, controller_updates, updates_to_climb
+from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_size
 
 
 def resolve(config: HDETConfig, *, world_size: int | None = None, auto: str = "rank",
@@ -97,3 +97,34 @@ def load_config(source: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] 
     if world_size is not None:
         check_world_size(config, world_size)
     return config
+
+
+def single_replica_warning(config: HDETConfig, topology: ReplicaTopology, *, explores: bool) -> str | None:
+    """What a run loses when it has one replica while HDET is set to explore (the controller on, or ``explores``:
+    some value spread); None otherwise."""
+    if topology.num_replicas > 1 or not (config.auto_lr.enabled or explores):
+        return None
+    return (f"HDET has ONE replica ({topology.world_size} rank(s), ranks_per_replica={topology.ranks_per_replica}): "
+            "no spread, no averaging and no auto-LR, it trains as plain data parallel. Give it 2 replicas or more: a "
+            "ranks_per_replica that divides the world size into 2+ parts (e.g. half a node), or more nodes")
+
+
+def few_updates_warning(config: HDETConfig, num_replicas: int) -> str | None:
+    """What the controller cannot do when fewer syncs fall between its start and its stop (``for_run`` applied)
+    than it needs to climb its whole range (``controller.updates_to_climb``, at least 4); else None."""
+    cfg, interval = config.auto_lr, config.sync_interval
+    if not cfg.enabled or num_replicas == 1:  # no controller (its start may be an unplaced share)
+        return None
+    updates, needed = controller_updates(config), updates_to_climb(cfg)
+    if updates is None or updates >= needed:
+        return None
+    climb_sets_it = needed > MIN_CONTROLLER_UPDATES  # else the bare minimum of updates does
+    reach = (f"; climbing from auto_lr.initial_scale={cfg.initial_scale:g} to scale_max={cfg.scale_max:g} at "
+             f"max_log_step={cfg.max_log_step:g} a sync takes {needed}, so a too-low LR may not climb all the way"
+             if climb_sets_it else "")
+    interval_for_enough = (cfg.stop - cfg.start) // needed
+    fix = (f"set sync_interval to {interval_for_enough} or less for {needed}" if interval_for_enough >= 1 else
+           f"the window is shorter than {needed} steps: train longer, or widen it (auto_lr.start, stop)"
+           + (", or narrow the climb (auto_lr.initial_scale, scale_max, max_log_step)" if climb_sets_it else ""))
+    return (f"the auto-LR controller moves only between steps {cfg.start} and {cfg.stop}, where "
+            f"sync_interval={interval} gives it {updates} update(s){reach}: {fix}")

@@ -19,12 +19,14 @@ from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import DDPAdapter
-from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.handle import HDETHandle
 from hdet_scale.knobs import group_names
+from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.replay import OPTIMIZER_KEYS, ScheduleFileError, optimizer_entry, read_schedule
 from hdet_scale.resolve import load_config
+from hdet_scale.scores import LossLike
 from hdet_scale.topology import ReplicaTopology
 
 ConfigSource = HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None

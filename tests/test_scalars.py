@@ -9,9 +9,9 @@ import pytest
 import wandb
 import wandb_records
 
-from hdet_scale.ensemble import SyncReport
 from hdet_scale.lm.progress import Progress
 from hdet_scale.lm.scalars import WANDB_ID_FILE
+from hdet_scale.metrics import SyncReport
 
 
 def report(step: int, losses: list[float | None], scale: float) -> SyncReport:

@@ -38,11 +38,13 @@ from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version
-from hdet_scale.ensemble import HDETEnsemble, LossLike, SyncReport
+from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
+from hdet_scale.metrics import SyncReport
 from hdet_scale.range_test import refuse_range_test
 from hdet_scale.resolve import add_hdet_args, load_config, run_length_error
+from hdet_scale.scores import LossLike
 from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_size
 
 require("deepspeed", "deepspeed", "hdet_scale.engines.deepspeed")

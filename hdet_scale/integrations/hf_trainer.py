@@ -51,9 +51,10 @@ import torch
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.ddp import attach_to_wrapped
-from hdet_scale.ensemble import HDETEnsemble, SyncReport
+from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
+from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
 from hdet_scale.range_test import refuse_range_test

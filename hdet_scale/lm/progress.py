@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 
-from hdet_scale.ensemble import SyncReport
 from hdet_scale.lm.scalars import ScalarSinks
-from hdet_scale.metrics import MetricsWriter
+from hdet_scale.metrics import MetricsWriter, SyncReport
 
 BAR_REFRESH_STEPS = 10  # the bar's loss needs a host sync: read it every few steps, not every step
 
