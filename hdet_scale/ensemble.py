@@ -351,6 +351,14 @@ class HDETEnsemble:
         """This replica's multiplier rho_{pi(r)} on param group ``group_index`` for the current interval."""
         return self._lr_explored()[group_index].multiplier(self.topology.replica_index)
 
+    def found_lr_factor(self) -> float | None:
+        """The factor the controller found on the schedule's LR (first param group): the LR it found over the one
+        given. None where no controller moves it (off, one replica, or ``paper`` mode, which owns the LR)."""
+        cfg = self.config.auto_lr
+        if not cfg.enabled or cfg.mode == "paper" or self.topology.num_replicas < 2:
+            return None
+        return self._lr_explored()[0].state.scale
+
     def current_lrs(self) -> list[float]:
         """The LR each param group trains with on this replica at the next optimizer step."""
         return [explored.value(self.topology.replica_index) for explored in self._lr_explored()]

@@ -280,8 +280,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary["syncs"]:
         lines.append(f"  syncs {summary['syncs']} ({summary['replicas']} replicas)")
     for name, value in summary["values"].items():
-        lines.append(f"  {name}: final base {number(value['base'])}, scale {number(value['scale'])} "
-                     f"(step {value['step']})")
+        lines.append(f"  {name}: final {number(value['base'])} ({number(value['scale'])} x schedule, step "
+                     f"{value['step']})")
     return "\n".join(lines)
 
 

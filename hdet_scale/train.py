@@ -32,12 +32,9 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
 import argparse
-import json
-import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -46,29 +43,23 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hdet_scale.comm import failed_rank, on_rank0, one_line, shut_down, shut_down_and_exit
-from hdet_scale.config import HDETConfig
-from hdet_scale.controller import sync_interval_for_run
-from hdet_scale.extras import MissingExtra, require
+from hdet_scale.extras import MissingExtra
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import (
     FINAL_MODEL,
-    ResumePoint,
     check_free_space,
-    check_resume,
     checkpoint_dir,
-    identity,
-    previous_run,
     remove_previous_run,
     settle_interrupted_save,
 )
-from hdet_scale.lm.corpus import Corpus, batch, load_corpus
-from hdet_scale.lm.model import PRESETS, build_model, check_preset
+from hdet_scale.lm.corpus import batch
+from hdet_scale.lm.model import PRESETS, build_model
+from hdet_scale.lm.plan import Plan, given_peak_lr, plan
 from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
-from hdet_scale.metrics import writable_directory
+from hdet_scale.metrics import SyncReport
 from hdet_scale.probe import batch_probe
-from hdet_scale.range_test import refuse_range_test
-from hdet_scale.resolve import add_hdet_args, load_config, resolve, stuck_start_error
+from hdet_scale.resolve import add_hdet_args
 
 PROBE_SEED = 777
 """Where --probe_batch draws its held-out windows (fixed: the same probe whatever the training seed)."""
@@ -88,64 +79,16 @@ class _OneVoiceParser(argparse.ArgumentParser):
         refuse_bad_input(ValueError(message))
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's text as written, and every option's default after its help."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _OneVoiceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("auto", "fsdp", "deepspeed"), default="auto",
-                        help="auto: deepspeed under the deepspeed launcher or with --deepspeed_config, else fsdp")
-    parser.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
-    parser.add_argument("--data", default="stdlib", help="'stdlib' (embedded), a directory of text files, or a "
-                        "token file")
-    parser.add_argument("--token_dtype", default="uint16", help="token files: uint16 or uint32")
-    parser.add_argument("--vocab_size", type=int, default=None, help="token files: the tokenizer's vocabulary")
-    parser.add_argument("--heldout_fraction", type=float, default=0.01, help="token files: share held out")
-    parser.add_argument("--max_data_mb", type=float, default=None, help="text sources: read at most this many MiB")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    parser.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--micro_batch_size", type=int, default=8, help="sequences per rank per micro-batch "
-                        "(DeepSpeed: its JSON's train_micro_batch_size_per_gpu wins)")
-    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step (DeepSpeed: its JSON's "
-                        "gradient_accumulation_steps wins)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak LR of the warm-up + cosine schedule")
-    parser.add_argument("--warmup_steps", type=int, default=30, help="linear LR warm-up steps")
-    parser.add_argument("--min_lr_ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
-    parser.add_argument("--replay_schedule", metavar="FILE", default=None,
-                        help="a plain run (HDET's spread and controller off) on the LRs and weight decays an HDET run "
-                        "applied at every step, exported by python -m hdet_scale.report RUN.jsonl "
-                        "--export-schedule FILE; replaces --lr's warm-up + cosine")
-    parser.add_argument("--weight_decay", type=float, default=0.1)
-    parser.add_argument("--grad_clip", type=float, default=1.0, help="FSDP: max gradient norm (0: off); "
-                        "DeepSpeed: gradient_clipping in its JSON")
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="FSDP parameters in forward/backward (auto: bf16 on GPUs, fp32 on CPU); DeepSpeed "
-                        "without a JSON: its bf16 setting")
-    parser.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=2,
-                        help="DeepSpeed without --deepspeed_config: the ZeRO stage of the built-in config")
-    parser.add_argument("--out", default="runs/train", help="directory for metrics, checkpoints and the model")
-    parser.add_argument("--checkpoint_interval", type=int, default=0,
-                        help="steps between checkpoints, a multiple of sync_interval (0: only at the end and on "
-                        "SIGTERM)")
-    parser.add_argument("--eval_interval", type=int, default=0,
-                        help="steps between held-out evaluations, a multiple of sync_interval (0: only at the end)")
-    parser.add_argument("--eval_batches", type=int, default=8, help="batches per rank in each evaluation")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from OUT/checkpoints when there is a checkpoint (else start fresh)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh in an --out that holds a run, removing its checkpoints, final model and "
-                        "metrics (without it, such an --out is refused unless --resume continues it)")
-    parser.add_argument("--on_signal", choices=("sync_now", "next_sync"), default="sync_now",
-                        help="on SIGTERM: average early and stop one step later, or train on to the next "
-                        "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")
-    parser.add_argument("--dropout", type=float, default=0.0,
-                        help="the model's attention dropout (the presets have none; explore.dropout needs some)")
-    parser.add_argument("--probe_batch", type=int, default=16,
-                        help="held-out sequences every replica is scored on at each sync, the same for all (the "
-                        "controller's signal, with the replica's weights averaged over auto_lr.average_window); "
-                        "0: no probe, the replicas' training losses")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
-    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
-    parser.add_argument("--wandb", metavar="PROJECT", default=None,
-                        help="also log the sync scalars to this Weights & Biases project (pip install "
-                        "'hdet_scale[wandb]'; WANDB_MODE=offline works without an account)")
+    """The command line (``--help`` shows every default)."""
+    parser = _OneVoiceParser(description=__doc__, formatter_class=_HelpFormatter)
+    _add_model_and_data(parser.add_argument_group("model and data"))
+    _add_optimization(parser.add_argument_group("optimization"))
+    _add_run(parser.add_argument_group("run"))
     add_hdet_args(parser)
     # What the deepspeed launcher and DeepSpeed users pass, declared here so that an FSDP2 run never imports
     # DeepSpeed (which prints its accelerator on import, once per rank).
@@ -157,182 +100,70 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@dataclass
-class Plan:
-    """Everything checked and loaded before the process group starts."""
-
-    engine: str
-    config: HDETConfig
-    corpus: Corpus
-    ds_config: dict[str, Any] | None
-    world_size: int
-    dtype: str
-    run: dict[str, Any]
-    """What a checkpoint of this run records and a resumed run must share (``lm.checkpoints.identity``)."""
-    resume: ResumePoint | None
-    """The checkpoint to continue from (``--resume`` and there is one)."""
+def _add_model_and_data(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
+    group.add_argument("--dropout", type=float, default=0.0,
+                       help="the model's attention dropout (the presets have none; explore.dropout needs some)")
+    group.add_argument("--data", default="stdlib", help="'stdlib' (embedded), a directory of text files, or a "
+                       "token file")
+    group.add_argument("--token_dtype", default="uint16", help="token files: uint16 or uint32")
+    group.add_argument("--vocab_size", type=int, default=None, help="token files: the tokenizer's vocabulary")
+    group.add_argument("--heldout_fraction", type=float, default=0.01, help="token files: share held out")
+    group.add_argument("--max_data_mb", type=float, default=None, help="text sources: read at most this many MiB")
+    group.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
+    group.add_argument("--seed", type=int, default=0, help="model and data seed")
 
 
-def plan(args: argparse.Namespace) -> Plan:
-    """Checks every input and loads the corpus; raises ValueError / FileNotFoundError naming the argument."""
-    check_preset(args.preset)
-    for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "eval_batches"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    for name in ("checkpoint_interval", "eval_interval", "warmup_steps", "probe_batch"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if not 0.0 <= args.min_lr_ratio <= 1.0:
-        raise ValueError(f"--min_lr_ratio must be in [0, 1], got {args.min_lr_ratio}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
-    if not 0.0 <= args.dropout < 1.0:
-        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
-    engine = args.engine
-    if engine == "auto":
-        engine = "deepspeed" if args.deepspeed_config or args.local_rank >= 0 else "fsdp"
-    require("transformers", "train", "hdet_scale.train (its Llama model)")
-    if engine == "deepspeed":
-        require("deepspeed", "deepspeed", "hdet_scale.train on DeepSpeed")
-    ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
-    if engine == "fsdp" and args.deepspeed_config:
-        raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
-    if args.replay_schedule:
-        _check_replay(args, ds_config)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    config = resolve(load_config(_hdet_values(args, ds_config), world_size=None), world_size=world_size,
-                     auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
-                     total_steps=args.steps)
-    replicas = world_size // config.ranks_per_replica
-    stuck = stuck_start_error(config, replicas)
-    if stuck is not None:
-        raise stuck
-    if args.wandb:
-        require("wandb", "wandb", "--wandb")
-    if config.explore.dropout is not None and args.dropout == 0:
-        raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
-                         "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
-    if ds_config is not None:
-        from hdet_scale.engines.deepspeed import check_ds_config
-
-        check_ds_config(ds_config, world_size)
-        _check_schedule_length(args, ds_config)
-        refuse_range_test(config, "with DeepSpeed")
-    out = _check_out(args, config.metrics_path)
-    for name in ("checkpoint_interval", "eval_interval"):
-        if getattr(args, name) % config.sync_interval:
-            raise ValueError(f"--{name}={getattr(args, name)} must be a multiple of sync_interval="
-                             f"{config.sync_interval}: the replicas are one model only right after a sync")
-    corpus = load_corpus(args.data, token_dtype=args.token_dtype, vocab_size=args.vocab_size,
-                         heldout_fraction=args.heldout_fraction,
-                         max_bytes=None if args.max_data_mb is None else int(args.max_data_mb * 2**20))
-    micro_batch = (ds_config or {}).get("train_micro_batch_size_per_gpu", args.micro_batch_size)
-    corpus.check_fits(seq_len=args.seq_len, micro_batch_size=int(micro_batch))
-    dtype = args.dtype if args.dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
-    zero_stage = _zero_stage(ds_config) if engine == "deepspeed" else None
-    run = identity(engine=engine, zero_stage=zero_stage,
-                   model={"preset": args.preset, **PRESETS[args.preset], "vocab_size": corpus.vocab_size},
-                   replicas=replicas, ranks_per_replica=config.ranks_per_replica,
-                   explored=[name for name, knob in vars(config.explore).items() if knob is not None])
-    resume = check_resume(out, run) if args.resume else None
-    return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)
+def _add_optimization(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--engine", choices=("auto", "fsdp", "deepspeed"), default="auto",
+                       help="auto: deepspeed under the deepspeed launcher or with --deepspeed_config, else fsdp")
+    group.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    group.add_argument("--micro_batch_size", type=int, default=8, help="sequences per rank per micro-batch "
+                       "(DeepSpeed: its JSON's train_micro_batch_size_per_gpu wins)")
+    group.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step (DeepSpeed: its JSON's "
+                       "gradient_accumulation_steps wins)")
+    group.add_argument("--lr", type=float, default=3e-3, help="peak LR of the warm-up + cosine schedule: where "
+                       "HDET starts looking (the LR it finds is printed at the end as a multiple of it)")
+    group.add_argument("--warmup_steps", type=int, default=30, help="linear LR warm-up steps")
+    group.add_argument("--min_lr_ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
+    group.add_argument("--replay_schedule", metavar="FILE", default=None,
+                       help="a plain run (HDET's spread and controller off) on the LRs and weight decays an HDET run "
+                       "applied at every step, exported by python -m hdet_scale.report RUN.jsonl "
+                       "--export-schedule FILE; replaces --lr's warm-up + cosine")
+    group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW's weight decay")
+    group.add_argument("--grad_clip", type=float, default=1.0, help="FSDP: max gradient norm (0: off); "
+                       "DeepSpeed: gradient_clipping in its JSON")
+    group.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                       help="FSDP parameters in forward/backward (auto: bf16 on GPUs, fp32 on CPU); DeepSpeed "
+                       "without a JSON: its bf16 setting")
+    group.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=2,
+                       help="DeepSpeed without --deepspeed_config: the ZeRO stage of the built-in config")
+    group.add_argument("--probe_batch", type=int, default=16,
+                       help="held-out sequences every replica is scored on at each sync, the same for all (the "
+                       "controller's signal, with the replica's weights averaged over auto_lr.average_window); "
+                       "0: no probe, the replicas' training losses")
 
 
-def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:
-    """``--out`` (and the metrics file's folder) can be written, and hold no run this one would overwrite
-    unless ``--resume`` continues it or ``--overwrite`` asks for that."""
-    out = writable_directory(args.out, "--out")
-    if metrics_path:
-        writable_directory(Path(metrics_path).parent, "metrics_path's folder")
-    if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
-    left = previous_run(out, metrics_path)
-    if left and not args.resume and not args.overwrite:
-        raise ValueError(f"--out {out} holds a run already ({', '.join(map(str, left))}): pass --resume to continue "
-                         "it, --overwrite to start afresh over it, or choose another --out")
-    return out
-
-
-def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
-    if args.deepspeed_config is None:
-        bf16 = args.dtype == "bf16" or args.dtype == "auto" and torch.cuda.is_available()
-        return {"train_micro_batch_size_per_gpu": args.micro_batch_size,
-                "gradient_accumulation_steps": args.grad_accum, "gradient_clipping": args.grad_clip,
-                "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": bf16},
-                "steps_per_print": 10**9}
-    return _read_json(args.deepspeed_config, "--deepspeed_config")
-
-
-def _read_json(path_text: str, argument: str) -> Any:
-    """The JSON file named by ``argument``; errors name the argument."""
-    path = Path(path_text)
-    if not path.is_file():
-        raise FileNotFoundError(f"{argument} {path}: no such file")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{argument} {path} is not valid JSON: {error}") from error
-
-
-def _zero_stage(ds_config: dict[str, Any] | None) -> int:
-    return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
-
-
-def _check_schedule_length(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
-    """The DeepSpeed JSON's scheduler ends when the run does: it sets the LR (and the controller's window)."""
-    total = ((ds_config.get("scheduler") or {}).get("params") or {}).get("total_num_steps")
-    if total is not None and total != "auto" and total != args.steps:
-        raise ValueError(f"--steps is {args.steps} and the DeepSpeed JSON's scheduler.params.total_num_steps is "
-                         f"{total}: the LR schedule must end when the run does; pass --steps {total}, or set "
-                         f"total_num_steps (and warmup_num_steps) for a run of {args.steps} steps")
-
-
-def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:
-    """A schedule to replay is as long as the run, holds only what a plain run can replay, and is the only
-    schedule."""
-    from hdet_scale.replay import optimizer_entry, read_schedule
-
-    try:
-        schedule = read_schedule(args.replay_schedule)
-    except ValueError as error:
-        raise ValueError(f"--replay_schedule {error}") from None
-    if schedule["steps"] != args.steps:
-        raise ValueError(f"--replay_schedule {args.replay_schedule} covers {schedule['steps']} steps and --steps is "
-                         f"{args.steps}: pass --steps {schedule['steps']} (a replay trains the whole run it came "
-                         "from)")
-    others = [name for name in schedule["values"] if optimizer_entry(name) is None]
-    if others:
-        raise ValueError(f"--replay_schedule {args.replay_schedule} also explored {others}: train.py replays LRs "
-                         "and weight decays only; export a run that explored those, or set them by hand")
-    if "scheduler" in (ds_config or {}):
-        raise ValueError("--replay_schedule and the DeepSpeed JSON's \"scheduler\" both set the LR: remove one")
-
-
-def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> dict[str, Any]:
-    """The HDET settings (from --hdet_config, the DeepSpeed JSON's "hdet" section, or train.py's defaults)
-    with the metrics going to OUT unless they say otherwise. A replay turns HDET's spread and controller off."""
-    section = (ds_config or {}).pop("hdet", None)
-    if section is not None and args.hdet_config:
-        raise ValueError("HDET settings given twice: --hdet_config and the DeepSpeed JSON's \"hdet\" section; "
-                         "keep one")
-    if args.replay_schedule:
-        if args.hdet_config or section is not None:
-            raise ValueError("--replay_schedule trains without HDET: drop --hdet_config (or the DeepSpeed JSON's "
-                             "\"hdet\" section)")
-        # One replica over every rank: plain FSDP2 / ZeRO. Its syncs only write the metrics lines (the applied
-        # LRs), at every checkpoint and evaluation step, else once at the end.
-        every = math.gcd(args.checkpoint_interval, args.eval_interval) or args.steps
-        return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
-                "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)), "auto_lr": {"enabled": False}}
-    if args.hdet_config:
-        values = _read_json(args.hdet_config, "--hdet_config")
-    else:
-        # without settings: the library's defaults at a sync interval that gives the controller the updates it
-        # was measured with, whatever the run's length (the library's T = 1000 suits long runs only)
-        values = section if section is not None else {"sync_interval": sync_interval_for_run(args.steps)}
-    if not isinstance(values, dict):
-        raise ValueError(f"the HDET settings must be a JSON object, got {type(values).__name__}")
-    return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), **values}
+def _add_run(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--out", default="runs/train", help="directory for metrics, checkpoints and the model")
+    group.add_argument("--checkpoint_interval", type=int, default=0,
+                       help="steps between checkpoints, a multiple of sync_interval (0: only at the end and on "
+                       "SIGTERM)")
+    group.add_argument("--eval_interval", type=int, default=0,
+                       help="steps between held-out evaluations, a multiple of sync_interval (0: only at the end)")
+    group.add_argument("--eval_batches", type=int, default=8, help="batches per rank in each evaluation")
+    group.add_argument("--resume", action="store_true",
+                       help="continue from OUT/checkpoints when there is a checkpoint (else start fresh)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="start afresh in an --out that holds a run, removing its checkpoints, final model and "
+                       "metrics (without it, such an --out is refused unless --resume continues it)")
+    group.add_argument("--on_signal", choices=("sync_now", "next_sync"), default="sync_now",
+                       help="on SIGTERM: average early and stop one step later, or train on to the next "
+                       "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")
+    group.add_argument("--no_progress", action="store_true", help="no progress bar")
+    group.add_argument("--wandb", metavar="PROJECT", default=None,
+                       help="also log the sync scalars to this Weights & Biases project (pip install "
+                       "'hdet_scale[wandb]'; WANDB_MODE=offline works without an account)")
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -474,7 +305,7 @@ class Run:
         self.progress.start(self.step, tokens_per_step)
         stop_at_sync = False
         while self.step < args.steps:
-            loss, report = self.backend.train_step(self._batches(self.step))
+            loss, report = self._train_step(self._batches(self.step))
             self.step += 1
             self.progress.step(self.step, loss, self.backend.scheduled_lr(), report)
             if args.eval_interval and self.step % args.eval_interval == 0 and self.step < args.steps:
@@ -488,6 +319,14 @@ class Run:
                 return
         self._finish()
 
+    def _train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, SyncReport | None]:
+        """One optimizer step: forward and backward on every micro-batch (the gradients reduced on the last, and
+        averaged over every replica in HDET's global mode), the optimizer's and the LR schedule's step, then HDET's
+        step, which averages the replicas every sync_interval steps and returns that sync's report."""
+        losses = [self.backend.forward_backward(micro_batch, index=index, of=len(batches))
+                  for index, micro_batch in enumerate(batches)]
+        return torch.stack(losses).mean(), self.backend.optimizer_step(losses)
+
     def _range_test(self) -> bool:
         """Runs the LR range test the run starts with (``auto_lr.range_test``), on the run's first batches, before
         its --steps; False when stopped during it (nothing to save: a rerun starts afresh)."""
@@ -495,7 +334,7 @@ class Run:
         self.progress.line(f"LR range test: up to {self.config.auto_lr.range_test} steps, the LR growing from 1e-06 "
                            "to 1 on every replica")
         while ensemble.ramping:
-            self.backend.train_step(self._batches(test_step))
+            self._train_step(self._batches(test_step))
             test_step += 1
             if self.stop.poll():
                 self.progress.line(f"stopped during the LR range test at its step {test_step}: nothing to save; "
@@ -587,6 +426,10 @@ class Run:
                            f"({self.progress.elapsed():.0f} s)")
         self.progress.line(f"metrics: {self.config.metrics_path or 'disabled'}")
         self.progress.line(f"model: {final} (transformers from_pretrained)")
+        found = self.backend.ensemble.found_lr_factor()
+        if found is not None:
+            peak, source = given_peak_lr(self.args, self.plan.ds_config)
+            self.progress.line(f"found LR {found * peak:.2e} ({found:.3g} x {source})")
 
 
     def _export(self, path: Path) -> None:

@@ -105,3 +105,25 @@ def test_a_step_that_raises_leaves_the_scheduled_lr_in_place():
     hdet.close()
     optimizer.step()
     assert param.item() == pytest.approx(1.0 - 0.1 * rho - 0.1 * rho - 0.05)  # closed: the scheduled LR
+
+
+def test_the_found_lr_factor_is_the_controllers_scale_where_one_moves_it():
+    """train.py's last line: the factor on the schedule's LR, read where a controller moves it; none where the LR
+    stays as given (controller off, one replica) or the paper's controller owns the LR (no factor)."""
+    from hdet_scale.controller import PaperDecay
+
+    two = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+    def factor(values, topology=two, **kwargs):
+        hdet = HDETEnsemble(HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5, **values}),
+                            DDPAdapter(optimizer), topology=topology, total_steps=300, **kwargs)
+        hdet.close()
+        return hdet.found_lr_factor()
+
+    assert factor({}) == pytest.approx(0.1)  # the log controller's start, a tenth of the given LR
+    assert factor({"auto_lr": {"initial_scale": 2.0, "scale_max": 10.0}}) == pytest.approx(2.0)
+    assert factor({"auto_lr": {"enabled": False}}) is None
+    assert factor({}, topology=ReplicaTopology(world_size=1, rank=0, ranks_per_replica=1)) is None
+    assert factor({"alpha": 0.1, "spread": "linear", "auto_lr": {"mode": "paper"}},
+                  paper_decay=[PaperDecay(300, 0.01)]) is None

@@ -107,7 +107,8 @@ def fsdp2_training_losses(rank: int, world: int, probed: bool) -> list[float]:
     data, losses = torch.Generator().manual_seed(rank), []
     for _ in range(6):
         tokens = torch.randint(0, 64, (2, 17), generator=data)
-        loss, _ = backend.train_step([(tokens[:, :-1], tokens[:, 1:])])
+        loss = backend.forward_backward((tokens[:, :-1], tokens[:, 1:]), index=0, of=1)
+        backend.optimizer_step([loss])
         losses.append(float(loss))
     return losses
 

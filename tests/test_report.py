@@ -107,7 +107,7 @@ def number_after(text: str, prefix: str) -> float:
 
 
 def base_and_scale(text: str, name: str) -> tuple[float, float]:
-    match = re.search(rf"^  {re.escape(name)}: final base (\S+), scale (\S+) ", text, re.M)
+    match = re.search(rf"^  {re.escape(name)}: final (\S+) \((\S+) x schedule, ", text, re.M)
     assert match, (name, text)
     return float(match.group(1)), float(match.group(2))
 

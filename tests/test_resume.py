@@ -331,7 +331,8 @@ def smoothing_step(rank: int, world: int) -> tuple[float, float]:
         log_probs = backend.model(input_ids=batch[0]).logits.float().log_softmax(-1)
         nll = -log_probs.gather(-1, batch[1].unsqueeze(-1)).mean()
         expected = (1 - smoothing) * nll + smoothing * -log_probs.mean()
-    loss, _ = backend.train_step([batch])
+    loss = backend.forward_backward(batch, index=0, of=1)
+    backend.optimizer_step([loss])
     return smoothing, float(loss) - float(expected)
 
 

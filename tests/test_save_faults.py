@@ -72,7 +72,8 @@ def build(engine: str, directory: Path) -> Any:
     from hdet_scale import HDETConfig
     from hdet_scale.lm.backends import DeepSpeedBackend, FSDPBackend
     from hdet_scale.lm.model import build_model
-    from hdet_scale.train import _deepspeed_config, parse_args
+    from hdet_scale.lm.plan import _deepspeed_config
+    from hdet_scale.train import parse_args
 
     args = parse_args(["--steps", "200", "--micro_batch_size", "2", "--seq_len", "16", "--engine", engine,
                        "--zero_stage", "2", "--out", str(directory), "--dtype", "fp32"])
@@ -82,6 +83,11 @@ def build(engine: str, directory: Path) -> Any:
     if engine == "fsdp":
         return FSDPBackend(model, config, args, torch.device("cpu"))
     return DeepSpeedBackend(model, config, args, _deepspeed_config(args), torch.device("cpu"))
+
+
+def one_step(backend: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """One optimizer step of ``hdet_scale.train`` on one micro-batch."""
+    backend.optimizer_step([backend.forward_backward(batch, index=0, of=1)])
 
 
 def parameters(backend: Any) -> torch.Tensor:
@@ -100,7 +106,7 @@ def faults(rank: int, world: int, directory: str, engine: str) -> list[tuple[int
 
     def train() -> torch.Tensor:
         for _ in range(SYNC_INTERVAL):
-            backend.train_step([(tokens[:, :-1], tokens[:, 1:])])
+            one_step(backend, (tokens[:, :-1], tokens[:, 1:]))
         return parameters(backend)
 
     def save() -> None:
@@ -179,7 +185,7 @@ def killed_in_a_save(rank: int, world: int, directory: str, engine: str, victim:
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):
         for _ in range(SYNC_INTERVAL):
-            backend.train_step([(tokens[:, :-1], tokens[:, 1:])])
+            one_step(backend, (tokens[:, :-1], tokens[:, 1:]))
         torch.save(parameters(backend), out / f"expected_{rank}_step{backend.ensemble.global_step}.pt")
         injector = Injector(root)
         if backend.ensemble.global_step == 2 * SYNC_INTERVAL and rank == victim:

@@ -414,6 +414,29 @@ def test_an_out_that_cannot_be_written_is_refused_in_one_line(tmp_path):
     check(["--hdet_config", str(hdet)], "metrics_path's folder .*a_file: cannot create it")
 
 
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    for option, default in (("--steps", 300), ("--lr", 0.003), ("--out", "runs/train"), ("--probe_batch", 16),
+                            ("--on_signal", "sync_now"), ("--preset", "tiny")):
+        assert re.search(rf"{option} .*?\(default: {re.escape(str(default))}\)", shown), option
+
+
+def test_the_peak_lr_the_found_lr_is_said_against():
+    """--lr, unless the DeepSpeed JSON sets the peak: its scheduler's warmup_max_lr, else its optimizer's lr
+    (WarmupCosineLR peaks there)."""
+    from hdet_scale.lm.plan import given_peak_lr
+
+    args = parse_args(["--lr", "0.002"])
+    assert given_peak_lr(args, None) == (0.002, "--lr")
+    assert given_peak_lr(args, {"scheduler": {"type": "WarmupCosineLR", "params": {}}}) == (0.002, "--lr")
+    assert given_peak_lr(args, {"optimizer": {"params": {"lr": 3e-4}}}) == (3e-4, "the DeepSpeed JSON's lr")
+    assert given_peak_lr(args, {"optimizer": {"params": {"lr": 3e-4}},
+                                "scheduler": {"params": {"warmup_max_lr": 1e-3}}}) == (
+        1e-3, "the DeepSpeed JSON's warmup_max_lr")
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_command_line_error_is_said_once(rank, monkeypatch, capsys):
     """argparse's own errors (here a negative number after --lr, read as an option) came from every rank."""

@@ -76,9 +76,14 @@ class Backend(ABC):
         """Sequences per micro-batch on each rank."""
 
     @abstractmethod
-    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, SyncReport | None]:
-        """One optimizer step over ``batches``; returns the mean micro-batch loss (a tensor on the device, not
-        synchronized) and the sync report when HDET synced at this step."""
+    def forward_backward(self, batch: Batch, *, index: int, of: int) -> torch.Tensor:
+        """Forward and backward on micro-batch ``index`` of ``of`` in this optimizer step; returns its loss (a
+        detached tensor on the device, not synchronized)."""
+
+    @abstractmethod
+    def optimizer_step(self, losses: list[torch.Tensor]) -> SyncReport | None:
+        """The optimizer's and the LR schedule's step after the micro-batches, then HDET's step with their
+        ``losses``; returns the sync report when HDET synced at this step."""
 
     @abstractmethod
     def sync(self) -> SyncReport:
@@ -155,23 +160,23 @@ class FSDPBackend(Backend):
     def micro_batch_size(self) -> int:
         return self.args.micro_batch_size
 
-    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, SyncReport | None]:
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for index, (inputs, targets) in enumerate(batches):
-            # Gradients are reduced (and averaged across replicas in global mode) once, on the last micro-batch.
-            self.model.set_requires_gradient_sync(index == len(batches) - 1)
-            loss = next_token_loss(self.model, inputs.to(self.device), targets.to(self.device),
-                                   label_smoothing=self.label_smoothing())
-            (loss / len(batches)).backward()
-            losses.append(loss.detach())
+    def forward_backward(self, batch: Batch, *, index: int, of: int) -> torch.Tensor:
+        if index == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+        # Gradients are reduced (and averaged across replicas in global mode) once, on the last micro-batch.
+        self.model.set_requires_gradient_sync(index == of - 1)
+        loss = next_token_loss(self.model, batch[0].to(self.device), batch[1].to(self.device),
+                               label_smoothing=self.label_smoothing())
+        (loss / of).backward()
+        return loss.detach()
+
+    def optimizer_step(self, losses: list[torch.Tensor]) -> SyncReport | None:
         if self.args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.optimizer.step()
         if not self.ensemble.ramping:  # an LR range test holds the schedule: the run starts again after it
             self.scheduler.step()
-        report = self.hdet.step(losses)
-        return torch.stack(losses).mean(), report
+        return self.hdet.step(losses)
 
     def sync(self) -> SyncReport:
         return self.ensemble.sync()
@@ -256,15 +261,16 @@ class DeepSpeedBackend(Backend):
     def micro_batch_size(self) -> int:
         return int(self.engine.train_micro_batch_size_per_gpu())
 
-    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, SyncReport | None]:
-        losses = []
-        for inputs, targets in batches:
-            loss = next_token_loss(self.engine, inputs.to(self.device), targets.to(self.device),
-                                   label_smoothing=self.label_smoothing())
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.detach())
-        return torch.stack(losses).mean(), self.hdet.last_report if self.hdet.synced else None
+    def forward_backward(self, batch: Batch, *, index: int, of: int) -> torch.Tensor:
+        # DeepSpeed scales the loss by its accumulation steps itself, and steps (and HDET with it) on the last
+        loss = next_token_loss(self.engine, batch[0].to(self.device), batch[1].to(self.device),
+                               label_smoothing=self.label_smoothing())
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def optimizer_step(self, losses: list[torch.Tensor]) -> SyncReport | None:
+        return self.hdet.last_report if self.hdet.synced else None  # engine.step() stepped HDET on the last
 
     def sync(self) -> SyncReport:
         return self.hdet.sync()

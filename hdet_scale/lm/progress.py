@@ -97,7 +97,7 @@ class Progress:
         if self._sync_lines:
             self.line(f"sync step {report.step}  loss {mean:.4f}  replica losses "
                       f"[{', '.join('nan' if loss is None else f'{loss:.4f}' for loss in report.replica_losses)}]  "
-                      f"base lr {lr.get('base', float('nan')):.3e}  scale {self._scale:.3f}  "
+                      f"lr {lr.get('base', float('nan')):.3e} ({self._scale:.3g} x schedule)  "
                       f"{self.tokens_per_second(report.step):.0f} tok/s  sync {report.sync_seconds * 1000:.0f} ms")
         if self._sinks is not None:
             self._sinks.log({**scalars, "train/tokens_per_second": self.tokens_per_second(report.step)}, report.step)

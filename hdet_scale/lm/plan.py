@@ -1,0 +1,221 @@
+"""What ``hdet_scale.train`` checks and loads before any process group starts (``plan``): every argument, the
+DeepSpeed JSON, the HDET settings resolved for the run, the output folder, the corpus and the checkpoint a resume
+continues from. A bad input is one ``ValueError`` or ``FileNotFoundError`` naming the argument."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.controller import sync_interval_for_run
+from hdet_scale.extras import require
+from hdet_scale.lm.checkpoints import ResumePoint, check_resume, identity, previous_run
+from hdet_scale.lm.corpus import Corpus, load_corpus
+from hdet_scale.lm.model import PRESETS, check_preset
+from hdet_scale.metrics import writable_directory
+from hdet_scale.range_test import refuse_range_test
+from hdet_scale.resolve import load_config, resolve, stuck_start_error
+
+
+@dataclass
+class Plan:
+    """Everything checked and loaded before the process group starts."""
+
+    engine: str
+    config: HDETConfig
+    corpus: Corpus
+    ds_config: dict[str, Any] | None
+    world_size: int
+    dtype: str
+    run: dict[str, Any]
+    """What a checkpoint of this run records and a resumed run must share (``lm.checkpoints.identity``)."""
+    resume: ResumePoint | None
+    """The checkpoint to continue from (``--resume`` and there is one)."""
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Checks every input and loads the corpus; raises ValueError / FileNotFoundError naming the argument."""
+    _check_numbers(args)
+    engine = args.engine
+    if engine == "auto":
+        engine = "deepspeed" if args.deepspeed_config or args.local_rank >= 0 else "fsdp"
+    require("transformers", "train", "hdet_scale.train (its Llama model)")
+    if engine == "deepspeed":
+        require("deepspeed", "deepspeed", "hdet_scale.train on DeepSpeed")
+    ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
+    if engine == "fsdp" and args.deepspeed_config:
+        raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
+    if args.replay_schedule:
+        _check_replay(args, ds_config)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    config = resolve(load_config(_hdet_values(args, ds_config), world_size=None), world_size=world_size,
+                     auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
+                     total_steps=args.steps)
+    replicas = world_size // config.ranks_per_replica
+    stuck = stuck_start_error(config, replicas)
+    if stuck is not None:
+        raise stuck
+    if args.wandb:
+        require("wandb", "wandb", "--wandb")
+    if config.explore.dropout is not None and args.dropout == 0:
+        raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
+                         "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
+    if ds_config is not None:
+        from hdet_scale.engines.deepspeed import check_ds_config
+
+        check_ds_config(ds_config, world_size)
+        _check_schedule_length(args, ds_config)
+        refuse_range_test(config, "with DeepSpeed")
+    out = _check_out(args, config.metrics_path)
+    for name in ("checkpoint_interval", "eval_interval"):
+        if getattr(args, name) % config.sync_interval:
+            raise ValueError(f"--{name}={getattr(args, name)} must be a multiple of sync_interval="
+                             f"{config.sync_interval}: the replicas are one model only right after a sync")
+    corpus = load_corpus(args.data, token_dtype=args.token_dtype, vocab_size=args.vocab_size,
+                         heldout_fraction=args.heldout_fraction,
+                         max_bytes=None if args.max_data_mb is None else int(args.max_data_mb * 2**20))
+    micro_batch = (ds_config or {}).get("train_micro_batch_size_per_gpu", args.micro_batch_size)
+    corpus.check_fits(seq_len=args.seq_len, micro_batch_size=int(micro_batch))
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
+    zero_stage = _zero_stage(ds_config) if engine == "deepspeed" else None
+    run = identity(engine=engine, zero_stage=zero_stage,
+                   model={"preset": args.preset, **PRESETS[args.preset], "vocab_size": corpus.vocab_size},
+                   replicas=replicas, ranks_per_replica=config.ranks_per_replica,
+                   explored=[name for name, knob in vars(config.explore).items() if knob is not None])
+    resume = check_resume(out, run) if args.resume else None
+    return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The preset, and every number of the command line in its range."""
+    check_preset(args.preset)
+    for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "eval_batches"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ("checkpoint_interval", "eval_interval", "warmup_steps", "probe_batch"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if not 0.0 <= args.min_lr_ratio <= 1.0:
+        raise ValueError(f"--min_lr_ratio must be in [0, 1], got {args.min_lr_ratio}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+
+
+def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:
+    """``--out`` (and the metrics file's folder) can be written, and hold no run this one would overwrite
+    unless ``--resume`` continues it or ``--overwrite`` asks for that."""
+    out = writable_directory(args.out, "--out")
+    if metrics_path:
+        writable_directory(Path(metrics_path).parent, "metrics_path's folder")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+    left = previous_run(out, metrics_path)
+    if left and not args.resume and not args.overwrite:
+        raise ValueError(f"--out {out} holds a run already ({', '.join(map(str, left))}): pass --resume to continue "
+                         "it, --overwrite to start afresh over it, or choose another --out")
+    return out
+
+
+def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.deepspeed_config is None:
+        bf16 = args.dtype == "bf16" or args.dtype == "auto" and torch.cuda.is_available()
+        return {"train_micro_batch_size_per_gpu": args.micro_batch_size,
+                "gradient_accumulation_steps": args.grad_accum, "gradient_clipping": args.grad_clip,
+                "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": bf16},
+                "steps_per_print": 10**9}
+    return _read_json(args.deepspeed_config, "--deepspeed_config")
+
+
+def _read_json(path_text: str, argument: str) -> Any:
+    """The JSON file named by ``argument``; errors name the argument."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise FileNotFoundError(f"{argument} {path}: no such file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{argument} {path} is not valid JSON: {error}") from error
+
+
+def _zero_stage(ds_config: dict[str, Any] | None) -> int:
+    return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+def _check_schedule_length(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
+    """The DeepSpeed JSON's scheduler ends when the run does: it sets the LR (and the controller's window)."""
+    total = ((ds_config.get("scheduler") or {}).get("params") or {}).get("total_num_steps")
+    if total is not None and total != "auto" and total != args.steps:
+        raise ValueError(f"--steps is {args.steps} and the DeepSpeed JSON's scheduler.params.total_num_steps is "
+                         f"{total}: the LR schedule must end when the run does; pass --steps {total}, or set "
+                         f"total_num_steps (and warmup_num_steps) for a run of {args.steps} steps")
+
+
+def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:
+    """A schedule to replay is as long as the run, holds only what a plain run can replay, and is the only
+    schedule."""
+    from hdet_scale.replay import optimizer_entry, read_schedule
+
+    try:
+        schedule = read_schedule(args.replay_schedule)
+    except ValueError as error:
+        raise ValueError(f"--replay_schedule {error}") from None
+    if schedule["steps"] != args.steps:
+        raise ValueError(f"--replay_schedule {args.replay_schedule} covers {schedule['steps']} steps and --steps is "
+                         f"{args.steps}: pass --steps {schedule['steps']} (a replay trains the whole run it came "
+                         "from)")
+    others = [name for name in schedule["values"] if optimizer_entry(name) is None]
+    if others:
+        raise ValueError(f"--replay_schedule {args.replay_schedule} also explored {others}: train.py replays LRs "
+                         "and weight decays only; export a run that explored those, or set them by hand")
+    if "scheduler" in (ds_config or {}):
+        raise ValueError("--replay_schedule and the DeepSpeed JSON's \"scheduler\" both set the LR: remove one")
+
+
+def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The HDET settings (from --hdet_config, the DeepSpeed JSON's "hdet" section, or train.py's defaults)
+    with the metrics going to OUT unless they say otherwise. A replay turns HDET's spread and controller off."""
+    section = (ds_config or {}).pop("hdet", None)
+    if section is not None and args.hdet_config:
+        raise ValueError("HDET settings given twice: --hdet_config and the DeepSpeed JSON's \"hdet\" section; "
+                         "keep one")
+    if args.replay_schedule:
+        if args.hdet_config or section is not None:
+            raise ValueError("--replay_schedule trains without HDET: drop --hdet_config (or the DeepSpeed JSON's "
+                             "\"hdet\" section)")
+        # One replica over every rank: plain FSDP2 / ZeRO. Its syncs only write the metrics lines (the applied
+        # LRs), at every checkpoint and evaluation step, else once at the end.
+        every = math.gcd(args.checkpoint_interval, args.eval_interval) or args.steps
+        return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
+                "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)), "auto_lr": {"enabled": False}}
+    if args.hdet_config:
+        values = _read_json(args.hdet_config, "--hdet_config")
+    else:
+        # without settings: the library's defaults at a sync interval that gives the controller the updates it
+        # was measured with, whatever the run's length (the library's T = 1000 suits long runs only)
+        values = section if section is not None else {"sync_interval": sync_interval_for_run(args.steps)}
+    if not isinstance(values, dict):
+        raise ValueError(f"the HDET settings must be a JSON object, got {type(values).__name__}")
+    return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), **values}
+
+
+def given_peak_lr(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> tuple[float, str]:
+    """The peak LR the run was given, and where: the DeepSpeed JSON's scheduler or optimizer where it sets one,
+    else ``--lr``. The LR HDET finds is said as a multiple of it."""
+    config = ds_config or {}
+    scheduled = ((config.get("scheduler") or {}).get("params") or {}).get("warmup_max_lr")
+    if isinstance(scheduled, (int, float)):
+        return float(scheduled), "the DeepSpeed JSON's warmup_max_lr"
+    optimizer = ((config.get("optimizer") or {}).get("params") or {}).get("lr")
+    if isinstance(optimizer, (int, float)):  # WarmupCosineLR's peak too
+        return float(optimizer), "the DeepSpeed JSON's lr"
+    return args.lr, "--lr"
