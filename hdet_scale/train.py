@@ -34,16 +34,15 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import argparse
 import os
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
-from hdet_scale.comm import failed_rank, on_rank0, one_line, shut_down, shut_down_and_exit
+from hdet_scale.comm import on_rank0, shut_down, shut_down_and_exit
 from hdet_scale.extras import MissingExtra
+from hdet_scale.lm.agreement import RunFailed, agreed
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import (
     FINAL_MODEL,
@@ -221,25 +220,6 @@ def refuse_bad_input(error: Exception) -> NoReturn:
     where = "" if rank == 0 else f" (rank {rank})"
     print(f"train.py: error{where}: {error}", file=sys.stderr, flush=True)
     raise SystemExit(2) from None
-
-
-class RunFailed(RuntimeError):
-    """A failure every rank agreed on (a checkpoint that did not load or save); rank 0 prints it in one line."""
-
-
-def agreed(action: str, work: Callable[[], Any]) -> Any:
-    """``work()`` on every rank, then every rank learns whether any failed (collective); raises ``RunFailed``
-    with the first failing rank's cause on all of them, so they stop together, none left waiting."""
-    try:
-        result, failure = work(), None
-    except (Exception, CheckpointException) as error:  # any cause: one line, not a traceback per rank
-        result, failure = None, (failed_rank(error, dist.get_rank()), one_line(error))
-    failures: list[tuple[int, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    first = next((found for found in failures if found is not None), None)
-    if first is not None:
-        raise RunFailed(f"{action}: {first[1]} (rank {first[0]})")
-    return result
 
 
 class Run:

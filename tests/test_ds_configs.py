@@ -26,7 +26,8 @@ from torch.utils.data import TensorDataset
 from distributed import gather_rows, run_ranks
 from hdet_scale import HDETConfig, load_config, multipliers
 from hdet_scale.controller import controller_updates
-from hdet_scale.engines.deepspeed import add_config_arguments, check_supported, initialize
+from hdet_scale.engines.deepspeed import add_config_arguments, initialize
+from hdet_scale.engines.deepspeed_settings import check_supported
 from hdet_scale.topology import check_world_size
 
 CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"

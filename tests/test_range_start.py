@@ -19,7 +19,8 @@ from hdet_scale.config import AutoLRConfig, HDETConfigError
 from hdet_scale.controller import Controller, ControllerState
 from hdet_scale.engines.ddp import DDPAdapter, attach
 from hdet_scale.range_test import RangeTest
-from hdet_scale.report import load_run, main, sync_records
+from hdet_scale.report import main
+from hdet_scale.report_runs import load_run, sync_records
 
 TEST_STEPS = 30
 WEIGHT_LR, BIAS_LR = 0.01, 0.002

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology, report
+from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology, report, report_runs
 from hdet_scale.engines.ddp import DDPAdapter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,16 +152,16 @@ def test_report_writes_plots_and_summary(tmp_path, capsys):
 
 
 def test_loss_of_a_sync_line():
-    assert report.train_loss({"step": 1, "replica_losses": [1.0, None, "nan", 2.0]}) == pytest.approx(1.5)
-    assert math.isnan(report.train_loss({"step": 1, "replica_losses": ["nan", None]}))
-    assert report.train_loss({"step": 1, "loss": 0.5, "replica_losses": [1.0]}) == 0.5
-    assert report.train_loss({"step": 1, "heldout_loss": 0.5}) is None
+    assert report_runs.train_loss({"step": 1, "replica_losses": [1.0, None, "nan", 2.0]}) == pytest.approx(1.5)
+    assert math.isnan(report_runs.train_loss({"step": 1, "replica_losses": ["nan", None]}))
+    assert report_runs.train_loss({"step": 1, "loss": 0.5, "replica_losses": [1.0]}) == 0.5
+    assert report_runs.train_loss({"step": 1, "heldout_loss": 0.5}) is None
 
 
 def test_default_labels_tell_same_named_files_apart(tmp_path):
     paths = [tmp_path / "a" / "hdet_metrics.jsonl", tmp_path / "b" / "hdet_metrics.jsonl"]
-    assert report.default_labels(paths) == ["a/hdet_metrics", "b/hdet_metrics"]
-    assert report.default_labels([tmp_path / "x.jsonl", tmp_path / "y.jsonl"]) == ["x", "y"]
+    assert report_runs.default_labels(paths) == ["a/hdet_metrics", "b/hdet_metrics"]
+    assert report_runs.default_labels([tmp_path / "x.jsonl", tmp_path / "y.jsonl"]) == ["x", "y"]
 
 
 def test_runs_as_a_module(tmp_path):
@@ -236,10 +236,10 @@ def test_a_step_written_twice_is_one_sync(tmp_path):
     for record in repeated:
         record["values"]["lr/embedding"]["scale"] += 1.0  # what the continued run wrote
     write_lines(path, [*lines, *repeated])
-    run = report.load_run(path)
-    assert [record["step"] for record in report.sync_records(run)] == list(range(10, 101, 10))
-    assert report.summarize(run)["syncs"] == 10
-    series = report.value_series(run, "lr/embedding")
+    run = report_runs.load_run(path)
+    assert [record["step"] for record in report_runs.sync_records(run)] == list(range(10, 101, 10))
+    assert report_runs.summarize(run)["syncs"] == 10
+    series = report_runs.value_series(run, "lr/embedding")
     assert series["steps"] == list(range(10, 101, 10))
     assert series["scale"][-1] == pytest.approx(1.0 + 0.05 * 10 + 1.0)
 
@@ -257,7 +257,7 @@ def test_values_are_drawn_where_they_applied_step_by_step(tmp_path):
     path = write_lines(tmp_path / "m.jsonl", [line(2, [0.1, 0.2], [0.5, 2.0], []),
                                               line(4, [0.3, 0.4], [2.0, 0.5], [1]),
                                               line(5, [0.5], [1.0, 2.0, 0.5], [])])
-    series = report.applied_series(report.load_run(path), "lr/0")
+    series = report_runs.applied_series(report_runs.load_run(path), "lr/0")
     nan = math.nan
     assert series["steps"] == [1, 2, 3, 4, 5]
     assert series["base"] == [0.1, 0.2, 0.3, 0.4, 0.5]
@@ -267,19 +267,19 @@ def test_values_are_drawn_where_they_applied_step_by_step(tmp_path):
     assert series["excluded"] == [(4, pytest.approx(0.2))]
     old = json.loads(path.read_text().splitlines()[0])
     del old["values"]["lr/0"]["replica_multipliers"]
-    assert report.applied_series(report.load_run(write_lines(tmp_path / "old.jsonl", [old])), "lr/0") is None
+    assert report_runs.applied_series(report_runs.load_run(write_lines(tmp_path / "old.jsonl", [old])), "lr/0") is None
 
 
 def test_values_are_named_in_words():
-    assert report.value_title("lr/0") == "learning rate of param group 0"
-    assert report.value_title("lr/embedding") == "learning rate of the embedding group"
-    assert report.value_title("weight_decay/3") == "weight decay of param group 3"
-    assert report.value_title("label_smoothing") == "label smoothing"
+    assert report_runs.value_title("lr/0") == "learning rate of param group 0"
+    assert report_runs.value_title("lr/embedding") == "learning rate of the embedding group"
+    assert report_runs.value_title("weight_decay/3") == "weight decay of param group 3"
+    assert report_runs.value_title("label_smoothing") == "label smoothing"
 
 
 def test_a_real_runs_lines_give_every_step_from_the_first(tmp_path):
     path, _ = real_hdet_run(tmp_path / "hdet_metrics.jsonl")
-    run = report.load_run(path)
-    series = report.applied_series(run, "lr/0")
-    assert series["steps"] == list(range(1, report.sync_records(run)[-1]["step"] + 1))
+    run = report_runs.load_run(path)
+    series = report_runs.applied_series(run, "lr/0")
+    assert series["steps"] == list(range(1, report_runs.sync_records(run)[-1]["step"] + 1))
     assert not series["excluded"]

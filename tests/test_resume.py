@@ -357,7 +357,7 @@ def test_a_collective_checkpoint_failure_is_told_by_its_first_rank_in_one_line()
 def checkpoint_failure_on_rank_1(rank: int, world: int) -> str:
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    from hdet_scale.train import RunFailed, agreed
+    from hdet_scale.lm.agreement import RunFailed, agreed
 
     def save() -> None:  # DCP raises its collective exception on every rank, carrying rank 1's error
         raise CheckpointException("CheckpointException ranks", {1: _wrap_exception(OSError("No space left"))})

@@ -95,7 +95,7 @@ def parameters(backend: Any) -> torch.Tensor:
 
 
 def faults(rank: int, world: int, directory: str, engine: str) -> list[tuple[int, str, str, float]]:
-    from hdet_scale.train import RunFailed, agreed
+    from hdet_scale.lm.agreement import RunFailed, agreed
 
     out = Path(directory)
     root = out / "checkpoints"

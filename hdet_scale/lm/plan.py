@@ -16,6 +16,7 @@ import torch
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import sync_interval_for_run
+from hdet_scale.engines.deepspeed_settings import check_ds_config
 from hdet_scale.extras import require
 from hdet_scale.lm.checkpoints import ResumePoint, check_resume, identity, previous_run
 from hdet_scale.lm.corpus import Corpus, load_corpus
@@ -69,8 +70,6 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
                          "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
     if ds_config is not None:
-        from hdet_scale.engines.deepspeed import check_ds_config
-
         check_ds_config(ds_config, world_size)
         _check_schedule_length(args, ds_config)
         refuse_range_test(config, "with DeepSpeed")

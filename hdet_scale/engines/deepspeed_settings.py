@@ -1,0 +1,158 @@
+"""What ``hdet_scale.engines.deepspeed.initialize`` checks before any process group or engine exists: the DeepSpeed
+JSON (settings HDET cannot run with, batch sizes over all ranks), the HDET settings (from exactly one place) and
+the replica layout, each refused in one line naming the setting."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from hdet_scale.config import HDETConfig, HDETConfigError
+from hdet_scale.range_test import refuse_range_test
+from hdet_scale.resolve import load_config, run_length_error
+from hdet_scale.topology import check_world_size, with_replica_size
+
+
+def checked_settings(args: Any, model: nn.Module | None, config: str | Mapping[str, Any] | None,
+                     hdet_config: HDETConfig | Mapping[str, Any] | str | None, total_steps: int | None, *,
+                     mpu: Any = None, mesh_param: Any = None) -> tuple[dict[str, Any], Any, HDETConfig]:
+    """The DeepSpeed config as a private dict, ``args`` without its path, and the HDET config with its replica
+    size and (where the run's length is known) its controller's start and stop resolved; every check that needs
+    no process group done."""
+    if model is None:
+        raise ValueError("initialize requires a model")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("HDET builds DeepSpeed's mpu itself (its data-parallel group is the replica); "
+                         "tensor, pipeline and sequence parallelism are not supported, so pass neither mpu "
+                         "nor mesh_param")
+    ds_config, args = take_ds_config(args, config)
+    hdet = hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    hdet = with_replica_size(hdet, auto="rank" if stage == 0 else "node")
+    refuse_range_test(hdet, "with DeepSpeed")
+    if total_steps is None:  # the run's length, if DeepSpeed's scheduler knows it
+        total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
+    if isinstance(total_steps, int) and not isinstance(total_steps, bool):
+        hdet = hdet.for_run(total_steps)
+    launched_world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # the launcher's
+    check_supported(ds_config, model, world_size=launched_world)  # batch sizes too, before any set-up
+    if launched_world is not None:
+        replicas = check_world_size(hdet, launched_world)
+        per_replica_batch(ds_config, replicas)
+        error = run_length_error(hdet, replicas, "pass total_steps= to initialize (or give DeepSpeed a scheduler "
+                                 "with total_num_steps)")
+        if error is not None:
+            raise error
+    return ds_config, args, hdet
+
+
+def check_supported(ds_config: Mapping[str, Any], model: nn.Module, *, world_size: int | None = None) -> None:
+    """Raises, naming the setting, for DeepSpeed settings and models HDET cannot run with (with ``world_size``,
+    also batch sizes that do not add up over all ranks)."""
+    check_ds_config(ds_config, world_size)
+    if any(hasattr(param, "ds_id") for param in model.parameters()):
+        raise HDETConfigError("the model was built under deepspeed.zero.Init, which partitions it over every "
+                              "rank; build it normally and let initialize shard it inside each replica")
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise HDETConfigError("pipeline parallelism (PipelineModule) is not supported with HDET")
+
+
+def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None) -> None:
+    """Raises, naming the setting, for a DeepSpeed JSON HDET cannot run with (offload, fp16, hpZ) and, with
+    ``world_size``, for batch sizes that do not add up over all ranks: before any process group exists."""
+    zero = ds_config.get("zero_optimization", {}) or {}
+    for section in ("offload_optimizer", "offload_param"):
+        device = (zero.get(section) or {}).get("device", "none")
+        if str(device).lower() != "none":
+            raise HDETConfigError(
+                f"zero_optimization.{section}.device={device!r}: HDET averages the ZeRO partitions in place on "
+                "the accelerator and does not support offload; remove the offload section or set it to 'none'"
+            )
+    if int(zero.get("zero_hpz_partition_size", 1)) > 1:
+        raise HDETConfigError("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ) is not supported with "
+                              "HDET: a replica already shards inside its own group; remove the setting")
+    if (ds_config.get("fp16") or {}).get("enabled", False):
+        raise HDETConfigError("fp16.enabled: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
+                              "use \"bf16\": {\"enabled\": true}")
+    if world_size is not None:
+        _check_batch_sizes(ds_config, world_size)
+
+
+def _check_batch_sizes(ds_config: Mapping[str, Any], world_size: int) -> None:
+    """DeepSpeed's rule over all ranks, train_batch_size = micro-batch x accumulation x ranks, in the JSON's own
+    numbers (DeepSpeed would check it per replica, in numbers the user never wrote)."""
+    sizes = {key: ds_config.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                 "gradient_accumulation_steps")}
+    if any(value == "auto" or (value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                      or value < 1)) for value in sizes.values()):
+        return  # "auto" is for transformers' Trainer to fill in; bad types are DeepSpeed's to report
+    total, micro, accumulation = sizes.values()
+    if None not in (total, micro, accumulation) and total != micro * accumulation * world_size:
+        raise HDETConfigError(
+            f"train_batch_size={total} does not match train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={accumulation} x {world_size} ranks = {micro * accumulation * world_size}; "
+            "set it to that, or leave one of the three out for DeepSpeed to derive")
+    known = [value for value in (micro, accumulation) if value is not None]
+    if total is not None and len(known) == 1 and total % (known[0] * world_size):
+        raise HDETConfigError(
+            f"train_batch_size={total} is not a multiple of {known[0]} x {world_size} ranks "
+            f"({'train_micro_batch_size_per_gpu' if micro is not None else 'gradient_accumulation_steps'} x "
+            "ranks): DeepSpeed could not derive the other one")
+
+
+def take_ds_config(args: Any, config: str | Mapping[str, Any] | None) -> tuple[dict[str, Any], Any]:
+    """The DeepSpeed config as a private dict, and ``args`` without ``deepspeed_config`` (it is passed on
+    as the dict, so DeepSpeed must not read the file a second time)."""
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError("DeepSpeed config given twice: as args.deepspeed_config and as config; pass one")
+    source = config if config is not None else from_args
+    if source is None:
+        raise ValueError("DeepSpeed needs a config: pass --deepspeed_config PATH or config=dict_or_path")
+    if isinstance(source, Mapping):
+        values = copy.deepcopy(dict(source))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"DeepSpeed config '{path}' does not exist")
+        values = json.loads(path.read_text())
+    if from_args is not None:
+        args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})
+    return values, args
+
+
+def hdet_settings(section: Any, args: Any, explicit: HDETConfig | Mapping[str, Any] | str | None) -> HDETConfig:
+    sources = {name: value for name, value in (("the 'hdet' section of the DeepSpeed config", section),
+                                                ("args.hdet_config", getattr(args, "hdet_config", None)),
+                                                ("hdet_config=", explicit)) if value is not None}
+    if len(sources) > 1:
+        raise HDETConfigError(f"HDET settings given more than once ({', '.join(sources)}); keep exactly one")
+    if not sources:
+        return HDETConfig()
+    (name, value), = sources.items()
+    if name.startswith("the 'hdet'") and not isinstance(value, Mapping):
+        raise HDETConfigError(f"the 'hdet' section of the DeepSpeed config must be a JSON object, got {value!r}")
+    return load_config(value, world_size=None)
+
+
+def per_replica_batch(ds_config: dict[str, Any], num_replicas: int) -> dict[str, Any]:
+    """A copy of ``ds_config`` whose ``train_batch_size`` (one optimizer step over all ranks) is the batch
+    of one replica, DeepSpeed's data-parallel group under HDET."""
+    if "train_batch_size" not in ds_config:
+        return ds_config
+    total = ds_config["train_batch_size"]
+    if isinstance(total, bool) or not isinstance(total, int) or total % num_replicas:
+        raise HDETConfigError(
+            f"train_batch_size={total!r} must be a multiple of the number of replicas ({num_replicas}): it is the "
+            "batch of one optimizer step over all ranks, and each replica takes an equal share"
+        )
+    return {**ds_config, "train_batch_size": total // num_replicas}
