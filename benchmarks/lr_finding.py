@@ -92,6 +92,15 @@ def range_start(variant: dict[str, Any], at: float = 1.0, low: float = 0.1, high
     return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": variant["probe"], "range_start": True}
 
 
+def library_range(variant: dict[str, Any], low: float = 0.1, high: float = 10.0) -> dict[str, Any]:
+    """``variant`` started by the library's own LR range test (``auto_lr.range_test``, 100 steps inside the run,
+    every replica at once): the spread's top replica at the pick, the scale bounded to [``low``, ``high``] times
+    where it starts."""
+    auto_lr = {key: value for key, value in variant["hdet"]["auto_lr"].items() if key != "initial_scale"}
+    auto_lr.update(range_test=100, scale_min=low, scale_max=high)
+    return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": variant["probe"]}
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
     # whether a probe batch scores the replicas. The default, the paper's controller and the variants the findings
@@ -132,6 +141,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # is below the best LR?)
     "range_top_rise": range_start(rise(rise_only_after=0.43, start=0.02), at=1 / 1.5, low=0.1 / 1.5,
                                   high=10 / 1.5),
+    # range_top_hold as the library runs it (auto_lr.range_test): the test inside the run, on every replica, its
+    # steps before the run's; what a default of the library would ship
+    "library_range_hold": library_range(rise(rise_only_after=0.43, start=0.02), low=1.0, high=1.0),
 }
 DEFAULT_VARIANT = "tenth_rise_start2"
 

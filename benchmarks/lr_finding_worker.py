@@ -200,7 +200,7 @@ def train_one(args: argparse.Namespace, device: torch.device) -> None:
         result["heldout"] = fixed_loss(model.module, corpus.heldout, args, device)
         result["train"] = fixed_loss(model.module, corpus.train, args, device)
         result["args"] = vars(args)
-        result["range_pick"] = picked
+        result["range_pick"] = picked if hdet is None or picked is not None else hdet.hdet.range_test_pick
         (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"{out.name}: held-out {result['heldout']:.4f}  ({result['wall_seconds']:.0f} s)", flush=True)
     if hdet is not None:
@@ -245,8 +245,12 @@ def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, 
     rank = dist.get_rank()
     data = torch.Generator().manual_seed(args.seed * 100_003 + rank)
     scales, deltas, diverged_at, started = [], [], None, time.perf_counter()
-    for step in range(1, args.steps + 1):
+    step = 0
+    while step < args.steps:
+        # a step of the LR range test a run starts with (auto_lr.range_test) comes before the run's steps
+        testing = hdet is not None and hdet.hdet.ramping
         loss = training_step(model, optimizer, corpus, args, data, device)
+        step += 0 if testing else 1
         if hdet is None:
             if schedule is not None:
                 schedule.step()
