@@ -3,7 +3,7 @@ host wait for the device between syncs. The same code runs on the CPU (``--devic
 GPU loans.
 
     python benchmarks/gpu_check.py                            # on one GPU: presets small and 125m, bf16, ~4 min
-    python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check   # the dry run (the e2e tests)
+    python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check   # the dry run (benchmarks/tests)
 
 Two ranks share the device over gloo (NCCL refuses two ranks on one GPU), each rank a replica, global gradient
 mode, bf16 (autocast around DDP's forward; FSDP2's ``MixedPrecisionPolicy``), the library's default controller

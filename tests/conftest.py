@@ -3,13 +3,34 @@ from pathlib import Path
 
 import pytest
 
-# Rank processes (tests/distributed.py) import the worker functions by module name: keep tests/ importable.
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).parent
+TIERS = ("unit", "distributed", "e2e")
+"""The test tiers, one folder each: ``unit`` starts no process, ``distributed`` starts gloo rank processes
+(tests/distributed.py), ``e2e`` starts launchers and scripts as subprocesses (torchrun, deepspeed, Slurm, python)."""
+
+# The helpers here (distributed.py, launcher.py, settings.py, ...) and every tier's test files are importable by
+# plain module name, whichever tier runs: rank processes (tests/distributed.py) import their worker functions by
+# module name, and a file split by tier imports its shared helpers from its part in unit/ (test_x_e2e.py from
+# test_x.py). So each test file's name is unique across the tiers, and pytest imports it by that name (its default
+# import mode) with no package folders in tests/.
+for folder in (TESTS, *(TESTS / tier for tier in TIERS)):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+
+def pytest_collection_modifyitems(items):
+    """Every test in tests/e2e/ is marked ``e2e`` (whether or not its file says so), so ``-m "not e2e"`` still
+    selects everything but the e2e tier."""
+    e2e = TESTS / "e2e"
+    for item in items:
+        if e2e in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")
 def main_job(tmp_path_factory):
-    """The README's main job, launched once (shortened) for test_readme.py and test_train.py: a ``MainJob``."""
+    """The README's main job, launched once (shortened) for test_readme_e2e.py and test_train_e2e.py: a
+    ``MainJob``."""
     from launcher import run_main_job
 
     return run_main_job(tmp_path_factory.mktemp("main_job"))

@@ -1,8 +1,8 @@
 """Real launches of ``hdet_scale.train`` (torchrun, deepspeed) for the end-to-end tests, and the README's main job.
 
-The README's main job is a 4-rank torchrun run of FSDP2, 2 replicas x 2 ranks. tests/test_readme.py checks that it
-runs and reports, tests/test_train.py checks the same run in depth and resumes a preempted copy of it: conftest's
-``main_job`` fixture launches it once for both, shortened.
+The README's main job is a 4-rank torchrun run of FSDP2, 2 replicas x 2 ranks. tests/e2e/test_readme_e2e.py checks
+that it runs and reports, tests/e2e/test_train_e2e.py checks the same run in depth and resumes a preempted copy of it:
+conftest's ``main_job`` fixture launches it once for both, shortened.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class MainJob:
 def run_main_job(root: Path) -> MainJob:
     """Runs the README's main job into ``root/out``, shortened: STEPS short steps, with its own HDET config but
     syncing every SYNC_INTERVAL steps with the controller moving from step 10 to 30, evaluating every
-    EVAL_INTERVAL steps and checkpointing every 20 (tests/test_train.py resumes a preempted copy of it)."""
+    EVAL_INTERVAL steps and checkpointing every 20 (tests/e2e/test_train_e2e.py resumes a preempted copy of it)."""
     words = readme_launch()
     at = words.index("--hdet_config") + 1
     hdet = json.loads((ROOT / words[at]).read_text())

@@ -1,4 +1,4 @@
-"""A Lightning run with HDETCallback for tests/test_lightning.py, launched under torchrun on CPU ranks.
+"""A Lightning run with HDETCallback for tests/e2e/test_lightning_e2e.py, launched under torchrun on CPU ranks.
 
     torchrun --nproc_per_node 4 tests/lightning_job.py --out DIR --mode global --ranks_per_replica 1 --epochs 2
 

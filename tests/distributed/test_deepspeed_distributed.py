@@ -1,0 +1,296 @@
+"""The DeepSpeed adapter on 4 real gloo ranks with real DeepSpeed ZeRO 0-3 (no mocks).
+
+ZeRO-0 runs the paper's setting (every rank a replica: 4 replicas); ZeRO-1/2/3 run 2 replicas x 2 ranks,
+each replica sharding the model over its own ranks. A DeepSpeed launch costs seconds here, so each launch
+builds several engines and checks many properties.
+
+This file holds the tests on gloo ranks; the tests that start no process are in tests/unit/test_deepspeed.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_deepspeed import MICRO_BATCHES, ds_config, tiny_model
+from torch import nn
+
+from distributed import gather_rows, run_ranks
+from hdet_scale import multipliers
+from hdet_scale.engines import deepspeed as hdet_deepspeed
+from hdet_scale.probe import batch_probe
+
+WORLD = 4
+
+
+def build(config: dict, *, seed: int, plain: bool = False, lr: float = 0.01):
+    model = tiny_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    if plain:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    else:
+        engine, *_ = hdet_deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def micro_batch(rank: int, step: int, micro: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(10_000 * rank + 10 * step + micro)
+    return torch.randn(2, 8, generator=generator).to(dtype)
+
+
+def train_step(engine, rank: int, step: int, synced: list[bool] | None = None) -> float:
+    """One optimizer step of MICRO_BATCHES micro-batches; returns the mean micro-batch loss (and appends
+    ``engine.hdet.synced`` after every micro-batch to ``synced``)."""
+    dtype = next(engine.module.parameters()).dtype
+    losses = []
+    for micro in range(MICRO_BATCHES):
+        loss = engine(micro_batch(rank, step, micro, dtype)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if synced is not None:
+            synced.append(engine.hdet.synced)
+    return sum(losses) / len(losses)
+
+
+def full_fp32(engine) -> torch.Tensor:
+    """The replica's full fp32 master parameters, gathered through DeepSpeed's public API where it has one."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = list(engine.module.parameters())
+    masters = [safe_get_full_fp32_param(param) for param in params]
+    if all(master is not None for master in masters):  # ZeRO-1/2/3 (collective on ZeRO-3)
+        return torch.cat([master.detach().reshape(-1) for master in masters])
+    if isinstance(engine.optimizer, torch.optim.Optimizer):  # ZeRO-0 fp32: the parameters are the masters
+        return torch.cat([param.detach().reshape(-1) for param in params])
+    # ZeRO-0 bf16 with a torch optimizer: DeepSpeed's FP16_UnfusedOptimizer keeps one fp32 copy per parameter.
+    return torch.cat([master.detach().reshape(-1) for group in engine.optimizer.fp32_groups for master in group])
+
+
+def module_values(engine) -> torch.Tensor:
+    """The low-precision parameters the forward pass uses (ZeRO-3: gathered)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=hasattr(params[0], "ds_id")):
+        return torch.cat([param.detach().float().reshape(-1) for param in params])
+
+
+def record_used_lrs(engine) -> list[float]:
+    """A list that receives param group 0's LR inside every base-optimizer step, i.e. the LR really used
+    (this hook runs after HDET's, which scales the LR for the step's duration)."""
+    used: list[float] = []
+    engine.basic_optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: used.append(optimizer.param_groups[0]["lr"]))
+    return used
+
+
+def record_before_sync(engine) -> dict[int, torch.Tensor]:
+    """Step -> every rank's full fp32 parameters at the start of that sync, before averaging."""
+    captured: dict[int, torch.Tensor] = {}
+    engine.hdet.ensemble.add_pre_sync_hook(lambda step: captured.update({step: gather_rows(full_fp32(engine))}))
+    return captured
+
+
+def probe_on_plain_model(flat_weights: torch.Tensor, batch: torch.Tensor) -> float:
+    """The probe loss of a replica's weights, on a plain model in the batch's precision."""
+    model = tiny_model(0).to(batch.dtype)
+    torch.nn.utils.vector_to_parameters(flat_weights.to(batch.dtype), model.parameters())
+    with torch.no_grad():
+        return float(model(batch).float().pow(2).mean())
+
+
+def inverse_step(step: int) -> float:
+    return 1.0 / (1 + step)
+
+
+# ------------------------------------------------------------------------------------- fan-out / converge
+def fanout(rank: int, world: int, stage: int) -> list[int]:
+    """Both gradient modes on one stage (one in fp32, one in bf16): divergence between syncs, averaging at
+    syncs against an independent mean, multipliers and the LR the optimizer really used."""
+    per_replica = 1 if stage == 0 else 2
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as on 2 nodes of 2 ranks: ranks_per_replica "auto" is a node on ZeRO-1/2/3
+    replicas = world // per_replica
+    replica_of = torch.arange(world) // per_replica
+    variants = [("global", stage % 2 == 1), ("local", stage % 2 == 0)]  # (gradient mode, bf16)
+    # ZeRO-1 in bf16 with fp32 gradient accumulation is DeepSpeed's BF16_Optimizer, a wrapper of its own.
+    extra = {"data_types": {"grad_accum_dtype": "fp32"}} if stage == 1 else {}
+    syncs_per_variant = []
+    for mode, bf16 in variants:
+        hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 3, "gradient_mode": mode,
+                "auto_lr": {"enabled": False}}
+        engine = build(ds_config(stage, bf16=bf16, hdet=hdet, **(extra if bf16 else {})), seed=rank)
+        assert engine.hdet.topology.num_replicas == replicas  # "auto": a rank on ZeRO-0, a node on 1-3
+        start = gather_rows(full_fp32(engine))
+        assert torch.equal(start, start[:1].expand(world, -1))  # replicas start identical despite the seeds
+        used_lrs = record_used_lrs(engine)
+        before_sync = record_before_sync(engine)
+        probe_batch = micro_batch(0, -1, 0, torch.bfloat16 if bf16 else torch.float32)
+        engine.hdet.ensemble.set_probe(batch_probe(engine, micro_batch(rank, -1, 0, probe_batch.dtype),
+                                                   lambda model, batch: model(batch).float().pow(2).mean()))
+        syncs = 0
+        for step in range(1, 8):
+            held = gather_rows(torch.tensor([engine.hdet.lr_multiplier()], dtype=torch.float64)).reshape(-1)
+            assert sorted(held[::per_replica].tolist()) == pytest.approx(multipliers(replicas, 0.5))  # eq. 1
+            assert torch.equal(held, held[::per_replica].repeat_interleave(per_replica))
+            expected_lr = engine.get_lr()[0] * engine.hdet.lr_multiplier()
+            assert engine.hdet.current_lrs()[0] == pytest.approx(expected_lr)
+            used_lrs.clear()
+            synced: list[bool] = []
+            train_step(engine, rank, step, synced)
+            # True once per sync, after the micro-batch whose step synced: where docs/engines.md's loop checkpoints.
+            assert synced == [False] * (MICRO_BATCHES - 1) + [step % 3 == 0]
+            # The base optimizer stepped (once per ZeRO-3 sub-group) at this replica's LR; outside the step
+            # the param groups hold the base schedule again.
+            assert used_lrs and all(lr == pytest.approx(expected_lr) for lr in used_lrs)
+            assert engine.get_lr()[0] == pytest.approx(0.01)
+            gradient_bytes = engine.hdet.gradient_bytes_across_replicas
+            assert gradient_bytes > 0 if mode == "global" else gradient_bytes == 0
+            if mode == "global" and engine.get_global_grad_norm() is not None:
+                # One gradient for all: every rank computes the same norm, so clipping agrees everywhere.
+                norms = gather_rows(torch.tensor([float(engine.get_global_grad_norm())], dtype=torch.float64))
+                assert torch.allclose(norms, norms[:1].expand_as(norms), rtol=1e-6), norms.reshape(-1).tolist()
+            after = gather_rows(full_fp32(engine))
+            if step % 3:
+                assert step not in before_sync
+                for replica in range(1, replicas):  # replicas differ between syncs, agree inside a replica
+                    assert not torch.allclose(after[0], after[replica_of == replica][0])
+                assert torch.equal(after, after[::per_replica].repeat_interleave(per_replica, dim=0))
+                continue
+            syncs += 1
+            assert engine.hdet.last_report.step == step
+            pre = before_sync[step]
+            # The probe scored each replica's own weights on rank 0's batch (ZeRO-3: gathered for the forward).
+            replica_weights = [pre[replica_of == r][0] for r in range(replicas)]
+            expected_probe = [probe_on_plain_model(weights, probe_batch) for weights in replica_weights]
+            assert engine.hdet.last_report.probe_losses == pytest.approx(expected_probe, rel=2e-2 if bf16 else 1e-5)
+            mean = torch.stack([pre[replica_of == r][0] for r in range(replicas)]).double().mean(0)
+            assert torch.allclose(after.double(), mean.expand(world, -1), rtol=1e-6, atol=1e-7)
+            assert torch.equal(after, after[:1].expand(world, -1))
+            # The low-precision copies the forward pass uses were refreshed from the averaged masters.
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            assert torch.equal(module_values(engine), after[rank].to(dtype).float())
+        syncs_per_variant.append(syncs)
+    return syncs_per_variant
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_replicas_fan_out_and_converge(stage):
+    assert run_ranks(fanout, WORLD, stage) == [[2, 2]] * WORLD
+
+
+# ------------------------------------------------------------------------- alpha = 0 is plain DeepSpeed
+ALPHA_ZERO_STAGES = (0, 2, 3)
+
+
+def losses_and_parameters(rank: int, world: int, plain: bool) -> dict[int, tuple[list[float], list[float]]]:
+    """Five optimizer steps (gradient accumulation and clipping on) per stage, with plain DeepSpeed over all
+    ranks or with HDET in global mode at alpha = 0 (ZeRO-0: 4 replicas; ZeRO-2/3: 2 replicas x 2 ranks).
+    Plain and HDET run in separate launches: DeepSpeed keeps one process-wide mpu, which the HDET engine sets."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    results = {}
+    for stage in ALPHA_ZERO_STAGES:
+        hdet = {"alpha": 0.0, "spread": "linear", "sync_interval": 2, "gradient_mode": "global",
+                "auto_lr": {"enabled": False}}
+        engine = build(ds_config(stage, hdet=None if plain else hdet), seed=rank, plain=plain, lr=0.05)
+        losses = [train_step(engine, rank, step) for step in range(1, 6)]
+        results[stage] = (losses, full_fp32(engine).tolist())  # plain lists: tensors do not outlive the rank
+    return results
+
+
+def test_global_mode_with_zero_spread_is_plain_deepspeed():
+    plain = run_ranks(losses_and_parameters, WORLD, True)
+    ours = run_ranks(losses_and_parameters, WORLD, False)
+    for rank in range(WORLD):
+        for stage in ALPHA_ZERO_STAGES:
+            (plain_losses, plain_params), (our_losses, our_params) = plain[rank][stage], ours[rank][stage]
+            assert our_losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-7), (rank, stage)
+            assert torch.allclose(torch.tensor(our_params), torch.tensor(plain_params), rtol=1e-5, atol=1e-7)
+
+
+# -------------------------------------------------------------------------- schedulers and data loading
+DS_SCHEDULERS = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 4},
+    "WarmupDecayLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 2, "total_num_steps": 8},
+    "WarmupCosineLR": {"warmup_min_ratio": 0.1, "warmup_num_steps": 2, "total_num_steps": 8},
+    "OneCycle": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.02, "cycle_first_step_size": 3},
+}
+
+
+def reference_schedule(name: str, steps: int) -> list[float]:
+    """The LRs DeepSpeed's scheduler writes, computed on a bare torch optimizer with no engine or HDET."""
+    from deepspeed.runtime import lr_schedules
+
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.01)
+    if name == "LambdaLR":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_step)
+    else:
+        scheduler = getattr(lr_schedules, name)(optimizer, **DS_SCHEDULERS[name])
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step()
+    return lrs
+
+
+def schedulers_and_data(rank: int, world: int) -> list[str]:
+    """Per-replica multipliers on top of DeepSpeed's four schedulers and a torch scheduler (each writes
+    absolute LRs every step): the base schedule is untouched and each replica trains at schedule * rho.
+    Also: training_data is split over the global rank, so every replica reads different samples."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 replicas of 2 ranks
+    checked = []
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 2, "auto_lr": {"enabled": False}}
+    for name in [*DS_SCHEDULERS, "LambdaLR"]:
+        extra = {} if name == "LambdaLR" else {"scheduler": {"type": name, "params": DS_SCHEDULERS[name]}}
+        config = ds_config(1, hdet=hdet, **extra)
+        model = tiny_model(rank)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        torch_scheduler = ((lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, inverse_step))
+                           if name == "LambdaLR" else None)
+        engine, _, _, scheduler = hdet_deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                            lr_scheduler=torch_scheduler)
+        assert scheduler is not None
+        used = record_used_lrs(engine)
+        expected = reference_schedule(name, 6)
+        for step in range(6):
+            assert engine.get_lr()[0] == pytest.approx(expected[step], abs=1e-12), (name, step)
+            rho = engine.hdet.lr_multiplier()
+            assert rho in (0.5, 1.5)  # eq. 1 for 2 replicas
+            used.clear()
+            train_step(engine, rank, step)
+            assert used == [pytest.approx(expected[step] * rho, abs=1e-12)], (name, step)
+        checked.append(name)
+
+    # Plain DeepSpeed engines built after HDET's keep their all-rank groups (DeepSpeed's mpu is process-wide;
+    # HDET's engine only sets its own while it runs), and HDET's engine keeps its replica groups.
+    for stage in (0, 2):
+        plain = build(ds_config(stage), seed=rank, plain=True)
+        assert plain.dp_world_size == world
+        train_step(plain, rank, 1)
+        trained = gather_rows(full_fp32(plain))
+        assert torch.equal(trained, trained[:1].expand_as(trained))  # gradients averaged over all 4 ranks
+    used.clear()
+    expected_lr = engine.get_lr()[0] * engine.hdet.lr_multiplier()
+    train_step(engine, rank, 6)
+    assert used == [pytest.approx(expected_lr, abs=1e-12)]
+    assert engine.hdet.topology.num_replicas == 2 and engine.dp_world_size == 2
+    checked.append("plain engines alongside")
+
+    dataset = torch.utils.data.TensorDataset(torch.arange(64))
+    model = tiny_model(rank)
+    engine, _, loader, _ = hdet_deepspeed.initialize(model=model, config=ds_config(1, hdet=hdet),
+                                                     optimizer=torch.optim.AdamW, training_data=dataset,
+                                                     model_parameters=model.parameters())
+    indices = gather_rows(torch.cat([batch for (batch,) in loader]))
+    assert indices.shape == (world, 64 // world)
+    assert len(set(indices.reshape(-1).tolist())) == 64  # disjoint over all ranks, so over replicas too
+    checked.append("data")
+    return checked
+
+
+def test_multipliers_survive_schedulers_and_data_is_split_over_all_ranks():
+    assert run_ranks(schedulers_and_data, WORLD) == [[*DS_SCHEDULERS, "LambdaLR", "plain engines alongside",
+                                                       "data"]] * WORLD

@@ -1,0 +1,247 @@
+"""One diverging replica never ends a run in global gradient mode, on every engine.
+
+NaN is put into replica 1's master weights after step 2; the sync at step 4 must leave replica 1 out, give
+every rank replica 0's weights (the mean of the healthy replicas, here one), and training goes on to the next
+sync with every value finite. Before the gradient mean left non-finite replicas out, replica 1's NaN gradient
+reached every replica at step 3 and the sync raised FloatingPointError.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from distributed import gather_rows, run_ranks
+from hdet_scale import AutoLRConfig, HDETConfig
+
+SYNC_INTERVAL, STEPS, POISONED_AFTER = 4, 8, 2
+
+
+def config(per_replica: int) -> HDETConfig:
+    return HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=per_replica,
+                      gradient_mode="global", auto_lr=AutoLRConfig(mode="scale", start=0))
+
+
+def run_and_check(rank: int, train_step: Callable[[int], None], full_weights: Callable[[], torch.Tensor],
+                  poison: Callable[[], None], ensemble, replica_of: torch.Tensor) -> list[list[int]]:
+    """Trains STEPS steps, poisoning replica 1 after step POISONED_AFTER; checks that the healthy replica keeps
+    training (no step skipped for the other's NaN gradient) and every sync against the healthy replicas' weights
+    gathered before it; returns each sync's excluded replicas."""
+    before_sync: dict[int, torch.Tensor] = {}
+    ensemble.add_pre_sync_hook(lambda step: before_sync.update({step: gather_rows(full_weights())}))
+    excluded = []
+    healthy_before = gather_rows(full_weights())[replica_of == 0][0]
+    for step in range(1, STEPS + 1):
+        report = train_step(step)
+        if step == POISONED_AFTER:
+            poison()
+        healthy_now = gather_rows(full_weights())[replica_of == 0][0]
+        assert torch.isfinite(healthy_now).all(), f"replica 0 caught the NaN at step {step}"
+        if report is None:
+            assert not torch.equal(healthy_now, healthy_before), f"replica 0 skipped step {step}"
+        healthy_before = healthy_now
+        if report is None:
+            continue
+        excluded.append(report.excluded_replicas)
+        weights = gather_rows(full_weights())
+        assert torch.isfinite(weights).all(), f"non-finite weights after the sync at step {step}"
+        pre = before_sync[step]
+        healthy = [r for r in range(int(replica_of.max()) + 1) if r not in report.excluded_replicas]
+        mean = torch.stack([pre[replica_of == r][0] for r in healthy]).double().mean(0)
+        assert torch.allclose(weights.double(), mean.expand_as(weights), rtol=1e-6, atol=1e-7)
+    return excluded
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+def ddp_run(rank: int, world: int) -> list[list[int]]:
+    from hdet_scale.engines.ddp import attach, wrap_model
+    from hdet_scale.topology import ReplicaTopology
+
+    hdet_config = config(1)
+    topology = ReplicaTopology.build(hdet_config)
+    model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, hdet_config, topology=topology)
+
+    def train_step(step: int):
+        optimizer.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return hdet.step(loss)
+
+    def poison() -> None:
+        if topology.replica_index == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+
+    weights = lambda: torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # noqa: E731
+    return run_and_check(rank, train_step, weights, poison, hdet, torch.arange(world))
+
+
+def test_ddp_global_mode_survives_a_diverged_replica():
+    assert run_ranks(ddp_run, 2) == [[[1], []]] * 2
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2
+def fsdp_run(rank: int, world: int) -> list[list[int]]:
+    from test_fsdp import full, loss_of, tiny_llama
+
+    from hdet_scale.engines.fsdp import wrap
+
+    model, handle = wrap(tiny_llama(seed=0), config(2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = handle.attach(optimizer)
+
+    def train_step(step: int):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        return hdet.step(loss)
+
+    def poison() -> None:
+        if rank == 2:  # replica 1, shard 0: half the embedding rows, so every batch meets the NaN
+            with torch.no_grad():
+                next(model.parameters()).to_local().fill_(float("nan"))
+
+    return run_and_check(rank, train_step, lambda: full(model.parameters()), poison, hdet,
+                         torch.arange(world) // 2)
+
+
+def test_fsdp2_global_mode_survives_a_diverged_replica():
+    assert run_ranks(fsdp_run, 4) == [[[1], []]] * 4
+
+
+# ------------------------------------------------------------------------------------------ DeepSpeed
+def zero_run(rank: int, world: int, stage: int) -> list[list[int]]:
+    from test_deepspeed import ds_config
+    from test_deepspeed_distributed import build, full_fp32
+    from test_deepspeed_distributed import train_step as deepspeed_step
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2,
+            "gradient_mode": "global", "auto_lr": {"mode": "scale", "start": 0}}
+    engine = build(ds_config(stage, hdet=hdet), seed=rank)
+
+    def train_step(step: int):
+        deepspeed_step(engine, rank, step)
+        report = engine.hdet.last_report
+        return report if report is not None and report.step == step else None
+
+    def poison() -> None:
+        if rank == 2:  # replica 1, partition 0
+            with torch.no_grad():
+                engine.hdet.adapter.master_tensors()[0].view(-1)[0] = float("nan")
+        engine.hdet.adapter.after_average()  # the forward's copies follow the masters (collective per replica)
+
+    return run_and_check(rank, train_step, lambda: full_fp32(engine), poison, engine.hdet.ensemble,
+                         torch.arange(world) // 2)
+
+
+def test_zero1_global_mode_survives_a_diverged_replica():
+    assert run_ranks(zero_run, 4, 1) == [[[1], []]] * 4
+
+
+def test_zero3_global_mode_survives_a_diverged_replica():
+    assert run_ranks(zero_run, 4, 3) == [[[1], []]] * 4
+
+
+# ------------------------------------------------------------------------- what leaves a replica out
+def nan_loss_run(rank: int, world: int) -> dict:
+    """DDP, 2 replicas, global gradients: replica 1's loss is NaN at step 3 (so is its gradient, which the
+    replica-safe mean leaves out). Its weights and Adam state stay finite."""
+    from hdet_scale.engines.ddp import attach, wrap_model
+    from hdet_scale.topology import ReplicaTopology
+
+    hdet_config = config(1)
+    topology = ReplicaTopology.build(hdet_config)
+    model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    report = None
+    for step in range(1, SYNC_INTERVAL + 1):
+        optimizer.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        loss = model(x).pow(2).mean() * (float("nan") if step == 3 and rank == 1 else 1.0)
+        loss.backward()
+        optimizer.step()
+        report = hdet.step(loss)
+    moments = gather_rows(torch.cat([state["exp_avg"].reshape(-1) for state in optimizer.state.values()]))
+    # plain values only: a tensor sent back to the test process needs its rank alive until it is read
+    return {"excluded": report.excluded_replicas, "losses": report.replica_losses, "weights": report.weights,
+            "moments_equal": torch.equal(moments[0], moments[1]), "moments_sum": float(moments.abs().sum())}
+
+
+def test_a_non_finite_loss_alone_is_the_worst_score_not_an_exclusion():
+    """It used to leave the healthy replica out and wipe its Adam state, saying it 'had non-finite values'."""
+    result = run_ranks(nan_loss_run, 2)[0]
+    assert result["excluded"] == []
+    assert result["losses"][1] is None or not torch.isfinite(torch.tensor(result["losses"][1]))
+    assert result["weights"][1] == 0.0 and result["weights"][0] == 1.0  # the worst score: no weight
+    assert result["moments_equal"] and result["moments_sum"] > 0
+
+
+def sharded_exclusion_run(rank: int, world: int, directory: str) -> dict:
+    """FSDP2, 2 replicas x 2 shards, global gradients: one shard of replica 1 turns non-finite just before the
+    sync at step 4 (its other shard is finite). The whole replica is left out, both its ranks restart their Adam
+    state with every entry kept, and a checkpoint at that sync loads."""
+    from pathlib import Path
+
+    from test_fsdp import full, loss_of, tiny_llama
+
+    from hdet_scale.engines.fsdp import wrap
+    from hdet_scale.engines.fsdp_checkpoint import load_checkpoint, save_checkpoint
+
+    def build():
+        model, handle = wrap(tiny_llama(seed=0), config(2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return model, optimizer, handle, handle.attach(optimizer)
+
+    model, optimizer, handle, hdet = build()
+    before: dict[str, torch.Tensor] = {}
+
+    def poison(step: int) -> None:
+        before["weights"] = gather_rows(full(model.parameters()))
+        if rank == 2:
+            with torch.no_grad():
+                next(model.parameters()).to_local()[0, 0] = float("inf")
+
+    hdet.add_pre_sync_hook(poison)
+    report = None
+    for step in range(1, SYNC_INTERVAL + 1):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        report = hdet.step(loss)
+    healthy_weights = before["weights"][0]
+    def local(state: dict) -> list[torch.Tensor]:  # the moments are DTensors, the step count is not
+        return [value.to_local() if hasattr(value, "to_local") else value for value in state.values()]
+
+    states = [value for state in optimizer.state.values() for value in local(state)]
+    path = Path(directory) / "ckpt"
+    save_checkpoint(path, model, optimizer, handle)
+    fresh_model, fresh_optimizer, fresh_handle, _ = build()
+    load_checkpoint(path, fresh_model, fresh_optimizer, fresh_handle)
+    loaded = [value for state in fresh_optimizer.state.values() for value in local(state)]
+    return {"excluded": report.excluded_replicas,
+            "weights_are_replica_0s": torch.equal(full(model.parameters()), healthy_weights),
+            "state_zero": all(not value.any() for value in states), "state_entries": len(states),
+            "loaded_equal": all(torch.equal(a, b) for a, b in zip(states, loaded, strict=True))
+            and len(loaded) == len(states)}
+
+
+def test_a_replica_is_left_out_whole_and_its_checkpoint_loads(tmp_path):
+    """Finiteness was decided per rank: the finite shard of a bad replica was averaged in. And the excluded ranks
+    cleared their optimizer state, so a checkpoint at that sync missed its keys and could not be loaded."""
+    results = run_ranks(sharded_exclusion_run, 4, str(tmp_path))
+    assert all(result["excluded"] == [1] for result in results)
+    assert all(result["weights_are_replica_0s"] for result in results)
+    assert [result["state_zero"] for result in results] == [False, False, True, True]
+    assert len({result["state_entries"] for result in results}) == 1 and results[0]["state_entries"] > 0
+    assert all(result["loaded_equal"] for result in results)

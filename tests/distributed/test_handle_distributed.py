@@ -1,0 +1,65 @@
+"""One handle on every engine: what DDP's ``attach`` and scheduler and FSDP2's ``wrap`` hand back answer the same
+calls (the probe, an early sync, the last report, the step count, explored values, the state), and the handles
+whose loop steps HDET itself refuse ``step``.
+
+This file holds the tests on gloo ranks; the tests that start no process are in tests/unit/test_handle.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from distributed import run_ranks
+from hdet_scale import HDETConfig, HDETScheduler
+from hdet_scale.engines.ddp import attach
+from hdet_scale.engines.fsdp import wrap
+from hdet_scale.handle import HDETHandle
+
+STEPS, SYNC_INTERVAL = 5, 2
+
+
+def handle_of(kind: str, config: HDETConfig) -> tuple[nn.Module, torch.optim.Optimizer, HDETHandle]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    if kind == "fsdp":
+        model, hdet = wrap(model, config)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        hdet.attach(optimizer)
+        return model, optimizer, hdet
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if kind == "attach":
+        return model, optimizer, attach(model, optimizer, config)
+    return model, optimizer, HDETScheduler(LambdaLR(optimizer, lambda step: 1.0), hdet_config=config)
+
+
+def the_same_calls(rank: int, world: int, kind: str) -> dict:
+    config = HDETConfig(sync_interval=SYNC_INTERVAL, ranks_per_replica=1, auto_lr={"mode": "scale", "start": 0})
+    model, optimizer, hdet = handle_of(kind, config)
+    probe_input = torch.ones(2, 4)
+    before = hdet.last_report
+    hdet.set_probe(lambda: model(probe_input).pow(2).mean())
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(torch.randn(3, 4, generator=generator)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        hdet.step(loss)
+    regular = hdet.last_report
+    early = hdet.sync()  # step 5: between the regular syncs at 4 and 6
+    hdet.load_state_dict(hdet.state_dict())  # a checkpoint's round trip, at the sync point
+    return {"is_handle": isinstance(hdet, HDETHandle), "before": before, "regular_step": regular.step,
+            "early_step": early.step, "last_is_early": hdet.last_report is early,
+            "probed": early.probe_losses is not None, "global_step": hdet.global_step, "lr": hdet.value("lr/0"),
+            "ensemble_lr": hdet.ensemble.value("lr/0")}
+
+
+@pytest.mark.parametrize("kind", ["attach", "scheduler", "fsdp"])
+def test_every_engine_hands_back_a_handle_with_the_same_calls(kind):
+    for outcome in run_ranks(the_same_calls, 2, kind):
+        assert outcome == {"is_handle": True, "before": None, "regular_step": 4, "early_step": 5, "last_is_early": True,
+                           "probed": True, "global_step": 5, "lr": outcome["ensemble_lr"],
+                           "ensemble_lr": outcome["ensemble_lr"]}

@@ -1,0 +1,395 @@
+"""HDET in transformers.Trainer on real gloo ranks: DDP (global and local) and DeepSpeed ZeRO 0-3.
+
+Each launch trains a tiny Llama with Trainer and checks, from parameters gathered over every rank, that the
+replicas start identical, train at their own LRs, drift apart between syncs and are each rank's independent
+average right after a sync; the metrics file has one loss per replica, on the scale Trainer logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from hdet_scale import multipliers
+
+VOCAB, SEQ = 64, 16
+MAX_STEPS, SYNC_INTERVAL, ALPHA, ACCUMULATION = 7, 3, 0.5, 2
+
+
+def tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    return LlamaForCausalLM(config)
+
+
+def token_dataset(rows: int = 256) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [{"input_ids": row, "labels": row} for row in torch.randint(0, VOCAB, (rows, SEQ), generator=generator)]
+
+
+PROBE_ROW = torch.arange(SEQ) % VOCAB
+"""The one sequence of the eval dataset: whichever samples the probe batch draws, each replica's probe loss is its
+model's loss on this row, computed by hand in ``train_run``."""
+
+
+def zero_config(stage: int) -> dict:
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": 1.0}
+
+
+def training_args(out_dir: str, deepspeed: dict | None = None, **overrides):
+    from transformers import TrainingArguments
+
+    values = dict(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATION,
+                  max_steps=MAX_STEPS, learning_rate=3e-3, lr_scheduler_type="constant", save_strategy="no",
+                  report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True, seed=0, deepspeed=deepspeed)
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, tensor.detach().float().cpu().reshape(-1))
+    return torch.stack(rows)
+
+
+def master_vector(hdet) -> torch.Tensor:
+    """This rank's master copy: the full parameters (DDP) or its ZeRO partition (DeepSpeed)."""
+    tensors = hdet.deepspeed.adapter.master_tensors() if hdet.deepspeed else hdet.ensemble.adapter.averaged_tensors()
+    return torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+
+
+def fresh_trainer(out_dir: str, stage: int | None = None, seed: int = 0, **overrides):
+    """A Trainer on its own accelerate state: accelerate keeps one process-wide (its DeepSpeed settings
+    included), so several Trainers in one process reset it first, as Trainer's hyperparameter search does."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    deepspeed = None if stage is None else overrides.pop("deepspeed", zero_config(stage))
+    eval_dataset = overrides.pop("eval_dataset", None)
+    return Trainer(model=tiny_llama(seed), args=training_args(out_dir, deepspeed, **overrides),
+                   train_dataset=token_dataset(), eval_dataset=eval_dataset)
+
+
+def hdet_settings(out_dir: str, mode: str, per_replica: int, metrics: str = "metrics.jsonl") -> dict:
+    return {"alpha": ALPHA, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
+            "gradient_mode": mode, "metrics_path": os.path.join(out_dir, metrics),
+            "auto_lr": {"mode": "scale", "start": 0, "sigma": 0.05}}
+
+
+def error_of(build) -> str:
+    """The message of the HDETConfigError (or ValueError) ``build()`` raises, or '' if it raises none."""
+    try:
+        build()
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def train_run(rank: int, out_dir: str, stage: int | None, mode: str, per_replica: int, *, probed: bool = False,
+              **overrides) -> dict:
+    """Trains with HDET and records, on every step, this replica's LRs and every rank's master copy; ``probed``:
+    with an eval dataset of ``PROBE_ROW``, and each rank's loss on that row before every sync."""
+    from transformers import TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    # Each rank builds different weights: the engine must start every replica from rank 0's.
+    eval_dataset = [{"input_ids": PROBE_ROW, "labels": PROBE_ROW}] * 8 if probed else None
+    trainer = fresh_trainer(out_dir, stage, seed=rank, eval_dataset=eval_dataset, **overrides)
+    hdet = add_hdet(trainer, hdet_settings(out_dir, mode, per_replica))
+    record: dict = {"pre_sync": {}, "after_step": {}, "lrs": {}, "base_lr": {}, "probe_by_hand": {}}
+
+    def probe_by_hand(step: int) -> None:
+        model = trainer.model_wrapped
+        model.eval()
+        with torch.no_grad():
+            loss = model(input_ids=PROBE_ROW[None], labels=PROBE_ROW[None]).loss
+        model.train()
+        record["probe_by_hand"][step] = gathered(loss.reshape(1))[:, 0].tolist()
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            hdet.ensemble.add_pre_sync_hook(lambda step: record["pre_sync"].__setitem__(step, gathered(
+                master_vector(hdet))))
+            if probed:
+                hdet.ensemble.add_pre_sync_hook(probe_by_hand)
+            record["after_step"][0] = gathered(master_vector(hdet))
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            record["lrs"][state.global_step + 1] = hdet.current_lrs()
+            record["base_lr"][state.global_step + 1] = [group["lr"] for group in hdet.ensemble.adapter.optimizer
+                                                        .param_groups]
+
+        def on_step_end(self, args, state, control, **kwargs):  # runs after HDET's: syncs are done
+            record["after_step"][state.global_step] = gathered(master_vector(hdet))
+
+    trainer.add_callback(Recorder())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    record["warnings"] = [str(warning.message) for warning in caught if "HDET" in str(warning.message)]
+    record["engine"] = hdet.engine
+    record["engine_class"] = type(trainer.model_wrapped).__name__
+    if rank != 0:  # the gathered tensors are the same on every rank
+        record["pre_sync"], record["after_step"] = {}, {}
+    # Tensors would travel to the parent through shared memory that dies with this process: send arrays.
+    for key in ("pre_sync", "after_step"):
+        record[key] = {step: rows.numpy() for step, rows in record[key].items()}
+    return record
+
+
+def check_run(results: list[dict], out_dir: str, world: int, per_replica: int, mode: str) -> None:
+    """Checks one HDET Trainer run from every rank's record (see ``train_run``)."""
+    replicas = world // per_replica
+    first = results[0]
+    for key in ("pre_sync", "after_step"):
+        first[key] = {step: torch.from_numpy(rows) for step, rows in first[key].items()}
+    spread = sorted(multipliers(replicas, ALPHA))
+    # LRs: this replica's multiple of the schedule, the spread over replicas, the same inside a replica.
+    for step, _lrs in first["lrs"].items():
+        by_rank = [result["lrs"][step] for result in results]
+        for rank, result in enumerate(results):
+            ratios = [lr / base for lr, base in zip(by_rank[rank], result["base_lr"][step], strict=True)]
+            assert by_rank[rank] == by_rank[(rank // per_replica) * per_replica]
+            assert all(ratio > 0 for ratio in ratios)
+        ratios = sorted(by_rank[r * per_replica][0] / first["base_lr"][step][0] for r in range(replicas))
+        scale = ratios[0] / spread[0]  # the controller's scale on the schedule: 1 until the first sync
+        assert ratios == pytest.approx([scale * rho for rho in spread], rel=1e-6)
+        assert scale == pytest.approx(1.0) or step > SYNC_INTERVAL
+    # Parameters: equal at the start and right after syncs (the average), apart in between.
+    syncs = sorted(first["pre_sync"])
+    assert syncs == [SYNC_INTERVAL, 2 * SYNC_INTERVAL, MAX_STEPS], syncs
+    for step, rows in first["after_step"].items():
+        for position in range(per_replica):
+            column = rows[position::per_replica]  # the ranks holding the same shard in every replica
+            if step == 0 or step in syncs:
+                assert all(torch.equal(column[0], row) for row in column[1:]), step
+                if step:
+                    before = first["pre_sync"][step][position::per_replica]
+                    assert (before - before[0]).abs().max() > 1e-6, step  # they had diverged
+                    torch.testing.assert_close(column[0], before.mean(0), rtol=1e-5, atol=1e-6)
+            else:
+                assert (column - column[0]).abs().max() > 1e-6, step
+        for replica in range(replicas):  # inside a replica every rank moves alike
+            ranks = rows[replica * per_replica:(replica + 1) * per_replica]
+            if per_replica > 1 and results[0]["engine"] == "ddp":
+                assert all(torch.equal(ranks[0], row) for row in ranks[1:]), step
+    # Metrics: one line per sync, one loss per replica, on the scale of the loss Trainer logs (~ln(VOCAB)).
+    lines = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    assert [line["step"] for line in lines] == syncs
+    for line in lines:
+        assert len(line["replica_losses"]) == replicas
+        assert all(abs(loss - math.log(VOCAB)) < 0.7 for loss in line["replica_losses"]), line["replica_losses"]
+    # The probe: each replica scored on the eval batch, its loss the one computed by hand before the sync.
+    by_hand = first["probe_by_hand"]
+    if by_hand:
+        for line in lines:
+            ranks = by_hand[line["step"]]
+            expected = [sum(ranks[r * per_replica:(r + 1) * per_replica]) / per_replica for r in range(replicas)]
+            assert line["probe_losses"] == pytest.approx(expected, rel=1e-5), line["step"]
+        assert len(set(expected)) == replicas  # the replicas differ: a probe that scored one model would not
+        assert not first["warnings"]
+    else:
+        assert all(line["probe_losses"] is None for line in lines)
+        assert any("the Trainer has no eval_dataset" in warning for warning in first["warnings"]), first["warnings"]
+
+
+# --------------------------------------------------------------------------------------------------- DDP
+def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    def added(name: str, hdet: dict | None = None, **overrides) -> None:
+        add_hdet(fresh_trainer(os.path.join(out_dir, name), **overrides),
+                 hdet or hdet_settings(out_dir, "global", 1))
+
+    errors = {
+        "fsdp": error_of(lambda: added("fsdp", fsdp=True)),
+        "epoch saves": error_of(lambda: added("epoch", save_strategy="epoch")),
+        "saves between syncs": error_of(lambda: added("steps", save_strategy="steps", save_steps=4)),
+        "replica size": error_of(lambda: added("size", hdet_settings(out_dir, "global", 3))),
+        "bad field": error_of(lambda: added("field", {"alpha": 1.5, "spread": "linear"})),
+    }
+    twice = fresh_trainer(os.path.join(out_dir, "twice"))
+    add_hdet(twice, hdet_settings(out_dir, "global", 1))
+    errors["added twice"] = error_of(lambda: add_hdet(twice, hdet_settings(out_dir, "global", 1)))
+
+    # Global mode with a checkpoint at every sync, then a run resumed from the step-6 checkpoint.
+    global_dir, local_dir = os.path.join(out_dir, "global"), os.path.join(out_dir, "local")
+    runs = {"global": train_run(rank, global_dir, None, "global", 1, save_strategy="steps", save_steps=SYNC_INTERVAL)}
+    resumed = fresh_trainer(global_dir, seed=rank, save_strategy="steps", save_steps=SYNC_INTERVAL)
+    hdet = add_hdet(resumed, hdet_settings(global_dir, "global", 1, metrics="resumed.jsonl"))
+    resumed.train(resume_from_checkpoint=os.path.join(global_dir, f"checkpoint-{2 * SYNC_INTERVAL}"))
+    final = gathered(master_vector(hdet)).numpy()
+    runs["local"] = train_run(rank, local_dir, None, "local", 2, probed=True)
+    return {"errors": errors, "runs": runs, "resumed_final": final, "resumed_step": hdet.ensemble.global_step}
+
+
+def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
+    results = run_ranks(ddp_worker, 4, str(tmp_path), timeout=600)
+    errors = results[0]["errors"]
+    assert all(errors[name].startswith("HDETConfigError") for name in errors if name != "added twice"), errors
+    assert "fsdp" in errors["fsdp"] and "hdet_scale.engines.fsdp" in errors["fsdp"]
+    assert "save_strategy='epoch'" in errors["epoch saves"]
+    assert "save_steps=4" in errors["saves between syncs"] and "multiple of" in errors["saves between syncs"]
+    assert "ranks_per_replica" in errors["replica size"]
+    assert errors["bad field"].startswith("HDETConfigError") and "alpha" in errors["bad field"]
+    assert "already" in errors["added twice"]
+    for name, (mode, per_replica) in {"global": ("global", 1), "local": ("local", 2)}.items():
+        runs = [result["runs"][name] for result in results]
+        assert {run["engine_class"] for run in runs} == {"DistributedDataParallel"}
+        check_run(runs, str(tmp_path / name), 4, per_replica, mode)
+    # Checkpoints hold HDET's state; a resumed run ends where the uninterrupted one did (global mode: the
+    # replicas' Adam moments agree, so rank 0's optimizer state is every replica's).
+    global_dir = tmp_path / "global"
+    assert sorted(path.name for path in global_dir.glob("checkpoint-*/hdet_state.pt")) == ["hdet_state.pt"] * 3
+    assert results[0]["resumed_step"] == MAX_STEPS
+    uninterrupted = results[0]["runs"]["global"]["after_step"][MAX_STEPS]
+    torch.testing.assert_close(torch.from_numpy(results[0]["resumed_final"]), uninterrupted, rtol=1e-5, atol=1e-6)
+    resumed_lines = [json.loads(line) for line in open(global_dir / "resumed.jsonl")]
+    assert [line["step"] for line in resumed_lines] == [MAX_STEPS]
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed
+DEEPSPEED_RUNS = [(3, "global", 2), (2, "local", 2), (1, "global", 2), (0, "local", 1)]
+PROBED_STAGE = 3
+"""(ZeRO stage, gradient mode, ranks per replica) on 4 ranks: ZeRO-1/2/3 replicas of two ranks each."""
+
+
+def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    def added(name: str, stage: int = 2, **overrides) -> None:
+        add_hdet(fresh_trainer(os.path.join(out_dir, name), stage, **overrides), hdet_settings(out_dir, "global", 2))
+
+    offload = {**zero_config(2), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    errors = {
+        "offload": error_of(lambda: added("offload", deepspeed=offload)),
+        "fp16": error_of(lambda: added("fp16", deepspeed={**zero_config(2), "fp16": {"enabled": True}})),
+        "saves": error_of(lambda: added("saves", save_strategy="steps", save_steps=SYNC_INTERVAL)),
+        "replica size": error_of(lambda: add_hdet(fresh_trainer(os.path.join(out_dir, "size"), 2),
+                                                  hdet_settings(out_dir, "global", 3))),
+    }
+    runs = {f"zero{stage}": train_run(rank, os.path.join(out_dir, f"zero{stage}"), stage, mode, per_replica,
+                                      probed=stage == PROBED_STAGE)
+            for stage, mode, per_replica in DEEPSPEED_RUNS}
+    return {"errors": errors, "runs": runs}
+
+
+def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
+    results = run_ranks(deepspeed_worker, 4, str(tmp_path), timeout=600)
+    errors = results[0]["errors"]
+    assert all(error.startswith("HDETConfigError") for error in errors.values()), errors
+    assert "offload_optimizer" in errors["offload"]
+    assert "fp16" in errors["fp16"]
+    assert "save_strategy='steps' under DeepSpeed" in errors["saves"]
+    assert "ranks_per_replica" in errors["replica size"]
+    for stage, mode, per_replica in DEEPSPEED_RUNS:
+        runs = [result["runs"][f"zero{stage}"] for result in results]
+        assert {run["engine"] for run in runs} == {"deepspeed"}
+        assert {run["engine_class"] for run in runs} == {"DeepSpeedEngine"}
+        check_run(runs, str(tmp_path / f"zero{stage}"), 4, per_replica, mode)
+
+
+# ------------------------------------------------------------------------------ the README's DeepSpeed recipe
+README = Path(__file__).resolve().parents[2] / "README.md"
+TRAINER_DS_CONFIG = "ds_configs/trainer_zero2.json"
+
+
+def readme_recipe_worker(rank: int, world: int, out_dir: str) -> dict:
+    """The README's Trainer example with its DeepSpeed line, as written (a shorter run, a tiny model)."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=8, learning_rate=3e-4,
+                             deepspeed=str(README.parent / TRAINER_DS_CONFIG), save_strategy="no",
+                             max_steps=4, use_cpu=True, report_to=[], disable_tqdm=True)
+    trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=token_dataset())
+    # 4 steps: the controller's window is steps 0-1 (2% to 25%), which only a sync every step reaches
+    hdet = add_hdet(trainer, {"alpha": 0.25, "sync_interval": 1, "metrics_path": os.path.join(out_dir, "hdet.jsonl")})
+    trainer.train()
+    trainer.save_model()
+    return {"engine": type(trainer.model_wrapped).__name__, "replicas": hdet.topology.num_replicas,
+            "losses": hdet.last_report.replica_losses}
+
+
+def test_the_readmes_deepspeed_recipe_runs_as_written(tmp_path):
+    """transformers checks the DeepSpeed JSON against TrainingArguments: the file the README names passes."""
+    assert f'deepspeed="{TRAINER_DS_CONFIG}"' in README.read_text()
+    results = run_ranks(readme_recipe_worker, 2, str(tmp_path), timeout=600)
+    assert {result["engine"] for result in results} == {"DeepSpeedEngine"}
+    assert {result["replicas"] for result in results} == {2}  # one node of 2 ranks: 2 replicas of 1
+    assert len(results[0]["losses"]) == 2 and all(math.isfinite(loss) for loss in results[0]["losses"])
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------- warm init, resumed
+def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
+    from transformers import TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    settings = {**hdet_settings(out_dir, "global", 1), "warm_init": {"enabled": True, "nu": 0.05}}
+    seen: dict = {}
+
+    def trainer_with(name: str):
+        trainer = fresh_trainer(out_dir, save_strategy="steps", save_steps=SYNC_INTERVAL, max_steps=2 * SYNC_INTERVAL)
+        hdet = add_hdet(trainer, settings)
+
+        class Watch(TrainerCallback):  # added after HDET's callback: sees the ensemble it made
+            def on_train_begin(self, args, state, control, **kwargs):
+                seen[name] = {"at_sync_point": hdet.at_sync_point, "weights": gathered(master_vector(hdet))}
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == SYNC_INTERVAL:
+                    seen["checkpointed"] = gathered(master_vector(hdet))
+
+        trainer.add_callback(Watch())
+        return trainer
+
+    trainer_with("fresh").train()
+    trainer_with("resumed").train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SYNC_INTERVAL}"))
+    return seen
+
+
+def test_warm_init_noises_a_fresh_start_only(tmp_path):
+    seen = run_ranks(warm_resume_worker, 2, str(tmp_path), timeout=600)[0]
+    fresh, resumed = seen["fresh"], seen["resumed"]
+    assert not torch.equal(fresh["weights"][0], fresh["weights"][1])  # each replica drew its own noise
+    assert not fresh["at_sync_point"]  # so step 0 is no place for a checkpoint of one model
+    assert torch.equal(resumed["weights"], seen["checkpointed"][:1].expand_as(resumed["weights"]))  # not re-noised
+    assert resumed["at_sync_point"]
+
+
+def epochs_worker(rank: int, world: int, out_dir: str) -> dict:
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    trainer = fresh_trainer(out_dir, 2, max_steps=-1, num_train_epochs=1)
+    hdet = add_hdet(trainer, {"sync_interval": 4, "ranks_per_replica": 1})  # the controller's start and stop: shares
+    trainer.train()
+    return {"max_steps": trainer.state.max_steps, "global_step": trainer.state.global_step,
+            "window": (hdet.config.auto_lr.start, hdet.config.auto_lr.stop)}
+
+
+def test_a_run_given_in_epochs_places_the_controller_by_trainers_own_step_count(tmp_path):
+    """Under DeepSpeed the config needed the run's length before Trainer had counted it: with epochs (max_steps
+    -1) it failed inside train(), telling the user to pass total_steps= to a function they never call."""
+    for result in run_ranks(epochs_worker, 2, str(tmp_path), timeout=600):
+        # 256 rows / (2 per rank x 2 ranks) = 64 batches, 2 per optimizer step
+        assert result["max_steps"] == result["global_step"] == 32
+        assert result["window"] == (round(0.02 * 32), round(0.25 * 32))

@@ -1,0 +1,135 @@
+"""The LR range test a run can start with (``auto_lr.range_test``): the ramp each replica trains at, the pick from
+every rank's mean loss, the restart from the first weights with a fresh optimizer state, the start it gives the
+controller, and where it is refused.
+
+This file holds the tests on gloo ranks; the tests that start no process are in tests/unit/test_range_start.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from distributed import run_ranks
+from hdet_scale import HDETConfig, HDETScheduler, ReplicaTopology, multipliers
+from hdet_scale.config import AutoLRConfig
+from hdet_scale.range_test import RangeTest
+from hdet_scale.report import main
+from hdet_scale.report_runs import load_run, sync_records
+
+TEST_STEPS = 30
+WEIGHT_LR, BIAS_LR = 0.01, 0.002
+ALPHA = 0.5
+SPREAD = HDETConfig().spread
+
+
+def synthetic_loss(rank: int, step: int) -> float:
+    """Each rank's loss at step ``step`` of the test: rank 0 falls a little early, rank 1 a lot later, so the mean
+    falls fastest where rank 0's alone does not."""
+    drop, centre = ((1.0, 14.0), (3.0, 24.0))[rank]
+    return 5.0 - drop / (1.0 + math.exp(-(step - centre)))
+
+
+def gradient_of(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constant gradient of rank ``rank``'s linear loss, for the weight and the bias: a step of plain SGD at LR
+    ``lr`` moves them by exactly ``-lr`` times these."""
+    generator = torch.Generator().manual_seed(rank)
+    return (torch.rand(2, 3, generator=generator, dtype=torch.float64) + 0.5,
+            torch.rand(2, generator=generator, dtype=torch.float64) + 0.5)
+
+
+def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str) -> dict:
+    config = HDETConfig(alpha=ALPHA, sync_interval=4, metrics_path=metrics_path,
+                        auto_lr=AutoLRConfig(mode="scale", range_test=TEST_STEPS, start=100))
+    topology = ReplicaTopology.build(config)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()  # float64: the smallest steps of the ramp are read back from the weights
+    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": BIAS_LR}], lr=WEIGHT_LR)
+    scheduler = HDETScheduler(LambdaLR(optimizer, lambda step: 1.0 / (1 + step)), hdet_config=config, topology=topology)
+    hdet = scheduler.hdet
+    first = [model.weight.detach().clone(), model.bias.detach().clone()]
+    weight_grad, bias_grad = gradient_of(rank)
+
+    def train_step(loss: float | None) -> tuple[float, float]:
+        """One step; the LRs it ran at, read back from how far each tensor moved."""
+        before = [model.weight.detach().clone(), model.bias.detach().clone()]
+        optimizer.zero_grad()
+        ((model.weight * weight_grad).sum() + (model.bias * bias_grad).sum()).backward()
+        optimizer.step()
+        applied = ((before[0] - model.weight.detach()) / weight_grad).mean().item(), \
+            ((before[1] - model.bias.detach()) / bias_grad).mean().item()
+        scheduler.step(loss)
+        return applied
+
+    ramp, refused = [], []
+    for step in range(TEST_STEPS):
+        assert hdet.ramping and hdet.global_step == 0
+        assert hdet.value("lr/0") == pytest.approx(1e-6 * 1e6 ** (step / (TEST_STEPS - 1)))
+        ramp.append(train_step(synthetic_loss(rank, step)))
+        assert scheduler.get_last_lr() == [WEIGHT_LR, BIAS_LR]  # the schedule held
+        if step == 3:
+            for call in (hdet.sync, hdet.state_dict):
+                with pytest.raises(RuntimeError, match="LR range test"):
+                    call()
+                refused.append(call.__name__)
+    assert not hdet.ramping and hdet.global_step == 0
+    restored = torch.equal(model.weight, first[0]) and torch.equal(model.bias, first[1])
+    after = [train_step(1.0) for _ in range(3)]
+    hdet.close()
+    return {"ramp": ramp, "refused": refused, "restored": restored, "after": after, "pick": hdet.range_test_pick,
+            "multiplier": hdet.lr_multiplier(), "steps": hdet.global_step, "schedule": scheduler.get_last_lr()}
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory):
+    metrics = tmp_path_factory.mktemp("range") / "m.jsonl"
+    return run_ranks(two_replicas_with_a_range_test, 2, str(metrics)), metrics
+
+
+def test_every_replica_trains_at_the_ramp_each_group_at_its_ratio(two_replicas):
+    ranks, _ = two_replicas
+    for rank in ranks:
+        for step, (weight_lr, bias_lr) in enumerate(rank["ramp"]):
+            lr = 1e-6 * 1e6 ** (step / (TEST_STEPS - 1))
+            assert weight_lr == pytest.approx(lr, rel=1e-4)
+            assert bias_lr == pytest.approx(lr * BIAS_LR / WEIGHT_LR, rel=1e-4)
+        assert rank["refused"] == ["sync", "state_dict"]
+
+
+def test_the_pick_is_from_every_ranks_mean_loss(two_replicas):
+    ranks, _ = two_replicas
+    by_mean, by_rank_0 = RangeTest(TEST_STEPS), RangeTest(TEST_STEPS)
+    for step in range(TEST_STEPS):
+        by_mean.add((synthetic_loss(0, step) + synthetic_loss(1, step)) / 2)
+        by_rank_0.add(synthetic_loss(0, step))
+    assert by_mean.pick() != by_rank_0.pick()
+    assert ranks[0]["pick"] == ranks[1]["pick"] == by_mean.pick()
+
+
+def test_the_run_restarts_from_its_first_weights_with_the_fastest_replica_at_the_pick(two_replicas):
+    ranks, metrics = two_replicas
+    pick, top = ranks[0]["pick"], max(multipliers(2, ALPHA, SPREAD))
+    for rank in ranks:
+        assert rank["restored"] and rank["steps"] == 3
+        # the schedule starts from its first step after the test: 1 / (1 + step) of the given LRs
+        for step, (weight_lr, bias_lr) in enumerate(rank["after"]):
+            expected = pick / top * rank["multiplier"] / (1 + step)
+            assert weight_lr == pytest.approx(expected, rel=1e-4)
+            assert bias_lr == pytest.approx(expected * BIAS_LR / WEIGHT_LR, rel=1e-4)
+    assert {rank["multiplier"] for rank in ranks} == set(multipliers(2, ALPHA, SPREAD))
+    record = json.loads(metrics.read_text().splitlines()[0])
+    assert record["step"] == 0 and record["range_test"]["picked_lr"] == pick
+    assert record["range_test"]["scale"] == pytest.approx(pick / (WEIGHT_LR * top))
+    assert len(record["range_test"]["lrs"]) == TEST_STEPS
+
+
+def test_the_report_reads_a_run_that_started_with_a_range_test(two_replicas, tmp_path, capsys):
+    _, metrics = two_replicas
+    run = load_run(metrics)
+    assert [record["step"] for record in sync_records(run)] == []  # 3 steps after the test: no sync yet
+    assert main([str(metrics), "--out", str(tmp_path)]) == 0

@@ -1,0 +1,172 @@
+"""Where DeepSpeed keeps the state HDET averages and saves, on real gloo ranks.
+
+ZeRO-0 (every rank a replica) keeps its optimizer state in DeepSpeed's model file: each replica's Adam moments
+are averaged when asked, and saved and reloaded as its own, in fp32 and bf16. ZeRO-3 pads each parameter's
+last partition with uninitialized memory: a sync must neither average nor check it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from settings import LR_HELD_AT_GIVEN
+from torch import nn
+
+from distributed import gather_rows, run_ranks
+
+SYNC_INTERVAL = 2
+
+
+def build(bf16: bool, *, average_optimizer_state: bool = False, seed: int = 0):
+    from test_deepspeed import ds_config, tiny_model
+
+    from hdet_scale.engines.deepspeed import initialize
+
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "gradient_mode": "local",
+            "average_optimizer_state": average_optimizer_state, "auto_lr": {"mode": "scale", "start": 0}}
+    model = tiny_model(seed)
+    engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                            config=ds_config(0, bf16=bf16, hdet=hdet))
+    return engine
+
+
+def moments(engine) -> torch.Tensor:
+    """This replica's Adam moments, read from the optimizer by its own parameters (not through HDET)."""
+    optimizer = engine.basic_optimizer
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    return torch.cat([optimizer.state[param][key].reshape(-1) for param in params for key in ("exp_avg", "exp_avg_sq")])
+
+
+def zero0_states(rank: int, world: int, directory: str) -> None:
+    from test_deepspeed_distributed import train_step
+
+    for bf16 in (False, True):
+        averaged = build(bf16, average_optimizer_state=True)
+        train_step(averaged, rank, 1)
+        before = gather_rows(moments(averaged))
+        assert not torch.equal(before[0], before[1])  # local mode: each replica's moments follow its own data
+        train_step(averaged, rank, 2)  # the sync
+        after = gather_rows(moments(averaged))
+        assert torch.equal(after[0], after[1]), f"bf16={bf16}: moments not averaged at the sync"
+
+        own = build(bf16)
+        for step in range(1, SYNC_INTERVAL + 1):
+            train_step(own, rank, step)
+        saved = gather_rows(moments(own))
+        assert not torch.equal(saved[0], saved[1])
+        save_dir = Path(directory) / f"bf16_{bf16}"
+        own.hdet.save_checkpoint(save_dir, "tag")
+        loaded = build(bf16, seed=7)
+        loaded.hdet.load_checkpoint(save_dir, "tag")
+        assert torch.equal(gather_rows(moments(loaded)), saved), f"bf16={bf16}: a replica reloaded other moments"
+        dist.barrier()
+
+
+def test_zero0_optimizer_state_is_averaged_saved_and_reloaded_per_replica(tmp_path):
+    run_ranks(zero0_states, 2, str(tmp_path))
+
+
+def zero3_padding(rank: int, world: int) -> list[int]:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from hdet_scale.engines.deepspeed import initialize
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 replicas of 2 ranks
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))  # the last bias: 3 values, 2 + 1 padded
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2,
+            "gradient_mode": "local", "average_optimizer_state": True, "auto_lr": {"mode": "scale", "start": 0}}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "hdet": hdet}
+    engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config)
+
+    def train_step(step: int) -> None:
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        loss = engine(torch.randn(2, 5, generator=generator)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+    def full() -> torch.Tensor:
+        return torch.cat([safe_get_full_fp32_param(p).reshape(-1) for p in engine.module.parameters()])
+
+    train_step(1)
+    wrapper, bias = engine.optimizer, list(engine.module.parameters())[-1]
+    sub_group, offset, size = wrapper.grad_position[wrapper.get_param_id(bias)]
+    held = bias.ds_numel - dist.get_rank(group=bias.ds_process_group) * size
+    if rank == 3:  # replica 1, second partition: one value of the bias, then padding
+        assert held == 1 and size == 2
+        master = wrapper.fp32_partitioned_groups_flat[sub_group]
+        with torch.no_grad():
+            master[offset + held] = float("nan")
+            wrapper.optimizer.state[master]["exp_avg"][offset + held] = float("inf")
+    before_sync = {}
+    engine.hdet.ensemble.add_pre_sync_hook(lambda step: before_sync.update(rows=gather_rows(full())))
+    train_step(2)  # the sync
+    before = before_sync["rows"]
+    report = engine.hdet.last_report
+    assert report is not None and report.step == SYNC_INTERVAL
+    after = gather_rows(full())
+    torch.testing.assert_close(after.double(), before[[0, 2]].double().mean(0).expand_as(after))
+    real = sum(p.ds_numel for p in engine.module.parameters())  # 57 values over each replica's 2 ranks
+    local = gather_rows(torch.tensor([float(report.bytes_averaged)]))[:, 0]
+    assert float(local.sum()) == 4 * (2 * 3 * real + 4)  # 2 replicas: masters and 2 moments; 4 ranks: a count each
+    return report.excluded_replicas
+
+
+def test_zero3_padding_is_neither_averaged_nor_checked():
+    assert run_ranks(zero3_padding, 4) == [[]] * 4
+
+
+def zero1_plain_checkpoint(rank: int, world: int, directory: str) -> list[tuple[float, float]]:
+    import deepspeed
+
+    from hdet_scale.engines import deepspeed as hdet_deepspeed
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        groups = [{"params": model[0].parameters(), "lr": 0.01}, {"params": model[2].parameters(), "lr": 0.002}]
+        return model, torch.optim.AdamW(groups)
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": 1}}
+    # A plain ZeRO-1 run (no HDET) with the layout HDET's replicas of one rank will have: one rank per
+    # data-parallel group, so each rank saves (and later loads) its own checkpoint.
+    from hdet_scale import HDETConfig, ReplicaTopology
+    from hdet_scale.engines.zero import ReplicaMPU
+
+    mpu = ReplicaMPU(ReplicaTopology.build(HDETConfig(ranks_per_replica=1)))
+    model, optimizer = model_and_optimizer()
+    with hdet_deepspeed.replica_groups(mpu):
+        plain, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+        plain.backward(plain(torch.randn(2, 8)).pow(2).mean())
+        plain.step()
+        plain.save_checkpoint(f"{directory}/rank{rank}", "plain")
+
+    model, optimizer = model_and_optimizer()
+    # seed 1: the two groups' first permutations differ, so each replica has two different multipliers
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 10, "ranks_per_replica": 1, "seed": 1,
+            "auto_lr": LR_HELD_AT_GIVEN}
+    engine, *_ = hdet_deepspeed.initialize(model=model, optimizer=optimizer, config={**config, "hdet": hdet})
+    with hdet_deepspeed.replica_groups(engine.mpu):
+        engine.load_checkpoint(f"{directory}/rank{rank}", "plain")  # a warm start, saved without HDET
+    flats = engine.optimizer.single_partition_of_fp32_groups
+    numel_to_group = {flat.numel(): index for index, flat in enumerate(flats)}
+    used: dict[int, float] = {}
+    engine.basic_optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.update(
+        {numel_to_group[group["params"][0].numel()]: group["lr"] for group in opt.param_groups}))
+    expected = [lr * engine.hdet.lr_multiplier(index) for index, lr in enumerate(engine.get_lr())]
+    assert engine.hdet.lr_multiplier(0) != engine.hdet.lr_multiplier(1)
+    engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+    engine.step()
+    return [(used[index], expected[index]) for index in range(2)]
+
+
+def test_each_group_keeps_its_multiplier_after_loading_a_plain_zero1_checkpoint(tmp_path):
+    for rank_pairs in run_ranks(zero1_plain_checkpoint, 2, str(tmp_path)):
+        for used, expected in rank_pairs:
+            assert used == pytest.approx(expected)

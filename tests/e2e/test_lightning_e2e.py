@@ -1,0 +1,153 @@
+"""HDETCallback in real multi-process Lightning runs (torchrun, 4 CPU ranks, DDPStrategy on gloo).
+
+Each launch is ``tests/lightning_job.py``; its record holds every rank's parameters after each optimizer step
+and just before each sync, so the checks compare with averages computed here.
+
+This file holds the tests that start a launcher or script as a subprocess; the tests that start no process are in
+tests/unit/test_lightning.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import BIN, launch
+
+from distributed import free_port
+
+pytest.importorskip("lightning")
+
+JOB = Path(__file__).resolve().parents[1] / "lightning_job.py"
+SYNC = 5
+
+
+def run_job(out: Path, *args: str, nproc: int = 4) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(JOB), "--out", str(out), *args]
+    result = launch(command, cwd=out)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return {**torch.load(out / "record.pt"), "stdout": result.stdout}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lightning")
+    first_epoch = run_job(root / "first", "--epochs", "1")
+    fsdp2 = ["--strategy", "model_parallel", "--ranks_per_replica", "2"]
+    fsdp2_first_epoch = run_job(root / "fsdp2_first", *fsdp2, "--epochs", "1")
+    return {
+        "global": run_job(root / "global", "--epochs", "2"),
+        "local": run_job(root / "local", "--mode", "local", "--ranks_per_replica", "2", "--accumulate", "2",
+                         "--probe"),
+        "first_epoch": first_epoch,
+        "resumed": run_job(root / "resumed", "--epochs", "2", "--resume",
+                           str(root / "first" / "checkpoints" / "last.ckpt")),
+        "fsdp2": run_job(root / "fsdp2", *fsdp2, "--epochs", "2"),
+        "fsdp2_first_epoch": fsdp2_first_epoch,
+        "fsdp2_resumed": run_job(root / "fsdp2_resumed", *fsdp2, "--epochs", "2", "--resume",
+                                 str(root / "fsdp2_first" / "checkpoints" / "last.ckpt")),
+        # epochs of 10 steps at T = 3: each epoch's validation falls between syncs
+        "validated": run_job(root / "validated", "--epochs", "2", "--sync_interval", "3", "--validate"),
+        "root": root,
+    }
+
+
+def assert_syncs_average(record: dict, replicas_of: list[int]) -> None:
+    """Between syncs the replicas differ (ranks of one replica agree); right after each sync every rank holds
+    the mean of the replicas' parameters before it."""
+    for step, rows in record["after"].items():
+        if step % SYNC:
+            for rank, replica in enumerate(replicas_of):
+                same = [other for other, r in enumerate(replicas_of) if r == replica]
+                assert all(torch.equal(rows[rank], rows[other]) for other in same)
+                assert all(not torch.allclose(rows[rank], rows[other], atol=1e-6)
+                           for other, r in enumerate(replicas_of) if r != replica), step
+    assert sorted(record["before_sync"]) == list(range(SYNC, max(record["after"]) + 1, SYNC))
+    for step, before in record["before_sync"].items():
+        by_replica = torch.stack([before[replicas_of.index(r)] for r in sorted(set(replicas_of))])
+        expected = by_replica.double().mean(0).float()
+        for row in record["after"][step]:
+            torch.testing.assert_close(row, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.e2e
+def test_global_mode_every_rank_a_replica(runs):
+    record = runs["global"]
+    assert max(record["after"]) == 20 and record["hdet_step"] == 20
+    assert_syncs_average(record, [0, 1, 2, 3])
+    # The Trainer's logger (CSV here; W&B and TensorBoard alike) got each sync's scalars: the metrics lines'.
+    out = runs["root"] / "global"
+    lines = [json.loads(line) for line in (out / "hdet.jsonl").read_text().splitlines()]
+    with open(out / "csv" / "version_0" / "metrics.csv") as table:
+        logged = [row for row in csv.DictReader(table) if row.get("hdet/lr/0/base")]
+    assert [int(row["step"]) for row in logged] == [line["step"] for line in lines]
+    for row, line in zip(logged, lines, strict=True):
+        assert float(row["hdet/lr/0/base"]) == pytest.approx(line["values"]["lr/0"]["base"], rel=1e-6)
+        assert float(row["hdet/lr/0/replica_3"]) == pytest.approx(line["values"]["lr/0"]["replica_values"][3],
+                                                                  rel=1e-6)
+
+
+@pytest.mark.e2e
+def test_local_mode_replicas_of_two_ranks_with_accumulation(runs, tmp_path):
+    record = runs["local"]
+    assert max(record["after"]) == 10  # 2 epochs of 10 batches, 2 batches per optimizer step
+    assert_syncs_average(record, [0, 0, 1, 1])
+    # The interval loss HDET recorded is the replica's mean micro-batch loss as training_step computed it (not
+    # Lightning's loss divided by accumulate_grad_batches).
+    lines = [json.loads(line) for line in (runs["root"] / "local" / "hdet.jsonl").read_text().splitlines()]
+    per_sync = SYNC * 2
+    for index, line in enumerate(lines):
+        for replica, ranks in enumerate(([0, 1], [2, 3])):
+            micro = [loss for rank in ranks for loss in record["losses"][rank][index * per_sync:(index + 1) * per_sync]]
+            assert line["replica_losses"][replica] == pytest.approx(statistics.fmean(micro), rel=1e-5)
+    # The probe the module set in on_fit_start scored each replica on the held-out batch before the sync.
+    for line in lines:
+        by_hand = record["held_out_before_sync"][line["step"]]
+        assert line["probe_losses"] == pytest.approx([by_hand[0], by_hand[2]], rel=1e-5)
+        assert by_hand[0] == by_hand[1] and by_hand[2] == by_hand[3] and by_hand[0] != by_hand[2]
+    assert "HDETCallback has no probe" not in record["stdout"]
+    assert "HDETCallback has no probe" in runs["global"]["stdout"]
+
+
+@pytest.mark.e2e
+def test_a_resumed_fit_continues_the_same_run(runs):
+    """One epoch, then a resume from its last.ckpt for the second: the parameters and HDET's step end where an
+    uninterrupted two-epoch run ends."""
+    resumed, straight = runs["resumed"], runs["global"]
+    assert runs["first_epoch"]["hdet_step"] == 10 and resumed["hdet_step"] == 20
+    assert min(resumed["after"]) == 11
+    torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=1e-6)
+    lines = [json.loads(line) for line in (runs["root"] / "resumed" / "hdet.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [15, 20]
+
+
+@pytest.mark.e2e
+def test_model_parallel_fsdp2_replicas_of_two_shards(runs):
+    """ModelParallelStrategy with shard() in configure_model: 2 replicas x 2 FSDP2 shards, global gradients."""
+    record = runs["fsdp2"]
+    assert record["hdet_step"] == 20
+    assert_syncs_average(record, [0, 0, 1, 1])
+
+
+@pytest.mark.e2e
+def test_a_resumed_model_parallel_fit_continues_the_same_run(runs):
+    """Lightning's distributed checkpoint of the sharded replicas, resumed: it ends where the straight run ends."""
+    resumed, straight = runs["fsdp2_resumed"], runs["fsdp2"]
+    assert runs["fsdp2_first_epoch"]["hdet_step"] == 10 and resumed["hdet_step"] == 20 and min(resumed["after"]) == 11
+    torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.e2e
+def test_validation_scores_the_averaged_model_between_syncs(runs):
+    """Lightning validates at the epoch's last batch, before the epoch-end hook where HDET synced: each rank
+    scored its own replica (10 steps at T = 3 leave the replicas apart at steps 10 and 20)."""
+    validated = [(step, rows) for step, rows in runs["validated"]["validated"] if step > 0]  # not the sanity check
+    assert [step for step, _ in validated] == [10, 20]
+    for step, rows in validated:
+        assert all(torch.equal(row, rows[0]) for row in rows), f"replicas apart at the validation of step {step}"

@@ -1,0 +1,343 @@
+"""train.py end to end: real torchrun and deepspeed launches of the tiny model on CPU ranks.
+
+Launches cost tens of seconds here, so a few runs are shared by the tests through fixtures: FSDP2 in global mode
+runs uninterrupted (the README's main job, shortened: conftest's ``main_job``, which test_readme_e2e.py checks too),
+then again with a SIGTERM and a --resume (the two must end on the same parameters); DeepSpeed ZeRO-2 runs in
+global mode, and ZeRO-3 in local mode is preempted and resumed. Bad inputs are checked in-process and through one
+real launch.
+
+This file holds the tests that start a launcher or script as a subprocess; the tests that start no process are in
+tests/unit/test_train.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import wandb_records
+from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
+
+from hdet_scale.train import parse_args
+
+
+def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
+    path = tmp / f"hdet_{mode}_{ranks_per_replica}.json"
+    path.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": mode,
+                                "ranks_per_replica": ranks_per_replica, "auto_lr": {"start": 10}}))
+    return str(path)
+
+
+def metric_lines(out: Path, kind: str = "replica_losses") -> list[dict]:
+    """The metrics lines of one kind: syncs (``replica_losses``) or evaluations (``heldout_loss``)."""
+    lines = [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if kind in line]
+
+
+def exported(out: Path) -> dict[str, torch.Tensor]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(out / "final")
+    return {name: tensor.float() for name, tensor in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+@pytest.fixture(scope="module")
+def fsdp_runs(main_job, tmp_path_factory):
+    """FSDP2, 2 replicas x 2 ranks, global gradients: uninterrupted (the README's main job); the same launch with
+    SIGTERM after the first sync with --on_signal next_sync; then --resume."""
+    split = tmp_path_factory.mktemp("fsdp") / "split"
+    split.mkdir()
+    command = [*main_job.command, "--out", str(split), "--on_signal", "next_sync",
+               "--checkpoint_interval", str(SYNC_INTERVAL)]  # the preemption lands on a checkpoint step
+    preempted = launch(command, cwd=split, sigterm_after_step=SYNC_INTERVAL, metrics=split / "hdet_metrics.jsonl")
+    preempted_metrics = metric_lines(split)
+    resumed = launch([*command, "--resume"], cwd=split)
+    return {"full": main_job.out, "split": split, "uninterrupted": main_job.result, "preempted": preempted,
+            "preempted_metrics": preempted_metrics, "resumed": resumed, "command": main_job.command}
+
+
+def assert_two_replica_run(result: subprocess.CompletedProcess, out: Path, engine: str) -> list[dict]:
+    """A run of 2 replicas x 2 ranks on ``engine`` ended well, synced every T with both replicas' losses, and
+    its replicas trained at different LRs; returns its sync lines."""
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert f"HDET train: engine={engine} ranks=4 replicas=2 ranks_per_replica=2" in result.stdout
+    lines = metric_lines(out)
+    assert [line["step"] for line in lines] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+    assert all(len(line["replica_losses"]) == 2 for line in lines)
+    spread = lines[0]["values"]["lr/0"]["replica_values"]
+    assert spread[0] != spread[1]
+    return lines
+
+
+@pytest.mark.e2e
+def test_fsdp_run_end_to_end(fsdp_runs):
+    result, out = fsdp_runs["uninterrupted"], fsdp_runs["full"]
+    lines = assert_two_replica_run(result, out, "fsdp")
+    assert "gradient_mode=global" in result.stdout
+    assert any(line["controller_updated"] for line in lines)  # the controller starts after its warm-up
+    assert result.stdout.count("held-out loss") >= STEPS // 10  # every --eval_interval, and at the end
+    evaluations = metric_lines(out, "heldout_loss")
+    assert [line["step"] for line in evaluations] == [10, 20, 30, 40]  # the last one is the final evaluation
+    assert f"held-out loss {evaluations[-1]['heldout_loss']:.4f}" in result.stdout
+    assert "final train loss" in result.stdout and f"metrics: {out / 'hdet_metrics.jsonl'}" in result.stdout
+    assert f"checkpoint: {out / 'checkpoints' / 'latest'}" in result.stdout
+    assert f"model: {out / 'final'}" in result.stdout
+    # the last line: the LR the controller found, in --lr's units (SHORT's --lr), the factor of the last sync
+    found = re.search(r"found LR (\S+) \((\S+) x --lr\)\n*$", result.stdout)
+    assert found, result.stdout[-2000:]
+    factor = lines[-1]["values"]["lr/0"]["scale"]
+    assert float(found[2]) == pytest.approx(factor, rel=2e-3)
+    assert float(found[1]) == pytest.approx(factor * parse_args([]).lr, rel=1e-2)
+    sync_line = re.search(r"^sync step \d+  loss \S+  replica losses \[.*\]  lr (\S+) \((\S+) x schedule\)  ",
+                          result.stdout, re.M)
+    assert sync_line, result.stdout[-2000:]  # the same factor, under the same words, at every sync
+    quiet(result, "Setting accelerator")  # DeepSpeed's, which this path does not use
+
+
+def quiet(result: subprocess.CompletedProcess, *more: str) -> None:
+    """Nothing in the log that is not the user's business: DeepSpeed's FutureWarnings, transformers'
+    shard-writing bar, and what ``more`` names."""
+    for noise in ("FutureWarning", "Writing model shards", *more):
+        assert noise not in result.stdout, noise
+
+
+@pytest.mark.e2e
+def test_fsdp_export_is_the_checkpointed_model(fsdp_runs):
+    """The transformers export equals the model in the final DCP checkpoint (converted offline)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = fsdp_runs["full"]
+    dcp_to_torch_save(out / "checkpoints" / "latest", out / "consolidated.pt")
+    saved = torch.load(out / "consolidated.pt", weights_only=False)["model"]
+    model = exported(out)
+    assert set(model) == set(saved)
+    for name, tensor in model.items():
+        assert torch.equal(tensor, saved[name].float()), name
+
+
+@pytest.mark.e2e
+def test_sigterm_then_resume_matches_an_uninterrupted_run(fsdp_runs):
+    preempted, resumed = fsdp_runs["preempted"], fsdp_runs["resumed"]
+    assert "preempted at step" in preempted.stdout, preempted.stdout[-5000:]
+    stopped = int(preempted.stdout.split("preempted at step ")[1].split(";")[0])
+    assert SYNC_INTERVAL < stopped < STEPS and stopped % SYNC_INTERVAL == 0  # next_sync: a regular sync point
+    saved = [line for line in preempted.stdout.splitlines() if line.startswith("checkpoint: ")]
+    assert len(saved) == stopped // SYNC_INTERVAL  # one per checkpoint step: the preemption's step saved once
+    assert max(line["step"] for line in fsdp_runs["preempted_metrics"]) == stopped
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    assert f"resumed from {fsdp_runs['split'] / 'checkpoints' / 'latest'} at step {stopped}" in resumed.stdout
+    # The metrics file reads as one run: each sync once, in order.
+    assert [line["step"] for line in metric_lines(fsdp_runs["split"])] == [
+        line["step"] for line in metric_lines(fsdp_runs["full"])]
+    assert metric_lines(fsdp_runs["split"], "heldout_loss") == metric_lines(fsdp_runs["full"], "heldout_loss")
+    full, split = exported(fsdp_runs["full"]), exported(fsdp_runs["split"])
+    for name, tensor in full.items():
+        assert torch.equal(tensor, split[name]), name
+    final = [line for line in resumed.stdout.splitlines() if line.startswith("final train loss")]
+    assert final and final[0].split("(")[0] in fsdp_runs["uninterrupted"].stdout
+
+
+def applied_bases(out: Path) -> list[float]:
+    """The base LR of param group 0 at every step, from a run's sync lines."""
+    return [base for line in metric_lines(out) for base in line["values"]["lr/0"]["applied_bases"]]
+
+
+@pytest.mark.e2e
+def test_a_plain_run_replays_the_schedule_the_controller_found(fsdp_runs, tmp_path):
+    full, command = fsdp_runs["full"], fsdp_runs["command"]
+    scales = [line["values"]["lr/0"]["scale"] for line in metric_lines(full)]
+    assert len(set(scales)) > 2  # the controller moved: the schedule is not --lr's cosine
+    schedule = tmp_path / "schedule.json"
+    export = subprocess.run([sys.executable, "-m", "hdet_scale.report", str(full / "hdet_metrics.jsonl"),
+                             "--export-schedule", str(schedule)], capture_output=True, text=True, cwd=tmp_path)
+    assert export.returncode == 0, export.stderr
+    at = command.index("--hdet_config")
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    # Another --lr: only the file can give the run the HDET run's bases.
+    result = launch([*command[:at], *command[at + 2:], "--lr", "1e-5", "--replay_schedule", str(schedule),
+                     "--out", str(replay)], cwd=replay)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert applied_bases(replay) == applied_bases(full)
+    assert len(applied_bases(full)) == STEPS
+    assert "replicas=1 ranks_per_replica=4" in result.stdout  # one replica, no spread: a plain run
+    assert "sync step" not in result.stdout  # whose syncs only record what it applied
+
+
+def files_of(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def one_error(result: subprocess.CompletedProcess) -> str:
+    """The run failed with exactly one ``train.py: error:`` line and no traceback from any rank; returns that line.
+
+    torchrun itself reports a failed rank with its own ``ChildFailedError`` traceback (its design, whatever the
+    rank printed); that one is allowed, any other is not."""
+    errors = [line for line in result.stdout.splitlines() if line.startswith("train.py: error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stdout[-5000:]
+    for traceback in result.stdout.split("Traceback (most recent call last):")[1:]:
+        assert "ChildFailedError" in traceback and "hdet_scale/" not in traceback, result.stdout[-5000:]
+    return errors[0]
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_of_the_other_engine_is_refused_before_training(fsdp_runs, tmp_path):
+    """An FSDP2 checkpoint under the deepspeed launcher: one line, nothing in the output directory touched."""
+    out = fsdp_runs["split"]
+    before = files_of(out)
+    result = launch([*deepspeed(2), *SHORT, "--out", str(out), "--resume"], cwd=tmp_path, timeout=240)
+    error = one_error(result)
+    assert f"{out / 'checkpoints' / 'latest'} was written by fsdp, this run uses deepspeed ZeRO-2" in error
+    assert "HDET train:" not in result.stdout
+    assert files_of(out) == before
+
+
+@pytest.mark.e2e
+def test_a_damaged_checkpoint_stops_every_rank_in_one_line(fsdp_runs, tmp_path):
+    shutil.copytree(fsdp_runs["split"], tmp_path / "out")
+    shard = max((tmp_path / "out" / "checkpoints" / "latest").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # as a full disk or a killed copy leaves it
+    result = launch([*fsdp_runs["command"], "--out", str(tmp_path / "out"), "--resume"], cwd=tmp_path, timeout=240)
+    assert f"is damaged: {shard.name} has" in one_error(result)
+
+
+@pytest.mark.e2e
+def test_resume_into_fewer_replicas_says_so_and_trains_on(fsdp_runs, tmp_path):
+    """A requeued job on half the nodes: the 2 x 2 checkpoint resumes as one replica of 2 ranks."""
+    shutil.copytree(fsdp_runs["split"], tmp_path / "out")
+    command = [*torchrun(2), *fsdp_runs["command"][fsdp_runs["command"].index("hdet_scale.train") + 1:]]
+    result = launch([*command, "--out", str(tmp_path / "out"), "--resume", "--steps", str(STEPS + SYNC_INTERVAL)],
+                    cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "replica layout changed: the checkpoint has 2 replica(s), this run 1" in result.stdout
+    assert f"at step {STEPS}" in result.stdout and "final train loss" in result.stdout
+    assert max(line["step"] for line in metric_lines(tmp_path / "out")) == STEPS + SYNC_INTERVAL
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_that_cannot_be_written_stops_every_rank_in_one_line(fsdp_runs, tmp_path):
+    """Saving fails on every rank (here: where checkpoints/ should be, a file stands): one line, exit 1."""
+    (tmp_path / "checkpoints").write_text("not a directory")
+    result = launch([*fsdp_runs["command"], "--out", str(tmp_path), "--steps", str(SYNC_INTERVAL)], cwd=tmp_path,
+                    timeout=240)
+    assert f"saving a checkpoint in {tmp_path / 'checkpoints'}:" in one_error(result)
+
+
+@pytest.mark.e2e
+def test_ctrl_c_checkpoints_like_sigterm(fsdp_runs, tmp_path):
+    """Ctrl-C in the terminal (SIGINT to every process of the launch): the ranks stop together at the next safe
+    point and checkpoint, with no traceback from any rank."""
+    result = launch([*fsdp_runs["command"], "--out", str(tmp_path)], cwd=tmp_path, sigterm_after_step=SYNC_INTERVAL,
+                    metrics=tmp_path / "hdet_metrics.jsonl", signal_number=signal.SIGINT)
+    assert "preempted at step" in result.stdout, result.stdout[-5000:]
+    assert (tmp_path / "checkpoints" / "latest" / "run.json").is_file()
+    assert "KeyboardInterrupt" not in result.stdout
+    assert result.stdout.count("Traceback") <= 1  # torchrun's own report of the signal it received, at most
+
+
+@pytest.mark.e2e
+def test_a_run_can_start_with_an_lr_range_test(tmp_path):
+    """2 replicas of 1 rank: the test's steps come before --steps, and the run syncs every T of its own steps."""
+    config = tmp_path / "hdet.json"
+    config.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "auto_lr": {"range_test": 20}}))
+    out = tmp_path / "out"
+    result = launch([*torchrun(2), *SHORT, "--hdet_config", str(config), "--out", str(out)], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-5000:]
+    picked = re.search(r"LR range test: picked (\S+) \((\S+) x --lr\) in 20 steps", result.stdout)
+    assert picked, result.stdout[-5000:]
+    lines = [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 0 and lines[0]["range_test"]["picked_lr"] == pytest.approx(float(picked[1]), rel=1e-2)
+    assert [line["step"] for line in metric_lines(out)] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+
+
+# -------------------------------------------------------------------------------------- DeepSpeed
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    """ZeRO-2, 2 replicas x 2 ranks, global gradients; ZeRO-3, 2 replicas of 1 rank, local gradients,
+    SIGTERM after the first sync with the default --on_signal sync_now, then --resume."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    global_out, local_out = root / "global", root / "local"
+    global_out.mkdir(), local_out.mkdir()
+    zero2 = launch([*deepspeed(4), *SHORT, "--zero_stage", "2", "--hdet_config", hdet_config(root, "global", 2),
+                    "--probe_batch", "4", "--out", str(global_out)], cwd=global_out)
+    local_args = [*SHORT, "--zero_stage", "3", "--hdet_config", hdet_config(root, "local", 1), "--out", str(local_out),
+                  "--wandb", "hdet-test"]
+    preempted = launch([*deepspeed(2), *local_args], cwd=local_out, sigterm_after_step=SYNC_INTERVAL,
+                       metrics=local_out / "hdet_metrics.jsonl")
+    checkpoints_after_preemption = sorted(p.name for p in (local_out / "checkpoints").iterdir() if p.is_dir())
+    resumed = launch([*deepspeed(2), *local_args, "--resume"], cwd=local_out)
+    return {"global": global_out, "local": local_out, "zero2": zero2, "preempted": preempted,
+            "checkpoints_after_preemption": checkpoints_after_preemption, "resumed": resumed}
+
+
+@pytest.mark.e2e
+def test_deepspeed_global_run_end_to_end(deepspeed_runs):
+    result, out = deepspeed_runs["zero2"], deepspeed_runs["global"]
+    lines = assert_two_replica_run(result, out, "deepspeed")
+    quiet(result)
+    probes = [line["probe_losses"] for line in lines]  # --probe_batch: each replica scored on the same windows
+    assert all(len(losses) == 2 and all(0 < loss < 10 for loss in losses) for losses in probes)
+    assert probes[0][0] != probes[0][1]
+    assert (out / "checkpoints" / "latest").read_text() == f"step{STEPS}"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [f"step{STEPS}"]  # older gone
+
+
+@pytest.mark.e2e
+def test_deepspeed_export_is_the_checkpointed_model(deepspeed_runs):
+    """The transformers export equals DeepSpeed's own fp32 consolidation of the final checkpoint."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    out = deepspeed_runs["global"]
+    saved = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag=f"step{STEPS}")
+    model = exported(out)
+    for name, tensor in saved.items():
+        assert torch.equal(model[name], tensor.float()), name
+
+
+@pytest.mark.e2e
+def test_deepspeed_sigterm_syncs_now_and_resumes(deepspeed_runs):
+    preempted, resumed = deepspeed_runs["preempted"], deepspeed_runs["resumed"]
+    # The launcher itself dies of the SIGTERM sent to the whole session; the ranks stop cleanly.
+    assert "preempted at step" in preempted.stdout, preempted.stdout[-5000:]
+    assert "HDET train: engine=deepspeed ranks=2 replicas=2 ranks_per_replica=1" in preempted.stdout
+    assert "preset=tiny (0.1M parameters)" in preempted.stdout  # counted before ZeRO-3 partitions the model
+    quiet(resumed)
+    assert "gradient_mode=local" in preempted.stdout
+    stopped = int(preempted.stdout.split("preempted at step ")[1].split(";")[0])
+    assert SYNC_INTERVAL < stopped < STEPS
+    assert deepspeed_runs["checkpoints_after_preemption"] == [f"step{stopped}"]
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    assert f"at step {stopped}" in resumed.stdout and "final train loss" in resumed.stdout
+    steps = [line["step"] for line in metric_lines(deepspeed_runs["local"])]
+    # Regular syncs, the early one at the preemption, then regular ones again up to the end.
+    regular = list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+    assert steps == sorted(set(regular) | {stopped})
+    # --wandb: the resumed run logs into the preempted run's W&B run, a row per sync like the metrics file. The
+    # launcher stopped the preempted run's W&B service with its ranks: that run said so once and checkpointed.
+    assert preempted.stdout.count("W&B stopped logging") <= 1
+    out = deepspeed_runs["local"]
+    run_id = (out / "wandb_run_id").read_text().strip()
+    rows = [row for path in out.glob(f"wandb/offline-run-*/run-{run_id}.wandb") for row in wandb_records.history(path)]
+    losses = {row["_step"]: row["train/loss"] for row in rows if "train/loss" in row}
+    for line in metric_lines(out):
+        if line["step"] > stopped:
+            assert losses[line["step"]] == pytest.approx(sum(line["replica_losses"]) / 2)
+
+
+@pytest.mark.e2e
+def test_a_bad_input_stops_a_real_launch_at_once(tmp_path):
+    """Under torchrun, every rank stops before any process group exists, and rank 0 says why in one line."""
+    result = launch([*torchrun(2), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path)], cwd=tmp_path,
+                    timeout=180)
+    assert result.returncode != 0
+    assert "train.py: error: --data" in result.stdout and "no such file or directory" in result.stdout
+    assert result.stdout.count("train.py: error:") == 1
+    assert "HDET train:" not in result.stdout

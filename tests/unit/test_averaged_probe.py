@@ -1,0 +1,38 @@
+"""The probe on averaged weights (``auto_lr.average_window``) on 2 replicas of every engine, against independent
+computations: the running mean by hand in one process, then each sync's probe scores against each replica's full
+weights recorded at the window's steps, averaged here, loaded into a plain copy of the model and scored on the same
+probe batch.
+
+This file holds the tests that start no process; the tests on gloo ranks are in
+tests/distributed/test_averaged_probe_distributed.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hdet_scale.weight_average import WindowAverage
+
+SYNC_INTERVAL, STEPS = 4, 12  # three syncs
+WINDOW = 0.5  # the last 2 steps of every interval
+
+
+def test_window_average_by_hand():
+    window = WindowAverage(WINDOW, SYNC_INTERVAL)
+    tensor = torch.zeros(3)
+    refreshed = []
+    for since_sync, value in enumerate([1.0, 2.0, 4.0, 8.0], start=1):
+        tensor.fill_(value)
+        window.observe(since_sync, lambda: [tensor])
+    assert window.count == 2  # steps 3 and 4 of the interval
+    with window.swapped_in([tensor], lambda: refreshed.append(tensor.clone())) as swapped:
+        assert swapped and torch.equal(tensor, torch.full((3,), 6.0))  # (4 + 8) / 2
+    assert torch.equal(tensor, torch.full((3,), 8.0)) and len(refreshed) == 2  # its own values back, refreshed
+    with window.swapped_in([tensor], lambda: None):
+        assert torch.equal(tensor, torch.full((3,), 6.0))  # the mean survives being swapped in and out
+    assert torch.equal(tensor, torch.full((3,), 8.0))
+    window.reset()
+    with window.swapped_in([tensor], lambda: refreshed.append(None)) as swapped:
+        assert not swapped  # nothing averaged since the reset (e.g. an early sync)
+    assert len(refreshed) == 2
+    assert not WindowAverage(0.0, SYNC_INTERVAL).enabled

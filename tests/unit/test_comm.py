@@ -1,0 +1,32 @@
+"""Bucketed averaging over cross-replica groups on 4 real gloo ranks (2 replicas x 2 positions).
+
+This file holds the tests that start no process; the tests on gloo ranks are in
+tests/distributed/test_comm_distributed.py and the tests that start a launcher or script as a subprocess are in
+tests/e2e/test_comm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hdet_scale.averaging import average_tensors
+from hdet_scale.comm import pack_healthy, unpack_healthy_mean
+
+
+def test_one_replica_averages_nothing():
+    tensor = torch.ones(3)
+    checked = []
+    assert average_tensors([tensor], None, bucket_bytes=64, check=checked.append) == 0
+    assert torch.equal(tensor, torch.ones(3)) and checked == [None]
+
+
+def test_packing_counts_exactly_in_low_precision():
+    packed = pack_healthy(torch.tensor([2.0, 4.0], dtype=torch.bfloat16), 4)
+    assert packed.dtype == torch.bfloat16 and packed.tolist() == [0.5, 1.0, 1.0]
+    assert pack_healthy(torch.ones(2, dtype=torch.bfloat16), 257).dtype == torch.float32  # 257 is not a bf16
+    assert pack_healthy(torch.tensor([1.0, -math.inf]), 2).tolist() == [0.0, 0.0, 0.0]
+    out = torch.empty(2, dtype=torch.bfloat16)
+    summed = torch.tensor([1.5, 3.0, 3.0])  # three of four members contributed
+    assert unpack_healthy_mean(summed, out, 4).tolist() == [2.0, 4.0]

@@ -1,0 +1,408 @@
+import argparse
+import json
+import math
+
+import pytest
+
+from hdet_scale import HDETConfig, HDETConfigError, add_hdet_args, load_config
+from hdet_scale.config import AutoLRConfig
+from hdet_scale.controller import controller_updates, sync_interval_for_run, updates_to_climb, window_share
+from hdet_scale.resolve import resolve, stuck_start_error
+from hdet_scale.schedule import resolve_config
+from hdet_scale.topology import check_world_size, with_replica_size
+
+
+def test_the_papers_settings():
+    config = HDETConfig.paper()
+    assert (config.alpha, config.spread, config.sync_interval) == (pytest.approx(1 / 9), "linear", 1000)
+    lr = config.for_run(10**6).auto_lr
+    assert (lr.mode, lr.start, lr.stop, lr.beta, lr.sigma, lr.step_size, lr.initial_scale) == \
+        ("paper", 100_000, None, 0.9, 0.1, 0.5, 1.0)
+    assert config.warm_init.nu == 0.01 and config.gradient_mode == "global"
+    assert HDETConfig.paper(sync_interval=50).sync_interval == 50
+
+
+@pytest.mark.parametrize(("mode", "sigma", "step_size", "initial_scale", "start_steps", "stop_steps"), [
+    ("log", 1.0, 2.5, 0.1, 20, 250), ("scale", 0.1, 0.5, 1.0, 50, None), ("paper", 0.1, 0.5, 1.0, 50, None)])
+def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_size, initial_scale, start_steps,
+                                                           stop_steps):
+    lr = HDETConfig.from_dict({"auto_lr": {"mode": mode}}).for_run(1000).auto_lr
+    assert (lr.sigma, lr.step_size, lr.start, lr.stop) == (sigma, step_size, start_steps, stop_steps)
+    assert lr.initial_scale == pytest.approx(initial_scale)
+    # what the user gives wins, and a start or stop in steps replaces the default share
+    lr = HDETConfig.from_dict({"auto_lr": {"mode": mode, "sigma": 0.3, "start": 7}}).for_run(1000).auto_lr
+    assert (lr.sigma, lr.start) == (0.3, 7)
+    assert HDETConfig.from_dict({"auto_lr": {"enabled": False}}).for_run(1000).auto_lr.initial_scale == 1.0
+
+
+def test_overrides_merge_onto_the_given_fields_not_the_filled_ones():
+    """A dict of overrides (HDETScheduler's keywords, the tests' launcher) changes the mode or the start as if
+    given with the rest: the first config's unset fields stay unset."""
+    merged = resolve_config(HDETConfig(), {"auto_lr": {"mode": "scale", "start": 10}})
+    lr = merged.for_run(1000).auto_lr
+    assert (lr.mode, lr.start, lr.sigma, lr.stop, lr.initial_scale) == ("scale", 10, 0.1, None, 1.0)
+
+
+def test_a_scale_range_that_leaves_out_the_default_start_names_it():
+    with pytest.raises(HDETConfigError, match=r"must bracket auto_lr.initial_scale=0.1 \(the 'log' mode's "
+                                              r"default\)"):
+        HDETConfig.from_dict({"auto_lr": {"scale_min": 0.5}})
+
+
+def test_only_the_lr_follows_the_paper_mode_and_the_rise_only_phase():
+    lr = AutoLRConfig(mode="log", beta=0.7, rise_only_after=0.3)
+    other = lr.for_other_knobs()
+    assert (other.mode, other.beta, other.filled().rise_only_after) == ("log", 0.7, 1.0)
+    assert AutoLRConfig(mode="paper").for_other_knobs().mode == "scale"
+
+
+def test_the_window_and_the_share_of_the_controllers_window():
+    lr = HDETConfig.from_dict({"auto_lr": {"average_window": 0.2, "start": 100,
+                                           "stop": 400}}).for_run(1000).auto_lr
+    assert lr.window(True) == 0.2 and AutoLRConfig(average_window=0.3).window(False) == 0.3  # as given
+    # the share of the window 100-400 at a step; none without a stop
+    assert [window_share(lr, step) for step in (40, 100, 190, 400, 700)] == pytest.approx([-0.2, 0.0, 0.3, 1.0, 2.0])
+    assert window_share(AutoLRConfig(), 190) is None
+
+
+@pytest.mark.parametrize("key", ["hold_average", "average_window_late", "displacement", "hypergradient",
+                                 "progress_target", "bias_correction"])
+def test_a_removed_setting_is_refused_as_removed(tmp_path, key):
+    """A config of an earlier version that still names a setting since removed is refused in one line that says
+    so (not as an unknown key, with a guess at what was meant), from a JSON file, a mapping or a section."""
+    path = tmp_path / "hdet.json"
+    path.write_text(json.dumps({"alpha": 0.5, "auto_lr": {"mode": "log", key: 0.5}}))
+    message = rf"^HDET setting 'auto_lr.{key}' was removed \(it measured no better than the default controller"
+    for load in (lambda: HDETConfig.from_json(path), lambda: load_config(str(path)),
+                 lambda: HDETConfig(auto_lr={key: 0.5})):
+        with pytest.raises(HDETConfigError, match=message) as error:
+            load()
+        text = str(error.value)
+        assert "\n" not in text and "unknown" not in text and "did you mean" not in text
+    with pytest.raises(HDETConfigError, match=rf"unknown HDET setting '{key}'"):  # removed from auto_lr only
+        HDETConfig.from_dict({key: 0.5})
+
+
+def test_round_trip_through_dict_and_json(tmp_path):
+    config = HDETConfig.from_dict({"alpha": 0.25, "sync_interval": 10, "ranks_per_replica": 2,
+                                   "gradient_mode": "local", "auto_lr": {"mode": "paper", "sigma": 0.05},
+                                   "warm_init": {"enabled": True}})
+    assert config.auto_lr.sigma == 0.05 and config.auto_lr.beta is None and config.warm_init.enabled
+    assert config.auto_lr.filled().beta == 0.9
+    path = tmp_path / "hdet.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert HDETConfig.from_json(path) == config
+
+
+def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
+    path = tmp_path / "hdet.json"
+    path.write_text(json.dumps({"alpha": 0.5, "ranks_per_replica": 2}))
+    parser = add_hdet_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--hdet_config", str(path)])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert load_config(args).alpha == 0.5
+    assert load_config(parser.parse_args([])) == HDETConfig()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(HDETConfigError, match="ranks_per_replica=2 does not divide the world size 3"):
+        load_config(args)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"alpha": -0.1, "spread": "linear"}, r"alpha must be a number in \[0.0, 1.0\), got -0.1"),
+        ({"alpha": -0.1}, r"alpha must be a number in \[0.0, inf\), got -0.1"),
+        ({"alpha": 1.0, "spread": "linear"},
+         r"alpha must be a number in \[0.0, 1.0\), got 1.0 \(alpha >= 1 makes the lowest"),
+        ({"sync_interval": 0}, r"sync_interval must be an integer >= 1, got 0"),
+        ({"sync_interval": 2.5}, r"sync_interval must be an integer >= 1, got 2.5"),
+        ({"ranks_per_replica": 0}, r"ranks_per_replica must be an integer >= 1 or one of 'auto', 'node', got 0"),
+        ({"ranks_per_replica": "gpu"}, r"ranks_per_replica must be an integer >= 1 or one of 'auto', 'node'"),
+        ({"gradient_mode": "hybrid"}, r"gradient_mode must be one of 'global', 'local', got 'hybrid'"),
+        ({"bucket_mb": 0}, r"bucket_mb must be a number in \(0.0, inf\)"),
+        ({"auto_lr": {"sigma": 0}}, r"auto_lr.sigma must be a number in \(0.0, inf\), got 0"),
+        ({"auto_lr": {"sigma": -1.0}}, r"auto_lr.sigma must be a number in \(0.0, inf\)"),
+        ({"auto_lr": {"beta": 1.0}}, r"auto_lr.beta must be a number in \[0.0, 1.0\), got 1.0"),
+        ({"auto_lr": {"beta": -0.5}}, r"auto_lr.beta must be a number in \[0.0, 1.0\)"),
+        ({"auto_lr": {"mode": "magic"}}, r"auto_lr.mode must be one of 'scale', 'paper'"),
+        ({"auto_lr": {"start": -1}}, r"auto_lr.start must be an integer >= 0"),
+        ({"auto_lr": {"scale_min": 2.0, "mode": "scale"}}, r"must bracket auto_lr.initial_scale=1 \(the 'scale'"),
+        ({"auto_lr": {"initial_scale": 0.05}}, r"scale_min=0.1 and auto_lr.scale_max=10.0 must bracket "
+                                               r"auto_lr.initial_scale=0.05"),
+        ({"auto_lr": {"initial_scale": 0}}, r"auto_lr.initial_scale must be a number in \(0.0, inf\)"),
+        ({"auto_lr": {"initial_scale": 0.5, "mode": "paper"}}, r"initial_scale=0.5 needs the controller on"),
+        ({"auto_lr": {"initial_scale": 0.5, "enabled": False}}, r"initial_scale=0.5 needs the controller on"),
+        ({"auto_lr": {"enabled": "yes"}}, r"auto_lr.enabled must be true or false"),
+        ({"warm_init": {"nu": -0.01}}, r"warm_init.nu must be a number in \[0.0, inf\)"),
+        ({"average_optimizer_state": 1}, r"average_optimizer_state must be true or false"),
+        ({"alpah": 0.1}, r"unknown HDET setting 'alpah'; did you mean 'alpha'\?"),
+        ({"auto_lr": {"lambda": 0.5}}, r"unknown HDET setting 'auto_lr.lambda'"),
+        ({"auto_lr": 3}, r"auto_lr must be a JSON object"),
+        ({"spread": "cubic"}, r"spread must be one of 'linear', 'log', got 'cubic'"),
+        ({"auto_lr": {"max_log_step": 0}}, r"auto_lr.max_log_step must be a number in \(0.0, inf\)"),
+        ({"auto_lr": {"average_window": 1.0}}, r"auto_lr.average_window must be a number in \[0.0, 1.0\)"),
+    ],
+)
+def test_bad_values_name_the_field(values, message):
+    with pytest.raises(HDETConfigError, match=message):
+        HDETConfig.from_dict(values)
+
+
+def test_world_size_must_divide():
+    config = HDETConfig(ranks_per_replica=4)
+    with pytest.raises(HDETConfigError, match="ranks_per_replica=4 does not divide the world size 6"):
+        resolve(config, world_size=6)
+    assert check_world_size(config, 8) == 2
+
+
+def test_replica_size_by_name(monkeypatch):
+    """'node' is the launcher's ranks per node; 'auto' is a rank for unsharded engines and a node for sharded."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "8")  # the deepspeed launcher's name
+    assert with_replica_size(HDETConfig(ranks_per_replica="node")).ranks_per_replica == 8
+    assert with_replica_size(HDETConfig(), auto="node").ranks_per_replica == 8
+    assert with_replica_size(HDETConfig()).ranks_per_replica == 1
+    assert with_replica_size(HDETConfig(ranks_per_replica=2), auto="node").ranks_per_replica == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's name wins where both are set
+    assert check_world_size(HDETConfig(ranks_per_replica="node"), 16) == 4
+    with pytest.raises(HDETConfigError, match=r"ranks_per_replica=4 \(from 'node'\) does not divide the world size 6"):
+        resolve(HDETConfig(ranks_per_replica="node"), world_size=6)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_SIZE")
+    with pytest.raises(HDETConfigError, match="ranks_per_replica='node' needs the ranks per node"):
+        with_replica_size(HDETConfig(), auto="node")
+
+
+def test_bad_json_files(tmp_path):
+    with pytest.raises(HDETConfigError, match="no such file"):
+        HDETConfig.from_json(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{alpha: 1")
+    with pytest.raises(HDETConfigError, match="is not valid JSON"):
+        HDETConfig.from_json(broken)
+    listing = tmp_path / "list.json"
+    listing.write_text("[1, 2]")
+    with pytest.raises(HDETConfigError, match="must hold a JSON object"):
+        HDETConfig.from_json(listing)
+
+
+def test_sections_given_as_mappings_are_built_and_checked():
+    """HDETConfig(auto_lr={...}) used to fail inside validation with an AttributeError on the dict."""
+    config = HDETConfig(auto_lr={"mode": "scale"}, explore={"weight_decay": {"alpha": 0.3}}, warm_init={"nu": 0.02})
+    assert config == HDETConfig.from_dict({"auto_lr": {"mode": "scale"}, "explore": {"weight_decay": {"alpha": 0.3}},
+                                           "warm_init": {"nu": 0.02}})
+    config.validate()
+    with pytest.raises(HDETConfigError, match="unknown HDET setting 'auto_lr.mdoe'; did you mean 'auto_lr.mode'"):
+        HDETConfig(auto_lr={"mdoe": "scale"})
+    with pytest.raises(HDETConfigError, match="explore.dropout must be a JSON object, got 0.1"):
+        HDETConfig(explore={"dropout": 0.1})
+    with pytest.raises(HDETConfigError,
+                       match=r"auto_lr must be a mapping of settings or an instance of AutoLRConfig, got \[1\]"):
+        HDETConfig(auto_lr=[1])
+
+
+def test_a_log_spread_takes_any_alpha():
+    assert HDETConfig.from_dict({"alpha": 1.0, "spread": "log"}).alpha == 1.0  # multipliers 1/2 .. 2
+    with pytest.raises(HDETConfigError, match="spread 'log' allows it"):
+        HDETConfig.from_dict({"alpha": 1.0, "spread": "linear"})
+
+
+def test_the_controller_start_as_a_share_of_the_run():
+    config = HDETConfig.from_dict({"auto_lr": {"start": 0.05}})
+    assert config.auto_lr.start == 0.05
+    assert config.for_run(1500).auto_lr.start == 75  # 0.05 x 1500
+    assert config.for_run(7).auto_lr.start == 0  # round(0.35)
+    assert HDETConfig.from_dict({"auto_lr": {"start": 0.1}}).for_run(7).auto_lr.start == 1
+    fixed = HDETConfig.from_dict({"auto_lr": {"start": 5, "stop": 8}}).for_run(10).auto_lr
+    assert (fixed.start, fixed.stop) == (5, 8)  # steps, as given
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start must be a number in \[0.0, 1.0\), got 1.0 \(a float "
+                                              r"is a share of the run; give a step as an int\)"):
+        HDETConfig.from_dict({"auto_lr": {"start": 1.0}})
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start must be an integer >= 0 \(a step\) or a float"):
+        HDETConfig.from_dict({"auto_lr": {"start": "10%"}})
+    with pytest.raises(HDETConfigError, match="total_steps"):
+        config.for_run(0)
+
+
+@pytest.mark.parametrize(("old", "new"), [("warmup_steps", "start"), ("start_fraction", "start"),
+                                          ("stop_steps", "stop"), ("stop_fraction", "stop")])
+def test_the_earlier_names_of_the_start_and_stop_are_refused_with_the_new_one(old, new):
+    with pytest.raises(HDETConfigError, match=rf"^HDET setting 'auto_lr.{old}' is now 'auto_lr.{new}' \(a step as "
+                                              r"an int, a share of the run as a float\): rename it$"):
+        HDETConfig.from_dict({"auto_lr": {old: 10}})
+
+
+def test_a_start_as_a_share_without_the_runs_length_is_refused():
+    import torch
+
+    from hdet_scale import HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    # the defaults: start and stop are shares of the run
+    config = HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5})
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start=0.02 is a share of the run and needs its length: "
+                                              r"pass total_steps= when attaching"):
+        HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas)
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas, total_steps=100)
+    assert (hdet.config.auto_lr.start, hdet.config.auto_lr.stop) == (2, 25)
+    hdet.close()
+    # one replica has no controller: nothing to place, and the LR is the one given (no low start)
+    with pytest.warns(UserWarning, match="ONE replica"):
+        alone = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+    assert alone.current_lrs() == [0.1]
+    alone.close()
+
+
+def test_a_start_as_a_share_survives_the_round_trip():
+    config = HDETConfig.from_dict({"auto_lr": {"start": 0.2}})
+    assert HDETConfig.from_dict(config.to_dict()) == config
+
+
+def test_the_controller_stop_as_steps_or_a_share_of_the_run():
+    config = HDETConfig.from_dict({"auto_lr": {"start": 0.05, "stop": 0.5}}).for_run(1500)
+    assert (config.auto_lr.start, config.auto_lr.stop) == (75, 750)
+    assert HDETConfig.from_dict({"auto_lr": {"stop": 300}}).auto_lr.stop == 300
+    with pytest.raises(HDETConfigError, match=r"auto_lr.stop must be a number in \(0.0, 1.0\]"):
+        HDETConfig.from_dict({"auto_lr": {"stop": 0.0}})
+    with pytest.raises(HDETConfigError, match="auto_lr.stop works in 'scale' and 'log' mode"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "paper", "stop": 10}})
+
+
+def test_the_rise_only_phase_is_checked():
+    assert HDETConfig.from_dict({"auto_lr": {"rise_only_after": 0.35}}).auto_lr.rise_only_after == 0.35
+    with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after must be a number in \[0.0, 1.0\]"):
+        HDETConfig.from_dict({"auto_lr": {"rise_only_after": 1.5}})
+    with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 works in 'scale' and 'log' mode"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "paper", "rise_only_after": 0.2}})
+    with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 is a share of the controller's window "
+                                              r"up to its stop: give auto_lr.stop"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "scale", "rise_only_after": 0.2}})  # scale mode: no stop
+    assert HDETConfig.from_dict({"auto_lr": {"mode": "scale", "stop": 9, "rise_only_after": 0.2}})
+
+
+@pytest.mark.parametrize(("mode", "sync_interval", "updates"),
+                         [("log", 1, 24), ("log", 2, 12), ("log", 3, 8), ("log", 10, 2),
+                          ("scale", 5, 5), ("scale", 10, 2), ("short", 1, 9)])
+def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, updates):
+    """Start 2, stop 25 (the log default's shares of 100 steps; scale mode is given 5-25): the syncs at every T-th
+    step from the start up to and including the stop update the controller. The log default climbs from a tenth of
+    the LR to 10x it in ceil(log(100) / 0.5) = 10 updates, and warns below that; scale mode has no largest step and
+    warns below 4. A window shorter than the updates it needs (36 steps: 1-9) says that no sync interval is
+    enough."""
+    import torch
+
+    from hdet_scale import HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    auto_lr = {"mode": "log"} if mode != "scale" else {"mode": mode, "start": 0.05, "stop": 0.25}
+    config = HDETConfig.from_dict({"sync_interval": sync_interval, "ranks_per_replica": 1, "auto_lr": auto_lr})
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=36 if mode == "short" else 100,
+                        topology=ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1))
+    assert controller_updates(hdet.config) == updates
+    if updates >= (4 if mode == "scale" else 10):
+        assert hdet.few_updates_warning is None
+    elif mode == "log":
+        assert hdet.few_updates_warning == (
+            f"the auto-LR controller moves only between steps 2 and 25, where sync_interval={sync_interval} gives "
+            f"it {updates} update(s); climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 "
+            "a sync takes 10, so a too-low LR may not climb all the way: set sync_interval to 2 or less for 10")
+    elif mode == "scale":
+        assert hdet.few_updates_warning == (
+            f"the auto-LR controller moves only between steps 5 and 25, where sync_interval={sync_interval} gives "
+            "it 2 update(s): set sync_interval to 5 or less for 4")
+    else:  # 36 steps: the window 1-9 holds 9 syncs even at T = 1, so no sync_interval is enough
+        assert hdet.few_updates_warning == (
+            "the auto-LR controller moves only between steps 1 and 9, where sync_interval=1 gives it 9 update(s); "
+            "climbing from auto_lr.initial_scale=0.1 to scale_max=10 at max_log_step=0.5 a sync takes 10, so a "
+            "too-low LR may not climb all the way: the window is shorter than 10 steps: train longer, or widen it "
+            "(auto_lr.start, stop), or narrow the climb (auto_lr.initial_scale, scale_max, "
+            "max_log_step)")
+    hdet.close()
+
+
+def test_a_controller_that_would_never_leave_its_low_start_is_refused():
+    """With no sync between the controller's start and stop, a start at a tenth of the LR held for the whole run:
+    train.py used to train 300 steps at 0.1 x --lr after a warning that did not say so."""
+    import torch
+
+    from hdet_scale import HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    message = (r"sync_interval=400 puts no sync between the auto-LR controller's start \(step 6\) and stop \(step "
+               r"75\): it would never move from auto_lr.initial_scale=0.1, and the whole run would train at 0.1 x the "
+               r"given LR; set sync_interval to 75 or less, or auto_lr.initial_scale to 1")
+    two = ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(HDETConfigError, match=message):
+        HDETEnsemble(HDETConfig(sync_interval=400, ranks_per_replica=1), DDPAdapter(optimizer), total_steps=300,
+                     topology=two)
+    for fine in ({"sync_interval": 75}, {"sync_interval": 400, "auto_lr": {"initial_scale": 1.0}}):
+        config = HDETConfig.from_dict({"ranks_per_replica": 1, **fine})
+        HDETEnsemble(config, DDPAdapter(optimizer), total_steps=300, topology=two).close()
+    assert stuck_start_error(HDETConfig(sync_interval=400).for_run(300), num_replicas=1) is None  # no controller
+
+
+@pytest.mark.parametrize(("steps", "interval"), [(100, 1), (300, 5), (1000, 10), (1500, 25), (59_900, 500),
+                                                 (60_000, 1000), (10**6, 1000)])
+def test_the_sync_interval_for_a_run_gives_the_controller_its_measured_updates(steps, interval):
+    """The largest round T whose default window (2% to 25% of the run) holds 14 updates. 100 steps: 2-25, T = 1
+    gives 24, T = 2 only 2, ..., 24 (12). 300: 6-75, T = 5 gives 10, 15, ..., 75 (14), T = 10 only 10, ..., 70 (7).
+    1000: 20-250, T = 10 gives 24, T = 20 20, ..., 240 (12). 60,000: 1200-15000, T = 1000 gives 2000, ..., 15000
+    (14); 59,900: 1198-14975, T = 1000 gives 2000, ..., 14000 (13). A million steps: capped at the library's
+    1000."""
+    assert sync_interval_for_run(steps) == interval
+
+
+@pytest.mark.parametrize(("auto_lr", "updates"),
+                         [({}, 10),  # the log default: ceil(log(10 / 0.1) / 0.5) = ceil(9.21)
+                          ({"initial_scale": 1.0, "max_log_step": 0.25}, 10),  # ceil(log(10) / 0.25) = ceil(9.21)
+                          ({"initial_scale": 0.5, "scale_max": 2.0, "max_log_step": 0.7}, 4),  # ceil(1.98), then 4
+                          ({"initial_scale": math.exp(-1), "scale_max": math.exp(1)}, 4),  # exactly 2 / 0.5
+                          ({"initial_scale": math.exp(-1), "scale_max": math.exp(2)}, 6),  # exactly 3 / 0.5
+                          ({"max_log_step": math.log(100) / 14}, 14),  # exactly 14 steps, not 15 by rounding
+                          ({"mode": "scale"}, 4)])  # no largest step
+def test_updates_to_climb_by_hand(auto_lr, updates):
+    assert updates_to_climb(AutoLRConfig(**auto_lr).filled()) == updates
+
+
+@pytest.mark.parametrize(("auto_lr", "updates"), [({"start": 0, "stop": 30}, 3),
+                                                  ({"start": 11, "stop": 29}, 1),
+                                                  ({"start": 20, "stop": 20}, 1),
+                                                  ({"start": 21, "stop": 29}, 0)])
+def test_controller_updates_counts_the_syncs_from_start_to_stop(auto_lr, updates):
+    """T = 10: syncs at 10, 20, 30; step 0 is no sync, and the start and the stop both count."""
+    config = HDETConfig.from_dict({"sync_interval": 10, "auto_lr": {"mode": "scale", **auto_lr}})
+    assert controller_updates(config) == updates
+
+
+def test_controller_updates_is_none_without_a_stop():
+    assert controller_updates(HDETConfig.paper()) is None
+
+
+def test_a_run_without_a_controller_needs_no_run_length_even_with_a_stop():
+    """One replica (or auto_lr off): the default start stays a share of an unknown run, and an explicit stop is
+    no reason to place it; the LR is the one given."""
+    import torch
+
+    from hdet_scale import HDETEnsemble
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    alone = ReplicaTopology.single_process()
+    with pytest.warns(UserWarning, match="ONE replica"):
+        hdet = HDETEnsemble(HDETConfig.from_dict({"auto_lr": {"stop": 300}}), DDPAdapter(optimizer),
+                            topology=alone)
+    assert hdet.few_updates_warning is None and hdet.current_lrs() == [0.1]
+    hdet.close()
+    off = HDETConfig.from_dict({"auto_lr": {"enabled": False, "stop": 300}})
+    hdet = HDETEnsemble(off, DDPAdapter(optimizer), topology=ReplicaTopology(world_size=2, rank=0,
+                                                                             ranks_per_replica=1))
+    assert hdet.few_updates_warning is None
+    hdet.close()

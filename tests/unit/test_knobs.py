@@ -1,0 +1,181 @@
+"""Hyperparameters explored besides the LR (paper Remark 1): weight decay, dropout, attention scale, label
+smoothing and user knobs, each with its own spread, permutation and controller.
+
+This file holds the tests that start no process; the tests on gloo ranks are in
+tests/distributed/test_knobs_distributed.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from settings import LR_HELD_AT_GIVEN
+from torch import nn
+
+from hdet_scale import HDETConfig, HDETConfigError, HDETEnsemble, ReplicaTopology, multipliers
+from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.spread import PermutationStream
+
+REPLICAS = 4
+EXPLORE = {"weight_decay": {"alpha": 0.5}, "dropout": {"alpha": 0.4}, "attention_scale": {"alpha": 0.2},
+           "label_smoothing": {"base": 0.1, "alpha": 0.6}}
+
+
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                         attention_dropout=0.1)
+    return LlamaForCausalLM(config)
+
+
+def two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": matrices, "name": "matrices", "weight_decay": 0.1},
+                              {"params": vectors, "name": "vectors", "weight_decay": 0.02}], lr=1e-3)
+
+
+def record_group_values(optimizer: torch.optim.Optimizer) -> list[list[tuple[float, float]]]:
+    """Per optimizer step, each group's (lr, weight_decay) inside the step (this hook runs after HDET's)."""
+    used: list[list[tuple[float, float]]] = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(
+        [(group["lr"], group["weight_decay"]) for group in opt.param_groups]))
+    return used
+
+
+def expected_multiplier(name: str, replica: int, alpha: float, replicas: int = REPLICAS) -> float:
+    """rho_{pi(r)} for knob ``name`` at the start (seed 0), derived independently of the ensemble."""
+    permutation = PermutationStream(name, 0).draw(replicas)
+    return multipliers(replicas, alpha)[permutation[replica]]
+
+
+def test_each_knob_changes_what_each_replica_computes():
+    """Replica by replica (the topology of rank r of 4, no collectives before the first sync): the dropout
+    probabilities and softmax scales in the modules, the weight decay the optimizer steps with, and the label
+    smoothing the loss reads are the base values times this replica's own multiplier for that knob."""
+    seen = {"dropout": set(), "scaling": set(), "weight_decay/matrices": set(), "label_smoothing": set()}
+    for replica in range(REPLICAS):
+        model = tiny_llama()
+        optimizer = two_groups(model)
+        config = HDETConfig.from_dict({"alpha": 0.3, "spread": "linear", "explore": EXPLORE,
+                                        "auto_lr": LR_HELD_AT_GIVEN})
+        topology = ReplicaTopology(rank=replica, world_size=REPLICAS, ranks_per_replica=1)
+        hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology)
+        attention = [module for module in model.modules() if type(module).__name__ == "LlamaAttention"]
+        rho = {name: expected_multiplier(name, replica, alpha) for name, alpha in
+               [("dropout", 0.4), ("attention_scale", 0.2), ("weight_decay/matrices", 0.5),
+                ("weight_decay/vectors", 0.5), ("label_smoothing", 0.6), ("lr/matrices", 0.3)]}
+        for module in attention:
+            assert module.attention_dropout == pytest.approx(0.1 * rho["dropout"])
+            assert module.scaling == pytest.approx(8 ** -0.5 * rho["attention_scale"])
+        assert hdet.value("label_smoothing") == pytest.approx(0.1 * rho["label_smoothing"])
+        used = record_group_values(optimizer)
+        tokens = torch.randint(0, 64, (2, 8))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        (lr_matrices, wd_matrices), (_, wd_vectors) = used[0]
+        assert wd_matrices == pytest.approx(0.1 * rho["weight_decay/matrices"])
+        assert wd_vectors == pytest.approx(0.02 * rho["weight_decay/vectors"])
+        assert lr_matrices == pytest.approx(1e-3 * rho["lr/matrices"])
+        # Outside the step the optimizer holds the base values again.
+        assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.02]
+        seen["dropout"].add(round(attention[0].attention_dropout, 12))
+        seen["scaling"].add(round(attention[0].scaling, 12))
+        seen["weight_decay/matrices"].add(round(wd_matrices, 12))
+        seen["label_smoothing"].add(round(hdet.value("label_smoothing"), 12))
+        hdet.close()
+    assert all(len(values) == REPLICAS for values in seen.values()), seen  # every replica its own value
+
+
+def test_knob_guard_rails_and_clear_errors():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # SGD has weight_decay; 0 stays 0
+    config = HDETConfig.from_dict({"spread": "linear", "explore": {"dropout": {"alpha": 0.5}},
+                                   "auto_lr": LR_HELD_AT_GIVEN})
+    values = set()
+    for replica in range(REPLICAS):
+        topology = ReplicaTopology(rank=replica, world_size=REPLICAS, ranks_per_replica=1)
+        hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology)
+        values.add(model[1].p)
+        assert 0.0 <= model[1].p < 1.0  # 0.9 * 1.5 is clamped inside [0, 1)
+        hdet.close()
+    assert len(values) == REPLICAS - 1 and max(values) < 1.0  # the two multipliers above 1/0.9 both clamp
+    resting = torch.optim.SGD(model.parameters(), lr=0.0)  # e.g. a warm-up's first step: 0 stays 0
+    assert HDETEnsemble(HDETConfig(sync_interval=5), DDPAdapter(resting), topology=topology,
+                        total_steps=100).current_lrs() == [0.0]
+    with pytest.raises(HDETConfigError, match="explore.attention_scale cannot apply to Sequential"):
+        HDETEnsemble(HDETConfig.from_dict({"explore": {"attention_scale": {}}}), DDPAdapter(optimizer, model),
+                     topology=ReplicaTopology.single_process())
+    with pytest.raises(HDETConfigError, match="explore.dropout cannot apply to Linear: it has no nn.Dropout"):
+        HDETEnsemble(config, DDPAdapter(optimizer, nn.Linear(2, 2)), topology=ReplicaTopology.single_process())
+    with pytest.raises(HDETConfigError, match="explore.dropout needs the model"):
+        HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+    with pytest.raises(HDETConfigError, match="explore.label_smoothing.base is required"):
+        HDETConfig.from_dict({"explore": {"label_smoothing": {"alpha": 0.1}}})
+    with pytest.raises(HDETConfigError, match="explore.dropout.base is not used"):
+        HDETConfig.from_dict({"explore": {"dropout": {"base": 0.1}}})
+    with pytest.raises(HDETConfigError, match="unknown HDET setting 'explore.temperature'"):
+        HDETConfig.from_dict({"explore": {"temperature": {}}})
+    with pytest.raises(HDETConfigError, match=r"explore.weight_decay.alpha must be a number in \[0.0, 1.0\)"):
+        HDETConfig.from_dict({"explore": {"weight_decay": {"alpha": 1.0}}})
+
+
+def test_permutations_of_different_knobs_are_independent():
+    """Eq. 9: one stream per knob; which multiplier slot replica 0 holds is uncorrelated across knobs."""
+    names = ["lr/0", "weight_decay/0", "dropout", "attention_scale", "label_smoothing"]
+    streams = {name: PermutationStream(name, 0) for name in names}
+    draws = {name: torch.tensor([streams[name].draw(REPLICAS)[0] for _ in range(4000)], dtype=torch.float64)
+             for name in names}
+    for first in names:
+        for second in names:
+            if first < second:
+                correlation = torch.corrcoef(torch.stack([draws[first], draws[second]]))[0, 1].item()
+                assert abs(correlation) < 0.05, (first, second, correlation)
+    assert sorted(draws["dropout"].unique().tolist()) == [0, 1, 2, 3]
+
+
+def test_metrics_line_shows_every_knob(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    config = HDETConfig.from_dict({"sync_interval": 1, "metrics_path": str(metrics),
+                                   "explore": {"weight_decay": {}, "dropout": {}}})
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
+    hdet.step(1.0)
+    record = json.loads(metrics.read_text())
+    assert set(record["values"]) == {"lr/0", "weight_decay/0", "dropout"}
+    assert record["values"]["weight_decay/0"]["base"] == pytest.approx(0.01)  # AdamW's default
+    assert record["values"]["dropout"]["base"] == 1.0  # a factor on each module's own probability
+
+
+# ------------------------------------------------------------------------------ per-group LRs
+@pytest.mark.parametrize("tied", [False, True])
+def test_paper_param_groups_cover_every_parameter_once(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hdet_scale.param_groups import paper_param_groups
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config)
+    groups = {group["name"]: group for group in paper_param_groups(model, weight_decay=0.1)}
+    assert list(groups) == (["embedding", "no_decay", "transformer"] if tied
+                            else ["embedding", "no_decay", "non_embedding", "transformer"])
+    ids = [id(param) for group in groups.values() for param in group["params"]]
+    assert len(ids) == len(set(ids)) == len({id(param) for param in model.parameters()})
+    assert [id(p) for p in groups["embedding"]["params"]] == [id(model.model.embed_tokens.weight)]
+    assert all(p.dim() == 1 for p in groups["no_decay"]["params"]) and groups["no_decay"]["weight_decay"] == 0.0
+    layer_ids = {id(p) for p in model.model.layers.parameters() if p.dim() == 2}
+    assert {id(p) for p in groups["transformer"]["params"]} == layer_ids
+    if not tied:
+        assert [id(p) for p in groups["non_embedding"]["params"]] == [id(model.lm_head.weight)]
+    optimizer = torch.optim.AdamW(list(groups.values()), lr=1e-3)
+    hdet = HDETEnsemble(HDETConfig(sync_interval=1), DDPAdapter(optimizer, model),
+                        topology=ReplicaTopology.single_process())
+    report = hdet.step(1.0)
+    assert {name for name in report.values} == {f"lr/{name}" for name in groups}  # one controller per group

@@ -1,0 +1,56 @@
+"""HDETCallback in real multi-process Lightning runs (torchrun, 4 CPU ranks, DDPStrategy on gloo).
+
+Each launch is ``tests/lightning_job.py``; its record holds every rank's parameters after each optimizer step
+and just before each sync, so the checks compare with averages computed here.
+
+This file holds the tests that start no process; the tests that start a launcher or script as a subprocess are in
+tests/e2e/test_lightning_e2e.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+
+def test_strategies_and_loops_it_cannot_serve_are_refused():
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    from hdet_scale.config import HDETConfigError
+    from hdet_scale.integrations.lightning import HDETCallback, check_strategy
+
+    with pytest.raises(HDETConfigError, match="does not support FSDPStrategy \\(FSDP1, which needs a GPU\\)"):
+        check_strategy(FSDPStrategy())
+    with pytest.raises(HDETConfigError, match="does not support DeepSpeedStrategy"):
+        check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))  # its constructor wants DeepSpeed's GPU build
+    import lightning.pytorch as pl
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(HDETConfigError, match="needs automatic optimization"):
+        HDETCallback().setup(trainer, Manual(), "fit")
+
+
+def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
+    """An iterable dataset without max_steps: Lightning estimates an infinite run, so the default controller
+    start (2% of the run) has no step; with 2 replicas the callback says so before HDET attaches."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from hdet_scale.config import HDETConfigError
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    trainer = SimpleNamespace(optimizers=[optimizer], estimated_stepping_batches=float("inf"), world_size=2,
+                              strategy=DDPStrategy())
+    with pytest.raises(HDETConfigError, match=r"^auto_lr.start=0.02 is a share of the run and needs its "
+                                              r"length: this Trainer's length is unknown .*: set max_steps, or "
+                                              r"give auto_lr.start as a step \(an int\)$"):
+        HDETCallback().on_fit_start(trainer, None)

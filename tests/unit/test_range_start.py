@@ -1,0 +1,110 @@
+"""The LR range test a run can start with (``auto_lr.range_test``): the ramp each replica trains at, the pick from
+every rank's mean loss, the restart from the first weights with a fresh optimizer state, the start it gives the
+controller, and where it is refused.
+
+This file holds the tests that start no process; the tests on gloo ranks are in
+tests/distributed/test_range_start_distributed.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from hdet_scale import HDETConfig, HDETEnsemble, HDETOneCycleLR, ReplicaTopology
+from hdet_scale.config import AutoLRConfig, HDETConfigError
+from hdet_scale.controller import Controller, ControllerState
+from hdet_scale.engines.ddp import DDPAdapter, attach
+
+
+def test_adam_starts_afresh_and_onecycle_holds_through_the_test():
+    parameter = nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([parameter], lr=0.1)
+    scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=50, sync_interval=5,
+                               auto_lr={"range_test": 15, "start": 100})
+    first_lr = scheduler.get_last_lr()
+    for step in range(15):
+        optimizer.zero_grad()
+        loss = (parameter ** 2).sum()
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss.item())
+        if step < 14:
+            assert optimizer.state[parameter]["exp_avg"].abs().sum() > 0
+    assert scheduler.get_last_lr() == first_lr and scheduler.last_epoch == 0
+    state = optimizer.state[parameter]
+    assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
+    assert all(not value.any() for value in state.values())
+    assert torch.equal(parameter.detach(), torch.ones(4))
+    # one replica: its multiplier is 1, the schedule's peak (max_lr) is the pick
+    scale = scheduler.hdet.range_test_pick / 0.1
+    assert scheduler.hdet.value("lr/0") == pytest.approx(first_lr[0] * scale)
+
+
+def test_a_resumed_run_does_not_test_again():
+    def scheduler_of(parameter: nn.Parameter) -> HDETOneCycleLR:
+        return HDETOneCycleLR(torch.optim.SGD([parameter], lr=0.1), max_lr=0.1, total_steps=50, sync_interval=5,
+                              auto_lr={"range_test": 15, "start": 100})
+
+    first = scheduler_of(nn.Parameter(torch.ones(2)))
+    for _ in range(15):
+        first.step(1.0)
+    saved = first.state_dict()
+    resumed = scheduler_of(nn.Parameter(torch.ones(2)))
+    assert resumed.hdet.ramping
+    resumed.load_state_dict(saved)
+    assert not resumed.hdet.ramping
+    assert resumed.hdet.value("lr/0") == pytest.approx(first.hdet.value("lr/0"))
+
+
+def test_a_step_without_a_loss_is_refused_during_the_test():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20)), DDPAdapter(optimizer),
+                        topology=ReplicaTopology.single_process())
+    with pytest.raises(ValueError, match="range test .* needs every step's loss"):
+        hdet.step()
+
+
+def test_the_controller_bounds_are_relative_to_where_the_test_started_it():
+    controller = Controller(AutoLRConfig(mode="scale", beta=0.0, step_size=0.5, scale_min=0.5, scale_max=2.0))
+    state = ControllerState(scale=0.3, anchor=0.3)
+    for weights in ([0.0, 1.0], [1.0, 0.0]):
+        for _ in range(200):
+            state = controller.update(state, weights=weights, replica_multipliers=[0.5, 1.5], scheduled_value=1.0,
+                                      step=10, sync_interval=5)
+        assert state.anchor == 0.3
+        assert state.scale == pytest.approx(0.6 if weights == [0.0, 1.0] else 0.15)
+    assert ControllerState.from_state_dict({"velocity": 0.0, "scale": 2.0, "last_delta": 0.0}).anchor == 1.0
+
+
+@pytest.mark.parametrize(("auto_lr", "message"), [
+    ({"range_test": 5}, r"auto_lr.range_test=5: a range test needs at least 13 steps"),
+    ({"range_test": -1}, "auto_lr.range_test"),
+    ({"range_test": 20, "enabled": False}, "auto_lr.range_test sets the scale .* set it to 0 or turn auto_lr on"),
+    ({"range_test": 20, "mode": "paper"}, "auto_lr.range_test sets the scale"),
+    ({"range_test": 20, "initial_scale": 0.1}, "remove initial_scale"),
+])
+def test_bad_range_test_settings_are_refused_in_one_line(auto_lr, message):
+    with pytest.raises(HDETConfigError, match=message):
+        HDETConfig.from_dict({"auto_lr": auto_lr})
+
+
+def test_after_a_range_test_the_controller_climbs_from_the_pick():
+    assert AutoLRConfig(range_test=20).filled().initial_scale == 1.0
+    assert AutoLRConfig().filled().initial_scale == 0.1
+
+
+def test_the_loops_that_would_run_their_scheduler_through_the_test_refuse_it():
+    from hdet_scale.integrations.hf_trainer import add_hdet
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    with pytest.raises(HDETConfigError, match="range_test is not supported in Lightning"):
+        HDETCallback(auto_lr={"range_test": 20})
+    with pytest.raises(HDETConfigError, match="range_test is not supported in the transformers Trainer"):
+        add_hdet(SimpleNamespace(), {"auto_lr": {"range_test": 20}})
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    assert attach(None, optimizer, HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20)),
+                  topology=ReplicaTopology.single_process()).ramping

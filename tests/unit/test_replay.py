@@ -1,0 +1,154 @@
+"""Replaying a discovered schedule: the bases HDET records per step, their export, and ReplaySchedule.
+
+This file holds the tests that start no process; the tests on gloo ranks are in
+tests/distributed/test_replay_distributed.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hdet_scale import HDETConfig, HDETEnsemble, ReplaySchedule, ReplicaTopology
+from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.replay import SCHEDULE_FORMAT, ScheduleFileError, schedule_from_records, write_schedule
+from hdet_scale.report import main
+from hdet_scale.report_runs import load_run, sync_records
+
+
+def sync_line(step: int, bases: dict[str, list[float]]) -> dict:
+    return {"step": step, "replica_losses": [1.0, 1.1],
+            "values": {name: {"base": values[-1], "scale": 1.0, "replica_values": [values[-1]] * 2,
+                              "applied_bases": values} for name, values in bases.items()}}
+
+
+def write_lines(path, lines: list[dict]) -> None:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+# ------------------------------------------------------------------------------------------ export
+def test_the_export_joins_the_intervals_step_by_step_and_the_later_line_of_a_step_wins(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    write_lines(metrics, [
+        sync_line(3, {"lr/0": [0.1, 0.2, 0.3]}),
+        sync_line(6, {"lr/0": [9.0, 9.0, 9.0]}),  # from a run that was preempted after its checkpoint at 3
+        {"step": 4, "heldout_loss": 2.0},
+        sync_line(6, {"lr/0": [0.4, 0.5, 0.6]}),  # the resumed run's line for step 6
+        sync_line(8, {"lr/0": [0.7, 0.8]}),  # a last sync between regular ones (the run's end)
+    ])
+    schedule = schedule_from_records(sync_records(load_run(metrics)), "run.jsonl")
+    assert schedule == {"format": SCHEDULE_FORMAT, "source": "run.jsonl", "steps": 8,
+                        "values": {"lr/0": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]}}
+
+
+def test_the_export_refuses_gaps_and_files_without_bases(tmp_path):
+    gap = [sync_line(3, {"lr/0": [0.1, 0.2, 0.3]}), sync_line(9, {"lr/0": [0.7, 0.8, 0.9]})]
+    with pytest.raises(ScheduleFileError, match=r"'lr/0' has no base for steps 4\.\.6 \(3 steps\)"):
+        schedule_from_records(gap, "gap.jsonl")
+    old = sync_line(3, {"lr/0": [0.1]})
+    del old["values"]["lr/0"]["applied_bases"]
+    with pytest.raises(ScheduleFileError, match="old.jsonl: the sync line of step 3 has no applied_bases"):
+        schedule_from_records([old], "old.jsonl")
+    with pytest.raises(ScheduleFileError, match="no HDET sync lines"):
+        schedule_from_records([{"step": 3, "loss": 1.0}], "plain.jsonl")
+
+
+def test_the_command_line_writes_the_schedule_and_says_what_it_needs(tmp_path, capsys):
+    metrics = tmp_path / "run.jsonl"
+    write_lines(metrics, [sync_line(2, {"lr/0": [0.1, 0.2], "weight_decay/0": [0.01, 0.01]})])
+    assert main([str(metrics), "--export-schedule", str(tmp_path / "schedule.json")]) == 0
+    assert "lr/0, weight_decay/0 over 2 steps" in capsys.readouterr().out
+    assert json.loads((tmp_path / "schedule.json").read_text())["values"]["lr/0"] == [0.1, 0.2]
+    for argv, message in (([str(metrics)], "give --out DIR"),
+                          ([str(metrics), str(metrics), "--export-schedule", "x.json"], "reads one run's")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ ReplaySchedule
+def named_optimizer() -> torch.optim.Optimizer:
+    return torch.optim.AdamW([{"params": [nn.Parameter(torch.ones(2))], "name": "embedding"},
+                              {"params": [nn.Parameter(torch.ones(2))], "name": "transformer"}],
+                             lr=1.0, weight_decay=0.5)
+
+
+def applied_per_step(optimizer: torch.optim.Optimizer, scheduler: ReplaySchedule, steps: int) -> list[list[float]]:
+    """[lr of each group, weight decay of the second] as ``optimizer.step()`` saw them, step by step."""
+    seen = []
+    handle = optimizer.register_step_pre_hook(lambda opt, *_: seen.append(
+        [opt.param_groups[0]["lr"], opt.param_groups[1]["lr"], opt.param_groups[1]["weight_decay"]]))
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    handle.remove()
+    return seen
+
+
+SCHEDULE = {"format": SCHEDULE_FORMAT, "source": "run.jsonl", "steps": 3,
+            "values": {"lr/embedding": [0.1, 0.2, 0.3], "lr/transformer": [1.0, 2.0, 3.0],
+                       "weight_decay/transformer": [0.01, 0.02, 0.03], "label_smoothing": [0.1, 0.1, 0.2]}}
+
+
+def test_replay_applies_the_recorded_values_at_every_step_then_holds_the_last(tmp_path):
+    path = write_schedule(SCHEDULE, tmp_path / "schedule.json")
+    optimizer = named_optimizer()
+    scheduler = ReplaySchedule(optimizer, path)
+    assert scheduler.value("label_smoothing") == 0.1
+    with pytest.warns(UserWarning, match="past the replayed schedule's 3 steps"):
+        seen = applied_per_step(optimizer, scheduler, 5)
+    assert seen == [[0.1, 1.0, 0.01], [0.2, 2.0, 0.02], [0.3, 3.0, 0.03], [0.3, 3.0, 0.03], [0.3, 3.0, 0.03]]
+    assert optimizer.param_groups[0]["weight_decay"] == 0.5  # not in the schedule: left alone
+
+
+def test_replay_resumes_from_its_state_dict_without_storing_the_schedule(tmp_path):
+    path = write_schedule(SCHEDULE, tmp_path / "schedule.json")
+    optimizer = named_optimizer()
+    scheduler = ReplaySchedule(optimizer, path)
+    applied_per_step(optimizer, scheduler, 1)
+    state = scheduler.state_dict()
+    assert "values" not in state and state["last_epoch"] == 1
+    resumed_optimizer = named_optimizer()
+    resumed = ReplaySchedule(resumed_optimizer, path)
+    resumed.load_state_dict(state)
+    resumed.step()  # what a resumed loop's first step sees: the state after step 1, then one scheduler step ahead
+    assert resumed_optimizer.param_groups[0]["lr"] == 0.3
+
+
+def test_replay_refuses_other_param_groups_and_other_files(tmp_path):
+    path = write_schedule(SCHEDULE, tmp_path / "schedule.json")
+    plain = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=1.0)
+    with pytest.raises(ScheduleFileError, match="'lr/embedding' is for param group 'embedding'; the optimizer's "
+                                                r"groups are \['0'\]"):
+        ReplaySchedule(plain, path)
+    one_group = dict(SCHEDULE, values={"lr/embedding": [0.1, 0.2, 0.3]})
+    with pytest.raises(ScheduleFileError, match=r"no lr for param group\(s\) \['transformer'\]"):
+        ReplaySchedule(named_optimizer(), write_schedule(one_group, tmp_path / "one.json"))
+    short = dict(SCHEDULE, values={**SCHEDULE["values"], "lr/embedding": [0.1]})
+    with pytest.raises(ScheduleFileError, match=r"values\['lr/embedding'\] must be 3 finite numbers >= 0"):
+        ReplaySchedule(named_optimizer(), write_schedule(short, tmp_path / "short.json"))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(ScheduleFileError, match="not a JSON schedule"):
+        ReplaySchedule(named_optimizer(), tmp_path / "metrics.jsonl")
+    (tmp_path / "line.json").write_text('{"step": 1}\n')
+    with pytest.raises(ScheduleFileError, match="'format' must be 'hdet_scale.schedule/1'"):
+        ReplaySchedule(named_optimizer(), tmp_path / "line.json")
+
+
+# ------------------------------------------------------------------------------------------ what HDET records
+def test_a_step_without_an_optimizer_step_still_gets_its_base(tmp_path):
+    """An AMP overflow skips optimizer.step(): the line still has one base per step, so the steps stay aligned."""
+    metrics = tmp_path / "metrics.jsonl"
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(sync_interval=3, metrics_path=str(metrics)), DDPAdapter(optimizer),
+                        topology=ReplicaTopology.single_process())
+    for lr, skipped in ((0.1, False), (0.2, True), (0.3, False)):
+        optimizer.param_groups[0]["lr"] = lr
+        if not skipped:
+            optimizer.step()
+        hdet.step(1.0)
+    hdet.close()
+    assert json.loads(metrics.read_text())["values"]["lr/0"]["applied_bases"] == [0.1, 0.2, 0.3]

@@ -1,0 +1,200 @@
+"""A bad resume is refused before training, in one line, touching nothing; a checkpoint loads into more and fewer
+replicas (FSDP2 and DeepSpeed, real gloo ranks); settings that would do nothing are refused up front.
+
+This file holds the tests that start no process; the tests on gloo ranks are in
+tests/distributed/test_resume_distributed.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from hdet_scale.lm.checkpoints import (
+    MANIFEST,
+    ResumeError,
+    check_resume,
+    identity,
+    settle_interrupted_save,
+    write_manifest,
+)
+from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
+
+MODEL = {"preset": "tiny", "hidden_size": 64, "vocab_size": 256}
+
+
+def run(engine: str = "fsdp", zero_stage: int | None = None, replicas: int = 2, per_replica: int = 2,
+        explored: list[str] | None = None, model: dict | None = None) -> dict:
+    return identity(engine=engine, zero_stage=zero_stage, model=model or MODEL, replicas=replicas,
+                    ranks_per_replica=per_replica, explored=explored or [])
+
+
+def fake_checkpoint(out: Path, saved: dict, *, deepspeed_tag: str | None = None) -> Path:
+    """A checkpoint folder as train.py leaves it: FSDP2's ``latest/``, or DeepSpeed's tag named by ``latest``."""
+    root = out / "checkpoints"
+    path = root / (deepspeed_tag or "latest")
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"m" * 10)
+    (path / "__0_0.distcp").write_bytes(b"s" * 100)
+    if deepspeed_tag:
+        (root / "latest").write_text(deepspeed_tag)
+    write_manifest(path, saved, step=20)
+    return path
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*")}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda out, path: None, None),
+    (lambda out, path: (path / "__0_0.distcp").write_bytes(b"s" * 40), r"is damaged: __0_0.distcp has 40 bytes, 100"),
+    (lambda out, path: (path / ".metadata").unlink(), r"is incomplete: .metadata is missing"),
+    (lambda out, path: (path / MANIFEST).unlink(), r"has no run.json \(it is incomplete, or was not written"),
+])
+def test_files_are_checked_before_anything_is_touched(tmp_path, change, message):
+    path = fake_checkpoint(tmp_path, run())
+    change(tmp_path, path)
+    before = snapshot(tmp_path)
+    if message is None:
+        point = check_resume(tmp_path, run(replicas=4, per_replica=1))
+        assert point.step == 20 and point.layout_changed and "saved replica r mod 2" in point.layout_line()
+    else:
+        with pytest.raises(ResumeError, match=message):
+            check_resume(tmp_path, run())
+    assert snapshot(tmp_path) == before  # a refused (or accepted) check writes nothing
+
+
+@pytest.mark.parametrize(("current", "message"), [
+    (run(engine="deepspeed", zero_stage=2), r"was written by fsdp, this run uses deepspeed ZeRO-2"),
+    (run(model={**MODEL, "hidden_size": 256}), r"holds another model \(hidden_size 64 -> 256\)"),
+    (run(explored=["label_smoothing"]), r"explores \[\], this run \['label_smoothing'\]"),
+])
+def test_what_cannot_continue_is_refused_in_one_line(tmp_path, current, message):
+    fake_checkpoint(tmp_path, run())
+    with pytest.raises(ResumeError, match=message) as caught:
+        check_resume(tmp_path, current)
+    assert "\n" not in str(caught.value) and str(tmp_path / "checkpoints" / "latest") in str(caught.value)
+
+
+def test_deepspeed_checkpoints_keep_their_shard_size(tmp_path):
+    saved = run(engine="deepspeed", zero_stage=1, per_replica=2)
+    fake_checkpoint(tmp_path, saved, deepspeed_tag="step20")
+    assert check_resume(tmp_path, run(engine="deepspeed", zero_stage=1, replicas=4, per_replica=2)).replicas == 4
+    with pytest.raises(ResumeError, match="sharded over 2 rank\\(s\\) per replica, this run 1"):
+        check_resume(tmp_path, run(engine="deepspeed", zero_stage=1, per_replica=1))
+    assert check_resume(tmp_path / "elsewhere", saved) is None  # no checkpoint: a fresh start
+
+
+def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "latest.tmp").mkdir(parents=True)
+    (root / "latest.tmp" / "shard").write_text("x")
+    assert settle_interrupted_save(tmp_path) == [f"removed {root / 'latest.tmp'}, left by an interrupted checkpoint"]
+    assert not (root / "latest.tmp").exists() and settle_interrupted_save(tmp_path) == []
+
+
+def staged(out: Path, name: str, step: int) -> Path:
+    """A complete FSDP2 checkpoint at ``step`` under the staging name ``name``."""
+    path = fake_checkpoint(out / name, run())
+    target = out / "checkpoints" / name
+    target.parent.mkdir(exist_ok=True)
+    path.rename(target)
+    write_manifest(target, run(), step=step)
+    return target
+
+
+@pytest.mark.parametrize("newest", ["latest.tmp", "latest.old"])
+def test_a_kill_between_the_two_renames_loses_no_checkpoint(tmp_path, newest):
+    """FSDP2's save moves latest to latest.old, then latest.tmp to latest. Killed in between, --resume found no
+    latest, started afresh, and the start removed both complete checkpoints. Now the newest complete one is
+    resumed from, promoted to latest, and only then is the older one removed."""
+    older = "latest.old" if newest == "latest.tmp" else "latest.tmp"
+    staged(tmp_path, older, step=10)
+    staged(tmp_path, newest, step=30)
+    root = tmp_path / "checkpoints"
+    point = check_resume(tmp_path, run())
+    assert (point.path, point.step) == (root / newest, 30)
+    assert settle_interrupted_save(tmp_path) == [
+        f"promoted {root / newest} (complete, step 30) to {root / 'latest'}, left by a checkpoint interrupted "
+        "between its renames", f"removed {root / older}, left by an interrupted checkpoint"]
+    assert sorted(path.name for path in root.iterdir()) == ["latest"]
+    assert check_resume(tmp_path, run()).step == 30
+
+
+def test_an_incomplete_staging_is_never_preferred_to_a_complete_one(tmp_path):
+    staged(tmp_path, "latest.old", step=10)
+    damaged = staged(tmp_path, "latest.tmp", step=30)
+    (damaged / "__0_0.distcp").write_bytes(b"s" * 40)
+    assert check_resume(tmp_path, run()).step == 10
+    settle_interrupted_save(tmp_path)
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["latest"]
+    assert check_resume(tmp_path, run()).step == 10
+
+
+# ---------------------------------------------------------------------------------------- train.py, no launch
+@pytest.fixture
+def single_process(monkeypatch):
+    for name, value in SINGLE_PROCESS.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_another_engines_checkpoint_is_refused_before_any_process_group(tmp_path, single_process):
+    fake_checkpoint(tmp_path, run(engine="fsdp", replicas=1, per_replica=1))
+    args = parse_args(["--engine", "deepspeed", "--zero_stage", "1", "--out", str(tmp_path), "--resume",
+                       "--max_data_mb", "1"])
+    with pytest.raises(ResumeError, match="written by fsdp, this run uses deepspeed ZeRO-1"):
+        plan(args)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("words", "message"), [
+    (["--hdet_config", "{hdet}"], r"explore.dropout explores the model's dropout, and it has none: pass --dropout"),
+    (["--engine", "deepspeed", "--deepspeed_config", "{fp16}"], r"fp16.enabled: HDET supports fp32 and bf16"),
+    (["--engine", "deepspeed", "--deepspeed_config", "{offload}"], r"offload_optimizer.device='cpu'"),
+    (["--engine", "deepspeed", "--deepspeed_config", "{batch}"],
+     r"train_batch_size=24 does not match train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x "
+     r"1 ranks = 4"),
+])
+def test_settings_that_would_do_nothing_or_fail_late_are_refused_first(tmp_path, single_process, words, message):
+    files = {"hdet": {"explore": {"dropout": {"alpha": 0.3}}},
+             "fp16": {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}},
+             "offload": {"train_micro_batch_size_per_gpu": 4,
+                         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+             "batch": {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}}
+    paths = {}
+    for name, content in files.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(content))
+    args = parse_args([word.format(**paths) for word in words] + ["--out", str(tmp_path), "--max_data_mb", "1"])
+    with pytest.raises(ValueError, match=message):
+        plan(args)
+    assert not dist.is_initialized()
+
+
+def test_a_full_disk_is_found_before_a_save_starts(tmp_path):
+    from hdet_scale.lm.checkpoints import check_free_space
+
+    check_free_space(tmp_path)  # no checkpoint yet: nothing to compare with
+    path = fake_checkpoint(tmp_path, run())
+    check_free_space(tmp_path)  # 110 bytes: room enough
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["__0_0.distcp"] = 2**62  # as if the last checkpoint had been 4 EiB
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(OSError, match=r"no room for a checkpoint in .*: the last one took .* GiB, .* GiB are free"):
+        check_free_space(tmp_path)
+
+
+def test_a_collective_checkpoint_failure_is_told_by_its_first_rank_in_one_line():
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from hdet_scale.comm import one_line
+
+    failures = {rank: _wrap_exception(NotADirectoryError(f"Not a directory: 'latest.tmp' (rank {rank})\nmore"))
+                for rank in (3, 1)}
+    assert one_line(CheckpointException("CheckpointException ranks", failures)) == (
+        "NotADirectoryError: Not a directory: 'latest.tmp' (rank 1)")
+    assert one_line(ValueError("")) == "ValueError: "

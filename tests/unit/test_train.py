@@ -1,0 +1,233 @@
+"""train.py end to end: real torchrun and deepspeed launches of the tiny model on CPU ranks.
+
+Launches cost tens of seconds here, so a few runs are shared by the tests through fixtures: FSDP2 in global mode
+runs uninterrupted (the README's main job, shortened: conftest's ``main_job``, which test_readme_e2e.py checks too),
+then again with a SIGTERM and a --resume (the two must end on the same parameters); DeepSpeed ZeRO-2 runs in
+global mode, and ZeRO-3 in local mode is preempted and resumed. Bad inputs are checked in-process and through one
+real launch.
+
+This file holds the tests that start no process; the tests that start a launcher or script as a subprocess are in
+tests/e2e/test_train_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hdet_scale import train
+from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
+
+
+# -------------------------------------------------------------------------------------- bad input
+@pytest.fixture
+def single_process(monkeypatch, tmp_path):
+    """What train.py's main sets when started without a launcher, in an empty folder (the default --out)."""
+    for name, value in SINGLE_PROCESS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+
+
+def check(argv: list[str], message: str) -> None:
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        plan(parse_args(argv))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.usefixtures("single_process")
+def test_bad_inputs_fail_before_any_process_group(tmp_path):
+    check(["--data", str(tmp_path / "missing")], "--data .*missing: no such file or directory")
+    check(["--preset", "huge"], "--preset 'huge' does not exist; choose one of tiny, small")
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    check(["--data", str(empty), "--vocab_size", "100"], "the token file is empty")
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")
+    check(["--data", str(odd), "--vocab_size", "100"], "not a whole number of uint16 tokens")
+    wrong_vocab = tmp_path / "tokens.bin"
+    wrong_vocab.write_bytes(torch.arange(1000, dtype=torch.int16).numpy().tobytes())
+    check(["--data", str(wrong_vocab), "--vocab_size", "500"], "token id 999 is outside the vocabulary of 500")
+    check(["--data", str(wrong_vocab)], "give its tokenizer's vocabulary with --vocab_size")
+    check(["--data", str(wrong_vocab), "--vocab_size", "1000", "--seq_len", "512"],
+          "too few for one batch of 8 x 513 tokens")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    check(["--data", str(texts)], "no text files")
+    bad_hdet = tmp_path / "hdet.json"
+    bad_hdet.write_text(json.dumps({"alpha": 0.5, "sync_intervall": 10}))
+    check(["--hdet_config", str(bad_hdet)], "sync_intervall")
+    bad_hdet.write_text(json.dumps({"alpha": -0.5}))
+    check(["--hdet_config", str(bad_hdet)], "alpha")
+    check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")  # 300 steps: T = 5
+    check(["--steps", "1500", "--eval_interval", "30"], "--eval_interval=30 must be a multiple of sync_interval=25")
+    check(["--steps", "0"], "--steps must be at least 1")
+    # docs/train.md's DeepSpeed JSON without its --steps: a 300-step run of a 300,000-step schedule learned nothing
+    zero2 = str(Path(__file__).resolve().parents[2] / "ds_configs" / "zero2_bf16.json")
+    check(["--deepspeed_config", zero2], "--steps is 300 and the DeepSpeed JSON's "
+          "scheduler.params.total_num_steps is 300000: the LR schedule must end when the run does; pass --steps "
+          "300000")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_run_in_its_out_is_refused_unless_resumed_or_overwritten(tmp_path):
+    """A fresh run into the --out of a finished run used to replace its checkpoint, metrics and model with no
+    word. Each of them alone is a run that --resume or --overwrite must name."""
+    out = tmp_path / "run"
+    for left in ("checkpoints/latest/run.json", "final/model.safetensors", "hdet_metrics.jsonl"):
+        shutil.rmtree(out, ignore_errors=True)
+        (out / left).parent.mkdir(parents=True, exist_ok=True)
+        (out / left).write_text("{}")
+        check(["--out", str(out)], rf"--out {out} holds a run already \({out / left.split('/')[0]}\): pass --resume "
+                                   "to continue it, --overwrite to start afresh over it, or choose another --out")
+        assert plan(parse_args(["--out", str(out), "--overwrite"])).resume is None
+        assert (out / left).exists()  # nothing is removed before the process group starts
+    check(["--out", str(out), "--resume", "--overwrite"], "--resume continues the run in --out and --overwrite "
+                                                          "replaces it: pass one of them")
+    (out / "hdet_metrics.jsonl").write_text("")  # an empty metrics file is no run
+    plan(parse_args(["--out", str(out)]))
+
+
+def test_overwrite_removes_the_previous_runs_checkpoints_model_and_metrics_only(tmp_path):
+    from hdet_scale.lm.checkpoints import remove_previous_run
+
+    for left in ("checkpoints/latest/run.json", "final/config.json", "hdet_metrics.jsonl", "tensorboard/events",
+                 "notes.txt"):
+        (tmp_path / left).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / left).write_text("x")
+    metrics = str(tmp_path / "hdet_metrics.jsonl")
+    removed = remove_previous_run(tmp_path, metrics)
+    assert removed == [tmp_path / "checkpoints", tmp_path / "final", tmp_path / "hdet_metrics.jsonl"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "tensorboard"]
+
+
+@pytest.mark.usefixtures("single_process")
+def test_an_out_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    check(["--out", str(blocker / "run")], f"--out {blocker / 'run'}: cannot create it \\({blocker} is not a "
+                                           "directory\\); choose another directory")
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"metrics_path": str(blocker / "m.jsonl")}))
+    check(["--hdet_config", str(hdet)], "metrics_path's folder .*a_file: cannot create it")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_command_line_error_is_said_once(rank, monkeypatch, capsys):
+    """argparse's own errors (here a negative number after --lr, read as an option) came from every rank."""
+    for name, value in {**SINGLE_PROCESS, "RANK": str(rank), "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    waits = []
+    monkeypatch.setattr(train.time, "sleep", waits.append)
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--lr", "-1e-3"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and not dist.is_initialized()
+    assert err.count("usage:") == (1 if rank == 0 else 0)
+    assert "train.py: error" in err and "--lr: expected one argument" in err
+    assert waits == ([] if rank == 0 else [train.BAD_INPUT_GRACE_S])
+
+
+def test_a_cut_short_metrics_line_is_dropped_and_the_rest_kept(tmp_path, capsys):
+    from hdet_scale.lm.progress import Progress
+
+    metrics = tmp_path / "hdet_metrics.jsonl"
+    metrics.write_text('{"step": 5, "loss": 1}\n{"step": 10, "loss": 2}\n{"step": 15, "loss": 3}\n{"step": 20, "lo')
+    Progress(tmp_path, enabled=True, bar=False, total=20, metrics_path=str(metrics)).truncate_metrics(str(metrics), 10)
+    assert metrics.read_text() == '{"step": 5, "loss": 1}\n{"step": 10, "loss": 2}\n'
+    assert "dropped 1 unreadable line(s), left by an interrupted write" in capsys.readouterr().out
+    assert not (tmp_path / "hdet_metrics.jsonl.tmp").exists()
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(tmp_path):
+    from hdet_scale.replay import SCHEDULE_FORMAT
+
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
+                                    "values": {"lr/0": [1e-3] * 10}}))
+    check(["--replay_schedule", str(schedule), "--steps", "20"], "covers 10 steps and --steps is 20: pass --steps 10")
+    check(["--replay_schedule", str(schedule), "--steps", "5"], "covers 10 steps and --steps is 5: pass --steps 10")
+    check(["--replay_schedule", str(tmp_path / "none.json")], "--replay_schedule .*none.json: no such schedule file")
+    check(["--replay_schedule", str(schedule), "--steps", "10", "--hdet_config", str(schedule)],
+          "--replay_schedule trains without HDET: drop --hdet_config")
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "scheduler": {"type": "WarmupLR"}}))
+    check(["--replay_schedule", str(schedule), "--steps", "10", "--deepspeed_config", str(ds_config)],
+          "--replay_schedule and the DeepSpeed JSON's \"scheduler\" both set the LR")
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
+                                    "values": {"lr/0": [1e-3] * 10, "label_smoothing": [0.1] * 10}}))
+    check(["--replay_schedule", str(schedule), "--steps", "10"], r"also explored \['label_smoothing'\]")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_range_test_under_deepspeed_is_refused_before_any_process_group(tmp_path):
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"auto_lr": {"range_test": 20}}))
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
+    check(["--hdet_config", str(hdet), "--deepspeed_config", str(ds_config)],
+          "range_test is not supported with DeepSpeed yet")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_the_controller_starts_at_its_share_of_the_run(tmp_path):
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"sync_interval": 5, "auto_lr": {"start": 0.1}}))
+    checked = plan(parse_args(["--hdet_config", str(hdet), "--steps", "40"]))
+    assert checked.config.auto_lr.start == 4  # round(0.1 x 40)
+
+
+@pytest.mark.usefixtures("single_process")
+def test_token_file_trains_the_vocabulary_it_names(tmp_path):
+    tokens = (torch.arange(20_000) % 300).to(torch.int32)
+    path = tmp_path / "tokens.u32"
+    path.write_bytes(tokens.numpy().astype("uint32").tobytes())
+    checked = plan(parse_args(["--data", str(path), "--token_dtype", "uint32", "--vocab_size", "300"]))
+    assert checked.corpus.vocab_size == 300
+    assert len(checked.corpus.train) + len(checked.corpus.heldout) == 20_000
+    assert int(checked.corpus.train[299]) == 299  # read as uint32, in order
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_speaks_at_once_about_a_bad_input(rank, tmp_path, monkeypatch, capsys):
+    """Rank 0 says why and exits at once. Another rank first waits for its launcher to stop it, so that it
+    cannot end the launch before rank 0 has spoken; still running after the grace, it says why itself."""
+    for name, value in {**SINGLE_PROCESS, "RANK": str(rank), "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    waits = []
+    monkeypatch.setattr(train.time, "sleep", waits.append)
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+    assert stop.value.code == 2 and not dist.is_initialized()
+    assert waits == ([] if rank == 0 else [train.BAD_INPUT_GRACE_S])
+    where = "" if rank == 0 else " (rank 1)"
+    assert capsys.readouterr().err.startswith(f"train.py: error{where}: --data ")
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    for option, default in (("--steps", 300), ("--lr", 0.003), ("--out", "runs/train"), ("--probe_batch", 16),
+                            ("--on_signal", "sync_now"), ("--preset", "tiny")):
+        assert re.search(rf"{option} .*?\(default: {re.escape(str(default))}\)", shown), option
+
+
+def test_the_peak_lr_the_found_lr_is_said_against():
+    """--lr, unless the DeepSpeed JSON sets the peak: its scheduler's warmup_max_lr, else its optimizer's lr
+    (WarmupCosineLR peaks there)."""
+    from hdet_scale.lm.plan import given_peak_lr
+
+    args = parse_args(["--lr", "0.002"])
+    assert given_peak_lr(args, None) == (0.002, "--lr")
+    assert given_peak_lr(args, {"scheduler": {"type": "WarmupCosineLR", "params": {}}}) == (0.002, "--lr")
+    assert given_peak_lr(args, {"optimizer": {"params": {"lr": 3e-4}}}) == (3e-4, "the DeepSpeed JSON's lr")
+    assert given_peak_lr(args, {"optimizer": {"params": {"lr": 3e-4}},
+                                "scheduler": {"params": {"warmup_max_lr": 1e-3}}}) == (
+        1e-3, "the DeepSpeed JSON's warmup_max_lr")

@@ -1,0 +1,39 @@
+"""Warm noisy initialization (eq. 10) on real gloo ranks with DDP, FSDP2 and DeepSpeed ZeRO 0-3 (no mocks).
+
+Every engine starts from the same model and seed, so a replica's noised fp32 parameters must be the same
+whatever the engine and however many ranks shard it: the runs return replica 0's and replica 1's weights
+and the test compares them across engines and replica sizes. Inside each run: the noise has eq. 10's std
+(norm and count over the whole model, computed here on the full model), replicas differ, the ranks of a
+replica agree, and a training step afterwards keeps the noise (alpha = 0 in global mode: every replica
+applies the same update, so the differences between replicas are exactly the noise's).
+
+This file holds the tests that start no process; the tests on gloo ranks are in
+tests/distributed/test_warm_init_distributed.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hdet_scale import warm_init
+
+NU, SEED = 0.01, 3
+
+
+def test_a_range_of_noise_is_the_same_however_it_is_cut(monkeypatch):
+    monkeypatch.setattr(warm_init, "NOISE_CHUNK", 1000)
+    numel = 2500  # two whole chunks and a half
+    whole = warm_init.replica_noise(numel, 0, numel, seed=SEED, replica_index=1, index=4)
+    assert whole.shape == (numel,) and whole.std().item() == pytest.approx(1.0, rel=0.1)
+    for cuts in ([0, 1250, 2500], [0, 999, 1000, 1001, 2500], [0, 0, 7, 2499, 2500]):  # shards of any layout
+        parts = [warm_init.replica_noise(numel, a, b, seed=SEED, replica_index=1, index=4)
+                 for a, b in zip(cuts, cuts[1:], strict=False)]
+        assert torch.equal(torch.cat(parts), whole)
+    first_chunk = torch.randn(1000, generator=torch.Generator().manual_seed(
+        warm_init.stream_seed(SEED, "warm_init/1/4/0")))  # independently: chunk 0's own generator
+    assert torch.equal(whole[:1000], first_chunk)
+    other_replica = warm_init.replica_noise(numel, 0, numel, seed=SEED, replica_index=0, index=4)
+    assert abs(torch.corrcoef(torch.stack([whole, other_replica]))[0, 1].item()) < 0.1
+    with pytest.raises(ValueError, match="not within a parameter of 2500"):
+        warm_init.replica_noise(numel, 2000, 2501, seed=SEED, replica_index=1, index=4)
