@@ -1,15 +1,6 @@
-"""Warm noisy initialization (eq. 10) on real gloo ranks with DDP, FSDP2 and DeepSpeed ZeRO 0-3 (no mocks).
-
-Every engine starts from the same model and seed, so a replica's noised fp32 parameters must be the same
-whatever the engine and however many ranks shard it: the runs return replica 0's and replica 1's weights
-and the test compares them across engines and replica sizes. Inside each run: the noise has eq. 10's std
-(norm and count over the whole model, computed here on the full model), replicas differ, the ranks of a
-replica agree, and a training step afterwards keeps the noise (alpha = 0 in global mode: every replica
-applies the same update, so the differences between replicas are exactly the noise's).
-
-This file holds the tests that start no process; the tests on gloo ranks are in
-tests/distributed/test_warm_init_distributed.py.
-"""
+"""Warm noisy initialization (eq. 10) without processes: a replica's noise is one stream over the whole model,
+so any cut of it into shards draws the same numbers. The engines' runs on gloo ranks are in
+tests/distributed/test_warm_init_distributed.py."""
 
 from __future__ import annotations
 
