@@ -94,7 +94,7 @@ def test_fsdp_run_end_to_end(fsdp_runs):
     found = re.search(r"found LR (\S+) \((\S+) x --lr\)\n*$", result.stdout)
     assert found, result.stdout[-2000:]
     factor = lines[-1]["values"]["lr/0"]["scale"]
-    assert float(found[2]) == pytest.approx(factor, rel=2e-3)
+    assert float(found[2]) == pytest.approx(factor, rel=6e-3)  # printed to 3 significant digits
     assert float(found[1]) == pytest.approx(factor * parse_args([]).lr, rel=1e-2)
     sync_line = re.search(r"^sync step \d+  loss \S+  replica losses \[.*\]  lr (\S+) \((\S+) x schedule\)  ",
                           result.stdout, re.M)
