@@ -240,6 +240,8 @@ class HDETEnsemble:
         start, self._range_start = self._range_start, None
         start.restore(self.adapter)
         self.range_test_pick = pick = start.test.pick()
+        if pick is None:
+            warn("the LR range test saw too few finite losses to pick an LR; the run goes on at the LR it was given")
         scale = 1.0
         for explored in self._lr_explored():
             if pick is not None:

@@ -20,7 +20,6 @@ import torch
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.comm import gather_rows
 from hdet_scale.config import HDETConfig, HDETConfigError
-from hdet_scale.notices import warn
 from hdet_scale.scores import IntervalLoss, LossLike
 
 LR_MIN, LR_MAX = 1e-6, 1.0
@@ -132,11 +131,8 @@ class RangeTestStart:
 
     @torch.no_grad()
     def restore(self, adapter: EngineAdapter) -> None:
-        """Every replica back to the weights it had before the test, with a fresh optimizer state; a warning
-        where the test picked no LR (the run goes on at the one it was given)."""
+        """Every replica back to the weights it had before the test, with a fresh optimizer state."""
         for tensor, saved in zip(adapter.averaged_tensors(), self.snapshot, strict=True):
             tensor.copy_(saved)
         adapter.after_average()
         adapter.restart_optimizer_state()
-        if self.test.pick() is None:
-            warn("the LR range test saw too few finite losses to pick an LR; the run goes on at the LR it was given")

@@ -60,6 +60,20 @@ def test_a_resumed_run_does_not_test_again():
     assert resumed.hdet.value("lr/0") == pytest.approx(first.hdet.value("lr/0"))
 
 
+def test_a_test_without_finite_losses_picks_nothing_and_says_so():
+    """Every loss NaN: no pick, one warning, and the run goes on at the LR it was given (scale 1)."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=15)), DDPAdapter(optimizer),
+                        topology=ReplicaTopology.single_process())
+    with pytest.warns(UserWarning, match="too few finite losses to pick an LR; the run goes on at the LR it was "
+                                         "given"):
+        for _ in range(15):
+            hdet.step(float("nan"))
+    assert not hdet.ramping and hdet.range_test_pick is None
+    assert hdet.value("lr/0") == pytest.approx(0.1)
+    hdet.close()
+
+
 def test_a_step_without_a_loss_is_refused_during_the_test():
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
     hdet = HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20)), DDPAdapter(optimizer),
