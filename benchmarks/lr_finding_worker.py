@@ -200,7 +200,8 @@ def train_one(args: argparse.Namespace, device: torch.device) -> None:
         result["heldout"] = fixed_loss(model.module, corpus.heldout, args, device)
         result["train"] = fixed_loss(model.module, corpus.train, args, device)
         result["args"] = vars(args)
-        result["range_pick"] = picked if hdet is None or picked is not None else hdet.hdet.range_test_pick
+        library_pick = hdet.hdet.range_test_pick if hdet is not None else None  # auto_lr.range_test's
+        result["range_pick"] = picked if picked is not None else library_pick
         (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"{out.name}: held-out {result['heldout']:.4f}  ({result['wall_seconds']:.0f} s)", flush=True)
     if hdet is not None:
