@@ -37,6 +37,8 @@ of the run (the paper's S_warm is a fixed 100,000 steps)."""
 WINDOW_FIELDS = ("start", "stop")
 """The controller's start and stop: a step (an int), or a share of the run (a float) that ``HDETConfig.for_run``
 turns into a step."""
+DEFAULT_RANGE_TEST_STEPS = 0
+"""``range_test`` when unset (outside ``paper`` mode): the steps Lightning's and fastai's LR finders take."""
 DEFAULT_AVERAGE_WINDOW = 0.25
 """``average_window`` when unset, in ``log`` mode with a probe."""
 REMOVED_SETTINGS: dict[str, tuple[str, ...]] = {
@@ -87,10 +89,10 @@ class AutoLRConfig:
     scale_min: float = 0.1
     """Floor of the scale (``scale`` and ``log`` mode), relative to the base schedule (or the range test's pick)."""
 
-    range_test: int = 0
+    range_test: int | None = None
     """Steps of the LR range test the run starts with, 0 (none) or at least 13 (``hdet_scale.range_test``): the run
-    then starts with the spread's fastest replica at the picked LR, ``initial_scale`` unused. Its steps come before
-    the run's; not with ``paper`` mode, DeepSpeed, the Trainer or Lightning."""
+    then trains with the spread's fastest replica at the picked LR, which holds (the controller moves only the
+    other explored values). Its steps come before the run's. Unset: 100, and 0 in ``paper`` mode."""
 
     initial_scale: float | None = None
     """The LR's scale from the first step (``scale`` and ``log`` mode), in [scale_min, scale_max]; needs the
@@ -116,10 +118,17 @@ class AutoLRConfig:
         defaults = MODE_DEFAULTS.get(self.mode, MODE_DEFAULTS["scale"])  # an unknown mode: validate names it
         changes: dict[str, Any] = {name: defaults[name] for name in ("beta", "sigma", "step_size", "rise_only_after",
                                                                      *WINDOW_FIELDS) if getattr(self, name) is None}
+        if self.range_test is None:
+            changes["range_test"] = 0 if self.mode == "paper" else DEFAULT_RANGE_TEST_STEPS
         if self.initial_scale is None:  # after a range test the scale starts at its pick: 1 relative to it
-            starts_below = self.enabled is True and not self.range_test
+            starts_below = self.enabled is True and not changes.get("range_test", self.range_test)
             changes["initial_scale"] = defaults["initial_scale"] if starts_below else 1.0
         return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def moves_lr(self) -> bool:
+        """Whether the controller moves the LR: it is on and no range test picked the LR (``filled`` applied)."""
+        return self.enabled is True and not self.range_test
 
     def for_other_knobs(self) -> AutoLRConfig:
         """The controller of every explored value but the LR: only the LR follows the paper's mode (the others

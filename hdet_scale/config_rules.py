@@ -72,15 +72,17 @@ AUTO_LR_CONFLICTS: tuple[Conflict, ...] = (
     Conflict(lambda given, lr: lr.mode == "paper" and given.stop is not None,
              lambda given, lr: "auto_lr.stop works in 'scale' and 'log' mode; the paper's controller also decays the "
                                "LR (eq. 8): remove it or choose another mode"),
-    Conflict(lambda given, lr: 0 < given.range_test < MIN_RANGE_TEST_STEPS,
-             lambda given, lr: f"auto_lr.range_test={given.range_test}: a range test needs at least "
+    Conflict(lambda given, lr: 0 < lr.range_test < MIN_RANGE_TEST_STEPS,
+             lambda given, lr: f"auto_lr.range_test={lr.range_test}: a range test needs at least "
                                f"{MIN_RANGE_TEST_STEPS} steps (100 is usual); 0 turns it off"),
-    Conflict(lambda given, lr: given.range_test and _paper_or_off(given),
-             lambda given, lr: "auto_lr.range_test sets the scale the controller starts from: it needs the "
-                               "controller on in 'scale' or 'log' mode; set it to 0 or turn auto_lr on"),
-    Conflict(lambda given, lr: given.range_test and given.initial_scale not in (None, 1.0),
-             lambda given, lr: f"auto_lr.initial_scale={given.initial_scale} and auto_lr.range_test both set where "
-                               "the LR starts: remove initial_scale (the test picks the start)"),
+    Conflict(lambda given, lr: lr.range_test and lr.mode == "paper",
+             lambda given, lr: "auto_lr.range_test picks the LR, and the paper's controller owns it (eq. 8): set "
+                               "auto_lr.range_test to 0 or choose another mode"),
+    Conflict(lambda given, lr: lr.range_test and given.initial_scale not in (None, 1.0),
+             lambda given, lr: f"auto_lr.initial_scale={given.initial_scale} and the LR range test "
+                               f"(auto_lr.range_test={lr.range_test}) both set where the LR starts: remove "
+                               "initial_scale (the test picks the LR), or set range_test to 0 for the controller to "
+                               "start from it"),
     Conflict(lambda given, lr: given.initial_scale not in (None, 1.0) and _paper_or_off(given),
              lambda given, lr: f"auto_lr.initial_scale={given.initial_scale} needs the controller on in 'scale' or "
                                "'log' mode (else the LR would stay at that scale): set it to 1 or turn auto_lr on"),
@@ -118,7 +120,8 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
     for name, options in (("start", {"high_open": True}), ("stop", {"low_open": True})):
         if getattr(given, name) is not None:
             check_step_or_share(f"auto_lr.{name}", getattr(given, name), **options)
-    check_int("auto_lr.range_test", given.range_test, low=0)
+    if given.range_test is not None:
+        check_int("auto_lr.range_test", given.range_test, low=0)
     for path, allowed in NUMBER_RANGES.items():
         check_number(path, value(path), **allowed._asdict())
     for path, allowed in OPTIONAL_NUMBER_RANGES.items():

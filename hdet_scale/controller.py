@@ -106,10 +106,6 @@ class ControllerState:
     """The last Delta (for metrics): relative in ``scale`` mode, in log units in ``log`` mode, absolute in
     ``paper`` mode."""
 
-    anchor: float = 1.0
-    """``scale`` and ``log`` mode: what ``scale_min`` and ``scale_max`` are relative to: 1 (the given LR), or the
-    scale an LR range test started the run at (``auto_lr.range_test``)."""
-
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -120,10 +116,10 @@ class ControllerState:
         return cls(**{key: value for key, value in state.items() if key not in REMOVED_FIELDS})
 
 
-REMOVED_FIELDS = ("updates", "log_scale_sum", "scales_averaged")
+REMOVED_FIELDS = ("updates", "log_scale_sum", "scales_averaged", "anchor")
 """``ControllerState`` fields of earlier versions, kept by the settings that left the library (the update count of
-``auto_lr.bias_correction``, the running log-scale mean of ``auto_lr.hold_average``): a checkpoint holding them
-still loads."""
+``auto_lr.bias_correction``, the running log-scale mean of ``auto_lr.hold_average``, the range test's pick the
+controller's bounds were relative to when it moved on from it): a checkpoint holding them still loads."""
 
 
 @dataclass(frozen=True)
@@ -166,13 +162,13 @@ class Controller:
             delta_log = log_hypergradient(weights, replica_multipliers)
             velocity = self._one_sided(momentum(state.velocity, delta_log, cfg.beta), step)
             log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
-            scale = self._clamp(state.scale * math.exp(log_step), state.anchor)
-            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log, anchor=state.anchor)
+            scale = self._clamp(state.scale * math.exp(log_step))
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log)
         delta_rel = relative_hypergradient(weights, replica_multipliers)
         if cfg.mode == "scale":
             velocity = self._one_sided(momentum(state.velocity, delta_rel, cfg.beta), step)
-            scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity), state.anchor)
-            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel, anchor=state.anchor)
+            scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity))
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel)
         if paper_decay is None:
             raise ValueError(
                 "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, or pass "
@@ -196,8 +192,8 @@ class Controller:
             return velocity
         return max(velocity, 0.0) if share > self.config.rise_only_after else velocity
 
-    def _clamp(self, scale: float, anchor: float) -> float:
-        return min(max(scale, self.config.scale_min * anchor), self.config.scale_max * anchor)
+    def _clamp(self, scale: float) -> float:
+        return min(max(scale, self.config.scale_min), self.config.scale_max)
 
 
 # ------------------------------------------------------------------------------------ the controller's window

@@ -135,6 +135,10 @@ class HDETEnsemble:
         replica's value at the start and after every sync. Call it on every rank before the first step."""
         if self._step:
             raise RuntimeError(f"add_knob('{name}') after {self._step} steps: add knobs before training starts")
+        error = run_length_error(self.config, self.topology.num_replicas, "pass total_steps= when attaching",
+                                 explores_others=True)
+        if error is not None:
+            raise error
         explored = self._explore(ValueKnob(name, float(getter()), Bounds(low=low, high=high), alpha, setter))
         explored.knob.apply(explored.value(self.topology.replica_index))
 
@@ -197,7 +201,13 @@ class HDETEnsemble:
     @property
     def wants_probe(self) -> bool:
         """True where a probe would drive a controller (it is on, with 2+ replicas) and none is set."""
-        return self._scorer.probe is None and self.config.auto_lr.enabled and self.topology.num_replicas > 1
+        return self._scorer.probe is None and self._controller_moves_any and self.topology.num_replicas > 1
+
+    @property
+    def _controller_moves_any(self) -> bool:
+        """Whether the controller is on for some explored value: the LR (without a range test) or another."""
+        return self.config.auto_lr.moves_lr or (self.config.auto_lr.enabled
+                                                and any(not explored.is_lr for explored in self._explored))
 
     @property
     def at_sync_point(self) -> bool:
@@ -246,7 +256,7 @@ class HDETEnsemble:
         for explored in self._lr_explored():
             if pick is not None:
                 scale = pick / (start.peaks[0] * max(explored.multipliers))
-            explored.state = ControllerState(scale=scale, anchor=scale)
+            explored.state = ControllerState(scale=scale)
         self._metrics.write({"step": self._step, "range_test": {"lrs": start.test.lrs, "smoothed": start.test.smoothed,
                                                                 "picked_lr": pick, "scale": scale}})
 
@@ -335,6 +345,8 @@ class HDETEnsemble:
             return None
         weights = self._controllers["lr"].weights(signal)
         for explored in self._explored:
+            if explored.is_lr and not cfg.moves_lr:  # the range test picked it: it holds
+                continue
             explored.update(self._controllers["lr" if explored.is_lr else "other"], weights=weights,
                             step=self._step, sync_interval=self.config.sync_interval)
         return weights
@@ -354,10 +366,11 @@ class HDETEnsemble:
         return self._lr_explored()[group_index].multiplier(self.topology.replica_index)
 
     def found_lr_factor(self) -> float | None:
-        """The factor the controller found on the schedule's LR (first param group): the LR it found over the one
-        given. None where no controller moves it (off, one replica, or ``paper`` mode, which owns the LR)."""
+        """The factor HDET found on the schedule's LR (first param group), by the range test or the controller: the
+        LR it found over the one given. None where neither sets it (the controller off or with one replica, or
+        ``paper`` mode, which owns the LR)."""
         cfg = self.config.auto_lr
-        if not cfg.enabled or cfg.mode == "paper" or self.topology.num_replicas < 2:
+        if not cfg.range_test and (not cfg.moves_lr or cfg.mode == "paper" or self.topology.num_replicas < 2):
             return None
         return self._lr_explored()[0].state.scale
 

@@ -15,9 +15,9 @@ from hdet_scale.scores import LossLike
 
 class HDETHandle(ABC):
     """``step(loss)``, ``sync()``, ``set_probe(fn)``, ``value(name)``, ``state_dict()``, ``load_state_dict()``,
-    ``last_report``, ``global_step`` and ``ensemble`` on every engine. A subclass says where its ensemble is
-    (``_attached``); one whose loop steps HDET itself (DeepSpeed's ``engine.step()``, the integrations) refuses
-    ``step``."""
+    ``last_report``, ``global_step``, ``ramping``, ``found_lr_factor()`` and ``ensemble`` on every engine. A
+    subclass says where its ensemble is (``_attached``); one whose loop steps HDET itself (DeepSpeed's
+    ``engine.step()``, the integrations) refuses ``step``."""
 
     @abstractmethod
     def _attached(self) -> HDETEnsemble:
@@ -51,8 +51,19 @@ class HDETHandle(ABC):
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps of the run HDET has counted."""
+        """Optimizer steps of the run HDET has counted (an LR range test's are not the run's)."""
         return self._attached().global_step
+
+    @property
+    def ramping(self) -> bool:
+        """True while the LR range test the run starts with runs (``auto_lr.range_test``): a loop of
+        ``while hdet.global_step < total_steps`` runs its steps before the run's."""
+        return self._attached().ramping
+
+    def found_lr_factor(self) -> float | None:
+        """The factor HDET found on the schedule's LR, by the range test or the controller (None where neither
+        sets it)."""
+        return self._attached().found_lr_factor()
 
     def state_dict(self) -> dict[str, Any]:
         """HDET's state for a checkpoint (taken at a sync point)."""

@@ -51,12 +51,17 @@ def stuck_start_error(config: HDETConfig, num_replicas: int) -> HDETConfigError 
         "auto_lr.initial_scale to 1")
 
 
-def run_length_error(config: HDETConfig, num_replicas: int, fix: str) -> HDETConfigError | None:
-    """The error to raise when the controller would run (on, 2+ replicas) and its start or stop is still a share
-    of a run whose length is unknown (``for_run`` not applied); ``fix`` says how to give the length."""
+def run_length_error(config: HDETConfig, num_replicas: int, fix: str, *,
+                     explores_others: bool = False) -> HDETConfigError | None:
+    """The error to raise when the controller would run (2+ replicas, on for the LR or for another value explored:
+    in ``config.explore`` or ``explores_others``) and its start or stop is still a share of a run whose length is
+    unknown (``for_run`` not applied); ``fix`` says how to give the length."""
     lr = config.auto_lr.filled()
+    others = explores_others or any(getattr(config.explore, field.name) is not None
+                                    for field in dataclasses.fields(config.explore))
+    moves = lr.moves_lr or (lr.enabled is True and others)
     for name in WINDOW_FIELDS:
-        if lr.enabled and num_replicas > 1 and isinstance(getattr(lr, name), float):
+        if moves and num_replicas > 1 and isinstance(getattr(lr, name), float):
             return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} is a share of the run and needs its "
                                    f"length: {fix}, or give auto_lr.{name} as a step (an int)")
     return None
@@ -104,8 +109,11 @@ def single_replica_warning(config: HDETConfig, topology: ReplicaTopology, *, exp
     some value spread); None otherwise."""
     if topology.num_replicas > 1 or not (config.auto_lr.enabled or explores):
         return None
+    trains_as = ("no spread, no averaging and no controller: after the LR range test it trains as plain data "
+                 "parallel" if config.auto_lr.range_test else
+                 "no spread, no averaging and no auto-LR, it trains as plain data parallel")
     return (f"HDET has ONE replica ({topology.world_size} rank(s), ranks_per_replica={topology.ranks_per_replica}): "
-            "no spread, no averaging and no auto-LR, it trains as plain data parallel. Give it 2 replicas or more: a "
+            f"{trains_as}. Give it 2 replicas or more: a "
             "ranks_per_replica that divides the world size into 2+ parts (e.g. half a node), or more nodes")
 
 
@@ -113,7 +121,7 @@ def few_updates_warning(config: HDETConfig, num_replicas: int) -> str | None:
     """What the controller cannot do when fewer syncs fall between its start and its stop (``for_run`` applied)
     than it needs to climb its whole range (``controller.updates_to_climb``, at least 4); else None."""
     cfg, interval = config.auto_lr, config.sync_interval
-    if not cfg.enabled or num_replicas == 1:  # no controller (its start may be an unplaced share)
+    if not cfg.moves_lr or num_replicas == 1:  # no climb (its start may be an unplaced share)
         return None
     updates, needed = controller_updates(config), updates_to_climb(cfg)
     if updates is None or updates >= needed:

@@ -123,7 +123,13 @@ class HDETDeepSpeed(HDETHandle):
         def hdet_model_step(*args: Any, **kwargs: Any) -> Any:
             if self.config.gradient_mode == "global":
                 self._average_gradients_across_replicas()
-            result = take_model_step(*args, **kwargs)
+            scheduler = engine.lr_scheduler
+            if self.ensemble.ramping:  # the range test's steps are not the run's: its schedule starts after them
+                engine.lr_scheduler = None
+            try:
+                result = take_model_step(*args, **kwargs)
+            finally:
+                engine.lr_scheduler = scheduler
             # Every replica counts every step, skipped (overflow) or not, so syncs stay collective.
             if self.ensemble.step() is not None:
                 self._synced_in_step = True

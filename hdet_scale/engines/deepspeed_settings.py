@@ -15,7 +15,6 @@ from typing import Any
 from torch import nn
 
 from hdet_scale.config import HDETConfig, HDETConfigError
-from hdet_scale.range_test import refuse_range_test
 from hdet_scale.resolve import load_config, run_length_error
 from hdet_scale.topology import check_world_size, with_replica_size
 
@@ -36,7 +35,6 @@ def checked_settings(args: Any, model: nn.Module | None, config: str | Mapping[s
     hdet = hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     hdet = with_replica_size(hdet, auto="rank" if stage == 0 else "node")
-    refuse_range_test(hdet, "with DeepSpeed")
     if total_steps is None:  # the run's length, if DeepSpeed's scheduler knows it
         total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
     if isinstance(total_steps, int) and not isinstance(total_steps, bool):

@@ -124,6 +124,17 @@ class ZeroAdapter(EngineAdapter):
     def shards_parameters(self) -> bool:
         return self._kind in ("bf16_optimizer", "zero12", "zero3")
 
+    def peak_lrs(self) -> list[float]:
+        """Each param group's peak LR as the engine's scheduler gives it: DeepSpeed's ``WarmupLR``,
+        ``WarmupDecayLR`` and ``OneCycle`` keep it as ``max_lrs``, ``WarmupCosineLR`` as ``org_lrs``; torch's
+        schedulers and none as ``EngineAdapter.peak_lrs`` reads them."""
+        scheduler = self._engine.lr_scheduler
+        for name in ("max_lrs", "org_lrs"):
+            peaks = getattr(scheduler, name, None)
+            if isinstance(peaks, (list, tuple)) and len(peaks) == len(self.optimizer.param_groups):
+                return [float(peak) for peak in peaks]
+        return super().peak_lrs()
+
     def warm_init_shards(self) -> list[ParameterShard]:
         """The module's trained parameters in module order (the same for every ZeRO stage and replica size),
         each as this rank's fp32 master values of it."""

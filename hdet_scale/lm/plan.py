@@ -22,7 +22,6 @@ from hdet_scale.lm.checkpoints import ResumePoint, check_resume, identity, previ
 from hdet_scale.lm.corpus import Corpus, load_corpus
 from hdet_scale.lm.model import PRESETS, check_preset
 from hdet_scale.metrics import writable_directory
-from hdet_scale.range_test import refuse_range_test
 from hdet_scale.resolve import load_config, resolve, stuck_start_error
 
 
@@ -72,7 +71,6 @@ def plan(args: argparse.Namespace) -> Plan:
     if ds_config is not None:
         check_ds_config(ds_config, world_size)
         _check_schedule_length(args, ds_config)
-        refuse_range_test(config, "with DeepSpeed")
     out = _check_out(args, config.metrics_path)
     for name in ("checkpoint_interval", "eval_interval"):
         if getattr(args, name) % config.sync_interval:

@@ -294,3 +294,49 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
 def test_multipliers_survive_schedulers_and_data_is_split_over_all_ranks():
     assert run_ranks(schedulers_and_data, WORLD) == [[*DS_SCHEDULERS, "LambdaLR", "plain engines alongside",
                                                        "data"]] * WORLD
+
+
+# ------------------------------------------------------------------------------------------- LR range test
+RANGE_TEST_STEPS = 15
+
+
+def range_test_on_zero(rank: int, world: int) -> dict:
+    """ZeRO-2, 2 replicas x 2 ranks, DeepSpeed's WarmupDecayLR: the LR range test the run starts with, then the
+    run's first steps."""
+    from hdet_scale.range_test import ramp_lr
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    hdet = {"alpha": 0.5, "sync_interval": 2, "auto_lr": {"enabled": False, "range_test": RANGE_TEST_STEPS}}
+    schedule = {"type": "WarmupDecayLR", "params": DS_SCHEDULERS["WarmupDecayLR"]}
+    engine = build(ds_config(2, hdet=hdet, scheduler=schedule), seed=rank)
+    first = full_fp32(engine)
+    used = record_used_lrs(engine)
+    test_steps, schedule_step = 0, engine.lr_scheduler.last_batch_iteration
+    while engine.hdet.ramping:
+        used.clear()
+        train_step(engine, rank, 100 + test_steps)
+        assert used == [pytest.approx(ramp_lr(test_steps, steps=RANGE_TEST_STEPS), rel=1e-9)]  # every replica
+        assert engine.lr_scheduler.last_batch_iteration == schedule_step  # held: its first step comes after the test
+        test_steps += 1
+    restored = torch.equal(full_fp32(engine), first)
+    expected = reference_schedule("WarmupDecayLR", 4)
+    run = []
+    for step in range(4):
+        used.clear()
+        multiplier = engine.hdet.lr_multiplier()
+        train_step(engine, rank, step)
+        run.append((used[0], expected[step], multiplier))
+    return {"test_steps": test_steps, "restored": restored, "run": run, "pick": engine.hdet.ensemble.range_test_pick,
+            "found": engine.hdet.found_lr_factor(), "steps": engine.hdet.global_step}
+
+
+def test_the_lr_range_test_runs_on_zero_with_deepspeeds_schedule_held():
+    ranks = run_ranks(range_test_on_zero, WORLD)
+    top = max(multipliers(2, 0.5, "log"))
+    for result in ranks:
+        assert result["pick"] == ranks[0]["pick"] is not None and result["restored"]
+        assert 13 <= result["test_steps"] <= RANGE_TEST_STEPS and result["steps"] == 4
+        scale = result["pick"] / (DS_SCHEDULERS["WarmupDecayLR"]["warmup_max_lr"] * top)  # the peak, not lr=0.01
+        assert result["found"] == pytest.approx(scale)
+        for used, scheduled, multiplier in result["run"]:
+            assert used == pytest.approx(scheduled * scale * multiplier, rel=1e-6)

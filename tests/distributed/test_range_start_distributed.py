@@ -23,6 +23,7 @@ from hdet_scale.report import main
 from hdet_scale.report_runs import load_run, sync_records
 
 TEST_STEPS = 30
+RUN_STEPS = 12  # three syncs after the test
 WEIGHT_LR, BIAS_LR = 0.01, 0.002
 ALPHA = 0.5
 SPREAD = HDETConfig().spread
@@ -45,13 +46,15 @@ def gradient_of(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str) -> dict:
     config = HDETConfig(alpha=ALPHA, sync_interval=4, metrics_path=metrics_path,
-                        auto_lr=AutoLRConfig(mode="scale", range_test=TEST_STEPS, start=100))
+                        auto_lr=AutoLRConfig(mode="scale", range_test=TEST_STEPS, start=1))
     topology = ReplicaTopology.build(config)
     torch.manual_seed(0)
     model = nn.Linear(3, 2).double()  # float64: the smallest steps of the ramp are read back from the weights
     optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": BIAS_LR}], lr=WEIGHT_LR)
     scheduler = HDETScheduler(LambdaLR(optimizer, lambda step: 1.0 / (1 + step)), hdet_config=config, topology=topology)
     hdet = scheduler.hdet
+    # another explored value, which the controller moves from the replicas' losses while the LR holds at the pick
+    hdet.add_knob("knob", lambda: 1.0, lambda value: None)
     first = [model.weight.detach().clone(), model.bias.detach().clone()]
     weight_grad, bias_grad = gradient_of(rank)
 
@@ -79,10 +82,15 @@ def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str) -> 
                 refused.append(call.__name__)
     assert not hdet.ramping and hdet.global_step == 0
     restored = torch.equal(model.weight, first[0]) and torch.equal(model.bias, first[1])
-    after = [train_step(1.0) for _ in range(3)]
+    after, multiplier = [], []
+    for _ in range(RUN_STEPS):  # the faster replica scores worse: a controller free to move the LR would lower it
+        multiplier.append((hdet.lr_multiplier(0), hdet.lr_multiplier(1)))
+        after.append(train_step(1.0 + multiplier[-1][0]))
+    knob_scale = hdet.last_report.values["knob"]["scale"]
     hdet.close()
     return {"ramp": ramp, "refused": refused, "restored": restored, "after": after, "pick": hdet.range_test_pick,
-            "multiplier": hdet.lr_multiplier(), "steps": hdet.global_step, "schedule": scheduler.get_last_lr()}
+            "multiplier": multiplier, "steps": hdet.global_step, "knob_scale": knob_scale,
+            "found": hdet.found_lr_factor()}
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +123,16 @@ def test_the_run_restarts_from_its_first_weights_with_the_fastest_replica_at_the
     ranks, metrics = two_replicas
     pick, top = ranks[0]["pick"], max(multipliers(2, ALPHA, SPREAD))
     for rank in ranks:
-        assert rank["restored"] and rank["steps"] == 3
-        # the schedule starts from its first step after the test: 1 / (1 + step) of the given LRs
+        assert rank["restored"] and rank["steps"] == RUN_STEPS
+        # the schedule starts from its first step after the test: 1 / (1 + step) of the given LRs, at the pick
+        # through every sync, while the controller moved the other explored value
         for step, (weight_lr, bias_lr) in enumerate(rank["after"]):
-            expected = pick / top * rank["multiplier"] / (1 + step)
-            assert weight_lr == pytest.approx(expected, rel=1e-4)
-            assert bias_lr == pytest.approx(expected * BIAS_LR / WEIGHT_LR, rel=1e-4)
-    assert {rank["multiplier"] for rank in ranks} == set(multipliers(2, ALPHA, SPREAD))
+            weight_multiplier, bias_multiplier = rank["multiplier"][step]
+            assert weight_lr == pytest.approx(pick / top * weight_multiplier / (1 + step), rel=1e-4)
+            assert bias_lr == pytest.approx(pick / top * bias_multiplier / (1 + step) * BIAS_LR / WEIGHT_LR, rel=1e-4)
+        assert rank["found"] == pytest.approx(pick / (WEIGHT_LR * top))
+        assert rank["knob_scale"] != pytest.approx(1.0)
+    assert {ranks[0]["multiplier"][0][0], ranks[1]["multiplier"][0][0]} == set(multipliers(2, ALPHA, SPREAD))
     record = json.loads(metrics.read_text().splitlines()[0])
     assert record["step"] == 0 and record["range_test"]["picked_lr"] == pick
     assert record["range_test"]["scale"] == pytest.approx(pick / (WEIGHT_LR * top))
@@ -131,5 +142,5 @@ def test_the_run_restarts_from_its_first_weights_with_the_fastest_replica_at_the
 def test_the_report_reads_a_run_that_started_with_a_range_test(two_replicas, tmp_path, capsys):
     _, metrics = two_replicas
     run = load_run(metrics)
-    assert [record["step"] for record in sync_records(run)] == []  # 3 steps after the test: no sync yet
+    assert [record["step"] for record in sync_records(run)] == [4, 8, 12]
     assert main([str(metrics), "--out", str(tmp_path)]) == 0

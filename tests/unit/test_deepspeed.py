@@ -62,7 +62,6 @@ def launcher_env(monkeypatch):
      "zero_optimization.offload_param.device='nvme'"),
     (ds_config(3, zero_optimization={"stage": 3, "zero_hpz_partition_size": 2}), {}, "ZeRO\\+\\+ hpZ"),
     (ds_config(2, fp16={"enabled": True}), {}, "fp16.enabled: HDET supports fp32 and bf16"),
-    (ds_config(2, hdet={"auto_lr": {"range_test": 20}}), {}, "range_test is not supported with DeepSpeed yet"),
     (ds_config(2, train_batch_size=6), {"hdet_config": {"ranks_per_replica": 1}},
      "train_batch_size=6 does not match train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=2 x 4 ranks "
      "= 16"),

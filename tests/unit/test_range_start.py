@@ -16,7 +16,6 @@ from torch import nn
 
 from hdet_scale import HDETConfig, HDETEnsemble, HDETOneCycleLR, ReplicaTopology
 from hdet_scale.config import AutoLRConfig, HDETConfigError
-from hdet_scale.controller import Controller, ControllerState
 from hdet_scale.engines.ddp import DDPAdapter, attach
 
 
@@ -82,23 +81,11 @@ def test_a_step_without_a_loss_is_refused_during_the_test():
         hdet.step()
 
 
-def test_the_controller_bounds_are_relative_to_where_the_test_started_it():
-    controller = Controller(AutoLRConfig(mode="scale", beta=0.0, step_size=0.5, scale_min=0.5, scale_max=2.0))
-    state = ControllerState(scale=0.3, anchor=0.3)
-    for weights in ([0.0, 1.0], [1.0, 0.0]):
-        for _ in range(200):
-            state = controller.update(state, weights=weights, replica_multipliers=[0.5, 1.5], scheduled_value=1.0,
-                                      step=10, sync_interval=5)
-        assert state.anchor == 0.3
-        assert state.scale == pytest.approx(0.6 if weights == [0.0, 1.0] else 0.15)
-    assert ControllerState.from_state_dict({"velocity": 0.0, "scale": 2.0, "last_delta": 0.0}).anchor == 1.0
-
-
 @pytest.mark.parametrize(("auto_lr", "message"), [
     ({"range_test": 5}, r"auto_lr.range_test=5: a range test needs at least 13 steps"),
     ({"range_test": -1}, "auto_lr.range_test"),
-    ({"range_test": 20, "enabled": False}, "auto_lr.range_test sets the scale .* set it to 0 or turn auto_lr on"),
-    ({"range_test": 20, "mode": "paper"}, "auto_lr.range_test sets the scale"),
+    ({"range_test": 20, "mode": "paper"}, "auto_lr.range_test picks the LR, and the paper's controller owns it"),
+    ({"range_test": 20, "initial_scale": 0.5}, "initial_scale=0.5 and the LR range test .* set range_test to 0"),
     ({"range_test": 20, "initial_scale": 0.1}, "remove initial_scale"),
 ])
 def test_bad_range_test_settings_are_refused_in_one_line(auto_lr, message):
@@ -106,9 +93,11 @@ def test_bad_range_test_settings_are_refused_in_one_line(auto_lr, message):
         HDETConfig.from_dict({"auto_lr": auto_lr})
 
 
-def test_after_a_range_test_the_controller_climbs_from_the_pick():
+def test_after_a_range_test_the_lr_holds_at_the_pick_while_the_controller_moves_the_other_values():
     assert AutoLRConfig(range_test=20).filled().initial_scale == 1.0
-    assert AutoLRConfig().filled().initial_scale == 0.1
+    assert AutoLRConfig(range_test=0).filled().initial_scale == 0.1
+    assert AutoLRConfig(range_test=20, enabled=False).filled().range_test == 20  # allowed with the controller off
+    assert not AutoLRConfig(range_test=20).filled().moves_lr and AutoLRConfig(range_test=0).filled().moves_lr
 
 
 def test_the_loops_that_would_run_their_scheduler_through_the_test_refuse_it():

@@ -166,16 +166,6 @@ def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(t
 
 
 @pytest.mark.usefixtures("single_process")
-def test_a_range_test_under_deepspeed_is_refused_before_any_process_group(tmp_path):
-    hdet = tmp_path / "hdet.json"
-    hdet.write_text(json.dumps({"auto_lr": {"range_test": 20}}))
-    ds_config = tmp_path / "ds.json"
-    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
-    check(["--hdet_config", str(hdet), "--deepspeed_config", str(ds_config)],
-          "range_test is not supported with DeepSpeed yet")
-
-
-@pytest.mark.usefixtures("single_process")
 def test_the_controller_starts_at_its_share_of_the_run(tmp_path):
     hdet = tmp_path / "hdet.json"
     hdet.write_text(json.dumps({"sync_interval": 5, "auto_lr": {"start": 0.1}}))
