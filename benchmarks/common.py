@@ -118,7 +118,8 @@ def repo_relative(path: str | Path) -> str:
 # ------------------------------------------------------------------------------------------------ runs
 MEASURED_DEFAULTS: dict[str, Any] = {"alpha": 1.0 / 9.0, "spread": "linear"}
 MEASURED_CONTROLLER_DEFAULTS: dict[str, Any] = {"mode": "scale", "beta": 0.9, "sigma": 0.1, "step_size": 0.5,
-                                                "max_log_step": 0.25, "average_window": 0.0, "rise_only_after": 1.0}
+                                                "max_log_step": 0.25, "average_window": 0.0, "rise_only_after": 1.0,
+                                                "range_test": 0}
 """The library's defaults when the recorded benchmark rows were measured (before the lr_finding default variant
 became the library's): written into every benchmark config, so that a row means what it measured."""
 

@@ -144,8 +144,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # range_top_hold as the library runs it (auto_lr.range_test): the test inside the run, on every replica, its
     # steps before the run's; what a default of the library would ship
     "library_range_hold": library_range(rise(rise_only_after=0.43, start=0.02), low=1.0, high=1.0),
+    # The library's defaults as a user gets them (chosen on the design settings of lr_finding_matrix.md): the LR range
+    # test at the start, the LR held at its pick (the spread's fastest replica there), as library_range_hold
+    "default": {"hdet": {}, "probe": True},
 }
-DEFAULT_VARIANT = "tenth_rise_start2"
+DEFAULT_VARIANT = "default"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -202,6 +205,27 @@ def proxy_hidden(args: argparse.Namespace) -> int:
     return (args.hidden or PRESETS[args.preset]["hidden_size"]) // 2
 
 
+def variant_config(args: argparse.Namespace, variant: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The HDET config an HDET run of ``variant`` trains with: the setting's T, every rank a replica, global
+    gradients and the run's seed, over the library's defaults (the default variant) or over the defaults the older
+    variants were measured with (``common.with_measured_defaults``, the controller's start from
+    ``--controller_start``)."""
+    run_fields = {"sync_interval": args.sync_interval, "ranks_per_replica": 1, "gradient_mode": "global",
+                  "seed": seed}
+    if not variant["hdet"]:  # the library's defaults as a user gets them
+        from hdet_scale.config import HDETConfig
+
+        HDETConfig.from_dict(run_fields)
+        return run_fields
+    config = {**json.loads(json.dumps(variant["hdet"])), **run_fields}
+    auto_lr = config.setdefault("auto_lr", {})
+    auto_lr.setdefault("start", args.controller_start)  # a variant's own wins
+    for name in ("start", "stop"):  # shares of the run to steps, as train.py resolves them (HDETConfig.for_run)
+        if isinstance(auto_lr.get(name), float):
+            auto_lr[name] = round(auto_lr[name] * args.steps)
+    return checked_hdet_config(**config)
+
+
 def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) -> list[str]:
     """The worker's arguments for ``run`` (writes its HDET config into ``run_dir``)."""
     words = ["--preset", args.preset, "--steps", str(args.steps), "--batch_size", str(args.batch_size),
@@ -216,15 +240,8 @@ def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) ->
         return [*words, "--optimizer", run["method"]]
     if run["method"] == "hdet":
         variant = VARIANTS[run["variant"]]
-        config = json.loads(json.dumps(variant["hdet"]))
-        config.update(sync_interval=args.sync_interval, ranks_per_replica=1, gradient_mode="global", seed=run["seed"])
-        auto_lr = config.setdefault("auto_lr", {})
-        auto_lr.setdefault("start", args.controller_start)  # a variant's own wins
-        for name in ("start", "stop"):  # shares of the run to steps, as train.py resolves them (HDETConfig.for_run)
-            if isinstance(auto_lr.get(name), float):
-                auto_lr[name] = round(auto_lr[name] * args.steps)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "hdet.json").write_text(json.dumps(checked_hdet_config(**config), indent=1) + "\n")
+        (run_dir / "hdet.json").write_text(json.dumps(variant_config(args, variant, run["seed"]), indent=1) + "\n")
         words += ["--hdet_config", str(run_dir / "hdet.json")] + (["--probe"] if variant["probe"] else [])
         words += ["--range_start"] if variant.get("range_start") else []
     return words

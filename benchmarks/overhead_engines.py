@@ -24,9 +24,9 @@ from hdet_scale.config import AutoLRConfig
 from hdet_scale.engines import ddp, fsdp
 
 LR = 1e-3  # AdamW's LR in every variant
-DEFAULT_CONTROLLER = {**dataclasses.asdict(AutoLRConfig().filled()), "start": 0, "stop": 10**9}
-"""The library's default controller (``AutoLRConfig()``) moving at every sync and never holding: what each sync
-costs between the default's start and stop (its times are shares of a run; here the run has no set length)."""
+DEFAULT_CONTROLLER = {**dataclasses.asdict(AutoLRConfig(range_test=0).filled()), "start": 0, "stop": 10**9}
+"""The library's controller (``AutoLRConfig()`` without the range test, which holds the LR) moving at every sync and
+never holding: the most a sync's signal costs (its times are shares of a run; here the run has no set length)."""
 SIGNALS: dict[str, dict[str, Any]] = {"probe": {}, "averaged": {"average_window": 0.5},
                                       "default": DEFAULT_CONTROLLER}
 """Controller signals whose cost is measured, each with a probe batch scoring the replicas at every sync (global

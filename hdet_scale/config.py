@@ -37,7 +37,7 @@ of the run (the paper's S_warm is a fixed 100,000 steps)."""
 WINDOW_FIELDS = ("start", "stop")
 """The controller's start and stop: a step (an int), or a share of the run (a float) that ``HDETConfig.for_run``
 turns into a step."""
-DEFAULT_RANGE_TEST_STEPS = 0
+DEFAULT_RANGE_TEST_STEPS = 100
 """``range_test`` when unset (outside ``paper`` mode): the steps Lightning's and fastai's LR finders take."""
 DEFAULT_AVERAGE_WINDOW = 0.25
 """``average_window`` when unset, in ``log`` mode with a probe."""
@@ -96,7 +96,8 @@ class AutoLRConfig:
 
     initial_scale: float | None = None
     """The LR's scale from the first step (``scale`` and ``log`` mode), in [scale_min, scale_max]; needs the
-    controller on. Unset: 0.1 in ``log`` mode with the controller on (it climbs from there), else 1."""
+    controller on and no range test. Unset: 0.1 in ``log`` mode with the controller on and no range test (it
+    climbs from there), else 1."""
 
     scale_max: float = 10.0
     """Ceiling of the scale (``scale`` and ``log`` mode), >= scale_min."""

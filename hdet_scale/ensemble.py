@@ -27,11 +27,11 @@ from hdet_scale.metrics import MetricsWriter, SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.range_test import RangeTest, RangeTestStart
 from hdet_scale.resolve import (
+    check_attachable,
     few_updates_warning,
     resolve,
     run_length_error,
     single_replica_warning,
-    stuck_start_error,
 )
 from hdet_scale.scorer import ReplicaScorer
 from hdet_scale.scores import LossLike, ReplicaScores
@@ -67,7 +67,7 @@ class HDETEnsemble:
         self.config = config
         self.adapter = adapter
         self.topology = topology or ReplicaTopology.build(config)
-        _check_attachable(config, adapter, self.topology, paper_decay)
+        check_attachable(config, adapter, self.topology, paper_decay)
         self._controllers = {"lr": Controller(config.auto_lr), "other": Controller(config.auto_lr.for_other_knobs())}
         self._explored: list[ExploredValue] = []
         for index, knob in enumerate(lr_knobs(adapter.optimizer)):
@@ -322,10 +322,10 @@ class HDETEnsemble:
 
 
     def _controller_moves_at(self, step: int) -> bool:
-        """Whether a sync at ``step`` updates the controller: it is on, with 2+ replicas, past its start and
-        not past its stop (config and step alone decide: the same on every rank)."""
+        """Whether a sync at ``step`` updates the controller: it is on for some value (the LR without a range test,
+        or another), with 2+ replicas, past its start and not past its stop (the same on every rank)."""
         cfg = self.config.auto_lr
-        return (self.topology.num_replicas > 1 and cfg.enabled and step >= cfg.start
+        return (self.topology.num_replicas > 1 and self._controller_moves_any and step >= cfg.start
                 and (cfg.stop is None or step <= cfg.stop))
 
     def _update_values(self, scores: ReplicaScores) -> list[float] | None:
@@ -368,9 +368,10 @@ class HDETEnsemble:
     def found_lr_factor(self) -> float | None:
         """The factor HDET found on the schedule's LR (first param group), by the range test or the controller: the
         LR it found over the one given. None where neither sets it (the controller off or with one replica, or
-        ``paper`` mode, which owns the LR)."""
+        ``paper`` mode, which owns the LR) or while the range test runs."""
         cfg = self.config.auto_lr
-        if not cfg.range_test and (not cfg.moves_lr or cfg.mode == "paper" or self.topology.num_replicas < 2):
+        if self.ramping or (not cfg.range_test and (not cfg.moves_lr or cfg.mode == "paper"
+                                                    or self.topology.num_replicas < 2)):
             return None
         return self._lr_explored()[0].state.scale
 
@@ -431,29 +432,3 @@ class HDETEnsemble:
         self._buckets.clear()
         self.adapter.optimizer._hdet_attached = False
 
-
-def _check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: ReplicaTopology,
-                      paper_decay: Sequence[PaperDecay] | None) -> None:
-    """Refuses a topology, optimizer or paper-mode setting the ensemble cannot work with."""
-    if topology.ranks_per_replica != config.ranks_per_replica:
-        raise ValueError(
-            f"the topology has {topology.ranks_per_replica} ranks per replica but the config says "
-            f"ranks_per_replica={config.ranks_per_replica}; build both from the same config"
-        )
-    if getattr(adapter.optimizer, "_hdet_attached", False):
-        raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
-    error = run_length_error(config, topology.num_replicas, "pass total_steps= when attaching (train.py, the "
-                             "integrations and HDETOneCycleLR do)")
-    if error is not None:
-        raise error
-    error = stuck_start_error(config, topology.num_replicas)
-    if error is not None:
-        raise error
-    num_groups = len(adapter.optimizer.param_groups)
-    if config.auto_lr.enabled and config.auto_lr.mode == "paper" and paper_decay is None:
-        raise ValueError(
-            "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, pass "
-            "paper_decay=[PaperDecay(total_steps, floor), ...] (one per param group), or use mode 'scale'"
-        )
-    if paper_decay is not None and len(paper_decay) != num_groups:
-        raise ValueError(f"paper_decay has {len(paper_decay)} entries for {num_groups} param groups")

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hdet_scale.adapter import EngineAdapter
 from hdet_scale.config import WINDOW_FIELDS, HDETConfig
 from hdet_scale.config_checks import HDETConfigError
-from hdet_scale.controller import MIN_CONTROLLER_UPDATES, controller_updates, updates_to_climb
+from hdet_scale.controller import MIN_CONTROLLER_UPDATES, PaperDecay, controller_updates, updates_to_climb
 from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_size
 
 
@@ -136,3 +137,31 @@ def few_updates_warning(config: HDETConfig, num_replicas: int) -> str | None:
            + (", or narrow the climb (auto_lr.initial_scale, scale_max, max_log_step)" if climb_sets_it else ""))
     return (f"the auto-LR controller moves only between steps {cfg.start} and {cfg.stop}, where "
             f"sync_interval={interval} gives it {updates} update(s){reach}: {fix}")
+
+
+def check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: ReplicaTopology,
+                      paper_decay: Sequence[PaperDecay] | None) -> None:
+    """Refuses, before an ensemble attaches, a topology, optimizer or setting it cannot work with (a window
+    needing the run's length, a controller that could not leave its start, a paper mode without its floors)."""
+    if topology.ranks_per_replica != config.ranks_per_replica:
+        raise ValueError(
+            f"the topology has {topology.ranks_per_replica} ranks per replica but the config says "
+            f"ranks_per_replica={config.ranks_per_replica}; build both from the same config"
+        )
+    if getattr(adapter.optimizer, "_hdet_attached", False):
+        raise ValueError("this optimizer already has HDET attached; call close() on the other ensemble first")
+    error = run_length_error(config, topology.num_replicas, "pass total_steps= when attaching (train.py, the "
+                             "integrations and HDETOneCycleLR do)")
+    if error is not None:
+        raise error
+    error = stuck_start_error(config, topology.num_replicas)
+    if error is not None:
+        raise error
+    num_groups = len(adapter.optimizer.param_groups)
+    if config.auto_lr.enabled and config.auto_lr.mode == "paper" and paper_decay is None:
+        raise ValueError(
+            "auto_lr.mode='paper' needs the base schedule's floor and length: use HDETOneCycleLR, pass "
+            "paper_decay=[PaperDecay(total_steps, floor), ...] (one per param group), or use mode 'scale'"
+        )
+    if paper_decay is not None and len(paper_decay) != num_groups:
+        raise ValueError(f"paper_decay has {len(paper_decay)} entries for {num_groups} param groups")

@@ -98,7 +98,8 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
 
     Same arguments and defaults as OneCycleLR, plus the keyword-only HDET settings. Use
     ``scheduler.step(loss)`` after ``optimizer.step()``. In one process without a process group there is
-    one replica and the LRs and momenta are exactly OneCycleLR's. Under torch.distributed each replica
+    one replica and the LRs and momenta are exactly OneCycleLR's (without the LR range test: ``auto_lr`` with
+    ``range_test`` 0). Under torch.distributed each replica
     trains at its own multiple of the schedule and replicas are averaged every ``sync_interval`` steps.
 
     Keyword-only args:

@@ -138,9 +138,9 @@ def _add_optimization(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=2,
                        help="DeepSpeed without --deepspeed_config: the ZeRO stage of the built-in config")
     group.add_argument("--probe_batch", type=int, default=16,
-                       help="held-out sequences every replica is scored on at each sync, the same for all (the "
-                       "controller's signal, with the replica's weights averaged over auto_lr.average_window); "
-                       "0: no probe, the replicas' training losses")
+                       help="held-out sequences every replica is scored on at each sync, the same for all, where "
+                       "the controller moves a value (the controller's signal, with the replica's weights averaged "
+                       "over auto_lr.average_window); 0: no probe, the replicas' training losses")
 
 
 def _add_run(group: argparse._ArgumentGroup) -> None:
@@ -241,7 +241,7 @@ class Run:
             FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
             else DeepSpeedBackend(model, checked.config, args, checked.ds_config or {}, device))
         self.config = self.backend.ensemble.config
-        if args.probe_batch and self.backend.ensemble.topology.num_replicas > 1:
+        if args.probe_batch and self.backend.ensemble.wants_probe:
             self._set_probe()
         self.step = 0
         cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")

@@ -2,13 +2,9 @@
 they ran with (the library's other config tests are tests/unit/test_config.py, which imports nothing from
 benchmarks/)."""
 
-import dataclasses
-
-import pytest
 from benchmark_modules import load_benchmark
 
 from hdet_scale import HDETConfig, load_config
-from hdet_scale.config import AutoLRConfig
 from hdet_scale.resolve import resolve
 
 
@@ -21,44 +17,22 @@ def config_the_benchmark_ran(lr_finding, variant: str, directory) -> HDETConfig:
 
 
 def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
-    """The library's defaults are the controller benchmarks/lr_finding.py measured best (its DEFAULT_VARIANT): the
-    HDET config its worker ran (written by ``worker_args``, over the benchmark's pinned defaults and start) is the
-    library's default config for that run, and the variant's shares give the same for any run's length."""
+    """The library's defaults are what benchmarks/lr_finding.py's DEFAULT_VARIANT runs: the HDET config its worker
+    wrote (over the benchmark's pinned defaults) is the library's default config for that run, and that is the LR
+    range test at the start with the LR held at its pick, as ``library_range_hold`` measured it on the design
+    settings (its controller bounded to the pick, [1, 1] times it, moves nothing)."""
     lr_finding = load_benchmark("lr_finding")
-    variant = lr_finding.VARIANTS[lr_finding.DEFAULT_VARIANT]
-    assert variant["probe"]  # a probe set: the averaged-weight window applies
+    assert lr_finding.VARIANTS[lr_finding.DEFAULT_VARIANT]["probe"]
     ran = config_the_benchmark_ran(lr_finding, lr_finding.DEFAULT_VARIANT, tmp_path)
     args = lr_finding.parse_args([])
     library = HDETConfig(sync_interval=args.sync_interval, ranks_per_replica=1).for_run(args.steps)
-    assert ran.auto_lr.window(probing=True) == library.auto_lr.window(probing=True) == 0.25
-    assert dataclasses.replace(ran.auto_lr, average_window=None).filled() == library.auto_lr.filled()
+    assert ran.for_run(args.steps).auto_lr == library.auto_lr
     assert (ran.alpha, ran.spread, ran.gradient_mode) == (library.alpha, library.spread, library.gradient_mode)
-    controller = {key: value for key, value in variant["hdet"]["auto_lr"].items() if key != "average_window"}
-    measured = HDETConfig.from_dict({**variant["hdet"], "auto_lr": controller})
-    for steps in (1500, 300_000):
-        assert HDETConfig().for_run(steps) == measured.for_run(steps)
-    config = HDETConfig().for_run(1500)
-    assert (config.alpha, config.spread, config.auto_lr.mode) == (0.5, "log", "log")
-    assert (config.auto_lr.start, config.auto_lr.stop) == (30, 375)
-    assert (config.auto_lr.sigma, config.auto_lr.step_size, config.auto_lr.max_log_step) == (1.0, 2.5, 0.5)
-    assert (config.auto_lr.beta, config.auto_lr.rise_only_after) == (0.5, 0.43)
-    assert config.auto_lr.initial_scale == pytest.approx(0.1)
-    assert AutoLRConfig().window(probing=False) == 0.0  # no probe: nothing to score averaged weights
+    assert (library.auto_lr.range_test, library.auto_lr.initial_scale, library.auto_lr.moves_lr) == (100, 1.0, False)
+    held = config_the_benchmark_ran(lr_finding, "library_range_hold", tmp_path).auto_lr.filled()
+    assert (held.range_test, held.scale_min, held.scale_max) == (100, 1.0, 1.0)
+    assert (ran.alpha, ran.spread) == (0.5, "log")
     resolve(HDETConfig(), world_size=8)
-
-
-def test_the_no_probe_variant_is_the_default_without_a_probe(tmp_path):
-    """benchmarks/lr_finding.py's ``tenth_rise_start2_no_probe`` runs the library's default controller as a loop
-    without a probe batch gets it: the worker sets no probe, and no averaged-weight window is asked for (one would
-    only warn that it does nothing)."""
-    lr_finding = load_benchmark("lr_finding")
-    args = lr_finding.parse_args([])
-    run = {"method": "hdet", "variant": f"{lr_finding.DEFAULT_VARIANT}_no_probe", "lr": 1e-3, "seed": 0}
-    assert "--probe" not in lr_finding.worker_args(args, run, tmp_path)
-    ran = load_config(tmp_path / "hdet.json").auto_lr
-    library = HDETConfig(sync_interval=args.sync_interval, ranks_per_replica=1).for_run(args.steps).auto_lr
-    assert ran.window(probing=False) == 0.0  # the benchmark pins an unset window to the 0 it measured before
-    assert dataclasses.replace(ran, average_window=None).filled() == library.filled()
 
 
 def test_benchmark_variants_keep_the_controller_they_were_measured_with(tmp_path):

@@ -22,7 +22,7 @@ from hdet_scale.probe import batch_probe
 def hdet_settings(per_replica: int) -> dict:
     return {"alpha": 0.5, "spread": "log", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": per_replica,
             "auto_lr": {"mode": "log", "start": 0, "stop": STEPS, "initial_scale": 1.0,
-                        "average_window": WINDOW}}
+                        "average_window": WINDOW, "range_test": 0}}
 
 
 def check_scores(records: dict[int, torch.Tensor], reports: list, probe_loss, replica_of: torch.Tensor) -> None:

@@ -57,7 +57,8 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
 # ------------------------------------------------------------------------------- fan-out and converge
 def fanout_and_converge(rank: int, world: int, mode: str, per_replica: int, metrics_path: str) -> dict:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=per_replica, gradient_mode=mode,
-                        metrics_path=metrics_path, auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01))
+                        metrics_path=metrics_path,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01, range_test=0))
     topology = ReplicaTopology.build(config)
     model = wrap_model(make_model(seed=rank), config, topology)  # different seeds: the wrap must align them
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -134,7 +135,7 @@ def test_replicas_fan_out_and_converge(tmp_path, mode, per_replica):
 # ----------------------------------------------------------------------------- alpha = 0 is plain DDP
 def alpha_zero_matches_ddp(rank: int, world: int, per_replica: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.0, sync_interval=2, ranks_per_replica=per_replica,
-                        auto_lr=AutoLRConfig(mode="scale", start=0))
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
     topology = ReplicaTopology.build(config)
     plain = nn.parallel.DistributedDataParallel(make_model())
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
@@ -179,7 +180,7 @@ def train(model, optimizer, scheduler, rank: int, steps: range) -> list[float]:
 
 def resume_matches(rank: int, world: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=2, gradient_mode="local",
-                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01))
+                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01, range_test=0))
     topology = ReplicaTopology.build(config)
     straight = build_run(config, topology, seed=0)
     straight_losses = train(*straight, rank, range(1, 11))
@@ -214,7 +215,7 @@ def test_resume_continues_exactly():
 # ------------------------------------------------------------------------------- non-finite replicas
 def non_finite_replicas(rank: int, world: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=2, gradient_mode="local",
-                        auto_lr=AutoLRConfig(mode="scale", start=0))
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
     topology = ReplicaTopology.build(config)
     model = wrap_model(make_model(), config, topology)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -339,7 +340,7 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
 def held_controller_run(rank: int, world: int, metrics_path: str) -> None:
     """Scale mode through HDETOneCycleLR: the controller from 20% to 60% of 40 steps, T = 4."""
     config = HDETConfig.from_dict({"alpha": 0.5, "sync_interval": 4, "metrics_path": metrics_path, "auto_lr": {
-        "mode": "scale", "start": 0.2, "stop": 0.6, "sigma": 0.05, "step_size": 2.0}})
+        "mode": "scale", "start": 0.2, "stop": 0.6, "sigma": 0.05, "step_size": 2.0, "range_test": 0}})
     train_under_onecycle(rank, config, max_lr=0.05, total_steps=40)
 
 

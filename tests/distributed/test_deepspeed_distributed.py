@@ -121,7 +121,7 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
     syncs_per_variant = []
     for mode, bf16 in variants:
         hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 3, "gradient_mode": mode,
-                "auto_lr": {"enabled": False}}
+                "auto_lr": {"enabled": False, "range_test": 0}}
         engine = build(ds_config(stage, bf16=bf16, hdet=hdet, **(extra if bf16 else {})), seed=rank)
         assert engine.hdet.topology.num_replicas == replicas  # "auto": a rank on ZeRO-0, a node on 1-3
         start = gather_rows(full_fp32(engine))
@@ -194,7 +194,7 @@ def losses_and_parameters(rank: int, world: int, plain: bool) -> dict[int, tuple
     results = {}
     for stage in ALPHA_ZERO_STAGES:
         hdet = {"alpha": 0.0, "spread": "linear", "sync_interval": 2, "gradient_mode": "global",
-                "auto_lr": {"enabled": False}}
+                "auto_lr": {"enabled": False, "range_test": 0}}
         engine = build(ds_config(stage, hdet=None if plain else hdet), seed=rank, plain=plain, lr=0.05)
         losses = [train_step(engine, rank, step) for step in range(1, 6)]
         results[stage] = (losses, full_fp32(engine).tolist())  # plain lists: tensors do not outlive the rank
@@ -242,7 +242,7 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
     Also: training_data is split over the global rank, so every replica reads different samples."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 replicas of 2 ranks
     checked = []
-    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 2, "auto_lr": {"enabled": False}}
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 2, "auto_lr": {"enabled": False, "range_test": 0}}
     for name in [*DS_SCHEDULERS, "LambdaLR"]:
         extra = {} if name == "LambdaLR" else {"scheduler": {"type": name, "params": DS_SCHEDULERS[name]}}
         config = ds_config(1, hdet=hdet, **extra)

@@ -22,7 +22,7 @@ SYNC_INTERVAL, STEPS, POISONED_AFTER = 4, 8, 2
 
 def config(per_replica: int) -> HDETConfig:
     return HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=per_replica,
-                      gradient_mode="global", auto_lr=AutoLRConfig(mode="scale", start=0))
+                      gradient_mode="global", auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
 
 
 def run_and_check(rank: int, train_step: Callable[[int], None], full_weights: Callable[[], torch.Tensor],
@@ -125,7 +125,7 @@ def zero_run(rank: int, world: int, stage: int) -> list[list[int]]:
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2,
-            "gradient_mode": "global", "auto_lr": {"mode": "scale", "start": 0}}
+            "gradient_mode": "global", "auto_lr": {"mode": "scale", "start": 0, "range_test": 0}}
     engine = build(ds_config(stage, hdet=hdet), seed=rank)
 
     def train_step(step: int):

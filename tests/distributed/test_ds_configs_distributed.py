@@ -3,8 +3,8 @@
 The end-to-end run launches each pair as the README's command does (``--deepspeed_config`` and
 ``--hdet_config``) on 4 CPU gloo ranks posing as 2 nodes of 2 ranks, so ``ranks_per_replica: "auto"`` gives
 2 replicas of 2 ZeRO shards (and ``hdet_zero0.json`` 4 replicas of 1). Only what a 4-step CPU run must change
-is overridden: the scheduler's length, the sync interval, the controller's start at the given LR and the metrics
-path; ``train_batch_size`` is added to check how HDET splits it.
+is overridden: the scheduler's length, the sync interval, the controller's start at the given LR (no LR range
+test) and the metrics path; ``train_batch_size`` is added to check how HDET splits it.
 
 This file holds the tests on gloo ranks; the tests that start no process are in tests/unit/test_ds_configs.py.
 """
@@ -156,10 +156,11 @@ def test_every_config_pair_trains_with_hdet_on_cpu(tmp_path):
         # A schedule as long as this run, so the LR is not still near zero in its warm-up.
         ds_config["scheduler"]["params"].update(total_num_steps=STEPS, warmup_num_steps=2)
         # 4 steps hold no sync inside the controller's window (steps 0-1): it would never leave its low start,
-        # which HDET refuses; starting at the given LR keeps every other setting as shipped.
+        # which HDET refuses; starting at the given LR keeps every other setting as shipped. Nor do they hold the
+        # shipped 100-step LR range test (its steps come before the run's): none, as a 4-step CPU run must.
         shipped = read(hdet_name)
         hdet_config = {**shipped, "sync_interval": SYNC_INTERVAL,
-                       "auto_lr": {**shipped["auto_lr"], "initial_scale": 1.0},
+                       "auto_lr": {**shipped["auto_lr"], "initial_scale": 1.0, "range_test": 0},
                        "metrics_path": str(tmp_path / f"{Path(ds_name).stem}_metrics.jsonl")}
         ds_path, hdet_path = tmp_path / ds_name, tmp_path / f"{Path(ds_name).stem}_{hdet_name}"
         ds_path.write_text(json.dumps(ds_config))

@@ -40,7 +40,8 @@ def full(tensors) -> torch.Tensor:
 
 def fanout(rank: int, world: int, mode: str) -> int:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=PER_REPLICA, gradient_mode=mode,
-                        average_optimizer_state=True, auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01))
+                        average_optimizer_state=True,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01, range_test=0))
     model, hdet = wrap(tiny_llama(seed=rank), config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
     with pytest.raises(RuntimeError, match=r"call hdet.attach\(optimizer\) first"):
@@ -101,7 +102,7 @@ def test_replicas_shard_fan_out_and_converge(mode):
 
 def alpha_zero(rank: int, world: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.0, sync_interval=2, ranks_per_replica=PER_REPLICA,
-                        auto_lr=AutoLRConfig(mode="scale", start=0))
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
     model, hdet = wrap(tiny_llama(seed=0), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hdet.attach(optimizer)
@@ -155,7 +156,7 @@ def test_bad_inputs_give_clear_errors():
 def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str, reshard_after_forward: bool,
                            offload: bool) -> None:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=PER_REPLICA,
-                        auto_lr=AutoLRConfig(mode="scale", start=0))
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 1))  # 5 rows split 3 + 2; 1 row: 1 + empty
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -22,7 +22,7 @@ from hdet_scale.engines.fsdp_checkpoint import (
 )
 
 CONFIG = HDETConfig(spread="linear", alpha=0.5, sync_interval=3, ranks_per_replica=PER_REPLICA, gradient_mode="local",
-                    auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01))
+                    auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01, range_test=0))
 
 
 def build(seed: int):
@@ -97,7 +97,7 @@ def applied_after_resume(rank: int, world: int, directory: str) -> dict:
     """Save at the sync at step 3, load into a fresh run, train to the next sync: the bases that interval applied
     (what report --export-schedule writes)."""
     path = Path(directory) / "ckpt"
-    probe = {"mode": "log", "start": 0, "stop": 12, "average_window": 0.25}
+    probe = {"mode": "log", "start": 0, "stop": 12, "average_window": 0.25, "range_test": 0}
     config = HDETConfig.from_dict({"spread": "linear", "alpha": 0.5, "sync_interval": 3,
                                    "ranks_per_replica": PER_REPLICA, "auto_lr": probe})
 

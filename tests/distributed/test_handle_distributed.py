@@ -36,7 +36,8 @@ def handle_of(kind: str, config: HDETConfig) -> tuple[nn.Module, torch.optim.Opt
 
 
 def the_same_calls(rank: int, world: int, kind: str) -> dict:
-    config = HDETConfig(sync_interval=SYNC_INTERVAL, ranks_per_replica=1, auto_lr={"mode": "scale", "start": 0})
+    config = HDETConfig(sync_interval=SYNC_INTERVAL, ranks_per_replica=1,
+                        auto_lr={"mode": "scale", "start": 0, "range_test": 0})
     model, optimizer, hdet = handle_of(kind, config)
     probe_input = torch.ones(2, 4)
     before = hdet.last_report

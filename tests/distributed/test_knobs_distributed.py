@@ -24,7 +24,7 @@ def quadratic_knob(rank: int, world: int, start: float) -> list[float]:
     the controller must raise the base, from above lower it. The LR of a quadratic f(x) = x^2 / 2 with SGD
     is explored alongside (best LR 1: one step to the minimum) and must move toward 1 the same way."""
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=1,
-                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.05),
+                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.05, range_test=0),
                         explore=ExploreConfig(label_smoothing=KnobConfig(base=0.2)))
     point = nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([point], lr=start)

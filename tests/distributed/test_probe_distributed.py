@@ -32,7 +32,8 @@ def candidate_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def probed_training(rank: int, world: int, probe_weight: float) -> int:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=3,
-                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.05, probe_weight=probe_weight))
+                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.05, probe_weight=probe_weight,
+                                             range_test=0))
     topology = ReplicaTopology.build(config)
     torch.manual_seed(0)
     model = wrap_model(nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1)), config, topology)
@@ -93,7 +94,7 @@ def fsdp2_training_losses(rank: int, world: int, probed: bool) -> list[float]:
     from hdet_scale.lm.model import build_model
 
     config = HDETConfig(ranks_per_replica=2, sync_interval=2, auto_lr=AutoLRConfig(mode="scale",
-                                                                                   start=100_000))
+                                                                                   start=100_000, range_test=0))
     args = argparse.Namespace(dtype="fp32", grad_accum=1, micro_batch_size=2, lr=1e-2, weight_decay=0.0, steps=6,
                               warmup_steps=1, min_lr_ratio=0.1, grad_clip=0.0, replay_schedule=None)
     torch.manual_seed(0)

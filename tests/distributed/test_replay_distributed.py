@@ -28,7 +28,8 @@ def hdet_run(rank: int, world: int, metrics: str) -> list[float]:
     torch.manual_seed(0)
     config = HDETConfig(alpha=0.5, spread="log", sync_interval=SYNC, metrics_path=metrics,
                         auto_lr=AutoLRConfig(mode="log", start=START, stop=STEPS, sigma=1.0, step_size=1.0,
-                                             beta=0.0, initial_scale=1.0, rise_only_after=1.0))  # both ways
+                                             beta=0.0, initial_scale=1.0, rise_only_after=1.0,
+                                             range_test=0))  # both ways
     topology = ReplicaTopology.build(config)
     model = wrap_model(nn.Linear(3, 1), config, topology)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

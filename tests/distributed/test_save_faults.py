@@ -77,7 +77,8 @@ def build(engine: str, directory: Path) -> Any:
 
     args = parse_args(["--steps", "200", "--micro_batch_size", "2", "--seq_len", "16", "--engine", engine,
                        "--zero_stage", "2", "--out", str(directory), "--dtype", "fp32"])
-    config = HDETConfig(alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=2, auto_lr={"enabled": False})
+    config = HDETConfig(alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=2,
+                        auto_lr={"enabled": False, "range_test": 0})
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=64, seq_len=16)
     if engine == "fsdp":

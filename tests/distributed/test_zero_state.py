@@ -27,7 +27,8 @@ def build(bf16: bool, *, average_optimizer_state: bool = False, seed: int = 0):
     from hdet_scale.engines.deepspeed import initialize
 
     hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "gradient_mode": "local",
-            "average_optimizer_state": average_optimizer_state, "auto_lr": {"mode": "scale", "start": 0}}
+            "average_optimizer_state": average_optimizer_state,
+            "auto_lr": {"mode": "scale", "start": 0, "range_test": 0}}
     model = tiny_model(seed)
     engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
                             config=ds_config(0, bf16=bf16, hdet=hdet))
@@ -79,7 +80,8 @@ def zero3_padding(rank: int, world: int) -> list[int]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))  # the last bias: 3 values, 2 + 1 padded
     hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2,
-            "gradient_mode": "local", "average_optimizer_state": True, "auto_lr": {"mode": "scale", "start": 0}}
+            "gradient_mode": "local", "average_optimizer_state": True,
+            "auto_lr": {"mode": "scale", "start": 0, "range_test": 0}}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "hdet": hdet}
     engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config)

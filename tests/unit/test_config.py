@@ -22,13 +22,16 @@ def test_the_papers_settings():
     assert HDETConfig.paper(sync_interval=50).sync_interval == 50
 
 
-@pytest.mark.parametrize(("mode", "sigma", "step_size", "initial_scale", "start_steps", "stop_steps"), [
-    ("log", 1.0, 2.5, 0.1, 20, 250), ("scale", 0.1, 0.5, 1.0, 50, None), ("paper", 0.1, 0.5, 1.0, 50, None)])
-def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_size, initial_scale, start_steps,
+@pytest.mark.parametrize(("mode", "sigma", "step_size", "range_test", "start_steps", "stop_steps"), [
+    ("log", 1.0, 2.5, 100, 20, 250), ("scale", 0.1, 0.5, 100, 50, None), ("paper", 0.1, 0.5, 0, 50, None)])
+def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_size, range_test, start_steps,
                                                            stop_steps):
     lr = HDETConfig.from_dict({"auto_lr": {"mode": mode}}).for_run(1000).auto_lr
     assert (lr.sigma, lr.step_size, lr.start, lr.stop) == (sigma, step_size, start_steps, stop_steps)
-    assert lr.initial_scale == pytest.approx(initial_scale)
+    assert (lr.range_test, lr.initial_scale) == (range_test, 1.0)  # the range test picks where the LR starts
+    # without a range test the log controller climbs from a tenth of the LR
+    without_test = HDETConfig.from_dict({"auto_lr": {"mode": mode, "range_test": 0}}).for_run(1000).auto_lr
+    assert without_test.initial_scale == pytest.approx(0.1 if mode == "log" else 1.0)
     # what the user gives wins, and a start or stop in steps replaces the default share
     lr = HDETConfig.from_dict({"auto_lr": {"mode": mode, "sigma": 0.3, "start": 7}}).for_run(1000).auto_lr
     assert (lr.sigma, lr.start) == (0.3, 7)
@@ -46,7 +49,7 @@ def test_overrides_merge_onto_the_given_fields_not_the_filled_ones():
 def test_a_scale_range_that_leaves_out_the_default_start_names_it():
     with pytest.raises(HDETConfigError, match=r"must bracket auto_lr.initial_scale=0.1 \(the 'log' mode's "
                                               r"default\)"):
-        HDETConfig.from_dict({"auto_lr": {"scale_min": 0.5}})
+        HDETConfig.from_dict({"auto_lr": {"range_test": 0, "scale_min": 0.5}})
 
 
 def test_only_the_lr_follows_the_paper_mode_and_the_rise_only_phase():
@@ -127,11 +130,12 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"mode": "magic"}}, r"auto_lr.mode must be one of 'scale', 'paper'"),
         ({"auto_lr": {"start": -1}}, r"auto_lr.start must be an integer >= 0"),
         ({"auto_lr": {"scale_min": 2.0, "mode": "scale"}}, r"must bracket auto_lr.initial_scale=1 \(the 'scale'"),
-        ({"auto_lr": {"initial_scale": 0.05}}, r"scale_min=0.1 and auto_lr.scale_max=10.0 must bracket "
-                                               r"auto_lr.initial_scale=0.05"),
+        ({"auto_lr": {"initial_scale": 0.05, "range_test": 0}},
+         r"scale_min=0.1 and auto_lr.scale_max=10.0 must bracket auto_lr.initial_scale=0.05"),
         ({"auto_lr": {"initial_scale": 0}}, r"auto_lr.initial_scale must be a number in \(0.0, inf\)"),
         ({"auto_lr": {"initial_scale": 0.5, "mode": "paper"}}, r"initial_scale=0.5 needs the controller on"),
-        ({"auto_lr": {"initial_scale": 0.5, "enabled": False}}, r"initial_scale=0.5 needs the controller on"),
+        ({"auto_lr": {"initial_scale": 0.5, "enabled": False, "range_test": 0}},
+         r"initial_scale=0.5 needs the controller on"),
         ({"auto_lr": {"enabled": "yes"}}, r"auto_lr.enabled must be true or false"),
         ({"warm_init": {"nu": -0.01}}, r"warm_init.nu must be a number in \[0.0, inf\)"),
         ({"average_optimizer_state": 1}, r"average_optimizer_state must be true or false"),
@@ -240,9 +244,14 @@ def test_a_start_as_a_share_without_the_runs_length_is_refused():
     from hdet_scale.topology import ReplicaTopology
 
     # the defaults: start and stop are shares of the run
-    config = HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5})
+    config = HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5, "auto_lr": {"range_test": 0}})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
+    # after a range test the LR holds at its pick: with no other value explored no controller needs the length
+    HDETEnsemble(HDETConfig(ranks_per_replica=1), DDPAdapter(optimizer), topology=two_replicas).close()
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start=0.02 is a share of the run and needs its length"):
+        HDETEnsemble(HDETConfig.from_dict({"ranks_per_replica": 1, "explore": {"weight_decay": {}}}),
+                     DDPAdapter(optimizer), topology=two_replicas)
     with pytest.raises(HDETConfigError, match=r"auto_lr.start=0.02 is a share of the run and needs its length: "
                                               r"pass total_steps= when attaching"):
         HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas)
@@ -298,7 +307,8 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
     from hdet_scale.engines.ddp import DDPAdapter
     from hdet_scale.topology import ReplicaTopology
 
-    auto_lr = {"mode": "log"} if mode != "scale" else {"mode": mode, "start": 0.05, "stop": 0.25}
+    auto_lr = {"mode": "log", "range_test": 0} if mode != "scale" else {"mode": mode, "start": 0.05, "stop": 0.25,
+                                                                          "range_test": 0}
     config = HDETConfig.from_dict({"sync_interval": sync_interval, "ranks_per_replica": 1, "auto_lr": auto_lr})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=36 if mode == "short" else 100,
@@ -340,7 +350,8 @@ def test_a_controller_that_would_never_leave_its_low_start_is_refused():
     two = ReplicaTopology(world_size=2, rank=1, ranks_per_replica=1)
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(HDETConfigError, match=message):
-        HDETEnsemble(HDETConfig(sync_interval=400, ranks_per_replica=1), DDPAdapter(optimizer), total_steps=300,
+        HDETEnsemble(HDETConfig(sync_interval=400, ranks_per_replica=1, auto_lr=AutoLRConfig(range_test=0)),
+                     DDPAdapter(optimizer), total_steps=300,
                      topology=two)
     for fine in ({"sync_interval": 75}, {"sync_interval": 400, "auto_lr": {"initial_scale": 1.0}}):
         config = HDETConfig.from_dict({"ranks_per_replica": 1, **fine})
@@ -368,7 +379,7 @@ def test_the_sync_interval_for_a_run_gives_the_controller_its_measured_updates(s
                           ({"max_log_step": math.log(100) / 14}, 14),  # exactly 14 steps, not 15 by rounding
                           ({"mode": "scale"}, 4)])  # no largest step
 def test_updates_to_climb_by_hand(auto_lr, updates):
-    assert updates_to_climb(AutoLRConfig(**auto_lr).filled()) == updates
+    assert updates_to_climb(AutoLRConfig(**{"range_test": 0, **auto_lr}).filled()) == updates
 
 
 @pytest.mark.parametrize(("auto_lr", "updates"), [({"start": 0, "stop": 30}, 3),

@@ -14,7 +14,9 @@ from hdet_scale.engines.ddp import DDPAdapter
 
 
 def ensemble(**fields) -> HDETEnsemble:
+    """An ensemble of one process, starting without a range test unless ``fields`` give one."""
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    fields["auto_lr"] = {"range_test": 0, **fields.get("auto_lr", {})}
     return HDETEnsemble(HDETConfig.from_dict(fields), DDPAdapter(optimizer),
                         topology=ReplicaTopology.single_process())
 
@@ -108,8 +110,9 @@ def test_a_step_that_raises_leaves_the_scheduled_lr_in_place():
 
 
 def test_the_found_lr_factor_is_the_controllers_scale_where_one_moves_it():
-    """train.py's last line: the factor on the schedule's LR, read where a controller moves it; none where the LR
-    stays as given (controller off, one replica) or the paper's controller owns the LR (no factor)."""
+    """train.py's last line: the factor on the schedule's LR, read where a controller moves it or a range test
+    picked it; none where the LR stays as given (controller off, one replica), the paper's controller owns the LR
+    (no factor), or the range test has not run yet."""
     from hdet_scale.controller import PaperDecay
 
     two = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
@@ -121,9 +124,11 @@ def test_the_found_lr_factor_is_the_controllers_scale_where_one_moves_it():
         hdet.close()
         return hdet.found_lr_factor()
 
-    assert factor({}) == pytest.approx(0.1)  # the log controller's start, a tenth of the given LR
-    assert factor({"auto_lr": {"initial_scale": 2.0, "scale_max": 10.0}}) == pytest.approx(2.0)
-    assert factor({"auto_lr": {"enabled": False}}) is None
-    assert factor({}, topology=ReplicaTopology(world_size=1, rank=0, ranks_per_replica=1)) is None
+    assert factor({}) is None  # the range test comes first
+    no_test = {"range_test": 0}
+    assert factor({"auto_lr": no_test}) == pytest.approx(0.1)  # the log controller's start, a tenth of the LR
+    assert factor({"auto_lr": {**no_test, "initial_scale": 2.0, "scale_max": 10.0}}) == pytest.approx(2.0)
+    assert factor({"auto_lr": {**no_test, "enabled": False}}) is None
+    assert factor({"auto_lr": no_test}, topology=ReplicaTopology(world_size=1, rank=0, ranks_per_replica=1)) is None
     assert factor({"alpha": 0.1, "spread": "linear", "auto_lr": {"mode": "paper"}},
                   paper_decay=[PaperDecay(300, 0.01)]) is None

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from settings import LR_HELD_AT_GIVEN
+from settings import LR_HELD_AT_GIVEN, lr_held_at_given
 from torch import nn
 
 from hdet_scale import HDETConfig, HDETConfigError, HDETEnsemble, ReplicaTopology, multipliers
@@ -143,7 +143,7 @@ def test_metrics_line_shows_every_knob(tmp_path):
     metrics = tmp_path / "m.jsonl"
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    config = HDETConfig.from_dict({"sync_interval": 1, "metrics_path": str(metrics),
+    config = HDETConfig.from_dict({"sync_interval": 1, "metrics_path": str(metrics), "auto_lr": {"range_test": 0},
                                    "explore": {"weight_decay": {}, "dropout": {}}})
     hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
     hdet.step(1.0)
@@ -175,7 +175,7 @@ def test_paper_param_groups_cover_every_parameter_once(tied):
     if not tied:
         assert [id(p) for p in groups["non_embedding"]["params"]] == [id(model.lm_head.weight)]
     optimizer = torch.optim.AdamW(list(groups.values()), lr=1e-3)
-    hdet = HDETEnsemble(HDETConfig(sync_interval=1), DDPAdapter(optimizer, model),
+    hdet = HDETEnsemble(HDETConfig(sync_interval=1, auto_lr=lr_held_at_given()), DDPAdapter(optimizer, model),
                         topology=ReplicaTopology.single_process())
     report = hdet.step(1.0)
     assert {name for name in report.values} == {f"lr/{name}" for name in groups}  # one controller per group

@@ -53,4 +53,4 @@ def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
     with pytest.raises(HDETConfigError, match=r"^auto_lr.start=0.02 is a share of the run and needs its "
                                               r"length: this Trainer's length is unknown .*: set max_steps, or "
                                               r"give auto_lr.start as a step \(an int\)$"):
-        HDETCallback().on_fit_start(trainer, None)
+        HDETCallback(auto_lr={"range_test": 0}).on_fit_start(trainer, None)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hdet_scale import HDETConfig, HDETEnsemble, ReplaySchedule, ReplicaTopology
+from hdet_scale.config import AutoLRConfig
 from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.replay import SCHEDULE_FORMAT, ScheduleFileError, schedule_from_records, write_schedule
 from hdet_scale.report import main
@@ -143,8 +144,8 @@ def test_a_step_without_an_optimizer_step_still_gets_its_base(tmp_path):
     """An AMP overflow skips optimizer.step(): the line still has one base per step, so the steps stay aligned."""
     metrics = tmp_path / "metrics.jsonl"
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
-    hdet = HDETEnsemble(HDETConfig(sync_interval=3, metrics_path=str(metrics)), DDPAdapter(optimizer),
-                        topology=ReplicaTopology.single_process())
+    hdet = HDETEnsemble(HDETConfig(sync_interval=3, metrics_path=str(metrics), auto_lr=AutoLRConfig(range_test=0)),
+                        DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
     for lr, skipped in ((0.1, False), (0.2, True), (0.3, False)):
         optimizer.param_groups[0]["lr"] = lr
         if not skipped:

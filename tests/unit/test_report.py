@@ -72,7 +72,7 @@ def baseline_run(path: Path) -> tuple[Path, dict]:
 def real_hdet_run(path: Path) -> tuple[Path, dict]:
     """Two syncs written by HDETEnsemble itself (one process, one replica), with the LR changed in between."""
     optimizer = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=0.1, weight_decay=0.01)
-    config = HDETConfig.from_dict({"sync_interval": 2, "metrics_path": str(path),
+    config = HDETConfig.from_dict({"sync_interval": 2, "metrics_path": str(path), "auto_lr": {"range_test": 0},
                                    "explore": {"weight_decay": {}}})
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
     for step, loss in enumerate([1.0, 3.0, 2.0, 6.0]):

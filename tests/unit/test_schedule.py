@@ -43,7 +43,8 @@ def test_one_process_is_exactly_onecyclelr(kind, kwargs):
     reference_opt, hdet_opt = two_group_optimizer(kind), two_group_optimizer(kind)
     reference = OneCycleLR(reference_opt, **kwargs)
     rng_before = torch.random.get_rng_state()
-    scheduler = HDETOneCycleLR(hdet_opt, **kwargs, alpha=0.5, sync_interval=7, auto_lr={"start": 0})
+    scheduler = HDETOneCycleLR(hdet_opt, **kwargs, alpha=0.5, sync_interval=7,
+                               auto_lr={"start": 0, "range_test": 0})
     momentum_key = "betas" if kind == "adam" else "momentum"
     for step in range(59):
         train_step(reference_opt)
@@ -65,7 +66,8 @@ def test_state_dict_resumes_onecycle_and_hdet():
         optimizer = two_group_optimizer("adam")
         if optimizer_state:
             optimizer.load_state_dict(optimizer_state)
-        scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=40, sync_interval=5)
+        scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=40, sync_interval=5,
+                                   auto_lr={"range_test": 0})
         if scheduler_state:
             scheduler.load_state_dict(scheduler_state)
         lrs = []
@@ -102,7 +104,8 @@ def test_the_lr_starts_at_the_controllers_initial_scale_and_other_values_at_one(
     replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
     scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=replica_one_of_two, alpha=0.5,
                               sync_interval=1000, explore={"weight_decay": {"alpha": 0.5}},
-                              auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01}, total_steps=10_000)
+                              auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01, "range_test": 0},
+                              total_steps=10_000)
     used = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(
         (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])))
@@ -119,7 +122,7 @@ def test_one_replica_trains_at_the_lr_it_was_given_whatever_the_initial_scale():
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
     with pytest.warns(UserWarning, match="ONE replica"):
         scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=ReplicaTopology.single_process(),
-                                  auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01})
+                                  auto_lr={"mode": "log", "initial_scale": 0.25, "scale_min": 0.01, "range_test": 0})
     used = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
     for _ in range(3):

@@ -76,8 +76,9 @@ def test_state_round_trips_and_redraws_on_another_layout():
     assert other.permutation == expected_next
 
 
-OLD_CONTROLLER_FIELDS = {"updates": 12, "log_scale_sum": 0.7, "scales_averaged": 3}
-"""What a checkpoint of an earlier version holds for ``auto_lr.bias_correction`` and ``hold_average``, since removed."""
+OLD_CONTROLLER_FIELDS = {"updates": 12, "log_scale_sum": 0.7, "scales_averaged": 3, "anchor": 0.4}
+"""What a checkpoint of an earlier version holds for ``auto_lr.bias_correction`` and ``hold_average`` and for the
+controller moving on from a range test's pick, since removed."""
 
 
 def test_a_controller_state_saved_with_the_fields_of_removed_settings_loads():
@@ -99,7 +100,7 @@ def test_an_ensemble_state_saved_with_the_keys_of_removed_settings_loads():
     from hdet_scale import HDETConfig, HDETEnsemble
     from hdet_scale.engines.ddp import DDPAdapter
 
-    config = HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5})
+    config = HDETConfig.from_dict({"ranks_per_replica": 1, "sync_interval": 5, "auto_lr": {"range_test": 0}})
     two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
 
     def ensemble() -> HDETEnsemble:
