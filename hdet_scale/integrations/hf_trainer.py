@@ -6,7 +6,7 @@
 
 A ``TrainerCallback`` cannot do it alone: its events carry the model and the optimizer but not the loss of a
 step, and under DeepSpeed the replica layout must be decided when the engine is built, inside ``train()``,
-before any callback runs. ``add_hdet`` therefore adds an ``HDETCallback`` and makes two narrow, instance-level
+before any callback runs. ``add_hdet`` therefore adds an ``HDETCallback`` and makes narrow, instance-level
 changes to that one Trainer:
 
 - ``trainer.training_step`` (Trainer's documented override point) also hands each micro-batch loss to HDET;
@@ -15,6 +15,8 @@ changes to that one Trainer:
   (accelerate calls it from ``accelerator.prepare``) is answered by ``hdet_scale.engines.deepspeed.initialize``,
   which builds the engine with HDET's replica groups, so ZeRO shards and reduces inside a replica. Every
   other call goes to DeepSpeed unchanged, and the change is undone when ``train()`` returns.
+- With an LR range test only (below): ``trainer.set_initial_training_values`` gives the loop more epochs, and
+  ``trainer.lr_scheduler`` is a stand-in whose ``step()`` does nothing while the test runs.
 
 Engines:
 
@@ -26,8 +28,15 @@ Engines:
   the batch of one optimizer step over all ranks.
 - **Not supported**, each a clear error from ``add_hdet`` before training: Trainer's FSDP setting, a
   ``parallelism_config`` (HSDP, tensor, context or sequence parallelism), ``nn.DataParallel`` over several
-  GPUs in one process, a model spread over devices, and the DeepSpeed settings HDET's adapter refuses
-  (offload, fp16, ZeRO++ hpZ, a model built under ``deepspeed.zero.Init``).
+  GPUs in one process, a model spread over devices, the DeepSpeed settings HDET's adapter refuses
+  (offload, fp16, ZeRO++ hpZ, a model built under ``deepspeed.zero.Init``), and an LR range test under DeepSpeed.
+
+LR range test (``auto_lr.range_test``, DDP): the run starts with it, on the Trainer's first batches. Its steps
+are not the run's: the Trainer's ``global_step`` stays 0 through them (no log, evaluation or checkpoint is taken
+there), its ``lr_scheduler`` does not step (the schedule starts from its first step after the test), and the loop
+gets enough epochs for them on top of ``max_steps`` (or ``num_train_epochs``): the run trains its full length
+after the test, and ``for_run`` gets that length. The Trainer's first logged loss leaves the test's losses out
+(where the Trainer keeps their sum on itself, ``_tr_loss``, as transformers 5 does).
 
 Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_steps`` a multiple of
 ``sync_interval``, checked) and carry HDET's state in ``hdet_state.pt``, which ``train(resume_from_checkpoint=
@@ -57,7 +66,6 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
-from hdet_scale.range_test import refuse_range_test
 from hdet_scale.resolve import load_config
 from hdet_scale.topology import ReplicaTopology, check_world_size
 
@@ -71,7 +79,8 @@ STATE_FILE = "hdet_state.pt"
 class HDETCallback(TrainerCallback, HDETHandle):
     """The HDET side of one ``transformers.Trainer``; made and installed by ``add_hdet``. Once training begins it is
     the run's HDET handle (``HDETHandle``: ``set_probe``, ``sync``, ``value``, ``last_report``...); the Trainer's
-    optimizer steps take HDET's steps.
+    optimizer steps take HDET's steps (during an LR range test, the test's: ``ramping`` is True and the Trainer's
+    ``global_step`` stays 0).
 
     Attributes:
         config: the HDET settings.
@@ -132,12 +141,29 @@ class HDETCallback(TrainerCallback, HDETHandle):
                                               self._saved_state(args, state) if state.global_step else None)
         if self.probe:
             self._set_probe(self._ensemble)
+        if self._ensemble.ramping:
+            self.trainer.lr_scheduler = _HeldScheduler(self.trainer.lr_scheduler)
+
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                          **kwargs: Any) -> None:
+        if self.ramping:
+            # The Trainer counts this step next (then DefaultFlowCallback decides on it): a step of the range test
+            # is not one of the run, whose global_step stays 0 until the test ends.
+            state.global_step -= 1
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         ensemble = self.ensemble
+        in_range_test = ensemble.ramping
         if self.engine != "deepspeed":  # under DeepSpeed HDET stepped inside engine.step(), with the optimizer step
             ensemble.step()
+        if in_range_test:
+            # DefaultFlowCallback judged this step as step 0 of the run, whose logs, evaluations and checkpoints
+            # (state_dict() refuses during the test) start after the test.
+            control.should_log = control.should_evaluate = control.should_save = False
+            if not ensemble.ramping:
+                self._end_range_test()
+            return
         # DefaultFlowCallback (which runs first) asks for the final save and the stop here: end on one model.
         ending = control.should_training_stop or state.global_step >= state.max_steps
         if (control.should_save or ending and self.sync_at_end) and not self.at_sync_point:
@@ -156,8 +182,15 @@ class HDETCallback(TrainerCallback, HDETHandle):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if self.sync_at_end and self._ensemble is not None and not self.at_sync_point:
+        if isinstance(self.trainer.lr_scheduler, _HeldScheduler):  # stopped during the range test
+            self.trainer.lr_scheduler = self.trainer.lr_scheduler.scheduler
+        if self.sync_at_end and self._ensemble is not None and not self.ramping and not self.at_sync_point:
             self.sync()
+
+    @property
+    def ramping(self) -> bool:
+        """True while the run's LR range test runs (``auto_lr.range_test``)."""
+        return self._ensemble is not None and self._ensemble.ramping
 
     @property
     def at_sync_point(self) -> bool:
@@ -165,6 +198,15 @@ class HDETCallback(TrainerCallback, HDETHandle):
         return self._ensemble is None or self._ensemble.at_sync_point
 
     # ------------------------------------------------------------------------------------ internals
+    def _end_range_test(self) -> None:
+        """After the range test's last step: the scheduler steps again, and the loss the Trainer logs first is the
+        run's (transformers 5 keeps the sum of the losses since the last log on the Trainer)."""
+        trainer = self.trainer
+        trainer.lr_scheduler = trainer.lr_scheduler.scheduler
+        logged_loss = getattr(trainer, "_tr_loss", None)
+        if isinstance(logged_loss, torch.Tensor):
+            logged_loss.zero_()
+
     def _set_probe(self, ensemble: HDETEnsemble) -> None:
         """Scores the replicas at every sync on the first batch of the Trainer's eval dataloader (rank 0's, the
         first dataset of a dict), with the Trainer's own loss; without an eval_dataset, says so once."""
@@ -249,8 +291,9 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
     if getattr(trainer, "_hdet_callback", None) is not None:
         raise ValueError("HDET is added to this Trainer already")
     config = load_config(hdet_config, world_size=None)
-    refuse_range_test(config, "in the transformers Trainer")
     engine = check_trainer(trainer, config)
+    if config.auto_lr.range_test:
+        _add_epochs_for_range_test(trainer, config.auto_lr.range_test)
     callback = HDETCallback(trainer, config, engine, paper_decay=paper_decay, sync_at_end=sync_at_end,
                             probe=probe)
     trainer.add_callback(callback)
@@ -275,6 +318,39 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
 
         trainer.train = train_with_replica_groups
     return callback
+
+
+class _HeldScheduler:
+    """Stands in for the Trainer's LR scheduler while the range test runs: ``step()`` does nothing, so the schedule
+    starts from its first step with the run; everything else is the scheduler's."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def _add_epochs_for_range_test(trainer: Trainer, test_steps: int) -> None:
+    """Gives ``trainer``'s loop enough epochs of its data for ``test_steps`` range-test steps before the run's
+    ``max_steps``: the Trainer stops at ``max_steps`` (the test's steps are not counted), but its loop also ends
+    after its epochs, which would cut the run short by the test's steps."""
+    set_values = getattr(trainer, "set_initial_training_values", None)
+    if set_values is None:
+        raise HDETConfigError("auto_lr.range_test needs a Trainer with set_initial_training_values, where HDET adds "
+                              "the test's steps to the loop: upgrade transformers, or set auto_lr.range_test to 0")
+
+    @functools.wraps(set_values)
+    def with_range_test_epochs(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        epochs, steps_per_epoch, *values, max_steps = set_values(*args, **kwargs)
+        # without a dataloader length the Trainer already loops over the data until max_steps
+        epochs = max(epochs, math.ceil((max_steps + test_steps) / steps_per_epoch))
+        return (epochs, steps_per_epoch, *values, max_steps)
+
+    trainer.set_initial_training_values = with_range_test_epochs
 
 
 @contextlib.contextmanager
@@ -384,6 +460,9 @@ def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
 
     check_version(deepspeed.__version__)
     ds_config = _deepspeed_config(trainer)
+    if config.auto_lr.range_test:
+        raise HDETConfigError("auto_lr.range_test is not supported with the Trainer under DeepSpeed yet (HDET's "
+                              "DeepSpeed engine does not run it): train under DDP, or set auto_lr.range_test to 0")
     if "hdet" in ds_config:
         raise HDETConfigError("the DeepSpeed config has an 'hdet' section: with the Trainer, pass the HDET settings "
                               "to add_hdet only")

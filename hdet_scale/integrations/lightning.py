@@ -26,6 +26,12 @@ Where it reaches Lightning:
   ``ModelCheckpoint(every_n_train_steps=k)`` with ``k`` not a multiple of ``sync_interval``) holds rank 0's
   replica only: the callback warns.
 
+LR range test (``auto_lr.range_test``): the run starts with it, on the first batches. Its steps are not the run's:
+``trainer.global_step`` stays 0 through them (so ``ModelCheckpoint`` saves nothing there, and ``max_steps`` counts
+the run's steps only), the LR schedulers do not step (the schedule starts from its first step after the test), and
+a run given in epochs of finite data gets the epochs the test's batches take on top (it stops once it has trained
+``trainer.estimated_stepping_batches`` steps, the length ``for_run`` gets).
+
 Refused with one line before training: manual optimization, several optimizers, ``FSDPStrategy`` (FSDP1, which
 needs a GPU), ``ModelParallelStrategy`` without ``shard`` and every other strategy (``DeepSpeedStrategy``: use
 ``hdet_scale.engines.deepspeed``).
@@ -51,7 +57,6 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import no_probe_warning
-from hdet_scale.range_test import refuse_range_test
 from hdet_scale.resolve import run_length_error
 from hdet_scale.schedule import resolve_config
 from hdet_scale.topology import check_world_size, with_replica_size
@@ -69,16 +74,18 @@ class HDETCallback(pl.Callback, HDETHandle):
         **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
 
     It is the run's HDET handle (``HDETHandle``: ``set_probe``, ``sync``, ``value``, ``last_report``...) once
-    ``fit`` starts; Lightning's optimizer steps take HDET's steps.
+    ``fit`` starts; Lightning's optimizer steps take HDET's steps (during an LR range test, the test's: ``ramping``
+    is True and ``trainer.global_step`` stays 0).
     """
 
     def __init__(self, hdet_config: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  **hdet_fields: Any) -> None:
         self.config = resolve_config(hdet_config, hdet_fields)
-        refuse_range_test(self.config, "in Lightning")
         self._ensemble: HDETEnsemble | None = None
         self._restored: dict[str, Any] | None = None
         self._stepped = False
+        self._stop_at: int | None = None  # the run's length, where the range test lengthened the loop's epochs
+        self._schedulers_held = False  # while the range test runs
         self._fsdp: HDETFSDP | None = None  # set by shard() under ModelParallelStrategy
 
     # ------------------------------------------------------------------------------------ checks
@@ -100,6 +107,8 @@ class HDETCallback(pl.Callback, HDETHandle):
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
         if math.isfinite(steps):
             self.config = self.config.for_run(int(steps))
+            if self.config.auto_lr.range_test:
+                self._add_epochs_for_range_test(trainer, int(steps))
         else:
             replicas = check_world_size(self.config, trainer.world_size, auto="node" if sharded else "rank")
             error = run_length_error(self.config, replicas, "this Trainer's length is unknown (an iterable dataset "
@@ -123,6 +132,8 @@ class HDETCallback(pl.Callback, HDETHandle):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ensemble = self._attached()
+        if ensemble.ramping:  # known only now: a checkpoint's state (loaded by now) ends the test before it starts
+            self._hold_schedulers(trainer)
         if ensemble.wants_probe and trainer.global_rank == 0:
             warn(no_probe_warning(
                 "HDETCallback has no probe", "set one in the LightningModule's on_fit_start (it runs after the "
@@ -133,15 +144,29 @@ class HDETCallback(pl.Callback, HDETHandle):
                                  optimizer: torch.optim.Optimizer) -> None:
         self._stepped = True
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # The range test ended with the last batch; its schedulers were held until here, past the steps Lightning
+        # takes after that batch's hooks (plateau schedulers, epoch-interval ones at an epoch's end).
+        if self._schedulers_held and not self._attached().ramping:
+            self._release_schedulers(trainer)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         ensemble = self._attached()
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
             ensemble.observe(loss.detach() * trainer.accumulate_grad_batches)
-        if self._stepped:
-            self._stepped = False
-            self._record(ensemble.step(), trainer)
+        if not self._stepped:
+            return
+        self._stepped = False
+        if ensemble.ramping:
+            ensemble.step()
+            _uncount_optimizer_step(trainer)
+            return
+        self._record(ensemble.step(), trainer)
+        if self._stop_at is not None and ensemble.global_step >= self._stop_at:
+            trainer.should_stop = True
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning validates after the epoch's last batch and before its epoch-end hooks: the one model first.
@@ -152,6 +177,7 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._sync_if_apart(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._release_schedulers(trainer)  # none left held, unless the fit stopped during the range test
         self._sync_if_apart(trainer)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -185,9 +211,38 @@ class HDETCallback(pl.Callback, HDETHandle):
         """Not called under Lightning: the callback takes HDET's step after every optimizer step."""
         raise RuntimeError("HDETCallback steps HDET after every Lightning optimizer step: do not call its step()")
 
+    @property
+    def ramping(self) -> bool:
+        """True while the run's LR range test runs (``auto_lr.range_test``)."""
+        return self._ensemble is not None and self._ensemble.ramping
+
     def _sync_if_apart(self, trainer: pl.Trainer) -> None:
-        if self._ensemble is not None and not self._ensemble.at_sync_point:
+        if self._ensemble is not None and not self.ramping and not self._ensemble.at_sync_point:
             self._record(self._ensemble.sync(), trainer)
+
+    def _add_epochs_for_range_test(self, trainer: pl.Trainer, run_steps: int) -> None:
+        """Gives a run bounded by epochs of finite data the epochs that the range test's batches take on top, and
+        stops it once it has trained ``run_steps`` steps. On a resumed run too: its data epochs are the first
+        run's, which the test shifted."""
+        batches = trainer.num_training_batches
+        if trainer.max_epochs in (None, -1) or not math.isfinite(batches):
+            return  # Lightning goes over the data until max_steps: the run's steps alone are counted
+        steps_per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+        needed = math.ceil((run_steps + self.config.auto_lr.range_test) / steps_per_epoch)
+        trainer.fit_loop.max_epochs = max(trainer.max_epochs, needed)
+        self._stop_at = run_steps
+
+    def _hold_schedulers(self, trainer: pl.Trainer) -> None:
+        """Every LR scheduler of the Trainer holds (its ``step()`` does nothing) until ``_release_schedulers``."""
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler = _HeldScheduler(config.scheduler)
+        self._schedulers_held = True
+
+    def _release_schedulers(self, trainer: pl.Trainer) -> None:
+        for config in trainer.lr_scheduler_configs:
+            if isinstance(config.scheduler, _HeldScheduler):
+                config.scheduler = config.scheduler.scheduler
+        self._schedulers_held = False
 
     def _record(self, report: SyncReport | None, trainer: pl.Trainer) -> None:
         """Logs a sync's scalars (loss, base, scale, replica values) to the Trainer's
@@ -196,6 +251,30 @@ class HDETCallback(pl.Callback, HDETHandle):
             return
         for logger in trainer.loggers:
             logger.log_metrics(report.scalars(), step=trainer.global_step)
+
+
+class _HeldScheduler:
+    """Stands in for an LR scheduler while the range test runs: ``step()`` does nothing, so the schedule starts from
+    its first step with the run; everything else is the scheduler's."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def _uncount_optimizer_step(trainer: pl.Trainer) -> None:
+    """Takes the optimizer step just taken out of ``trainer.global_step`` (Lightning's count of completed optimizer
+    steps): a step of the range test is not one of the run, so ``max_steps`` and ``ModelCheckpoint`` count the run's
+    steps only."""
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    for tracker in (progress.total, progress.current):
+        tracker.ready -= 1
+        tracker.completed -= 1
 
 
 def shard(pl_module: pl.LightningModule, model: nn.Module, **fsdp_options: Any) -> nn.Module:

@@ -393,3 +393,111 @@ def test_a_run_given_in_epochs_places_the_controller_by_trainers_own_step_count(
         # 256 rows / (2 per rank x 2 ranks) = 64 batches, 2 per optimizer step
         assert result["max_steps"] == result["global_step"] == 32
         assert result["window"] == (round(0.02 * 32), round(0.25 * 32))
+
+
+# ------------------------------------------------------------------------------------------- LR range test
+RANGE_TEST = 20
+RANGE_ROWS = 8 * MAX_STEPS
+"""One epoch is the run's max_steps (2 ranks x 2 rows x 2 micro-batches per step): the test's batches only fit in the
+epochs HDET adds to the Trainer's loop."""
+
+
+def range_test_worker(rank: int, world: int, out_dir: str) -> dict:
+    from transformers import TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    settings = hdet_settings(out_dir, "global", 1)
+    settings["auto_lr"]["range_test"] = RANGE_TEST
+    trainer = fresh_trainer(out_dir, seed=rank, lr_scheduler_type="linear", save_strategy="steps",
+                            save_steps=SYNC_INTERVAL)
+    trainer.train_dataset = token_dataset(RANGE_ROWS)
+    hdet = add_hdet(trainer, settings)
+    record: dict = {"steps": [], "global_steps": [], "saves": []}
+
+    def optimizer_state_is_fresh(optimizer) -> bool:
+        return all(not torch.is_tensor(value) or not value.any() for state in optimizer.state.values()
+                   for value in state.values())
+
+    class Recorder(TrainerCallback):  # added after HDET's callback: its hooks run after HDET's
+        def on_train_begin(self, args, state, control, **kwargs):
+            optimizer = hdet.ensemble.adapter.optimizer
+            # A pre-hook registered after HDET's sees the LR this replica's step trains with; the held scheduler's
+            # LR is the schedule's.
+            optimizer.register_step_pre_hook(lambda opt, *_: record["steps"].append(
+                (hdet.ramping, opt.param_groups[0]["lr"], trainer.lr_scheduler.get_last_lr()[0])))
+            record["first_weights"] = gathered(master_vector(hdet))
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not hdet.ramping and "run_start" not in record:
+                record["run_start"] = {"weights": gathered(master_vector(hdet)), "value": hdet.value("lr/0"),
+                                       "fresh_optimizer": optimizer_state_is_fresh(hdet.ensemble.adapter.optimizer)}
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if hdet.ramping:  # the last one: the weights the test left, before HDET restores the first ones
+                record["test_weights"] = gathered(master_vector(hdet))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            record["global_steps"].append(state.global_step)
+
+        def on_save(self, args, state, control, **kwargs):
+            record["saves"].append((state.global_step, hdet.ramping))
+
+    trainer.add_callback(Recorder())
+    trainer.train()
+    for key in ("first_weights", "test_weights"):
+        record[key] = record[key].numpy()
+    record["run_start"]["weights"] = record["run_start"]["weights"].numpy()
+    # Last: a DeepSpeed Trainer makes every later Trainer of the process a DeepSpeed one (through the environment).
+    refused = error_of(lambda: add_hdet(fresh_trainer(os.path.join(out_dir, "deepspeed"), 2), settings))
+    return {"refused": refused, "record": record, "hdet_step": hdet.ensemble.global_step,
+            "trainer_step": trainer.state.global_step, "pick": hdet.ensemble.range_test_pick,
+            "lr": trainer.args.learning_rate, "logged": [log for log in trainer.state.log_history if "loss" in log]}
+
+
+def test_a_run_starts_with_an_lr_range_test(tmp_path):
+    """auto_lr.range_test under DDP: the test's steps are not counted by the Trainer, its scheduler holds through them,
+    every replica starts the run again from its first weights at the picked LR, and the run trains all its max_steps
+    (from data that one epoch would not hold) with checkpoints after the test only; refused under DeepSpeed."""
+    from hdet_scale.range_test import ramp_lr
+
+    results = run_ranks(range_test_worker, 2, str(tmp_path), timeout=600)
+    refused = results[0]["refused"]
+    assert refused.startswith("HDETConfigError") and "range_test" in refused and "DeepSpeed" in refused, refused
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    test = lines[0]["range_test"]
+    test_steps, pick, scale, lr = len(test["lrs"]), test["picked_lr"], test["scale"], results[0]["lr"]
+    assert lines[0]["step"] == 0 and pick is not None and pick == results[0]["pick"]
+    assert [line["step"] for line in lines[1:]] == [SYNC_INTERVAL, 2 * SYNC_INTERVAL, MAX_STEPS]
+    for result in results:
+        record = result["record"]
+        # Every optimizer step: the test's (it may stop early, once the loss diverges), then all the run's.
+        steps = record["steps"]
+        assert [ramping for ramping, _, _ in steps] == [True] * test_steps + [False] * MAX_STEPS
+        assert result["hdet_step"] == result["trainer_step"] == MAX_STEPS
+        assert record["global_steps"] == [0] * test_steps + list(range(1, MAX_STEPS + 1))
+        # The test ramps the LR while the schedule holds at its first LR; the run's schedule then starts from its
+        # first step and is as long as max_steps (linear decay to 0 at max_steps).
+        assert [applied for _, applied, _ in steps[:test_steps]] == pytest.approx(
+            [ramp_lr(step, steps=RANGE_TEST) for step in range(test_steps)], rel=1e-6)
+        assert [scheduled for _, _, scheduled in steps[:test_steps]] == [lr] * test_steps
+        assert [scheduled for _, _, scheduled in steps[test_steps:]] == pytest.approx(
+            [lr * (1 - step / MAX_STEPS) for step in range(MAX_STEPS)], rel=1e-6)
+        assert record["run_start"]["value"] == pytest.approx(steps[test_steps][1], rel=1e-6)
+        # The run starts from the first weights (which the test had moved), with a fresh optimizer state.
+        assert not torch.equal(torch.from_numpy(record["test_weights"]), torch.from_numpy(record["first_weights"]))
+        assert torch.equal(torch.from_numpy(record["run_start"]["weights"]), torch.from_numpy(record["first_weights"]))
+        assert record["run_start"]["fresh_optimizer"]
+        # Checkpoints at the run's sync points only, after the test.
+        assert record["saves"] == [(SYNC_INTERVAL, False), (2 * SYNC_INTERVAL, False), (MAX_STEPS, False)]
+    # The first run step trains each replica at the scale set from the pick times its multiplier: the fastest at
+    # the pick.
+    first_lrs = sorted(result["record"]["steps"][test_steps][1] for result in results)
+    assert first_lrs == pytest.approx([lr * scale * rho for rho in sorted(multipliers(2, ALPHA))], rel=1e-6)
+    assert first_lrs[-1] == pytest.approx(pick, rel=1e-6)
+    assert sorted(path.parent.name for path in tmp_path.glob("checkpoint-*/hdet_state.pt")) == [
+        f"checkpoint-{step}" for step in (SYNC_INTERVAL, 2 * SYNC_INTERVAL, MAX_STEPS)]
+    # The Trainer logs the run's steps, the first one's loss that of the first weights (not the test's losses).
+    logged = results[0]["logged"]
+    assert [log["step"] for log in logged] == list(range(1, MAX_STEPS + 1))
+    assert abs(logged[0]["loss"] - math.log(VOCAB)) < 0.7, logged[0]

@@ -23,13 +23,14 @@ from distributed import free_port
 pytest.importorskip("lightning")
 
 JOB = Path(__file__).resolve().parents[1] / "lightning_job.py"
+RANGE_JOB = JOB.parent / "lightning_range_job.py"
 SYNC = 5
 
 
-def run_job(out: Path, *args: str, nproc: int = 4) -> dict:
+def run_job(out: Path, *args: str, nproc: int = 4, job: Path = JOB) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(JOB), "--out", str(out), *args]
+               "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(job), "--out", str(out), *args]
     result = launch(command, cwd=out)
     assert result.returncode == 0, result.stdout[-5000:]
     return {**torch.load(out / "record.pt"), "stdout": result.stdout}
@@ -151,3 +152,74 @@ def test_validation_scores_the_averaged_model_between_syncs(runs):
     assert [step for step, _ in validated] == [10, 20]
     for step, rows in validated:
         assert all(torch.equal(row, rows[0]) for row in rows), f"replicas apart at the validation of step {step}"
+
+
+# ------------------------------------------------------------------------------------------- LR range test
+RANGE_TEST, LR = 20, 0.02
+"""The range job's test steps (at most) and its AdamW's LR, the first of its LambdaLR(1 / (1 + 0.05 step))."""
+
+
+@pytest.fixture(scope="module")
+def range_runs(tmp_path_factory) -> dict:
+    """Two ranks, two replicas: a run of 2 epochs (20 steps, the test's batches on top) checkpointed every 5 steps,
+    and a run of max_steps=12."""
+    root = tmp_path_factory.mktemp("lightning_range")
+    return {"epochs": run_job(root / "epochs", "--epochs", "2", "--checkpoint_every", str(SYNC), nproc=2,
+                              job=RANGE_JOB),
+            "max_steps": run_job(root / "max_steps", "--max_steps", "12", nproc=2, job=RANGE_JOB),
+            "root": root}
+
+
+def check_range_test_run(record: dict, out: Path, run_steps: int) -> int:
+    """Checks a run of the range job that trains ``run_steps`` steps after its test; returns the test's steps."""
+    from hdet_scale import multipliers
+    from hdet_scale.range_test import ramp_lr
+
+    lines = [json.loads(line) for line in (out / "hdet.jsonl").read_text().splitlines()]
+    test = lines[0]["range_test"]
+    test_steps, pick, scale = len(test["lrs"]), test["picked_lr"], test["scale"]
+    assert lines[0]["step"] == 0 and pick is not None and pick == record["pick"]
+    syncs = list(range(SYNC, run_steps + 1, SYNC)) + ([run_steps] if run_steps % SYNC else [])
+    assert [line["step"] for line in lines[1:]] == syncs
+    # Every optimizer step: the test's (it may stop early, once the loss diverges), then all the run's, which
+    # Lightning alone counts.
+    assert record["hdet_step"] == record["trainer_step"] == run_steps
+    assert record["global_steps"] == [0] * test_steps + list(range(1, run_steps + 1))
+    for steps in record["steps"]:
+        assert [ramping for ramping, _, _ in steps] == [True] * test_steps + [False] * run_steps
+        # The test ramps the LR while the scheduler holds at its first LR; the run's schedule starts from its first.
+        assert [applied for _, applied, _ in steps[:test_steps]] == pytest.approx(
+            [ramp_lr(step, steps=RANGE_TEST) for step in range(test_steps)], rel=1e-6)
+        assert [scheduled for _, _, scheduled in steps[:test_steps]] == [LR] * test_steps
+        assert [scheduled for _, _, scheduled in steps[test_steps:]] == pytest.approx(
+            [LR / (1 + 0.05 * step) for step in range(run_steps)], rel=1e-6)
+    # The first run step trains each replica at the scale set from the pick times its multiplier: the fastest at
+    # the pick; hdet.value("lr/0") says so.
+    first_lrs = sorted(steps[test_steps][1] for steps in record["steps"])
+    assert first_lrs == pytest.approx([LR * scale * rho for rho in multipliers(2, 0.5)], rel=1e-6)
+    assert first_lrs[-1] == pytest.approx(pick, rel=1e-6)
+    assert record["run_start"]["value"] == pytest.approx(record["steps"][0][test_steps][1], rel=1e-6)
+    # The run starts from the first weights (which the test had moved), with a fresh optimizer state.
+    weights = record["weights"]
+    assert torch.equal(weights["run_start"], weights["first"]) and not torch.equal(weights["test"], weights["first"])
+    assert record["run_start"]["fresh_optimizer"]
+    return test_steps
+
+
+@pytest.mark.e2e
+def test_a_fit_in_epochs_starts_with_an_lr_range_test_and_checkpoints_after_it(range_runs):
+    """2 epochs of 10 batches, all the run's 20 steps: the test's batches come on top (the loop gets the epochs they
+    take, else the run would fall short by them), and ModelCheckpoint(every_n_train_steps=5) saves at the run's steps
+    5-20 only, in the data epochs the test shifted them to."""
+    record = range_runs["epochs"]
+    out = range_runs["root"] / "epochs"
+    test_steps = check_range_test_run(record, out, 20)
+    assert record["max_epochs"] == 4  # (20 run steps + up to 20 test steps) / 10 batches per epoch
+    assert record["saves"] == [(step, False) for step in (5, 10, 15, 20)]
+    assert sorted(path.name for path in (out / "checkpoints").iterdir()) == sorted(
+        f"epoch={(test_steps + step - 1) // 10}-step={step}.ckpt" for step in (5, 10, 15, 20))
+
+
+@pytest.mark.e2e
+def test_a_fit_of_max_steps_starts_with_an_lr_range_test(range_runs):
+    check_range_test_run(range_runs["max_steps"], range_runs["root"] / "max_steps", 12)
