@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.comm import gather_rows
-from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.scores import IntervalLoss, LossLike
 
 LR_MIN, LR_MAX = 1e-6, 1.0
@@ -96,13 +96,18 @@ class RangeTest:
         return steepest_descent(self.lrs, self.smoothed)
 
 
-def refuse_range_test(config: HDETConfig, where: str) -> None:
-    """Raises, naming ``where``, for ``auto_lr.range_test`` where the loop's own LR scheduler would run on through
-    the test (the run would start again with its warm-up spent)."""
-    if config.auto_lr.range_test:
-        raise HDETConfigError(f"auto_lr.range_test is not supported {where} yet: its LR scheduler would run on "
-                              "through the test; use hdet_scale.train on FSDP2, HDETScheduler or HDETOneCycleLR, "
-                              "or set auto_lr.range_test to 0")
+class HeldScheduler:
+    """Stands in for a loop's LR scheduler while the range test runs: ``step()`` does nothing, so the schedule starts
+    from its first step with the run; everything else is the scheduler's (``scheduler``, to put it back)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
 
 
 @dataclass

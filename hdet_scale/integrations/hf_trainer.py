@@ -28,10 +28,10 @@ Engines:
   the batch of one optimizer step over all ranks.
 - **Not supported**, each a clear error from ``add_hdet`` before training: Trainer's FSDP setting, a
   ``parallelism_config`` (HSDP, tensor, context or sequence parallelism), ``nn.DataParallel`` over several
-  GPUs in one process, a model spread over devices, the DeepSpeed settings HDET's adapter refuses
-  (offload, fp16, ZeRO++ hpZ, a model built under ``deepspeed.zero.Init``), and an LR range test under DeepSpeed.
+  GPUs in one process, a model spread over devices, and the DeepSpeed settings HDET's adapter refuses
+  (offload, fp16, ZeRO++ hpZ, a model built under ``deepspeed.zero.Init``).
 
-LR range test (``auto_lr.range_test``, DDP): the run starts with it, on the Trainer's first batches. Its steps
+LR range test (``auto_lr.range_test``, by default): the run starts with it, on the Trainer's first batches. Its steps
 are not the run's: the Trainer's ``global_step`` stays 0 through them (no log, evaluation or checkpoint is taken
 there), its ``lr_scheduler`` does not step (the schedule starts from its first step after the test), and the loop
 gets enough epochs for them on top of ``max_steps`` (or ``num_train_epochs``): the run trains its full length
@@ -66,6 +66,7 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
+from hdet_scale.range_test import HeldScheduler
 from hdet_scale.resolve import load_config
 from hdet_scale.topology import ReplicaTopology, check_world_size
 
@@ -99,6 +100,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         self.probe = probe
         self._ensemble: HDETEnsemble | None = None
         self.deepspeed: Any = None
+        self._step_in_range_test = False  # the Trainer's current optimizer step is one of the LR range test's
 
     # ------------------------------------------------------------------------------------ reporting
     def _attached(self) -> HDETEnsemble:
@@ -142,11 +144,16 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if self.probe:
             self._set_probe(self._ensemble)
         if self._ensemble.ramping:
-            self.trainer.lr_scheduler = _HeldScheduler(self.trainer.lr_scheduler)
+            self.trainer.lr_scheduler = HeldScheduler(self.trainer.lr_scheduler)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        # Read before the step: under DeepSpeed HDET steps inside it, so the test's last step ends the test there.
+        self._step_in_range_test = self.ramping
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           **kwargs: Any) -> None:
-        if self.ramping:
+        if self._step_in_range_test:
             # The Trainer counts this step next (then DefaultFlowCallback decides on it): a step of the range test
             # is not one of the run, whose global_step stays 0 until the test ends.
             state.global_step -= 1
@@ -154,7 +161,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         ensemble = self.ensemble
-        in_range_test = ensemble.ramping
+        in_range_test = self._step_in_range_test
         if self.engine != "deepspeed":  # under DeepSpeed HDET stepped inside engine.step(), with the optimizer step
             ensemble.step()
         if in_range_test:
@@ -182,7 +189,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if isinstance(self.trainer.lr_scheduler, _HeldScheduler):  # stopped during the range test
+        if isinstance(self.trainer.lr_scheduler, HeldScheduler):  # stopped during the range test
             self.trainer.lr_scheduler = self.trainer.lr_scheduler.scheduler
         if self.sync_at_end and self._ensemble is not None and not self.ramping and not self.at_sync_point:
             self.sync()
@@ -292,8 +299,9 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
         raise ValueError("HDET is added to this Trainer already")
     config = load_config(hdet_config, world_size=None)
     engine = check_trainer(trainer, config)
-    if config.auto_lr.range_test:
-        _add_epochs_for_range_test(trainer, config.auto_lr.range_test)
+    range_test = config.auto_lr.filled().range_test
+    if range_test:
+        _add_epochs_for_range_test(trainer, range_test)
     callback = HDETCallback(trainer, config, engine, paper_decay=paper_decay, sync_at_end=sync_at_end,
                             probe=probe)
     trainer.add_callback(callback)
@@ -318,20 +326,6 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
 
         trainer.train = train_with_replica_groups
     return callback
-
-
-class _HeldScheduler:
-    """Stands in for the Trainer's LR scheduler while the range test runs: ``step()`` does nothing, so the schedule
-    starts from its first step with the run; everything else is the scheduler's."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
 
 
 def _add_epochs_for_range_test(trainer: Trainer, test_steps: int) -> None:
@@ -460,9 +454,6 @@ def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
 
     check_version(deepspeed.__version__)
     ds_config = _deepspeed_config(trainer)
-    if config.auto_lr.range_test:
-        raise HDETConfigError("auto_lr.range_test is not supported with the Trainer under DeepSpeed yet (HDET's "
-                              "DeepSpeed engine does not run it): train under DDP, or set auto_lr.range_test to 0")
     if "hdet" in ds_config:
         raise HDETConfigError("the DeepSpeed config has an 'hdet' section: with the Trainer, pass the HDET settings "
                               "to add_hdet only")

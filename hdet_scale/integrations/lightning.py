@@ -57,6 +57,7 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import no_probe_warning
+from hdet_scale.range_test import HeldScheduler
 from hdet_scale.resolve import run_length_error
 from hdet_scale.schedule import resolve_config
 from hdet_scale.topology import check_world_size, with_replica_size
@@ -235,12 +236,12 @@ class HDETCallback(pl.Callback, HDETHandle):
     def _hold_schedulers(self, trainer: pl.Trainer) -> None:
         """Every LR scheduler of the Trainer holds (its ``step()`` does nothing) until ``_release_schedulers``."""
         for config in trainer.lr_scheduler_configs:
-            config.scheduler = _HeldScheduler(config.scheduler)
+            config.scheduler = HeldScheduler(config.scheduler)
         self._schedulers_held = True
 
     def _release_schedulers(self, trainer: pl.Trainer) -> None:
         for config in trainer.lr_scheduler_configs:
-            if isinstance(config.scheduler, _HeldScheduler):
+            if isinstance(config.scheduler, HeldScheduler):
                 config.scheduler = config.scheduler.scheduler
         self._schedulers_held = False
 
@@ -251,20 +252,6 @@ class HDETCallback(pl.Callback, HDETHandle):
             return
         for logger in trainer.loggers:
             logger.log_metrics(report.scalars(), step=trainer.global_step)
-
-
-class _HeldScheduler:
-    """Stands in for an LR scheduler while the range test runs: ``step()`` does nothing, so the schedule starts from
-    its first step with the run; everything else is the scheduler's."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
 
 
 def _uncount_optimizer_step(trainer: pl.Trainer) -> None:

@@ -62,7 +62,7 @@ def build(stage: int, per_replica: int, *, seed: int = 0, universal: bool = Fals
     # start=0: the controller moves from the first sync, so its saved state is not the initial one.
     hdet = HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=per_replica,
                       gradient_mode="local", average_optimizer_state=average_optimizer_state,
-                      auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01))
+                      auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01, range_test=0))
     model = tiny_mlp(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config, hdet_config=hdet)

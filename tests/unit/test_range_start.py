@@ -8,8 +8,6 @@ tests/distributed/test_range_start_distributed.py.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch import nn
@@ -100,14 +98,14 @@ def test_after_a_range_test_the_lr_holds_at_the_pick_while_the_controller_moves_
     assert not AutoLRConfig(range_test=20).filled().moves_lr and AutoLRConfig(range_test=0).filled().moves_lr
 
 
-def test_the_loops_that_would_run_their_scheduler_through_the_test_refuse_it():
-    from hdet_scale.integrations.hf_trainer import add_hdet
+def test_every_way_of_attaching_takes_the_range_test_and_starts_with_it_by_default():
     from hdet_scale.integrations.lightning import HDETCallback
 
-    with pytest.raises(HDETConfigError, match="range_test is not supported in Lightning"):
-        HDETCallback(auto_lr={"range_test": 20})
-    with pytest.raises(HDETConfigError, match="range_test is not supported in the transformers Trainer"):
-        add_hdet(SimpleNamespace(), {"auto_lr": {"range_test": 20}})
+    assert HDETCallback(auto_lr={"range_test": 20}).config.auto_lr.range_test == 20
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
-    assert attach(None, optimizer, HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20)),
-                  topology=ReplicaTopology.single_process()).ramping
+    hdet = attach(None, optimizer, HDETConfig(), topology=ReplicaTopology.single_process())
+    assert hdet.ramping and hdet.found_lr_factor() is None
+    hdet.close()
+    no_test = attach(None, optimizer, HDETConfig(auto_lr=AutoLRConfig(range_test=0)),
+                     topology=ReplicaTopology.single_process())
+    assert not no_test.ramping
