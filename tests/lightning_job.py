@@ -148,7 +148,7 @@ def main() -> None:
                          "ranks_per_replica": args.ranks_per_replica, "metrics_path": str(args.out / "hdet.jsonl"),
                          # one run whatever --epochs (no shares of the run); the probe scores the last iterate
                          "auto_lr": {"start": args.sync_interval, "stop": 100, "mode": "log", "sigma": 1.0,
-                                     "average_window": 0}})
+                                     "average_window": 0, "range_test": 0}})
     recorder = Recorder(hdet)
     checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)
     # Lightning's mesh only splits the data here (every rank its own batches); HDET shards inside its replicas.

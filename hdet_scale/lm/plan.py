@@ -180,7 +180,8 @@ def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) ->
 
 def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> dict[str, Any]:
     """The HDET settings (from --hdet_config, the DeepSpeed JSON's "hdet" section, or train.py's defaults)
-    with the metrics going to OUT unless they say otherwise. A replay turns HDET's spread and controller off."""
+    with the metrics going to OUT unless they say otherwise. A replay turns HDET's spread, range test and controller
+    off."""
     section = (ds_config or {}).pop("hdet", None)
     if section is not None and args.hdet_config:
         raise ValueError("HDET settings given twice: --hdet_config and the DeepSpeed JSON's \"hdet\" section; "
@@ -193,7 +194,8 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
         # LRs), at every checkpoint and evaluation step, else once at the end.
         every = math.gcd(args.checkpoint_interval, args.eval_interval) or args.steps
         return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
-                "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)), "auto_lr": {"enabled": False}}
+                "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)),
+                "auto_lr": {"enabled": False, "range_test": 0}}
     if args.hdet_config:
         values = _read_json(args.hdet_config, "--hdet_config")
     else:
