@@ -159,6 +159,11 @@ def setting_section(record: dict[str, Any]) -> list[str]:
     return lines + ([*picks(record), ""] if picks(record) else [])
 
 
+CONTROLLER_VARIANT = "tenth_rise_start2"
+"""The controller's defaults as a variant (the library's default before the range test), whose signal the balance
+section reads."""
+
+
 def write_matrix_report(stem: Path, matrix: dict[str, Any]) -> None:
     """``<stem>.md`` from the matrix record."""
     records = [record for record in matrix["settings"] if record.get("best_lr")]
@@ -179,10 +184,11 @@ def write_matrix_report(stem: Path, matrix: dict[str, Any]) -> None:
         "## Holdout settings", "",
         *(summary_rows(holdout, variant) if holdout else ["Not run yet: they run once, with the chosen default."]),
         "", "## Where the controller's signal balances", "",
-        "The LR (over the sweep-best) at which the default controller's Delta changes sign from raise to lower, "
-        "by tenth of the run, from every update of its runs at every start (interpolated between half-decade "
-        "bins; - where the runs did not bracket it). A signal without lean would balance at 1.00 throughout.", "",
-        *balance_lines(design + holdout, variant),
+        f"The LR (over the sweep-best) at which the controller's Delta (`{CONTROLLER_VARIANT}`, the controller's "
+        "defaults: `auto_lr.range_test` 0) changes sign from raise to lower, by tenth of the run, from every update "
+        "of its runs at every start (interpolated between half-decade bins; - where the runs did not bracket it). "
+        "A signal without lean would balance at 1.00 throughout.", "",
+        *balance_lines(design + holdout, CONTROLLER_VARIANT),
         "", "## Findings", "", *note("findings"), "", "## Each setting", "",
     ]
     for record in design + holdout:
