@@ -63,12 +63,13 @@ from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
+from hdet_scale.integrations.hf_trainer_checks import check_trainer
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
 from hdet_scale.range_test import HeldScheduler
 from hdet_scale.resolve import load_config
-from hdet_scale.topology import ReplicaTopology, check_world_size
+from hdet_scale.topology import ReplicaTopology
 
 require("transformers", "trainer", "hdet_scale.integrations.hf_trainer")
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
@@ -392,93 +393,3 @@ def optimizer_steps(trainer: Trainer) -> int | None:
     accumulation = args.gradient_accumulation_steps
     per_epoch = max(batches // accumulation + int(batches % accumulation > 0), 1)
     return math.ceil(args.num_train_epochs * per_epoch)
-
-
-# ------------------------------------------------------------------------------------------ validation
-def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
-    """Which HDET engine ``trainer`` runs on (``"ddp"`` or ``"deepspeed"``); raises HDETConfigError naming the
-    Trainer setting HDET does not support, and the fix."""
-    args = trainer.args
-    if getattr(trainer, "is_fsdp_enabled", False) or args.fsdp or args.fsdp_config and args.fsdp_config.get("xla"):
-        raise HDETConfigError(
-            f"TrainingArguments(fsdp={args.fsdp!r}): Trainer's FSDP setting is not supported with HDET. Use DDP "
-            "or DeepSpeed ZeRO 0-3 with the Trainer, or train with hdet_scale.engines.fsdp (FSDP2 sharded inside "
-            "each replica) in your own loop"
-        )
-    parallelism = getattr(args, "parallelism_config", None)
-    if parallelism is not None:
-        sizes = {name: getattr(parallelism, name, None) or 1
-                 for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")}
-        if any(size > 1 for size in sizes.values()):
-            used = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
-            raise HDETConfigError(
-                f"TrainingArguments(parallelism_config=ParallelismConfig({used})) is not supported with HDET: its "
-                "replicas are the data-parallel ranks (DDP) or groups of ZeRO ranks (ranks_per_replica); remove "
-                "parallelism_config"
-            )
-    if args.n_gpu > 1:
-        raise HDETConfigError(f"{args.n_gpu} GPUs in one process (nn.DataParallel) is not supported with HDET: "
-                              "launch one process per GPU (torchrun, accelerate launch or deepspeed)")
-    if getattr(trainer, "is_model_parallel", False):
-        raise HDETConfigError("a model spread over several devices (device_map) is not supported with HDET: load "
-                              "it on one device per process")
-    engine = "deepspeed" if getattr(trainer, "is_deepspeed_enabled", False) else "ddp"
-    world = args.world_size
-    if engine == "deepspeed":
-        _check_deepspeed(trainer, config)
-    check_world_size(config, world, auto=_auto_replica_size(trainer, engine))
-    _check_saving(args, config, engine)
-    return engine
-
-
-def _auto_replica_size(trainer: Trainer, engine: str) -> str:
-    """What ``ranks_per_replica: "auto"`` means: one rank unless ZeRO-1/2/3 shard the model (a node)."""
-    if engine != "deepspeed":
-        return "rank"
-    return "rank" if _zero_stage(_deepspeed_config(trainer)) == 0 else "node"
-
-
-def _deepspeed_config(trainer: Trainer) -> dict[str, Any]:
-    return trainer.accelerator.state.deepspeed_plugin.deepspeed_config
-
-
-def _zero_stage(ds_config: Mapping[str, Any]) -> int:
-    return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-
-
-def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
-    import deepspeed
-
-    from hdet_scale.engines.deepspeed_settings import check_supported
-    from hdet_scale.engines.zero import check_version
-
-    check_version(deepspeed.__version__)
-    ds_config = _deepspeed_config(trainer)
-    if "hdet" in ds_config:
-        raise HDETConfigError("the DeepSpeed config has an 'hdet' section: with the Trainer, pass the HDET settings "
-                              "to add_hdet only")
-    if int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0) > 1:
-        raise HDETConfigError("tensor_parallel.autotp_size > 1 is not supported with HDET; remove it")
-    check_supported(ds_config, trainer.model)
-
-
-def _check_saving(args: TrainingArguments, config: HDETConfig, engine: str) -> None:
-    """Checkpoints must fall on sync points, where every replica holds the same model."""
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if strategy == "no":
-        return
-    fix = "set save_strategy='no'"
-    if engine == "deepspeed":
-        raise HDETConfigError(
-            f"save_strategy={strategy!r} under DeepSpeed: Trainer's DeepSpeed checkpoints bypass HDET's per-replica "
-            f"files; {fix} and call trainer.save_model() after train(), or checkpoint with hdet_scale.engines."
-            "deepspeed (engine.hdet.save_checkpoint) in your own loop"
-        )
-    steps = args.save_steps
-    if strategy != "steps" or not float(steps).is_integer() or steps < 1 or int(steps) % config.sync_interval:
-        raise HDETConfigError(
-            f"save_strategy={strategy!r} with save_steps={steps!r}: HDET checkpoints are taken at sync points, "
-            f"where the replicas are identical; use save_strategy='steps' with save_steps a multiple of "
-            f"sync_interval={config.sync_interval}, or {fix}"
-        )
-
