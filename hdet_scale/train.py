@@ -320,11 +320,11 @@ class Run:
                 self.progress.line(f"stopped during the LR range test at its step {test_step}: nothing to save; "
                                    "a rerun starts afresh")
                 return False
-        pick = ensemble.range_test_pick
+        pick, (peak, source) = ensemble.range_test_pick, given_peak_lr(self.args, self.plan.ds_config)
         if pick is None:
-            self.progress.line(f"LR range test: no LR picked in {test_step} steps; the run goes on at --lr")
+            self.progress.line(f"LR range test: no LR picked in {test_step} steps; the run goes on at {source}")
         else:
-            self.progress.line(f"LR range test: picked {pick:.3g} ({pick / self.args.lr:.3g} x --lr) in {test_step} "
+            self.progress.line(f"LR range test: picked {pick:.3g} ({pick / peak:.3g} x {source}) in {test_step} "
                                "steps; every replica starts again from its first weights, the fastest at that LR")
         return True
 

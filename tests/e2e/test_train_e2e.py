@@ -13,6 +13,7 @@ tests/unit/test_train.py.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import signal
@@ -247,18 +248,35 @@ def test_ctrl_c_checkpoints_like_sigterm(fsdp_runs, tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_run_can_start_with_an_lr_range_test(tmp_path):
-    """2 replicas of 1 rank: the test's steps come before --steps, and the run syncs every T of its own steps."""
-    config = tmp_path / "hdet.json"
+def test_a_run_can_start_with_an_lr_range_test_under_deepspeed(tmp_path):
+    """ZeRO-0, 2 replicas of 1 rank, DeepSpeed's WarmupDecayLR from the JSON: the test's steps come before --steps
+    (the engine holds the JSON's scheduler), the pick is said over the JSON's peak, and the run syncs every T of its
+    own steps. (The FSDP2 path runs the default range test in the main job.)"""
+    config, ds_config = tmp_path / "hdet.json", tmp_path / "ds.json"
     config.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "auto_lr": {"range_test": 20}}))
+    ds_config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3,
+                                                          "warmup_num_steps": 5, "total_num_steps": STEPS}}}))
     out = tmp_path / "out"
-    result = launch([*torchrun(2), *SHORT, "--hdet_config", str(config), "--out", str(out)], cwd=tmp_path)
+    result = launch([*deepspeed(2), *SHORT, "--deepspeed_config", str(ds_config), "--hdet_config", str(config),
+                     "--out", str(out)], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-5000:]
-    picked = re.search(r"LR range test: picked (\S+) \((\S+) x --lr\) in 20 steps", result.stdout)
+    picked = re.search(r"LR range test: picked (\S+) \((\S+) x the DeepSpeed JSON's warmup_max_lr\) in 20 steps",
+                       result.stdout)
     assert picked, result.stdout[-5000:]
+    assert float(picked[2]) == pytest.approx(float(picked[1]) / 2e-3, rel=1e-2)
     lines = [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
-    assert lines[0]["step"] == 0 and lines[0]["range_test"]["picked_lr"] == pytest.approx(float(picked[1]), rel=1e-2)
-    assert [line["step"] for line in metric_lines(out)] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+    test = lines[0]["range_test"]
+    assert lines[0]["step"] == 0 and test["picked_lr"] == pytest.approx(float(picked[1]), rel=1e-2)
+    assert test["scale"] == pytest.approx(test["picked_lr"] / (2e-3 * 1.5), rel=1e-6)  # the JSON's peak, not lr
+    syncs = metric_lines(out)
+    assert [line["step"] for line in syncs] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
+    # the schedule started after the test: the first sync's bases are WarmupDecayLR's first steps (0, 0, then its
+    # log warm-up) times the scale
+    first_bases = syncs[0]["values"]["lr/0"]["applied_bases"]
+    assert first_bases[:3] == pytest.approx([0.0, 0.0, 2e-3 * test["scale"] * math.log(2) / math.log(5)], rel=1e-4)
 
 
 # -------------------------------------------------------------------------------------- DeepSpeed
