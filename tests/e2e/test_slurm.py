@@ -68,7 +68,9 @@ def submit(cluster: SlurmCluster, template: str, run_dir: Path, env: dict[str, s
     run_dir.mkdir(parents=True, exist_ok=True)
     hdet_config = run_dir / "hdet.json"
     hdet_config.write_text(json.dumps({"alpha": 0.25, "sync_interval": SYNC_INTERVAL, "ranks_per_replica": "node",
-                                       "gradient_mode": gradient_mode}))
+                                       "gradient_mode": gradient_mode,
+                                       # the preemption must land in the run, not in the LR range test before it
+                                       "auto_lr": {"range_test": 0}}))
     job_env = {
         **python_environment(),
         "HDET_CONFIG": str(hdet_config),
