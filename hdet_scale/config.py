@@ -87,7 +87,7 @@ class AutoLRConfig:
     """lambda: how far one sync moves the base along the velocity (eq. 7), >= 0."""
 
     scale_min: float = 0.1
-    """Floor of the scale (``scale`` and ``log`` mode), relative to the base schedule (or the range test's pick)."""
+    """Floor of the scale (``scale`` and ``log`` mode), relative to the base schedule."""
 
     range_test: int | None = None
     """Steps of the LR range test the run starts with, 0 (none) or at least 13 (``hdet_scale.range_test``): the run
@@ -130,6 +130,11 @@ class AutoLRConfig:
     def moves_lr(self) -> bool:
         """Whether the controller moves the LR: it is on and no range test picked the LR (``filled`` applied)."""
         return self.enabled is True and not self.range_test
+
+    def moves_any(self, explores_others: bool) -> bool:
+        """Whether the controller moves some value: the LR (``moves_lr``), or, where it is on, the other explored
+        values (``explores_others``: there are some)."""
+        return self.moves_lr or (self.enabled is True and explores_others)
 
     def for_other_knobs(self) -> AutoLRConfig:
         """The controller of every explored value but the LR: only the LR follows the paper's mode (the others

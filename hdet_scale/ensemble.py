@@ -206,8 +206,7 @@ class HDETEnsemble:
     @property
     def _controller_moves_any(self) -> bool:
         """Whether the controller is on for some explored value: the LR (without a range test) or another."""
-        return self.config.auto_lr.moves_lr or (self.config.auto_lr.enabled
-                                                and any(not explored.is_lr for explored in self._explored))
+        return self.config.auto_lr.moves_any(any(not explored.is_lr for explored in self._explored))
 
     @property
     def at_sync_point(self) -> bool:
@@ -370,8 +369,10 @@ class HDETEnsemble:
         LR it found over the one given. None where neither sets it (the controller off or with one replica, or
         ``paper`` mode, which owns the LR) or while the range test runs."""
         cfg = self.config.auto_lr
-        if self.ramping or (not cfg.range_test and (not cfg.moves_lr or cfg.mode == "paper"
-                                                    or self.topology.num_replicas < 2)):
+        if self.ramping:
+            return None
+        picked = cfg.range_test  # the test's pick holds, whatever the replicas and the controller
+        if not picked and (not cfg.moves_lr or cfg.mode == "paper" or self.topology.num_replicas < 2):
             return None
         return self._lr_explored()[0].state.scale
 

@@ -60,7 +60,7 @@ def run_length_error(config: HDETConfig, num_replicas: int, fix: str, *,
     lr = config.auto_lr.filled()
     others = explores_others or any(getattr(config.explore, field.name) is not None
                                     for field in dataclasses.fields(config.explore))
-    moves = lr.moves_lr or (lr.enabled is True and others)
+    moves = lr.moves_any(others)
     for name in WINDOW_FIELDS:
         if moves and num_replicas > 1 and isinstance(getattr(lr, name), float):
             return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} is a share of the run and needs its "
