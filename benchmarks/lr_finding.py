@@ -311,6 +311,8 @@ def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any
              "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
              "deltas": result.get("deltas"), "range_pick": result.get("range_pick"),
              "run_dir": repo_relative(run_dir)}
+    if run["method"] == "hdet":  # what it ran, readable after the variant changes or leaves VARIANTS
+        entry |= {"hdet_config": read_json(run_dir / "hdet.json"), "probe": VARIANTS[run["variant"]]["probe"]}
     entry["final_lr_ratio"] = final_lr_ratio(entry, record.get("best_lr"))
     record.setdefault(RUNS_KEY.get(run["method"], "runs"), []).append(entry)
     print(f"  {run['method']:<12} {run.get('variant') or '':<13} lr {run['lr']:.3g} seed {run['seed']}: "

@@ -93,9 +93,10 @@ def test_each_recorded_run_of_a_variant_still_defined_ran_its_definition(tmp_pat
             words = lr_finding.worker_args(args, run, tmp_path)
             now = json.loads((tmp_path / "hdet.json").read_text())
             recorded = common.with_todays_names(run["hdet_config"])
-            ran = {**recorded, "auto_lr": {"range_test": 0,  # runs from before the range test had none
-                                           **{key: value for key, value in recorded["auto_lr"].items()
-                                              if key != "hold_average" or value != 0.0}}}
+            ran = recorded if "auto_lr" not in recorded else {  # the library's defaults: as recorded
+                **recorded, "auto_lr": {"range_test": 0,  # runs from before the range test had none
+                                        **{key: value for key, value in recorded["auto_lr"].items()
+                                           if key != "hold_average" or value != 0.0}}}
             assert now == ran, (name, run["variant"])
             assert ("--probe" in words) == run["probe"]
 
@@ -122,3 +123,19 @@ def test_every_variant_line_is_told_apart_and_the_legend_fits_the_figure():
         assert figure.x0 <= legend.x0 and legend.x1 <= figure.x1 and figure.y0 <= legend.y0 and legend.y1 <= figure.y1
     finally:
         plt.close(fig)
+
+
+def test_a_finished_hdet_run_is_recorded_with_the_config_it_ran_and_whether_it_probed(tmp_path):
+    lr_finding = load_benchmark("lr_finding")
+    args = lr_finding.parse_args(["--runs_dir", str(tmp_path)])
+    run = {"method": "hdet", "variant": "default", "lr": 1e-3, "seed": 7, "start_factor": 1.0}
+    run_dir = lr_finding.run_dir_of(args, run)
+    lr_finding.worker_args(args, run, run_dir)  # writes the run's hdet.json, as a launch does
+    lr_finding.write_json(run_dir / "result.json", {"heldout": 1.5, "train": 1.4, "diverged_at_step": None,
+                                                    "wall_seconds": 3.0, "scales": [[25, 1.0]]})
+    recorded = {"best_lr": 1e-3}
+    lr_finding._record(args, run, recorded)
+    entry = recorded["runs"][0]
+    assert entry["hdet_config"] == {"sync_interval": args.sync_interval, "ranks_per_replica": 1,
+                                    "gradient_mode": "global", "seed": 7}
+    assert entry["probe"] is True and entry["heldout"] == 1.5
