@@ -1,6 +1,6 @@
 """Which auto-LR controller mode should be the default: ``scale`` or ``paper``?
 
-Runs the DDP demo (``hdet_scale.demo_ddp``: a tiny byte-level Llama on the stdlib corpus, 4 ranks on gloo,
+Runs the DDP demo (``hdet_scale.lm.demo_ddp``: a tiny byte-level Llama on the stdlib corpus, 4 ranks on gloo,
 ``HDETOneCycleLR``, global gradients, T = 25) as one ``torchrun`` subprocess per row and seed:
 
 * plain data parallel (alpha 0, auto-LR off; bit-identical to DDP) at LR / 3, LR, 3 LR and 10 LR (the LR
@@ -131,8 +131,9 @@ def run_one(row: Row, seed: int, steps: int, base_lr: float, source: Path) -> di
     config_path = run_dir / "hdet.json"
     write_json(config_path, config, indent=2)
     max_lr = base_lr * row.lr_factor
-    command = torchrun_command(NPROC, "-m", "hdet_scale.demo_ddp", "--steps", str(steps), "--max_lr", f"{max_lr:.6g}",
-                               "--seed", str(seed), "--out", str(run_dir), "--hdet_config", str(config_path))
+    command = torchrun_command(NPROC, "-m", "hdet_scale.lm.demo_ddp", "--steps", str(steps),
+                               "--max_lr", f"{max_lr:.6g}", "--seed", str(seed), "--out", str(run_dir),
+                               "--hdet_config", str(config_path))
     started = time.perf_counter()
     done = subprocess.run(command, cwd=source, capture_output=True, text=True)
     wall = time.perf_counter() - started

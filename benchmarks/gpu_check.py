@@ -65,6 +65,7 @@ from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import HealthyMean
 from hdet_scale.engines import ddp, fsdp
 from hdet_scale.lm.model import build_model, next_token_loss
+from hdet_scale.param_groups import transformer_blocks
 from hdet_scale.probe import batch_probe
 
 RANKS = 2
@@ -190,7 +191,7 @@ class Builder:
         else:
             from torch.distributed.fsdp import fully_shard
 
-            for block in fsdp.transformer_blocks(model):
+            for block in transformer_blocks(model):
                 fully_shard(block, mesh=self.mesh, mp_policy=self.mixed_precision())
             fully_shard(model, mesh=self.mesh, mp_policy=self.mixed_precision())
         return Variant("plain", model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, self.engine == "ddp")

@@ -260,9 +260,9 @@ def direction_markdown(entries: list[dict[str, Any]]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- figures
 def make_plots(records: list[dict[str, Any]], out: Path, steps: int) -> list[tuple[str, str]]:
-    """Figure 2 (main rows' loss curves, seed 0) and Figure 3 (HDET full's schedules) via hdet_scale.report,
+    """Figure 2 (main rows' loss curves, seed 0) and Figure 3 (HDET full's schedules) via hdet_scale.tools.report,
     plus the direction study's scale curves."""
-    from hdet_scale.report import report
+    from hdet_scale.tools.report import report
 
     figures = []
     main = [r for r in records if r["group"] == "main" and r["seed"] == min(x["seed"] for x in records)]

@@ -194,8 +194,9 @@ class HDETEnsemble:
     @property
     def ramping(self) -> bool:
         """True while the run's LR range test runs (``auto_lr.range_test``). The test's steps are not steps of the
-        run (``global_step`` stays 0): a loop should count them apart, hold its LR schedule meanwhile (``HDETScheduler``
-        and ``hdet_scale.train`` do), and take no checkpoint; ``while hdet.global_step < total_steps`` runs them all."""
+        run (``global_step`` stays 0): a loop should count them apart, hold its LR schedule meanwhile
+        (``HDETScheduler`` and ``hdet_scale.lm.train`` do), and take no checkpoint; ``while hdet.global_step <
+        total_steps`` runs them all."""
         return self._range_start is not None
 
     @property

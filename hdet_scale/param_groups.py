@@ -12,7 +12,17 @@ from typing import Any
 
 from torch import nn
 
-from hdet_scale.engines.fsdp import transformer_blocks
+
+def transformer_blocks(model: nn.Module, block_classes: Iterable[type[nn.Module]] | None = None) -> list[nn.Module]:
+    """The model's repeated blocks (FSDP2 shards them one by one; ``paper_param_groups`` puts their weights in the
+    ``transformer`` group): instances of ``block_classes``, or for transformers models the classes named in
+    ``model._no_split_modules`` (the decoder layers)."""
+    if block_classes is None:
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        return [module for module in model.modules() if type(module).__name__ in names]
+    classes = tuple(block_classes)
+    return [module for module in model.modules() if isinstance(module, classes)]
+
 
 GROUP_NAMES = ("embedding", "no_decay", "non_embedding", "transformer")
 

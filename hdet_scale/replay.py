@@ -82,11 +82,11 @@ def read_schedule(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise ScheduleFileError(f"{path}: no such schedule file") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ScheduleFileError(f"{path}: not a JSON schedule (write one with python -m hdet_scale.report "
+        raise ScheduleFileError(f"{path}: not a JSON schedule (write one with python -m hdet_scale.tools.report "
                                 "RUN.jsonl --export-schedule FILE)") from None
     if not isinstance(schedule, dict) or schedule.get("format") != SCHEDULE_FORMAT:
         raise ScheduleFileError(f"{path}: 'format' must be {SCHEDULE_FORMAT!r} (a file written by python -m "
-                                "hdet_scale.report --export-schedule)")
+                                "hdet_scale.tools.report --export-schedule)")
     steps, values = schedule.get("steps"), schedule.get("values")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1 or not isinstance(values, dict) \
             or not values:

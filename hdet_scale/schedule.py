@@ -156,7 +156,7 @@ class ReplaySchedule(LRScheduler):
     """Replays the schedule an HDET run discovered, without HDET: step k of this run uses, per param group, the
     base LR (and weight decay, where it was explored) that step k of the HDET run used.
 
-    The file comes from ``python -m hdet_scale.report RUN.jsonl --export-schedule schedule.json``. It is a torch
+    The file comes from ``python -m hdet_scale.tools.report RUN.jsonl --export-schedule schedule.json``. It is a torch
     LR scheduler: call ``step()`` after ``optimizer.step()``. Param groups are matched by name (their ``name``
     entry, else their index), and every group needs its ``lr/<group>``. Past the file's last step the last
     values hold, with one warning. Other explored values (``dropout``, ``label_smoothing``) are not optimizer

@@ -1,4 +1,4 @@
-"""Real launches of ``hdet_scale.train`` (torchrun, deepspeed) for the end-to-end tests, and the README's main job.
+"""Real launches of ``hdet_scale.lm.train`` (torchrun, deepspeed) for the end-to-end tests, and the README's main job.
 
 The README's main job is a 4-rank torchrun run of FSDP2, 2 replicas x 2 ranks. tests/e2e/test_readme_e2e.py checks
 that it runs and reports, tests/e2e/test_train_e2e.py checks the same run in depth and resumes a preempted copy of it:
@@ -71,15 +71,15 @@ def run_main_job(root: Path) -> MainJob:
 
 
 def torchrun(nproc: int) -> list[str]:
-    """A torchrun launch of ``hdet_scale.train`` with ``nproc`` ranks on a free port (append its arguments)."""
+    """A torchrun launch of ``hdet_scale.lm.train`` with ``nproc`` ranks on a free port (append its arguments)."""
     return [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "-m", "hdet_scale.train"]
+            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "-m", "hdet_scale.lm.train"]
 
 
 def deepspeed(nproc: int) -> list[str]:
-    """A deepspeed-launcher launch of ``hdet_scale.train`` with ``nproc`` ranks on a free port."""
+    """A deepspeed-launcher launch of ``hdet_scale.lm.train`` with ``nproc`` ranks on a free port."""
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-            "--module", "hdet_scale.train"]
+            "--module", "hdet_scale.lm.train"]
 
 
 def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = None,

@@ -33,6 +33,7 @@ from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
+from hdet_scale.param_groups import transformer_blocks
 from hdet_scale.resolve import resolve
 from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_size
 
@@ -64,16 +65,6 @@ def topology_from_mesh(mesh: DeviceMesh, config: HDETConfig) -> ReplicaTopology:
     return ReplicaTopology(rank=dist.get_rank(), world_size=dist.get_world_size(), ranks_per_replica=per_replica,
                            cross_replica_group=mesh.get_group("replicate") if replicas > 1 else None,
                            intra_replica_group=mesh.get_group("shard"))
-
-
-def transformer_blocks(model: nn.Module, block_classes: Iterable[type[nn.Module]] | None = None) -> list[nn.Module]:
-    """The modules to shard one by one: instances of ``block_classes``, or for transformers models the
-    classes named in ``model._no_split_modules`` (the decoder layers)."""
-    if block_classes is None:
-        names = set(getattr(model, "_no_split_modules", None) or [])
-        return [module for module in model.modules() if type(module).__name__ in names]
-    classes = tuple(block_classes)
-    return [module for module in model.modules() if isinstance(module, classes)]
 
 
 class FSDPAdapter(EngineAdapter):

@@ -1,1 +1,2 @@
-"""Language-model pretraining pieces used by ``hdet_scale.train``: model presets, corpora, engine backends."""
+"""The language-model pretraining script ``hdet_scale.lm.train`` and its pieces (model presets, corpora, engine
+backends, checkpoints), and ``demo_ddp``: HDET on plain DDP in one file. The library itself does not import them."""

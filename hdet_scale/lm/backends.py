@@ -1,4 +1,4 @@
-"""The two engines ``hdet_scale.train`` runs on, behind one small interface.
+"""The two engines ``hdet_scale.lm.train`` runs on, behind one small interface.
 
 Each backend owns the model, optimizer, LR schedule and HDET handle of one engine and answers what the
 training loop needs: one optimizer step over a list of micro-batches, a forward-only loss, the scheduled

@@ -1,4 +1,4 @@
-"""What made a checkpoint of ``hdet_scale.train``, checked before a run resumes from it.
+"""What made a checkpoint of ``hdet_scale.lm.train``, checked before a run resumes from it.
 
 Every checkpoint carries ``run.json``: the engine (and ZeRO stage), the model's shape, the replica layout, the
 explored hyperparameters, the hdet_scale version, the step, and the size of every file of the checkpoint,

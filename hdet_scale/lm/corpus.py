@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hdet_scale.data import byte_tokens, stdlib_corpus
+from hdet_scale.lm.data import byte_tokens, stdlib_corpus
 
 BYTE_VOCAB = 256
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".xml", ".tex"}

@@ -1,4 +1,4 @@
-"""What ``hdet_scale.train`` checks and loads before any process group starts (``plan``): every argument, the
+"""What ``hdet_scale.lm.train`` checks and loads before any process group starts (``plan``): every argument, the
 DeepSpeed JSON, the HDET settings resolved for the run, the output folder, the corpus and the checkpoint a resume
 continues from. A bad input is one ``ValueError`` or ``FileNotFoundError`` naming the argument."""
 
@@ -47,9 +47,9 @@ def plan(args: argparse.Namespace) -> Plan:
     engine = args.engine
     if engine == "auto":
         engine = "deepspeed" if args.deepspeed_config or args.local_rank >= 0 else "fsdp"
-    require("transformers", "train", "hdet_scale.train (its Llama model)")
+    require("transformers", "train", "hdet_scale.lm.train (its Llama model)")
     if engine == "deepspeed":
-        require("deepspeed", "deepspeed", "hdet_scale.train on DeepSpeed")
+        require("deepspeed", "deepspeed", "hdet_scale.lm.train on DeepSpeed")
     ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
     if engine == "fsdp" and args.deepspeed_config:
         raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")

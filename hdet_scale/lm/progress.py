@@ -1,4 +1,4 @@
-"""What rank 0 shows and records while ``hdet_scale.train`` runs: a progress bar on a terminal, one line per
+"""What rank 0 shows and records while ``hdet_scale.lm.train`` runs: a progress bar on a terminal, one line per
 sync (also in log files, where a bar is noise), and scalars for TensorBoard and W&B (``hdet_scale.lm.scalars``)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Progress:
                  resumed: bool = False, sync_lines: bool = True) -> None:
         self.enabled = enabled
         self._sync_lines = sync_lines  # a plain run (a replay) has syncs only to record what it applied
-        # Held-out losses go into the metrics file too, as {"step", "heldout_loss"} lines (hdet_scale.report
+        # Held-out losses go into the metrics file too, as {"step", "heldout_loss"} lines (hdet_scale.tools.report
         # plots them next to the sync lines).
         self._metrics = MetricsWriter(metrics_path, is_writer=enabled)
         self.total = total

@@ -1,4 +1,4 @@
-"""The scalars rank 0 of ``hdet_scale.train`` records, and where they go: TensorBoard when it is installed,
+"""The scalars rank 0 of ``hdet_scale.lm.train`` records, and where they go: TensorBoard when it is installed,
 Weights & Biases when ``--wandb PROJECT`` asks for it. Both get the same names and values, those of the
 metrics file's sync lines (``hdet_metrics.jsonl``)."""
 

@@ -19,8 +19,8 @@ from distributed import run_ranks
 from hdet_scale import HDETConfig, HDETScheduler, ReplicaTopology, multipliers
 from hdet_scale.config import AutoLRConfig
 from hdet_scale.range_test import RangeTest
-from hdet_scale.report import main
-from hdet_scale.report_runs import load_run, sync_records
+from hdet_scale.tools.report import main
+from hdet_scale.tools.report_runs import load_run, sync_records
 
 TEST_STEPS = 30
 RUN_STEPS = 12  # three syncs after the test

@@ -73,7 +73,7 @@ def build(engine: str, directory: Path) -> Any:
     from hdet_scale.lm.backends import DeepSpeedBackend, FSDPBackend
     from hdet_scale.lm.model import build_model
     from hdet_scale.lm.plan import _deepspeed_config
-    from hdet_scale.train import parse_args
+    from hdet_scale.lm.train import parse_args
 
     args = parse_args(["--steps", "200", "--micro_batch_size", "2", "--seq_len", "16", "--engine", engine,
                        "--zero_stage", "2", "--out", str(directory), "--dtype", "fp32"])
@@ -87,7 +87,7 @@ def build(engine: str, directory: Path) -> Any:
 
 
 def one_step(backend: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """One optimizer step of ``hdet_scale.train`` on one micro-batch."""
+    """One optimizer step of ``hdet_scale.lm.train`` on one micro-batch."""
     backend.optimizer_step([backend.forward_backward(batch, index=0, of=1)])
 
 

@@ -22,7 +22,8 @@ def test_ddp_and_fsdp2_need_torch_alone_and_the_rest_say_what_to_install(tmp_pat
         for name in {OPTIONAL!r}:
             sys.modules[name] = None  # not installed
         import hdet_scale
-        from hdet_scale import HDETScheduler, HDETOneCycleLR, report
+        from hdet_scale import HDETScheduler, HDETOneCycleLR
+        from hdet_scale.tools import report
         from hdet_scale.engines import ddp, fsdp
         from hdet_scale.extras import MissingExtra
         said = {{}}
@@ -33,7 +34,7 @@ def test_ddp_and_fsdp2_need_torch_alone_and_the_rest_say_what_to_install(tmp_pat
             except MissingExtra as error:
                 said[module] = str(error)
         loaded = sorted(name for name in {OPTIONAL!r} if sys.modules.get(name) is not None)
-        from hdet_scale import train
+        from hdet_scale.lm import train
         for argv in ([], ["--wandb", "p"], ["--deepspeed_config", "ds.json"]):
             if argv:
                 sys.modules.pop("transformers", None)  # installed from here on: the next missing package speaks
@@ -56,9 +57,9 @@ def test_ddp_and_fsdp2_need_torch_alone_and_the_rest_say_what_to_install(tmp_pat
                                               "installed: pip install 'hdet_scale[trainer]'",
         "hdet_scale.integrations.lightning": "hdet_scale.integrations.lightning needs lightning, which is not "
                                             "installed: pip install 'hdet_scale[lightning]'",
-        "": "hdet_scale.train (its Llama model) needs transformers, which is not installed: "
+        "": "hdet_scale.lm.train (its Llama model) needs transformers, which is not installed: "
             "pip install 'hdet_scale[train]'",
         "--wandb p": "--wandb needs wandb, which is not installed: pip install 'hdet_scale[wandb]'",
-        "--deepspeed_config ds.json": "hdet_scale.train on DeepSpeed needs deepspeed, which is not installed: "
+        "--deepspeed_config ds.json": "hdet_scale.lm.train on DeepSpeed needs deepspeed, which is not installed: "
                                       "pip install 'hdet_scale[deepspeed]'",
     }

@@ -17,7 +17,7 @@ from launcher import EVAL_INTERVAL, ROOT, STEPS, SYNC_INTERVAL
 def test_main_job_runs_and_reports(main_job):
     """The README's launch, shortened (conftest's ``main_job``, which test_train_e2e.py checks in depth too)."""
     launch = main_job.readme_launch
-    assert launch[0] == ".venv/bin/torchrun" and launch[launch.index("-m") + 1] == "hdet_scale.train"
+    assert launch[0] == ".venv/bin/torchrun" and launch[launch.index("-m") + 1] == "hdet_scale.lm.train"
     result, out = main_job.result, main_job.out
     assert result.returncode == 0, result.stdout[-5000:]
     assert "ranks=4 replicas=2 ranks_per_replica=2" in result.stdout

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_runs_as_a_module(tmp_path):
     path, expected = baseline_run(tmp_path / "base.jsonl")
-    result = subprocess.run([sys.executable, "-m", "hdet_scale.report", str(path), "--out", str(tmp_path / "o")],
+    result = subprocess.run([sys.executable, "-m", "hdet_scale.tools.report", str(path), "--out", str(tmp_path / "o")],
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
     assert number_after(summary_block(result.stdout, "base"), "last logged train loss") == pytest.approx(

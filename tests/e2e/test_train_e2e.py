@@ -26,7 +26,7 @@ import torch
 import wandb_records
 from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
 
-from hdet_scale.train import parse_args
+from hdet_scale.lm.train import parse_args
 
 
 def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
@@ -160,7 +160,7 @@ def test_a_plain_run_replays_the_schedule_the_run_found(fsdp_runs, tmp_path):
     scales = [line["values"]["lr/0"]["scale"] for line in metric_lines(full)]
     assert scales[0] != pytest.approx(1.0, abs=1e-3)  # the range test set the LR: the schedule is not --lr's cosine
     schedule = tmp_path / "schedule.json"
-    export = subprocess.run([sys.executable, "-m", "hdet_scale.report", str(full / "hdet_metrics.jsonl"),
+    export = subprocess.run([sys.executable, "-m", "hdet_scale.tools.report", str(full / "hdet_metrics.jsonl"),
                              "--export-schedule", str(schedule)], capture_output=True, text=True, cwd=tmp_path)
     assert export.returncode == 0, export.stderr
     at = command.index("--hdet_config")
@@ -217,7 +217,7 @@ def test_a_damaged_checkpoint_stops_every_rank_in_one_line(fsdp_runs, tmp_path):
 def test_resume_into_fewer_replicas_says_so_and_trains_on(fsdp_runs, tmp_path):
     """A requeued job on half the nodes: the 2 x 2 checkpoint resumes as one replica of 2 ranks."""
     shutil.copytree(fsdp_runs["split"], tmp_path / "out")
-    command = [*torchrun(2), *fsdp_runs["command"][fsdp_runs["command"].index("hdet_scale.train") + 1:]]
+    command = [*torchrun(2), *fsdp_runs["command"][fsdp_runs["command"].index("hdet_scale.lm.train") + 1:]]
     result = launch([*command, "--out", str(tmp_path / "out"), "--resume", "--steps", str(STEPS + SYNC_INTERVAL)],
                     cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-5000:]

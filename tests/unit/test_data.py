@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hdet_scale.data import random_windows, stdlib_corpus, stdlib_files
+from hdet_scale.lm.data import random_windows, stdlib_corpus, stdlib_files
 
 
 def test_corpus_is_the_stdlib_without_its_tests():

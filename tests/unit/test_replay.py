@@ -16,8 +16,8 @@ from hdet_scale import HDETConfig, HDETEnsemble, ReplaySchedule, ReplicaTopology
 from hdet_scale.config import AutoLRConfig
 from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.replay import SCHEDULE_FORMAT, ScheduleFileError, schedule_from_records, write_schedule
-from hdet_scale.report import main
-from hdet_scale.report_runs import load_run, sync_records
+from hdet_scale.tools.report import main
+from hdet_scale.tools.report_runs import load_run, sync_records
 
 
 def sync_line(step: int, bases: dict[str, list[float]]) -> dict:

@@ -18,8 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology, report, report_runs
+from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
 from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.tools import report, report_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NAMES = ("lr/0", "lr/embedding", "weight_decay/0")

@@ -21,7 +21,7 @@ from hdet_scale.lm.checkpoints import (
     settle_interrupted_save,
     write_manifest,
 )
-from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
+from hdet_scale.lm.train import SINGLE_PROCESS, parse_args, plan
 
 MODEL = {"preset": "tiny", "hidden_size": 64, "vocab_size": 256}
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hdet_scale import train
-from hdet_scale.train import SINGLE_PROCESS, parse_args, plan
+from hdet_scale.lm import train
+from hdet_scale.lm.train import SINGLE_PROCESS, parse_args, plan
 
 
 # -------------------------------------------------------------------------------------- bad input

@@ -1,4 +1,4 @@
-"""The metrics files the report reads (the format is in ``hdet_scale.report``'s docstring): a ``Run`` per file,
+"""The metrics files the report reads (the format is in ``hdet_scale.tools.report``'s docstring): a ``Run`` per file,
 its loss curves, its sync records and each explored value's series, and a run's summary."""
 
 from __future__ import annotations

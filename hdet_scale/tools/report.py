@@ -1,7 +1,8 @@
 """Plots and a summary of training runs from their metrics JSON lines.
 
-    python -m hdet_scale.report runs/a/hdet_metrics.jsonl runs/b/baseline.jsonl --labels hdet baseline --out plots/
-    python -m hdet_scale.report runs/a/hdet_metrics.jsonl --export-schedule schedule.json
+    python -m hdet_scale.tools.report runs/a/hdet_metrics.jsonl runs/b/baseline.jsonl --labels hdet baseline \
+        --out plots/
+    python -m hdet_scale.tools.report runs/a/hdet_metrics.jsonl --export-schedule schedule.json
 
 Writes ``loss.png`` (training loss vs steps, one line per run, and held-out loss where the files have it: the
 paper's Figure 2), ``schedules_<label>.png`` for every run with HDET sync lines (per explored value, e.g.
@@ -35,8 +36,8 @@ from typing import Any
 
 from hdet_scale.metrics import writable_directory
 from hdet_scale.replay import ScheduleFileError, schedule_from_records, write_schedule
-from hdet_scale.report_plots import figure_class, file_name, plot_losses, plot_schedules
-from hdet_scale.report_runs import (
+from hdet_scale.tools.report_plots import figure_class, file_name, plot_losses, plot_schedules
+from hdet_scale.tools.report_runs import (
     ReportError,
     default_labels,
     explored_names,
@@ -74,9 +75,9 @@ def report(paths: Sequence[str | Path], out: str | Path, labels: Sequence[str] |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: ``python -m hdet_scale.report METRICS.jsonl [...] --out DIR [--labels ...]``."""
+    """The command line: ``python -m hdet_scale.tools.report METRICS.jsonl [...] --out DIR [--labels ...]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m hdet_scale.report",
+        prog="python -m hdet_scale.tools.report",
         description="Plot training loss (all runs) and HDET's per-replica schedules (runs with HDET sync lines) "
                     "from metrics JSON lines, and print a summary. Format: one object per line with 'step' "
                     "and 'loss' (or HDET's 'replica_losses'), optionally 'heldout_loss'.")

@@ -1,7 +1,7 @@
 """Pretrain a decoder-only language model with HDET on FSDP2 or DeepSpeed ZeRO.
 
-    torchrun --nproc_per_node 8 -m hdet_scale.train --preset 125m --data tokens.bin --vocab_size 32000
-    deepspeed --num_nodes 4 hdet_scale/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
+    torchrun --nproc_per_node 8 -m hdet_scale.lm.train --preset 125m --data tokens.bin --vocab_size 32000
+    deepspeed --num_nodes 4 hdet_scale/lm/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
         --hdet_config ds_configs/hdet_zero.json --preset 1b --data tokens.bin --vocab_size 32000
 
 The engine is FSDP2 under torchrun and DeepSpeed under the deepspeed launcher or with --deepspeed_config
@@ -12,7 +12,7 @@ process group starts.
 Rank 0 shows a progress bar (on a terminal) and prints one line per sync; metrics go to
 OUT/hdet_metrics.jsonl (and OUT/tensorboard when TensorBoard is installed), checkpoints to OUT/checkpoints
 (at sync points), and the final averaged model to OUT/final for transformers' from_pretrained. The metrics
-file has one line per sync and one {"step", "heldout_loss"} line per evaluation; `python -m hdet_scale.report
+file has one line per sync and one {"step", "heldout_loss"} line per evaluation; `python -m hdet_scale.tools.report
 OUT/hdet_metrics.jsonl --out plots` draws them.
 
 On SIGTERM (Slurm preemption or time limit) the ranks agree to stop, average the replicas (--on_signal
@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    # Run as a file (deepspeed hdet_scale/train.py): Python put the package folder first on the path, where its
-    # modules (config, data, metrics, ...) would shadow top-level modules of those names for every import.
+    # Run as a file (deepspeed hdet_scale/lm/train.py): Python put the package folder first on the path, where its
+    # modules (data, model, plan, ...) would shadow top-level modules of those names for every import.
     sys.path.pop(0)
 
 import argparse
@@ -127,7 +127,7 @@ def _add_optimization(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--min_lr_ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
     group.add_argument("--replay_schedule", metavar="FILE", default=None,
                        help="a plain run (HDET's spread and controller off) on the LRs and weight decays an HDET run "
-                       "applied at every step, exported by python -m hdet_scale.report RUN.jsonl "
+                       "applied at every step, exported by python -m hdet_scale.tools.report RUN.jsonl "
                        "--export-schedule FILE; replaces --lr's warm-up + cosine")
     group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW's weight decay")
     group.add_argument("--grad_clip", type=float, default=1.0, help="FSDP: max gradient norm (0: off); "
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """The training script on every rank: bad input is refused before any process group starts; a complete run
     ends the process through ``shut_down_and_exit`` (status 0), a failed one raises after ``shut_down``."""
     args = parse_args(argv)
-    if "WORLD_SIZE" not in os.environ:  # plain `python -m hdet_scale.train`: a world of one
+    if "WORLD_SIZE" not in os.environ:  # plain `python -m hdet_scale.lm.train`: a world of one
         os.environ.update(SINGLE_PROCESS)
     try:
         checked = plan(args)

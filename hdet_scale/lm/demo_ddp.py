@@ -1,6 +1,6 @@
 """HDET on plain DDP: a tiny byte-level Llama trained on the standard library's source.
 
-    torchrun --standalone --nproc_per_node 4 -m hdet_scale.demo_ddp [--hdet_config hdet.json]
+    torchrun --standalone --nproc_per_node 4 -m hdet_scale.lm.demo_ddp [--hdet_config hdet.json]
 
 Every rank is a replica (4 replicas on 4 ranks) unless the HDET config groups ranks. The schedule is
 the paper's drop-in ``HDETOneCycleLR``. Rank 0 prints the loss as it goes, then the final training loss
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale import HDETOneCycleLR, ReplicaTopology, add_hdet_args, load_config
-from hdet_scale.data import random_windows, stdlib_corpus
 from hdet_scale.engines.ddp import wrap_model
 from hdet_scale.extras import require
+from hdet_scale.lm.data import random_windows, stdlib_corpus
 from hdet_scale.lm.model import next_token_loss
 
 DEMO_DEFAULTS = {
@@ -65,7 +65,7 @@ def mean_loss(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Names
 
 def main() -> None:
     args = parse_args()
-    require("transformers", "train", "hdet_scale.demo_ddp (its Llama model)")
+    require("transformers", "train", "hdet_scale.lm.demo_ddp (its Llama model)")
     # Validate the HDET settings (and the replica layout against WORLD_SIZE) before any process group.
     config = load_config(args.hdet_config or _demo_config(args.out))
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.report_runs import (
+from hdet_scale.tools.report_runs import (
     PLOTS_EXTRA_HINT,
     VALUE_WORDS,
     ReportError,
