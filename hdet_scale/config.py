@@ -1,10 +1,12 @@
-"""HDET's settings: dataclasses with strict loading (``docs/configuration.md`` says what each does and why).
+"""HDET's settings: frozen dataclasses, checked when made (``docs/configuration.md`` says what each does and why).
 
-The defaults are the controller that found the LR best from either side in ``benchmarks/lr_finding.py``: a log
-spread, the scale-free ``log`` controller on quarter-interval averaged weights from a tenth of the given LR,
-moving between 2% and 25% of the run, only upward from 12% of it. ``HDETConfig.paper()`` gives the paper's
-settings; fields carry the paper's symbols (arXiv 2604.24708, section 3). Unknown keys are errors (one an earlier
-version had is refused as removed or renamed) and ``validate()`` names the field, the allowed range and the value.
+The defaults are those measured best in ``benchmarks/lr_finding_matrix.py``: a log spread, and an LR range test
+at the start of the run that puts the spread's fastest replica at the LR it picks, where the LR holds; with
+``auto_lr.range_test`` 0 the scale-free ``log`` controller moves the LR instead. ``HDETConfig.paper()`` gives the
+paper's settings; fields carry the paper's symbols (arXiv 2604.24708, section 3). Unknown keys are errors (one an
+earlier version had is refused as removed or renamed), and a config that breaks a rule is never made: the
+``HDETConfigError`` names the field, the allowed range and the value. A config cannot change once made (a changed
+copy, ``dataclasses.replace``, is checked again), so one checked at the front door is the one every part reads.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ RENAMED_SETTINGS: dict[str, dict[str, str]] = {
 """Settings of earlier versions now given under another name: a config naming one is refused with the new one."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class AutoLRConfig:
     """The auto-LR controller (paper eqs. 4-9). A field left null takes its mode's default (``MODE_DEFAULTS``)."""
 
@@ -149,7 +151,7 @@ class AutoLRConfig:
         return DEFAULT_AVERAGE_WINDOW if probing and self.enabled and self.mode == "log" else 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class WarmInitConfig:
     """Warm noisy initialization (paper eq. 10)."""
 
@@ -160,7 +162,7 @@ class WarmInitConfig:
     """nu: noise std relative to the RMS of all parameters, ||theta0|| / sqrt(d), >= 0."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class KnobConfig:
     """One explored hyperparameter besides the LR (paper Remark 1)."""
 
@@ -171,7 +173,7 @@ class KnobConfig:
     """``label_smoothing`` only: the base value. The others take theirs from the optimizer or the model."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExploreConfig:
     """Hyperparameters explored besides the LR, each with its own spread, permutation and controller:
     ``weight_decay`` (per param group, applied inside ``optimizer.step()``), ``dropout`` (a factor on every dropout
@@ -187,7 +189,7 @@ class ExploreConfig:
         _nest(self, "explore.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class HDETConfig:
     """Everything HDET needs besides the model, optimizer and schedule."""
 
@@ -228,13 +230,12 @@ class HDETConfig:
 
     def __post_init__(self) -> None:
         _nest(self, "")
+        self.validate()  # frozen and checked once: a config that exists is valid, and stays as it was checked
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> HDETConfig:
-        """Builds and validates a config from a (possibly nested) mapping; unknown keys are errors."""
-        config = _build(cls, values, prefix="")
-        config.validate()
-        return config
+        """Builds (and so validates) a config from a (possibly nested) mapping; unknown keys are errors."""
+        return _build(cls, values, prefix="")
 
     @classmethod
     def paper(cls, **changes: Any) -> HDETConfig:
@@ -262,8 +263,8 @@ class HDETConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        """Raises HDETConfigError naming the first bad field (``hdet_scale.config_rules``); the replica layout
-        against a world size is ``hdet_scale.resolve``'s."""
+        """Raises HDETConfigError naming the first bad field (``hdet_scale.config_rules``); run when a config is
+        made. The replica layout against a world size is ``hdet_scale.resolve``'s."""
         config_rules.validate(self, self.auto_lr.filled())
 
     def for_run(self, total_steps: int) -> HDETConfig:
@@ -309,7 +310,7 @@ def _nest(config: Any, prefix: str) -> None:
     for key, section in _NESTED[type(config)].items():
         value = getattr(config, key)
         if isinstance(value, Mapping):
-            setattr(config, key, _build(section, value, prefix=f"{prefix}{key}."))
+            object.__setattr__(config, key, _build(section, value, prefix=f"{prefix}{key}."))  # still being made
         elif value is not None and not isinstance(value, section):
             raise HDETConfigError(f"{prefix}{key} must be a mapping of settings or an instance of {section.__name__}, "
                                   f"got {value!r}")

@@ -50,7 +50,8 @@ class HDETEnsemble:
     loaded weights are not noised again.
 
     Args:
-        config: HDET settings (validated here).
+        config: HDET settings; resolved for the run here (``resolve``), which leaves a config a front door
+            resolved as it is.
         adapter: the engine adapter (see ``hdet_scale.engines``).
         topology: the replica layout; built from the default process group when omitted.
         paper_decay: per param group, the schedule's floor and length, for ``auto_lr.mode='paper'``.

@@ -19,10 +19,10 @@ from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_
 
 def resolve(config: HDETConfig, *, world_size: int | None = None, auto: str = "rank",
             total_steps: int | None = None) -> HDETConfig:
-    """``config`` validated, with ``ranks_per_replica`` a number (``auto``: ``"rank"`` for unsharded engines,
-    ``"node"`` for sharded ones, see ``topology.with_replica_size``), checked against ``world_size`` where given,
-    and with the controller's unset fields filled (its start and stop as steps where ``total_steps`` is given)."""
-    config.validate()
+    """``config`` (valid: it was checked when made) with ``ranks_per_replica`` a number (``auto``: ``"rank"`` for
+    unsharded engines, ``"node"`` for sharded ones, see ``topology.with_replica_size``), checked against
+    ``world_size`` where given, and with the controller's unset fields filled (its start and stop as steps where
+    ``total_steps`` is given). Resolving a resolved config again returns the same object."""
     if world_size is not None:
         check_world_size(config, world_size, auto=auto)
     config = with_replica_size(config, auto=auto, world_size=world_size)
@@ -99,7 +99,6 @@ def load_config(source: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] 
         )
     if world_size is None and "WORLD_SIZE" in os.environ:
         world_size = int(os.environ["WORLD_SIZE"])
-    config.validate()
     if world_size is not None:
         check_world_size(config, world_size)
     return config

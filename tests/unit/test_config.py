@@ -1,12 +1,23 @@
 import argparse
+import dataclasses
 import json
 import math
 
 import pytest
+import torch
 
-from hdet_scale import HDETConfig, HDETConfigError, add_hdet_args, load_config
+from hdet_scale import (
+    HDETConfig,
+    HDETConfigError,
+    HDETEnsemble,
+    ReplicaTopology,
+    add_hdet_args,
+    config_rules,
+    load_config,
+)
 from hdet_scale.config import AutoLRConfig
 from hdet_scale.controller import controller_updates, sync_interval_for_run, updates_to_climb, window_share
+from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.resolve import resolve, stuck_start_error
 from hdet_scale.schedule import resolve_config
 from hdet_scale.topology import check_world_size, with_replica_size
@@ -195,7 +206,6 @@ def test_sections_given_as_mappings_are_built_and_checked():
     config = HDETConfig(auto_lr={"mode": "scale"}, explore={"weight_decay": {"alpha": 0.3}}, warm_init={"nu": 0.02})
     assert config == HDETConfig.from_dict({"auto_lr": {"mode": "scale"}, "explore": {"weight_decay": {"alpha": 0.3}},
                                            "warm_init": {"nu": 0.02}})
-    config.validate()
     with pytest.raises(HDETConfigError, match="unknown HDET setting 'auto_lr.mdoe'; did you mean 'auto_lr.mode'"):
         HDETConfig(auto_lr={"mdoe": "scale"})
     with pytest.raises(HDETConfigError, match="explore.dropout must be a JSON object, got 0.1"):
@@ -417,3 +427,24 @@ def test_a_run_without_a_controller_needs_no_run_length_even_with_a_stop():
                                                                              ranks_per_replica=1))
     assert hdet.few_updates_warning is None
     hdet.close()
+
+
+def test_a_config_is_checked_when_made_and_cannot_change_after():
+    with pytest.raises(HDETConfigError, match="sync_interval"):
+        HDETConfig(sync_interval=0)
+    config = HDETConfig(sync_interval=5)
+    with pytest.raises(HDETConfigError, match="alpha"):
+        dataclasses.replace(config, alpha=-1.0)  # a changed copy is checked as well
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.sync_interval = 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.auto_lr.range_test = 5
+
+
+def test_the_ensemble_reads_the_config_resolved_at_the_front_door_without_checking_it_again(monkeypatch):
+    config = resolve(HDETConfig(sync_interval=5, auto_lr={"range_test": 0}), total_steps=100)
+    assert resolve(config, total_steps=100) is config
+    monkeypatch.setattr(config_rules, "validate", lambda *_: pytest.fail("checked again below the front door"))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process(), total_steps=100)
+    assert hdet.config is config
