@@ -35,8 +35,8 @@ from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.engines.deepspeed_settings import checked_settings, per_replica_batch
-from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter, check_version
+from hdet_scale.engines.deepspeed_settings import check_version, checked_settings, per_replica_batch
+from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle

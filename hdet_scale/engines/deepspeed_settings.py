@@ -1,6 +1,7 @@
-"""What ``hdet_scale.engines.deepspeed.initialize`` checks before any process group or engine exists: the DeepSpeed
-JSON (settings HDET cannot run with, batch sizes over all ranks), the HDET settings (from exactly one place) and
-the replica layout, each refused in one line naming the setting."""
+"""What ``hdet_scale.engines.deepspeed.initialize`` and the Trainer integration check before any process group or
+engine exists: the DeepSpeed version HDET was tested with, the DeepSpeed JSON (settings HDET cannot run with, batch
+sizes over all ranks), the HDET settings (from exactly one place) and the replica layout, each refused in one line
+naming the setting."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from packaging.version import Version
 from torch import nn
 
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.resolve import load_config, run_length_error
 from hdet_scale.topology import check_world_size, with_replica_size
+
+TESTED_DEEPSPEED = (Version("0.19.8"), Version("0.20"))  # the ZeRO internals HDET uses (engines/zero.py)
 
 
 def checked_settings(args: Any, model: nn.Module | None, config: str | Mapping[str, Any] | None,
@@ -154,3 +158,13 @@ def per_replica_batch(ds_config: dict[str, Any], num_replicas: int) -> dict[str,
             "batch of one optimizer step over all ranks, and each replica takes an equal share"
         )
     return {**ds_config, "train_batch_size": total // num_replicas}
+
+
+def check_version(version: str) -> None:
+    """Raises if ``version`` (DeepSpeed's ``__version__``) is outside the range HDET was tested with."""
+    low, high = TESTED_DEEPSPEED
+    if not low <= Version(version) < high:
+        raise RuntimeError(
+            f"hdet_scale's DeepSpeed adapter uses ZeRO internals tested with DeepSpeed >={low},<{high}; "
+            f"DeepSpeed {version} is installed. Install a tested version: pip install 'deepspeed>={low},<{high}'"
+        )

@@ -14,13 +14,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from packaging.version import Version
 from torch import nn
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
+from hdet_scale.engines.deepspeed_settings import TESTED_DEEPSPEED
 from hdet_scale.topology import ReplicaTopology
 
-TESTED_DEEPSPEED = (Version("0.19.8"), Version("0.20"))
 """The DeepSpeed versions (lower bound included, upper excluded) whose internals HDET was tested against."""
 
 
@@ -66,16 +65,6 @@ class ReplicaMPU:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_rank = get_model_parallel_rank
     get_tensor_model_parallel_src_rank = get_model_parallel_src_rank
-
-
-def check_version(version: str) -> None:
-    """Raises if ``version`` (DeepSpeed's ``__version__``) is outside the range HDET was tested with."""
-    low, high = TESTED_DEEPSPEED
-    if not low <= Version(version) < high:
-        raise RuntimeError(
-            f"hdet_scale's DeepSpeed adapter uses ZeRO internals tested with DeepSpeed >={low},<{high}; "
-            f"DeepSpeed {version} is installed. Install a tested version: pip install 'deepspeed>={low},<{high}'"
-        )
 
 
 class ZeroAdapter(EngineAdapter):

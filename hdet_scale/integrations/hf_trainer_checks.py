@@ -69,8 +69,7 @@ def _zero_stage(ds_config: Mapping[str, Any]) -> int:
 def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
     import deepspeed
 
-    from hdet_scale.engines.deepspeed_settings import check_supported
-    from hdet_scale.engines.zero import check_version
+    from hdet_scale.engines.deepspeed_settings import check_supported, check_version
 
     check_version(deepspeed.__version__)
     ds_config = _deepspeed_config(trainer)

@@ -20,7 +20,7 @@ from torch import nn
 
 from hdet_scale import HDETConfigError
 from hdet_scale.engines import deepspeed as hdet_deepspeed
-from hdet_scale.engines.zero import check_version
+from hdet_scale.engines.deepspeed_settings import check_version
 
 MICRO_BATCHES = 2
 

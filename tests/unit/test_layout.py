@@ -85,3 +85,11 @@ def test_no_module_imports_a_floor_below_its_own():
             if floor_of(imported) not in ALLOWED[own]:
                 offences.append(f"{path.relative_to(PACKAGE.parent)} ({own}) imports {imported}")
     assert offences == []
+
+
+def test_the_zero_internals_are_read_by_the_deepspeed_engine_alone():
+    """``engines/zero.py`` holds the DeepSpeed internals HDET relies on; the front doors and integrations go through
+    ``engines/deepspeed.py`` and ``deepspeed_settings.py``."""
+    readers = sorted(str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
+                     if "hdet_scale.engines.zero" in package_imports(path))
+    assert readers == ["hdet_scale/engines/deepspeed.py"]
