@@ -159,3 +159,15 @@ def test_every_variant_the_matrix_runs_is_defined():
     assert lr_finding.DEFAULT_VARIANT in lr_finding.VARIANTS
     assert {"range_hold", "range_rise"} <= set(lr_finding.VARIANTS)
     assert isinstance(matrix.parse_args([]), argparse.Namespace)
+
+
+def test_each_holdout_setting_has_seeds_no_other_setting_uses():
+    files = (matrix.SETTINGS, matrix.BENCHMARKS / "lr_finding_matrix_holdout2.json")
+    plans = [matrix.read_json(path) for path in files]
+    entries = [entry for plan in plans for entry in plan["settings"]]
+    assert len(entries) == 8
+    for entry in entries:
+        others = {seed for other in entries if other is not entry for seed in other["args"]["seeds"]}
+        if entry["holdout"]:
+            assert others.isdisjoint(entry["args"]["seeds"]), entry["name"]
+    assert all(entry["holdout"] for entry in plans[1]["settings"])  # the second holdout holds no design setting
