@@ -87,7 +87,8 @@ def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], label: str, part:
     return [
         *step_markdown(cfg, part, heading, gradient_average), "",
         *signals_markdown(cfg, part, heading, gradient_average), "", *note(f"{named}signals"), "",
-        *sync_markdown(cfg, part["sync_time"], heading, per_rank, gradient_average), "",
+        *sync_markdown(cfg, part["sync_time"], part["step_time"]["plain"]["step_s"]["median"], heading, per_rank,
+                       gradient_average), "",
         *bytes_markdown(cfg, part["bytes"], heading, per_rank), "", *note(f"{named}bytes"), "",
         *memory_markdown(part["memory"], heading, per_rank), "", *note(f"{named}memory"), "",
     ]
@@ -160,17 +161,19 @@ def signals_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gr
     """Section 1, continued: the step-time cost of each controller signal against HDET without one."""
     interval = cfg["sync_intervals"][0]
     steps, costs = part["step_time"], part["signal_costs"]
-    base = costs[f"hdet_T{interval}"]
+    base, plain_step_s = costs[f"hdet_T{interval}"], steps["plain"]["step_s"]["median"]
     lines = [
         f"{heading} 1b. Controller signals (T = {interval}, in the same round-robin)",
         "",
         *table_header("variant", "hot-path ratio vs plain (IQR)", "total-time ratio", "hot path µs",
-                      "own sync ms (median)", "estimate from components", "estimate minus no signal's"),
+                      "own sync ms (median)", "own sync per step at T = 100, share of a plain step",
+                      "estimate from components", "estimate minus no signal's"),
     ]
     for name, cost in costs.items():
         entry = steps[name]
         lines.append(table_row(name, _ratio(entry["block_median_ratio"]), f"{entry['total_time_ratio']:.3f}",
                                f"{cost['hot_path_s'] * US:.1f}", f"{cost['sync_s'] * MS:.2f}",
+                               f"{amortized_share(cost['sync_s'], 100, plain_step_s):.2%}",
                                f"{1 + cost['estimate']:.4f}", f"{cost['estimate'] - base['estimate']:+.4f}"))
     legends = [legend for signal, legend in SIGNAL_LEGENDS.items() if f"hdet_T{interval}_{signal}" in costs]
     return [
@@ -197,16 +200,31 @@ SIGNAL_LEGENDS = {
 ``displacement`` and ``progress`` signals left the library still do)."""
 
 
-def sync_markdown(cfg: dict[str, Any], sync: dict[str, Any], heading: str, per_rank: str,
+AMORTIZED_INTERVALS = (100, 1000)  # the sync intervals at which a sync's cost per step is reported
+
+
+def amortized_share(sync_s: float, interval: int, plain_step_s: float) -> float:
+    """A sync of ``sync_s`` seconds spread over the ``interval`` steps between syncs, as a share of a plain step."""
+    return sync_s / interval / plain_step_s
+
+
+def sync_markdown(cfg: dict[str, Any], sync: dict[str, Any], plain_step_s: float, heading: str, per_rank: str,
                   gradient_average: bool) -> list[str]:
-    """Section 2: each sync operation against one flat all-reduce of the same bytes."""
+    """Section 2: each sync operation against one flat all-reduce of the same bytes, and what it costs a step once
+    spread over the steps between syncs."""
     return [
         f"{heading} 2. Sync time ({sync['payload_bytes'] / MiB:.2f} MiB of parameters{per_rank}, "
         f"{cfg['sync_reps']} repetitions, slowest rank; the flat all_reduce runs over the cross-replica group)",
         "",
-        *table_header("operation", "buckets", "median ms (IQR)", "ratio vs flat all_reduce, paired median (IQR)"),
-        *[table_row(name, entry["buckets"], _ms(entry["seconds"]), _ratio(entry["ratio_vs_flat"]))
+        *table_header("operation", "buckets", "median ms (IQR)", "ratio vs flat all_reduce, paired median (IQR)",
+                      *(f"per step at T = {interval}, share of a plain step" for interval in AMORTIZED_INTERVALS)),
+        *[table_row(name, entry["buckets"], _ms(entry["seconds"]), _ratio(entry["ratio_vs_flat"]),
+                    *(f"{amortized_share(entry['seconds']['median'], interval, plain_step_s):.2%}"
+                      for interval in AMORTIZED_INTERVALS))
           for name, entry in sync["ops"].items()],
+        "",
+        f"Per step: the median time over T, over the plain median step ({plain_step_s * MS:.1f} ms, section 1): "
+        "what a sync adds to each step on average, the number to hold against a step's budget.",
         "",
         "`hdet.sync` minus `average_tensors` is the score gather (riding in the average's first bucket when "
         "every rank is a replica, a small all-rank collective alongside otherwise), the finiteness check of every "

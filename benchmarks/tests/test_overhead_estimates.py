@@ -90,3 +90,20 @@ def test_the_legend_names_only_the_signals_a_results_file_holds():
                                      False)[-1]
     assert "`averaged` also adds" in legend and "`default` is the library's default controller" in legend
     assert "displacement" not in legend and "progress" not in legend
+
+
+def test_a_sync_spread_over_the_steps_between_syncs_is_a_share_of_a_plain_step():
+    report = load_benchmark("overhead_report")
+    assert report.amortized_share(0.030, 100, 0.010) == pytest.approx(0.03)  # 30 ms / 100 steps / 10 ms
+    sync = {"payload_bytes": 2**20, "ops": {"hdet.sync bucket_mb=25": {
+        "buckets": 1, "seconds": {"median": 0.030, "q1": 0.025, "q3": 0.035},
+        "ratio_vs_flat": {"median": 3.0, "q1": 2.5, "q3": 3.5}}}}
+    lines = report.sync_markdown({"sync_reps": 20}, sync, 0.010, "##", "", False)
+    assert "| hdet.sync bucket_mb=25 | 1 | 30.00 (25.00-35.00) | 3.000 (2.500-3.500) | 3.00% | 0.30% |" in lines
+    costs = timing.signal_costs(STEPS, SYNC, HOOKS, 10, gradient_average=False)
+    steps = {name: {**entry, "block_median_ratio": {"median": 1.0, "q1": 1.0, "q3": 1.0}, "total_time_ratio": 1.0}
+             for name, entry in STEPS.items()}
+    rows = report.signals_markdown({"sync_intervals": [10]}, {"step_time": steps, "signal_costs": costs}, "##",
+                                   False)
+    default = next(line for line in rows if line.startswith("| hdet_T10_default |"))
+    assert default.split(" | ")[5] == "5.40%"  # its own sync, 54 ms, over 100 steps of 10 ms
