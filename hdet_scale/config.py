@@ -22,6 +22,7 @@ from typing import Any
 
 from hdet_scale import config_rules
 from hdet_scale.config_checks import HDETConfigError, check_int
+from hdet_scale.config_rules import ControllerMode, GradientMode, ReplicaSizeName, Spread
 
 __all__ = ["AutoLRConfig", "ExploreConfig", "HDETConfig", "HDETConfigError", "KnobConfig", "WarmInitConfig"]
 
@@ -62,7 +63,7 @@ class AutoLRConfig:
     enabled: bool = True
     """Move the base values from the replicas' relative losses. Off: spread and averaging only."""
 
-    mode: str = "log"
+    mode: ControllerMode = "log"
     """``log`` (scale-free: z-scored losses, a step in log space, at most ``max_log_step`` a sync), ``scale`` (a
     multiplicative scale on the base schedule, eqs. 4-7) or ``paper`` (eqs. 7-8: after the start the controller
     owns the base value and decays it to OneCycleLR's floor)."""
@@ -197,18 +198,18 @@ class HDETConfig:
     """alpha: spread ratio of the LR multipliers (eq. 1), in [0, 1) (``spread="log"``: any alpha >= 0). 0 is plain
     data parallel. The paper's: 1/9 with a linear spread."""
 
-    spread: str = "log"
+    spread: Spread = "log"
     """``linear``: eq. 1's [1 - alpha, 1 + alpha] (arithmetic mean 1); ``log``: evenly in log space over
     [1/(1 + alpha), 1 + alpha] (geometric mean 1: as far up as down)."""
 
     sync_interval: int = 1000
     """T: optimizer steps between parameter averages (eq. 3), >= 1."""
 
-    ranks_per_replica: int | str = "auto"
+    ranks_per_replica: int | ReplicaSizeName = "auto"
     """Ranks that form one replica: a divisor of the world size, ``"node"`` (the launcher's ranks per node) or
     ``"auto"`` (1 for DDP and ZeRO-0, a node for sharded engines, half a single node)."""
 
-    gradient_mode: str = "global"
+    gradient_mode: GradientMode = "global"
     """``global``: gradients averaged over all ranks every step (eq. 2). ``local``: only inside a replica; replicas
     meet only at syncs (local SGD with an LR spread)."""
 

@@ -4,7 +4,7 @@ that cannot go together. Each failing rule raises one ``HDETConfigError`` naming
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 from hdet_scale.config_checks import (
     HDETConfigError,
@@ -15,10 +15,14 @@ from hdet_scale.config_checks import (
     check_step_or_share,
 )
 
-GRADIENT_MODES = ("global", "local")
-CONTROLLER_MODES = ("scale", "paper", "log")
-SPREADS = ("linear", "log")
-REPLICA_SIZE_NAMES = ("auto", "node")
+GradientMode = Literal["global", "local"]
+ControllerMode = Literal["scale", "paper", "log"]
+Spread = Literal["linear", "log"]
+ReplicaSizeName = Literal["auto", "node"]
+GRADIENT_MODES: tuple[str, ...] = get_args(GradientMode)
+CONTROLLER_MODES: tuple[str, ...] = get_args(ControllerMode)
+SPREADS: tuple[str, ...] = get_args(Spread)
+REPLICA_SIZE_NAMES: tuple[str, ...] = get_args(ReplicaSizeName)
 MIN_RANGE_TEST_STEPS = 13
 """The fewest steps a range test may have: its pick leaves out its first 10 and its last step."""
 KNOB_NAMES = ("weight_decay", "dropout", "attention_scale", "label_smoothing")

@@ -2,6 +2,7 @@ import argparse
 import dataclasses
 import json
 import math
+import typing
 
 import pytest
 import torch
@@ -448,3 +449,12 @@ def test_the_ensemble_reads_the_config_resolved_at_the_front_door_without_checki
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process(), total_steps=100)
     assert hdet.config is config
+
+
+def test_each_named_choice_is_the_literal_its_field_is_annotated_with():
+    hints = {"": typing.get_type_hints(HDETConfig), "auto_lr.": typing.get_type_hints(AutoLRConfig)}
+    for path, choices in config_rules.CHOICES.items():
+        prefix, _, name = path.rpartition(".")
+        assert typing.get_args(hints[prefix + "." if prefix else ""][name]) == choices, path
+    replica_size = typing.get_args(hints[""]["ranks_per_replica"])
+    assert replica_size[0] is int and typing.get_args(replica_size[1]) == config_rules.REPLICA_SIZE_NAMES
