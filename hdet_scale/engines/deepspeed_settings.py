@@ -20,7 +20,9 @@ from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.resolve import load_config, run_length_error
 from hdet_scale.topology import check_world_size, with_replica_size
 
-TESTED_DEEPSPEED = (Version("0.19.8"), Version("0.20"))  # the ZeRO internals HDET uses (engines/zero.py)
+TESTED_DEEPSPEED = (Version("0.19.8"), Version("0.20"))
+"""The DeepSpeed versions (lower bound included, upper excluded) whose internals HDET (``engines/zero.py``) was
+tested against."""
 
 
 def checked_settings(args: Any, model: nn.Module | None, config: str | Mapping[str, Any] | None,

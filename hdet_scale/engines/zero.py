@@ -20,8 +20,6 @@ from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_paramete
 from hdet_scale.engines.deepspeed_settings import TESTED_DEEPSPEED
 from hdet_scale.topology import ReplicaTopology
 
-"""The DeepSpeed versions (lower bound included, upper excluded) whose internals HDET was tested against."""
-
 
 class ReplicaMPU:
     """The model-parallel unit that makes a DeepSpeed data-parallel group out of one replica.
