@@ -24,7 +24,11 @@ moving at every sync with a probe batch. For each engine (DDP, FSDP2) and preset
 3. **Peak GPU memory** (CUDA only): each of plain, HDET and HDET without the averaged-weight window trained
    through a sync once unmetered (one-time allocations such as cuBLAS's workspace), then again from a fresh
    model on a clean allocator; the peak above the allocator's start, per rank.
-4. **The sync's local work** (rank 0 alone, on a group of one rank, so nothing crosses a wire): averaging the
+4. **DDP's gradient hook** (DDP only): forward and backward with DDP's built-in C++ all-reduce, with torch's own
+   Python ``allreduce_hook`` (what any Python hook costs) and with HDET's replica-safe mean
+   (``healthy_mean_hook``), on alternate steps over the same batches; the slowest rank's median of each and the
+   paired medians between them.
+5. **The sync's local work** (rank 0 alone, on a group of one rank, so nothing crosses a wire): averaging the
    preset's fp32 parameters as a sync does (``average_tensors`` with the finiteness check: packing, the check,
    the division while unpacking), less one flat all-reduce of the same bytes on that group, over one
    device-to-device copy of the same bytes. ``comm_model.py`` uses this ratio in place of the CPU's.
@@ -59,10 +63,11 @@ import torch.multiprocessing as mp
 from common import RESULTS, MiB, machine_info, note, save_markdown, table_header, table_row, write_json
 from overhead_engines import DEFAULT_CONTROLLER
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import HealthyMean
+from hdet_scale.comm import HealthyMean, healthy_mean_hook
 from hdet_scale.engines import ddp, fsdp
 from hdet_scale.lm.model import build_model, next_token_loss
 from hdet_scale.param_groups import transformer_blocks
@@ -395,7 +400,38 @@ def peak_memory(builder: Builder) -> dict[str, Any]:
     return result
 
 
-# ------------------------------------------------------------------------------------------ 4. local work
+# ------------------------------------------------------------------------------------- 4. DDP's gradient hook
+GRADIENT_HOOKS = ("built_in", "python_allreduce_hook", "hdet_healthy_mean")
+"""DDP's gradient average three ways: its C++ all-reduce, torch's Python ``allreduce_hook``, HDET's hook."""
+
+
+def gradient_hooks(builder: Builder, settings: Settings) -> dict[str, Any]:
+    """Forward and backward of plain DDP with each of ``GRADIENT_HOOKS`` on alternate steps over the same batches:
+    the slowest rank's median (ms) and the paired median of each hook over the one before it."""
+    variants = []
+    for name in GRADIENT_HOOKS:
+        variant = builder.plain()
+        variant.name = name
+        if name == "python_allreduce_hook":
+            variant.model.register_comm_hook(None, allreduce_hook)
+        elif name == "hdet_healthy_mean":
+            variant.model.register_comm_hook(HealthyMean(None), healthy_mean_hook)
+        variants.append(variant)
+    times: dict[str, list[float]] = {name: [] for name in GRADIENT_HOOKS}
+    for index in range(settings.warmup + settings.steps):
+        for variant in variants:
+            step = timed_step(builder, variant, index)
+            if index >= settings.warmup:
+                times[variant.name].append(step.forward_backward)
+    slowest = {name: slowest_rank(values) for name, values in times.items()}
+    result: dict[str, Any] = {f"{name}_ms": 1e3 * statistics.median(values) for name, values in slowest.items()}
+    for before, after in zip(GRADIENT_HOOKS, GRADIENT_HOOKS[1:], strict=False):
+        result[f"{after}_over_{before}_ms"] = 1e3 * statistics.median(
+            a - b for a, b in zip(slowest[after], slowest[before], strict=True))
+    return result
+
+
+# ------------------------------------------------------------------------------------------ 5. local work
 def local_work(preset: str, settings: Settings, device: torch.device, group: dist.ProcessGroup) -> dict[str, Any]:
     """Rank 0's sync of the preset's fp32 parameters on a group of itself alone (no wire), against one flat
     all-reduce of the same bytes on that group and one device-to-device copy of them."""
@@ -436,6 +472,8 @@ def run_rank(rank: int, settings: Settings, port: int, result_file: str) -> None
                 builder = Builder(engine, preset, settings, device)
                 run = {"memory": peak_memory(builder), "step_time": step_time(builder, settings),
                        "synchronizations": synchronizations(builder, settings, alone[rank])}
+                if engine == "ddp":
+                    run["gradient_hooks"] = gradient_hooks(builder, settings)
             except Exception as error:  # noqa: BLE001 - one failing engine must not cost the others' results
                 run = {"error": "".join(traceback.format_exception_only(error)).strip(),
                        "traceback": traceback.format_exc().splitlines()[-12:]}
@@ -508,6 +546,21 @@ def markdown(record: dict[str, Any]) -> list[str]:
             lines.append(table_row(name, f"{memory['plain_mib']:.1f}", f"{memory['hdet_mib']:.1f}",
                                    f"{memory['hdet_no_window_mib']:.1f}", f"{memory['hdet_over_plain']:.3f}",
                                    "-" if share is None else f"{share:.0%}"))
+    lines += ["", "## DDP's gradient average: what the hook costs", "",
+              "Forward and backward of plain DDP (no ensemble) on the same batches, three ways to average the "
+              "gradients; each hook's difference is a paired median over the one before it.", "",
+              *table_header("engine / preset", "built-in C++ all-reduce ms", "torch's Python allreduce_hook ms",
+                            "HDET's replica-safe hook ms", "Python hook over built-in", "HDET's hook over Python hook")]
+    for name, run in record["runs"].items():
+        hooks = run.get("gradient_hooks")
+        if hooks:
+            built_in = hooks["built_in_ms"]
+            lines.append(table_row(name, f"{built_in:.2f}", f"{hooks['python_allreduce_hook_ms']:.2f}",
+                                   f"{hooks['hdet_healthy_mean_ms']:.2f}",
+                                   f"{hooks['python_allreduce_hook_over_built_in_ms']:+.3f} ms "
+                                   f"({hooks['python_allreduce_hook_over_built_in_ms'] / built_in:+.1%})",
+                                   f"{hooks['hdet_healthy_mean_over_python_allreduce_hook_ms']:+.3f} ms "
+                                   f"({hooks['hdet_healthy_mean_over_python_allreduce_hook_ms'] / built_in:+.1%})"))
     lines += ["", "## The sync's local work", "",
               "Baseline: one device-to-device copy of the same bytes (the preset's fp32 parameters).", "",
               *table_header("preset", "MiB", "copy ms", "flat all-reduce, 1 rank ms", "average_tensors ms",

@@ -38,5 +38,11 @@ def test_the_cpu_dry_run_measures_every_engine_and_writes_consistent_results(tmp
         assert timing["ratio_own_work_only"]["1000"] == pytest.approx((plain + own + own_sync / 1000) / plain)
         # CUDA-only checks say so on the CPU instead of reporting numbers
         assert run["synchronizations"]["checked"] is False and run["memory"]["checked"] is False
+    # DDP's gradient average timed three ways on the same batches; FSDP2 has no DDP hook to compare
+    hooks = record["runs"]["ddp/tiny"]["gradient_hooks"]
+    assert all(hooks[f"{name}_ms"] > 0 for name in ("built_in", "python_allreduce_hook", "hdet_healthy_mean"))
+    assert {"python_allreduce_hook_over_built_in_ms", "hdet_healthy_mean_over_python_allreduce_hook_ms"} <= set(hooks)
+    assert "gradient_hooks" not in record["runs"]["fsdp/tiny"]
     page = out.with_suffix(".md").read_text()
+    assert "allreduce_hook ms |" in page
     assert "| ddp/tiny |" in page and "| fsdp/tiny |" in page and "| tiny |" in page
