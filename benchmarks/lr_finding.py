@@ -58,6 +58,8 @@ from common import (
 from common import hdet_config as checked_hdet_config
 from lr_finding_report import write_report
 
+from hdet_scale.spread import multipliers
+
 WORKER = "lr_finding_worker.py"
 """The worker script, run from the snapshot of the benchmarks (``snapshot_source``)."""
 METHODS = ("sweep", "hdet", "range_test", "proxy", "schedulefree", "prodigy")
@@ -101,6 +103,10 @@ def library_range(variant: dict[str, Any], low: float = 0.1, high: float = 10.0)
     return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": variant["probe"]}
 
 
+MEAN_OVER_TOP = statistics.fmean(multipliers(4, 0.5, "log")) / max(multipliers(4, 0.5, "log"))
+"""The mean of the log spread's multipliers over its largest (4 replicas, alpha 0.5): where the average of
+``range_top_hold``'s replicas trains, relative to the pick."""
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # name -> HDET settings beside the common ones (alpha, T, gradient mode, seed, controller start), and
     # whether a probe batch scores the replicas. The default, the paper's controller and the variants the findings
@@ -141,11 +147,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # is below the best LR?)
     "range_top_rise": range_start(rise(rise_only_after=0.43, start=0.02), at=1 / 1.5, low=0.1 / 1.5,
                                   high=10 / 1.5),
+    # ... and without the spread, every replica at range_top_hold's mean LR (1.046 / 1.5 of the pick): what the
+    # spread and averaging cost, or give, against one LR at the same mean
+    "range_top_mean_no_spread": range_start(rise(alpha=0.0, rise_only_after=0.43, start=0.02), at=MEAN_OVER_TOP,
+                                            low=MEAN_OVER_TOP, high=MEAN_OVER_TOP),
     # range_top_hold as the library runs it (auto_lr.range_test): the test inside the run, on every replica, its
     # steps before the run's; what a default of the library would ship
     "library_range_hold": library_range(rise(rise_only_after=0.43, start=0.02), low=1.0, high=1.0),
     # The library's defaults as a user gets them (chosen on the design settings of lr_finding_matrix.md): the LR range
-    # test at the start, the LR held at its pick (the spread's fastest replica there), as library_range_hold
+    # test at the start, then every replica at 0.7 times its pick, held, unspread: range_top_mean_no_spread as the
+    # library runs it. (Until 2026-11-27 the default spread the replicas with the fastest at the pick, as
+    # library_range_hold; its runs are kept as range_spread_top_at_pick.)
     "default": {"hdet": {}, "probe": True},
 }
 DEFAULT_VARIANT = "default"

@@ -1,8 +1,9 @@
 """HDET's settings: frozen dataclasses, checked when made (``docs/configuration.md`` says what each does and why).
 
-The defaults are those measured best in ``benchmarks/lr_finding_matrix.py``: a log spread, and an LR range test
-at the start of the run that puts the spread's fastest replica at the LR it picks, where the LR holds; with
-``auto_lr.range_test`` 0 the scale-free ``log`` controller moves the LR instead. ``HDETConfig.paper()`` gives the
+The defaults are those measured best in ``benchmarks/lr_finding_matrix.py``: an LR range test at the start of the
+run, after which every replica trains at 0.7 times the LR it picked, where the LR holds (no spread: nothing would
+read it); with ``auto_lr.range_test`` 0 the scale-free ``log`` controller moves the LR instead, reading a log
+spread. ``HDETConfig.paper()`` gives the
 paper's settings; fields carry the paper's symbols (arXiv 2604.24708, section 3). Unknown keys are errors (one an
 earlier version had is refused as removed or renamed), and a config that breaks a rule is never made: the
 ``HDETConfigError`` names the field, the allowed range and the value. A config cannot change once made (a changed
@@ -42,6 +43,8 @@ WINDOW_FIELDS = ("start", "stop")
 turns into a step."""
 DEFAULT_RANGE_TEST_STEPS = 100
 """``range_test`` when unset (outside ``paper`` mode): the steps Lightning's and fastai's LR finders take."""
+DEFAULT_ALPHA = 0.5
+"""``alpha`` when unset, for the values a controller moves."""
 DEFAULT_AVERAGE_WINDOW = 0.25
 """``average_window`` when unset, in ``log`` mode with a probe."""
 REMOVED_SETTINGS: dict[str, tuple[str, ...]] = {
@@ -94,8 +97,9 @@ class AutoLRConfig:
 
     range_test: int | None = None
     """Steps of the LR range test the run starts with, 0 (none) or at least 13 (``hdet_scale.range_test``): the run
-    then trains with the spread's fastest replica at the picked LR, which holds (the controller moves only the
-    other explored values). Its steps come before the run's. Unset: 100, and 0 in ``paper`` mode."""
+    then trains with the replicas' mean LR at 0.7 times the picked LR (``MEAN_LR_OVER_PICK``), where it holds
+    (the controller moves only the other explored values). Its steps come before the run's. Unset: 100, and 0 in
+    ``paper`` mode."""
 
     initial_scale: float | None = None
     """The LR's scale from the first step (``scale`` and ``log`` mode), in [scale_min, scale_max]; needs the
@@ -168,7 +172,7 @@ class KnobConfig:
     """One explored hyperparameter besides the LR (paper Remark 1)."""
 
     alpha: float | None = None
-    """Its spread ratio (eq. 1), in [0, 1); null: the top-level ``alpha``."""
+    """Its spread ratio (eq. 1), in [0, 1); null: the top-level ``alpha`` (``DEFAULT_ALPHA`` where that is unset)."""
 
     base: float | None = None
     """``label_smoothing`` only: the base value. The others take theirs from the optimizer or the model."""
@@ -194,9 +198,11 @@ class ExploreConfig:
 class HDETConfig:
     """Everything HDET needs besides the model, optimizer and schedule."""
 
-    alpha: float = 0.5
-    """alpha: spread ratio of the LR multipliers (eq. 1), in [0, 1) (``spread="log"``: any alpha >= 0). 0 is plain
-    data parallel. The paper's: 1/9 with a linear spread."""
+    alpha: float | None = None
+    """alpha: spread ratio of the explored values' multipliers (eq. 1), in [0, 1) (``spread="log"``: any alpha >=
+    0); 0 is plain data parallel. Unset: 0.5 (``DEFAULT_ALPHA``) for the values a controller moves, and no spread
+    for an LR that the LR range test picks (``auto_lr.range_test``, the default): nothing reads that LR's spread,
+    and at the same mean LR a spread costs held-out loss. The paper's: 1/9 with a linear spread."""
 
     spread: Spread = "log"
     """``linear``: eq. 1's [1 - alpha, 1 + alpha] (arithmetic mean 1); ``log``: evenly in log space over
@@ -262,6 +268,13 @@ class HDETConfig:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable nested dict that ``from_dict`` turns back into an equal config."""
         return dataclasses.asdict(self)
+
+    def spread_alpha(self, *, lr: bool) -> float:
+        """The spread ratio of the LR's multipliers (``lr``) or of another explored value's without its own:
+        ``alpha``, or where unset its default (see ``alpha``)."""
+        if self.alpha is not None:
+            return self.alpha
+        return 0.0 if lr and self.auto_lr.filled().range_test else DEFAULT_ALPHA
 
     def validate(self) -> None:
         """Raises HDETConfigError naming the first bad field (``hdet_scale.config_rules``); run when a config is

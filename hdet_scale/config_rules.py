@@ -141,7 +141,9 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
 
 def _check_layout(config: Any) -> None:
     """The spread's ratio, the sync interval, the replica size and the seed."""
-    if config.spread == "log":  # multipliers in [1/(1 + alpha), 1 + alpha]: positive for any alpha
+    if config.alpha is None:  # unset: its defaults are in range
+        pass
+    elif config.spread == "log":  # multipliers in [1/(1 + alpha), 1 + alpha]: positive for any alpha
         check_number("alpha", config.alpha, low=0.0)
     else:
         check_number("alpha", config.alpha, low=0.0, high=1.0, high_open=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter, SyncReport
 from hdet_scale.notices import warn
-from hdet_scale.range_test import RangeTest, RangeTestStart
+from hdet_scale.range_test import MEAN_LR_OVER_PICK, RangeTest, RangeTestStart
 from hdet_scale.resolve import (
     check_attachable,
     few_updates_warning,
@@ -122,7 +123,8 @@ class HDETEnsemble:
         if any(explored.name == knob.name for explored in self._explored):
             raise ValueError(f"'{knob.name}' is explored already")
         explored = ExploredValue.start(knob, seed=self.config.seed, num_replicas=self.topology.num_replicas,
-                                       alpha=self.config.alpha if knob.alpha is None else knob.alpha,
+                                       alpha=self.config.spread_alpha(lr=knob.is_lr) if knob.alpha is None
+                                       else knob.alpha,
                                        spread=self.config.spread, paper_decay=paper_decay)
         if explored.is_lr:  # one replica has no controller to climb from a low start
             explored.state = ControllerState(scale=self.config.auto_lr.initial_scale
@@ -245,7 +247,7 @@ class HDETEnsemble:
 
     def _range_test_step(self, loss: LossLike | Sequence[LossLike] | None) -> None:
         """One step of the run's range test; at its end every replica back to its first weights and the LR's
-        scale (and the controller's bounds) from the pick, the spread's fastest replica at it."""
+        scale (and the controller's bounds) from the pick: the replicas' mean LR at ``MEAN_LR_OVER_PICK`` times it."""
         if not self._range_start.add_step(self._scorer.interval, loss, self.topology.world_size):
             return
         start, self._range_start = self._range_start, None
@@ -256,7 +258,7 @@ class HDETEnsemble:
         scale = 1.0
         for explored in self._lr_explored():
             if pick is not None:
-                scale = pick / (start.peaks[0] * max(explored.multipliers))
+                scale = MEAN_LR_OVER_PICK * pick / (start.peaks[0] * statistics.fmean(explored.multipliers))
             explored.state = ControllerState(scale=scale)
         self._metrics.write({"step": self._step, "range_test": {"lrs": start.test.lrs, "smoothed": start.test.smoothed,
                                                                 "picked_lr": pick, "scale": scale}})

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
-from hdet_scale.knobs import Knob, OptimizerGroupKnob
+from hdet_scale.knobs import Knob
 from hdet_scale.spread import PermutationStream, multipliers
 
 
@@ -51,7 +51,7 @@ class ExploredValue:
 
     @property
     def is_lr(self) -> bool:
-        return isinstance(self.knob, OptimizerGroupKnob) and self.knob.key == "lr"
+        return self.knob.is_lr
 
     # ------------------------------------------------------------------------------------ values
     def base(self, scheduled: float | None = None) -> float:

@@ -56,6 +56,11 @@ class Knob:
         self.alpha = alpha
         """Spread ratio of this knob (eq. 1); None: the config's ``alpha``."""
 
+    @property
+    def is_lr(self) -> bool:
+        """Whether this knob is a param group's LR."""
+        return False
+
     def scheduled(self) -> float:
         """The base value now (before the controller's scale and the replica's multiplier)."""
         raise NotImplementedError
@@ -78,6 +83,10 @@ class OptimizerGroupKnob(Knob):
         self.optimizer = optimizer
         self.group_index = group_index
         self.key = key
+
+    @property
+    def is_lr(self) -> bool:
+        return self.key == "lr"
 
     def scheduled(self) -> float:
         return float(self.optimizer.param_groups[self.group_index][self.key])

@@ -60,7 +60,7 @@ class HDETScheduler(HDETHandle):
         paper_decay: per param group, for ``auto_lr.mode='paper'``.
         total_steps: the run's length in optimizer steps (the default controller starts and stops at shares of
             it; the scheduler does not say).
-        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
+        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``sync_interval=100``).
     """
 
     def __init__(self, scheduler: LRScheduler, *, hdet_config: ConfigSource = None, model: nn.Module | None = None,
@@ -106,7 +106,7 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
         hdet_config: an HDETConfig, a dict, a JSON path, or None for defaults.
         model: optional model whose floating-point buffers are averaged with the parameters.
         topology: the replica layout; built from the default process group when omitted.
-        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
+        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``sync_interval=100``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float | list[float], total_steps: int | None = None,

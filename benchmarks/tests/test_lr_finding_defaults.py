@@ -2,6 +2,7 @@
 they ran with (the library's other config tests are tests/unit/test_config.py, which imports nothing from
 benchmarks/)."""
 
+import pytest
 from benchmark_modules import load_benchmark
 
 from hdet_scale import HDETConfig, load_config
@@ -19,8 +20,11 @@ def config_the_benchmark_ran(lr_finding, variant: str, directory) -> HDETConfig:
 def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
     """The library's defaults are what benchmarks/lr_finding.py's DEFAULT_VARIANT runs: the HDET config its worker
     wrote (over the benchmark's pinned defaults) is the library's default config for that run, and that is the LR
-    range test at the start with the LR held at its pick, as ``library_range_hold`` measured it on the design
-    settings (its controller bounded to the pick, [1, 1] times it, moves nothing)."""
+    range test at the start, then every replica at 0.7 times its pick, held and unspread, as
+    ``range_top_mean_no_spread`` measured it on the design settings (no spread, its controller bounded to the
+    replicas' mean of the earlier default, 1.046 / 1.5 = 0.6975 times the pick)."""
+    from hdet_scale.range_test import MEAN_LR_OVER_PICK
+
     lr_finding = load_benchmark("lr_finding")
     assert lr_finding.VARIANTS[lr_finding.DEFAULT_VARIANT]["probe"]
     ran = config_the_benchmark_ran(lr_finding, lr_finding.DEFAULT_VARIANT, tmp_path)
@@ -29,9 +33,11 @@ def test_defaults_are_the_lr_finding_benchmarks_default_variant(tmp_path):
     assert ran.for_run(args.steps).auto_lr == library.auto_lr
     assert (ran.alpha, ran.spread, ran.gradient_mode) == (library.alpha, library.spread, library.gradient_mode)
     assert (library.auto_lr.range_test, library.auto_lr.initial_scale, library.auto_lr.moves_lr) == (100, 1.0, False)
-    held = config_the_benchmark_ran(lr_finding, "library_range_hold", tmp_path).auto_lr.filled()
-    assert (held.range_test, held.scale_min, held.scale_max) == (100, 1.0, 1.0)
-    assert (ran.alpha, ran.spread) == (0.5, "log")
+    assert (ran.spread_alpha(lr=True), ran.spread_alpha(lr=False)) == (0.0, 0.5)  # the LR unspread
+    measured = config_the_benchmark_ran(lr_finding, "range_top_mean_no_spread", tmp_path)
+    bounds = measured.auto_lr.filled()
+    assert measured.alpha == 0.0 and bounds.scale_min == bounds.scale_max == pytest.approx(0.6975, abs=1e-4)
+    assert MEAN_LR_OVER_PICK == pytest.approx(bounds.scale_min, abs=0.003)
     resolve(HDETConfig(), world_size=8)
 
 

@@ -1,7 +1,7 @@
 """HDET for ``transformers.Trainer``: one call adds it to a Trainer under DDP or DeepSpeed ZeRO 0-3.
 
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    hdet = add_hdet(trainer, {"alpha": 0.25, "sync_interval": 100, "metrics_path": "runs/hdet.jsonl"})
+    hdet = add_hdet(trainer, {"sync_interval": 100, "metrics_path": "runs/hdet.jsonl"})
     trainer.train()                       # under torchrun / accelerate launch / deepspeed
 
 A ``TrainerCallback`` cannot do it alone: its events carry the model and the optimizer but not the loss of a

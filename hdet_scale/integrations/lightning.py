@@ -1,7 +1,7 @@
 """HDET for PyTorch Lightning: one callback adds it to a ``Trainer`` under ``DDPStrategy`` or, with FSDP2 replicas
 of several ranks, under ``ModelParallelStrategy``.
 
-    trainer = Trainer(strategy="ddp", devices=4, callbacks=[HDETCallback({"alpha": 0.25, "sync_interval": 100})])
+    trainer = Trainer(strategy="ddp", devices=4, callbacks=[HDETCallback({"sync_interval": 100})])
     trainer.fit(module, datamodule)        # under torchrun, srun, or Lightning's own launcher
 
 ``DDPStrategy``: every rank, or every group of ``ranks_per_replica`` ranks, is a replica. DDP averages gradients
@@ -72,7 +72,7 @@ class HDETCallback(pl.Callback, HDETHandle):
 
     Args:
         hdet_config: an HDETConfig, a dict, a JSON path, or None for defaults.
-        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``alpha=0.25, sync_interval=100``).
+        **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``sync_interval=100``).
 
     It is the run's HDET handle (``HDETHandle``: ``set_probe``, ``sync``, ``value``, ``last_report``...) once
     ``fit`` starts; Lightning's optimizer steps take HDET's steps (during an LR range test, the test's: ``ramping``

@@ -275,8 +275,9 @@ class Run:
         self.progress.line(
             f"HDET train: engine={self.engine} ranks={topo.world_size} replicas={topo.num_replicas} "
             f"ranks_per_replica={topo.ranks_per_replica} preset={args.preset} "
-            f"({self.parameters / 1e6:.1f}M parameters) data={self.corpus.description} alpha={self.config.alpha} "
-            f"T={self.config.sync_interval} gradient_mode={self.config.gradient_mode} steps={args.steps} "
+            f"({self.parameters / 1e6:.1f}M parameters) data={self.corpus.description} "
+            f"alpha={self.config.spread_alpha(lr=True):g} T={self.config.sync_interval} "
+            f"gradient_mode={self.config.gradient_mode} steps={args.steps} "
             f"tokens/step={tokens_per_step}")
         if self.backend.ensemble.single_replica_warning:
             self.progress.line(f"WARNING: {self.backend.ensemble.single_replica_warning}")
@@ -325,7 +326,7 @@ class Run:
             self.progress.line(f"LR range test: no LR picked in {test_step} steps; the run goes on at {source}")
         else:
             self.progress.line(f"LR range test: picked {pick:.3g} ({pick / peak:.3g} x {source}) in {test_step} "
-                               "steps; every replica starts again from its first weights, the fastest at that LR")
+                               "steps; every replica starts again from its first weights at 0.7 times that LR")
         return True
 
     def _start_or_resume(self) -> None:

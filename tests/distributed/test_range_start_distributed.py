@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -25,7 +26,6 @@ from hdet_scale.tools.report_runs import load_run, sync_records
 TEST_STEPS = 30
 RUN_STEPS = 12  # three syncs after the test
 WEIGHT_LR, BIAS_LR = 0.01, 0.002
-ALPHA = 0.5
 SPREAD = HDETConfig().spread
 
 
@@ -44,8 +44,8 @@ def gradient_of(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.rand(2, generator=generator, dtype=torch.float64) + 0.5)
 
 
-def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str) -> dict:
-    config = HDETConfig(alpha=ALPHA, sync_interval=4, metrics_path=metrics_path,
+def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str, alpha: float | None) -> dict:
+    config = HDETConfig(alpha=alpha, sync_interval=4, metrics_path=metrics_path,
                         auto_lr=AutoLRConfig(mode="scale", range_test=TEST_STEPS, start=1))
     topology = ReplicaTopology.build(config)
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str) -> 
     optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": BIAS_LR}], lr=WEIGHT_LR)
     scheduler = HDETScheduler(LambdaLR(optimizer, lambda step: 1.0 / (1 + step)), hdet_config=config, topology=topology)
     hdet = scheduler.hdet
-    # another explored value, which the controller moves from the replicas' losses while the LR holds at the pick
+    # another explored value, which the controller moves from the replicas' losses while the LR holds
     hdet.add_knob("knob", lambda: 1.0, lambda value: None)
     first = [model.weight.detach().clone(), model.bias.detach().clone()]
     weight_grad, bias_grad = gradient_of(rank)
@@ -83,9 +83,9 @@ def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str) -> 
     assert not hdet.ramping and hdet.global_step == 0
     restored = torch.equal(model.weight, first[0]) and torch.equal(model.bias, first[1])
     after, multiplier = [], []
-    for _ in range(RUN_STEPS):  # the faster replica scores worse: a controller free to move the LR would lower it
+    for _ in range(RUN_STEPS):  # the replica with the larger knob value scores worse: the controller lowers it
         multiplier.append((hdet.lr_multiplier(0), hdet.lr_multiplier(1)))
-        after.append(train_step(1.0 + multiplier[-1][0]))
+        after.append(train_step(1.0 + hdet.value("knob")))
     knob_scale = hdet.last_report.values["knob"]["scale"]
     hdet.close()
     return {"ramp": ramp, "refused": refused, "restored": restored, "after": after, "pick": hdet.range_test_pick,
@@ -93,14 +93,15 @@ def two_replicas_with_a_range_test(rank: int, world: int, metrics_path: str) -> 
             "found": hdet.found_lr_factor()}
 
 
-@pytest.fixture(scope="module")
-def two_replicas(tmp_path_factory):
+@pytest.fixture(scope="module", params=[None, 0.5], ids=["alpha unset", "alpha 0.5"])
+def two_replicas(request, tmp_path_factory):
+    """The ranks' results, the metrics file and the ``alpha`` given (None: unset, the default)."""
     metrics = tmp_path_factory.mktemp("range") / "m.jsonl"
-    return run_ranks(two_replicas_with_a_range_test, 2, str(metrics)), metrics
+    return run_ranks(two_replicas_with_a_range_test, 2, str(metrics), request.param), metrics, request.param
 
 
 def test_every_replica_trains_at_the_ramp_each_group_at_its_ratio(two_replicas):
-    ranks, _ = two_replicas
+    ranks, _, _ = two_replicas
     for rank in ranks:
         for step, (weight_lr, bias_lr) in enumerate(rank["ramp"]):
             lr = 1e-6 * 1e6 ** (step / (TEST_STEPS - 1))
@@ -110,7 +111,7 @@ def test_every_replica_trains_at_the_ramp_each_group_at_its_ratio(two_replicas):
 
 
 def test_the_pick_is_from_every_ranks_mean_loss(two_replicas):
-    ranks, _ = two_replicas
+    ranks, _, _ = two_replicas
     by_mean, by_rank_0 = RangeTest(TEST_STEPS), RangeTest(TEST_STEPS)
     for step in range(TEST_STEPS):
         by_mean.add((synthetic_loss(0, step) + synthetic_loss(1, step)) / 2)
@@ -119,28 +120,31 @@ def test_the_pick_is_from_every_ranks_mean_loss(two_replicas):
     assert ranks[0]["pick"] == ranks[1]["pick"] == by_mean.pick()
 
 
-def test_the_run_restarts_from_its_first_weights_with_the_fastest_replica_at_the_pick(two_replicas):
-    ranks, metrics = two_replicas
-    pick, top = ranks[0]["pick"], max(multipliers(2, ALPHA, SPREAD))
+def test_the_run_restarts_from_its_first_weights_with_the_replicas_mean_lr_at_0_7_times_the_pick(two_replicas):
+    ranks, metrics, alpha = two_replicas
+    # unset, alpha leaves the LR the test picked unspread (nothing reads its spread), and spreads the other value
+    lr_multipliers = multipliers(2, 0.0 if alpha is None else alpha, SPREAD)
+    pick, mean = ranks[0]["pick"], statistics.fmean(lr_multipliers)
     for rank in ranks:
         assert rank["restored"] and rank["steps"] == RUN_STEPS
-        # the schedule starts from its first step after the test: 1 / (1 + step) of the given LRs, at the pick
-        # through every sync, while the controller moved the other explored value
+        # the schedule starts from its first step after the test: 1 / (1 + step) of the given LRs, the replicas'
+        # mean at 0.7 times the pick through every sync, while the controller moved the other explored value
         for step, (weight_lr, bias_lr) in enumerate(rank["after"]):
             weight_multiplier, bias_multiplier = rank["multiplier"][step]
-            assert weight_lr == pytest.approx(pick / top * weight_multiplier / (1 + step), rel=1e-4)
-            assert bias_lr == pytest.approx(pick / top * bias_multiplier / (1 + step) * BIAS_LR / WEIGHT_LR, rel=1e-4)
-        assert rank["found"] == pytest.approx(pick / (WEIGHT_LR * top))
-        assert rank["knob_scale"] != pytest.approx(1.0)
-    assert {ranks[0]["multiplier"][0][0], ranks[1]["multiplier"][0][0]} == set(multipliers(2, ALPHA, SPREAD))
+            assert weight_lr == pytest.approx(0.7 * pick / mean * weight_multiplier / (1 + step), rel=1e-4)
+            assert bias_lr == pytest.approx(0.7 * pick / mean * bias_multiplier / (1 + step) * BIAS_LR / WEIGHT_LR,
+                                            rel=1e-4)
+        assert rank["found"] == pytest.approx(0.7 * pick / (WEIGHT_LR * mean))
+        assert rank["knob_scale"] < 1.0
+    assert {ranks[0]["multiplier"][0][0], ranks[1]["multiplier"][0][0]} == set(lr_multipliers)
     record = json.loads(metrics.read_text().splitlines()[0])
     assert record["step"] == 0 and record["range_test"]["picked_lr"] == pick
-    assert record["range_test"]["scale"] == pytest.approx(pick / (WEIGHT_LR * top))
+    assert record["range_test"]["scale"] == pytest.approx(0.7 * pick / (WEIGHT_LR * mean))
     assert len(record["range_test"]["lrs"]) == TEST_STEPS
 
 
 def test_the_report_reads_a_run_that_started_with_a_range_test(two_replicas, tmp_path, capsys):
-    _, metrics = two_replicas
+    _, metrics, _ = two_replicas
     run = load_run(metrics)
     assert [record["step"] for record in sync_records(run)] == [4, 8, 12]
     assert main([str(metrics), "--out", str(tmp_path)]) == 0

@@ -26,6 +26,7 @@ import torch
 import wandb_records
 from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
 
+from hdet_scale import multipliers
 from hdet_scale.lm.train import parse_args
 
 
@@ -83,7 +84,8 @@ def test_fsdp_run_end_to_end(fsdp_runs):
     result, out = fsdp_runs["uninterrupted"], fsdp_runs["full"]
     lines = assert_two_replica_run(result, out, "fsdp")
     assert "gradient_mode=global" in result.stdout
-    # the default: the LR range test first, then the LR held at the pick (no controller moves it)
+    # the default: the LR range test first, then the LR held at 0.7 times the pick, unspread (no controller moves
+    # it, so nothing reads a spread)
     assert re.search(r"LR range test: picked \S+ \(\S+ x --lr\) in \d+ steps", result.stdout)
     assert not any(line["controller_updated"] for line in lines)
     assert len({line["values"]["lr/0"]["scale"] for line in lines}) == 1
@@ -270,7 +272,9 @@ def test_a_run_can_start_with_an_lr_range_test_under_deepspeed(tmp_path):
     lines = [json.loads(line) for line in (out / "hdet_metrics.jsonl").read_text().splitlines()]
     test = lines[0]["range_test"]
     assert lines[0]["step"] == 0 and test["picked_lr"] == pytest.approx(float(picked[1]), rel=1e-2)
-    assert test["scale"] == pytest.approx(test["picked_lr"] / (2e-3 * 1.5), rel=1e-6)  # the JSON's peak, not lr
+    # the replicas' mean LR at 0.7 times the pick, over the JSON's peak (not lr)
+    mean = sum(multipliers(2, 0.5, "log")) / 2
+    assert test["scale"] == pytest.approx(0.7 * test["picked_lr"] / (2e-3 * mean), rel=1e-6)
     syncs = metric_lines(out)
     assert [line["step"] for line in syncs] == list(range(SYNC_INTERVAL, STEPS + 1, SYNC_INTERVAL))
     # the schedule started after the test: the first sync's bases are WarmupDecayLR's first steps (0, 0, then its

@@ -216,6 +216,17 @@ def test_sections_given_as_mappings_are_built_and_checked():
         HDETConfig(auto_lr=[1])
 
 
+def test_an_unset_alpha_spreads_what_a_controller_moves_and_leaves_an_lr_the_range_test_picked_unspread():
+    default = HDETConfig()  # the range test picks the LR, which holds: nothing reads a spread of it
+    assert default.alpha is None
+    assert (default.spread_alpha(lr=True), default.spread_alpha(lr=False)) == (0.0, 0.5)
+    moving = HDETConfig(auto_lr={"range_test": 0})  # the controller moves the LR, reading its spread
+    assert (moving.spread_alpha(lr=True), moving.spread_alpha(lr=False)) == (0.5, 0.5)
+    given = HDETConfig(alpha=0.25)  # given, it is the spread of everything explored, range test or not
+    assert (given.spread_alpha(lr=True), given.spread_alpha(lr=False)) == (0.25, 0.25)
+    assert HDETConfig.paper().spread_alpha(lr=True) == pytest.approx(1 / 9)
+
+
 def test_a_log_spread_takes_any_alpha():
     assert HDETConfig.from_dict({"alpha": 1.0, "spread": "log"}).alpha == 1.0  # multipliers 1/2 .. 2
     with pytest.raises(HDETConfigError, match="spread 'log' allows it"):

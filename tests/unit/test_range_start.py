@@ -36,8 +36,8 @@ def test_adam_starts_afresh_and_onecycle_holds_through_the_test():
     assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
     assert all(not value.any() for value in state.values())
     assert torch.equal(parameter.detach(), torch.ones(4))
-    # one replica: its multiplier is 1, the schedule's peak (max_lr) is the pick
-    scale = scheduler.hdet.range_test_pick / 0.1
+    # one replica: its multiplier is 1, and the schedule's peak (max_lr) goes to 0.7 times the pick
+    scale = 0.7 * scheduler.hdet.range_test_pick / 0.1
     assert scheduler.hdet.value("lr/0") == pytest.approx(first_lr[0] * scale)
 
 

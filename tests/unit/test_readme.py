@@ -26,6 +26,6 @@ def test_the_settings_example_is_the_default_config():
     page = ROOT.joinpath("docs/configuration.md").read_text()
     example = page.split("### Settings (`--hdet_config hdet.json`)", 1)[1].split("```json", 1)[1].split("```", 1)[0]
     shown = HDETConfig.from_dict(json.loads(example))
-    assert (shown.alpha, shown.spread, shown.sync_interval) == (0.5, "log", 1000)
+    assert (shown.alpha, shown.spread, shown.sync_interval) == (None, "log", 1000)
     for steps in (1500, 300_000):
         assert shown.for_run(steps).auto_lr == HDETConfig().for_run(steps).auto_lr
