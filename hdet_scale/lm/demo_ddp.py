@@ -24,11 +24,7 @@ from hdet_scale.extras import require
 from hdet_scale.lm.data import random_windows, stdlib_corpus
 from hdet_scale.lm.model import next_token_loss
 
-DEMO_DEFAULTS = {
-    "alpha": 0.25,
-    "sync_interval": 25,
-    "auto_lr": {"start": 100},
-}
+DEMO_DEFAULTS = {"sync_interval": 25}
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,10 +81,13 @@ def main() -> None:
                                model=model, topology=topology)
     data = torch.Generator().manual_seed(args.seed * 100_003 + rank)  # every rank reads different data
     if rank == 0:
-        print(f"HDET demo: {topology.world_size} ranks, {topology.num_replicas} replicas, alpha={config.alpha}, "
+        print(f"HDET demo: {topology.world_size} ranks, {topology.num_replicas} replicas, "
+              f"alpha={config.spread_alpha(lr=True):g}, "
               f"T={config.sync_interval}, gradient_mode={config.gradient_mode}, backend={backend}", flush=True)
     started, interval = time.perf_counter(), []
-    for step in range(1, args.steps + 1):
+    calls = 0
+    while scheduler.global_step < args.steps:  # the LR range test's steps come first, outside the run's
+        calls += 1
         x, y = random_windows(train_tokens, batch_size=args.batch_size, seq_len=args.seq_len, generator=data)
         loss = next_token_loss(model, x.to(device), y.to(device))
         optimizer.zero_grad(set_to_none=True)
@@ -98,9 +97,9 @@ def main() -> None:
         interval.append(loss.detach())
         if report is not None and rank == 0:
             lr = report.values["lr/0"]  # the effective base (the schedule times the controller's scale)
-            print(f"step {step:5d}  loss {torch.stack(interval).mean().item():.4f}  "
+            print(f"step {scheduler.global_step:5d}  loss {torch.stack(interval).mean().item():.4f}  "
                   f"base lr {lr['base']:.2e}  scale {lr['scale']:.3f}  "
-                  f"{(time.perf_counter() - started) / step * 1000:.0f} ms/step", flush=True)
+                  f"{(time.perf_counter() - started) / calls * 1000:.0f} ms/step", flush=True)
             interval = []
     if args.steps % config.sync_interval:
         scheduler.hdet.sync()  # end on an averaged model
