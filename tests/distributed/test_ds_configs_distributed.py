@@ -105,7 +105,7 @@ def train_launched(ds_name: str, ds_path: str, hdet_path: str) -> list[float]:
         if boundary:
             held = gather_rows(torch.tensor([hdet.lr_multiplier()], dtype=torch.float64))[:, 0]
             assert sorted(held[[ranks[0] for ranks in replicas]].tolist()) == pytest.approx(
-                multipliers(len(replicas), hdet.config.alpha, hdet.config.spread))  # one per replica
+                multipliers(len(replicas), hdet.config.spread_alpha(lr=True), hdet.config.spread))  # one per replica
             lr_used = hdet.current_lrs()[0]
             # Four steps give the controller no update (its stop is at step 1 of 4): the LR stays at its start.
             start = hdet.ensemble.config.auto_lr.initial_scale
