@@ -71,7 +71,7 @@ def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_defini
     for run in undefined:
         ran = common.with_todays_names(run["hdet_config"])
         config = HDETConfig.from_dict(ran | {"auto_lr": {"range_test": 0, **{  # none before the range test
-            key: value for key, value in ran["auto_lr"].items()
+            key: value for key, value in ran.get("auto_lr", {}).items()
             if key not in REMOVED_SETTINGS["auto_lr"]}}})  # what it ran, as far as today's library reads it
         assert config.seed == run["seed"] and isinstance(run["probe"], bool), run["variant"]
     assert matrix["default_variant"] == lr_finding.DEFAULT_VARIANT
