@@ -103,7 +103,9 @@ def library_range(variant: dict[str, Any], low: float = 0.1, high: float = 10.0)
     return {"hdet": {**variant["hdet"], "auto_lr": auto_lr}, "probe": variant["probe"]}
 
 
-MEAN_OVER_TOP = statistics.fmean(multipliers(4, 0.5, "log")) / max(multipliers(4, 0.5, "log"))
+LOG_SPREAD = multipliers(4, 0.5, "log")
+"""The earlier default's LR multipliers on the matrix's 4 replicas."""
+MEAN_OVER_TOP = statistics.fmean(LOG_SPREAD) / max(LOG_SPREAD)
 """The mean of the log spread's multipliers over its largest (4 replicas, alpha 0.5): where the average of
 ``range_top_hold``'s replicas trains, relative to the pick."""
 

@@ -141,13 +141,12 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
 
 def _check_layout(config: Any) -> None:
     """The spread's ratio, the sync interval, the replica size and the seed."""
-    if config.alpha is None:  # unset: its defaults are in range
-        pass
-    elif config.spread == "log":  # multipliers in [1/(1 + alpha), 1 + alpha]: positive for any alpha
-        check_number("alpha", config.alpha, low=0.0)
-    else:
-        check_number("alpha", config.alpha, low=0.0, high=1.0, high_open=True,
-                     hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0; spread 'log' allows it")
+    if config.alpha is not None:  # unset: its defaults are in range
+        if config.spread == "log":  # multipliers in [1/(1 + alpha), 1 + alpha]: positive for any alpha
+            check_number("alpha", config.alpha, low=0.0)
+        else:
+            check_number("alpha", config.alpha, low=0.0, high=1.0, high_open=True,
+                         hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0; spread 'log' allows it")
     check_int("sync_interval", config.sync_interval, low=1)
     if config.ranks_per_replica not in REPLICA_SIZE_NAMES:
         check_int("ranks_per_replica", config.ranks_per_replica, low=1,

@@ -58,6 +58,7 @@ from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
 from hdet_scale.metrics import SyncReport
 from hdet_scale.probe import batch_probe
+from hdet_scale.range_test import MEAN_LR_OVER_PICK
 from hdet_scale.resolve import add_hdet_args
 
 PROBE_SEED = 777
@@ -326,7 +327,8 @@ class Run:
             self.progress.line(f"LR range test: no LR picked in {test_step} steps; the run goes on at {source}")
         else:
             self.progress.line(f"LR range test: picked {pick:.3g} ({pick / peak:.3g} x {source}) in {test_step} "
-                               "steps; every replica starts again from its first weights at 0.7 times that LR")
+                               f"steps; every replica starts again from its first weights at {MEAN_LR_OVER_PICK:g} "
+                               "times that LR")
         return True
 
     def _start_or_resume(self) -> None:
