@@ -14,10 +14,13 @@ the shard across replicas). Both shard the model block by block. ``--engine deep
 ``engines.deepspeed.initialize`` with the settings in the config's ``"hdet"`` section (replicas of
 ``--shards`` ranks, ZeRO sharding inside a replica, global gradient mode), the baseline plain
 ``deepspeed.initialize`` with ZeRO at the same stage over all ranks, which is what one would run without
-HDET (DeepSpeed has no hybrid sharding to compare with). Both take a torch AdamW, so nothing JIT-compiles.
-Every plain engine is built before the HDET ones: DeepSpeed keeps the last model-parallel unit process-wide,
-and a plain engine built after an HDET engine would shard over one replica. Each stage gets its own part of
-the results. Measured:
+HDET. DeepSpeed has no hybrid sharding (MiCS left it in 0.19), so a second baseline, ``same_layout``, runs
+HDET's layout without HDET: plain ``deepspeed.initialize`` sharding inside each replica (HDET's replica
+model-parallel unit) and one flat all-reduce of the reduced gradients across replicas before each step. HDET
+over ``same_layout`` is HDET's own work; ``same_layout`` over plain is what the layout costs or saves. All take a
+torch AdamW, so nothing JIT-compiles. Every plain engine is built before the HDET ones: DeepSpeed keeps the last
+model-parallel unit process-wide, and a plain engine built after an HDET engine would shard over one replica.
+Each stage gets its own part of the results. Measured:
 
 1. Step time. The baseline training of a residual MLP (~1.2M parameters) against the same training with
    HDET attached (``hdet.step(loss)`` after every ``optimizer.step()``; DeepSpeed: inside ``engine.step()``)
@@ -249,7 +252,9 @@ def measure(settings: Settings, device: torch.device, started: float) -> tuple[d
     # plain engine built after an HDET engine would shard over that engine's replica only.
     plains = [engine.plain_trainer() for engine in engines]
     idle_plain_optimizers = [engine.plain_trainer().optimizer for engine in engines]  # for the LR-hook timing
-    trainer_groups = [[plain, *hdet_trainers(settings, engine)] for engine, plain in zip(engines, plains, strict=True)]
+    same_layouts = [engine.same_layout_trainer() for engine in engines]
+    trainer_groups = [[plain, *filter(None, [same_layout]), *hdet_trainers(settings, engine)]
+                      for engine, plain, same_layout in zip(engines, plains, same_layouts, strict=True)]
     warmup = run_step_benchmark(settings, [trainer for group in trainer_groups for trainer in group], device)
     progress(started, "step time")
     measured = {}
@@ -265,7 +270,7 @@ def measure(settings: Settings, device: torch.device, started: float) -> tuple[d
                                             gradient_average=engine.gradient_average_in_hot_path),
             "signal_costs": signal_costs(steps, sync, hooks, settings.sync_intervals[0],
                                          gradient_average=engine.gradient_average_in_hot_path),
-            "bytes": run_bytes(settings, engine, device, trainers[1].reports),
+            "bytes": run_bytes(settings, engine, device, next(t for t in trainers if t.hdet is not None).reports),
         }
         progress(started, " ".join(filter(None, (engine.part, "sync time and bytes"))))
     engine = engines[0]

@@ -171,6 +171,20 @@ class DeepSpeedTrainer(Trainer):
         self.step_seconds.append(self.clock() - start)
 
 
+@dataclass
+class SameLayoutDeepSpeedTrainer(DeepSpeedTrainer):
+    """DeepSpeed's own loop on an engine whose data-parallel group is a replica: DeepSpeed reads the
+    model-parallel unit process-wide during backward and step, so it is set around them as HDET's engine does."""
+
+    mpu: Any = None
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        from hdet_scale.engines.deepspeed import replica_groups
+
+        with replica_groups(self.mpu):
+            super().train_step(x, y)
+
+
 # ------------------------------------------------------------------------------------------- engines
 def counting_hook(state: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook that counts the gradient bytes it all-reduces."""
@@ -199,6 +213,11 @@ class Engine(ABC):
 
     @abstractmethod
     def hdet_trainer(self, name: str, config: HDETConfig) -> Trainer: ...
+
+    def same_layout_trainer(self) -> Trainer | None:
+        """Training with HDET's layout (ranks, groups, collectives) and none of HDET's own work, where that
+        layout differs from the baseline's; None where the baseline has it already (DDP, FSDP2's HSDP)."""
+        return None
 
     def signal_trainer(self, name: str, sync_interval: int, signal: str) -> Trainer:
         """HDET with the controller signal ``signal`` (a key of ``SIGNALS``) and a probe: the loss on one fixed
@@ -337,6 +356,33 @@ class DeepSpeedEngine(Engine):
     def hdet_trainer(self, name: str, config: HDETConfig) -> Trainer:
         engine = self.engine(self.initialize_hdet, {**self.ds_config, "hdet": config.to_dict()})
         return DeepSpeedTrainer(name, engine, engine.basic_optimizer, engine.hdet.ensemble, self.clock)
+
+    def same_layout_trainer(self) -> Trainer:
+        """Plain DeepSpeed on HDET's layout: ZeRO inside each replica, then the gradients averaged across
+        replicas by one flat all-reduce before the step, as hierarchical data parallelism would be written by
+        hand (no finiteness guard, no multipliers, no ensemble)."""
+        from hdet_scale.engines.deepspeed import replica_groups
+        from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter
+
+        topology = ReplicaTopology.build(hdet_config(self.settings, 10**9))
+        mpu = ReplicaMPU(topology)
+        model = build_model(self.settings, self.device)
+        with replica_groups(mpu):
+            engine, *_ = self.initialize_plain(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                                               config=self.ds_config, mpu=mpu)
+        gradients, take_model_step = ZeroAdapter(engine).gradient_tensors, engine._take_model_step
+
+        def averaged_model_step(*args: Any, **kwargs: Any) -> Any:
+            tensors = gradients()
+            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+            dist.all_reduce(flat, group=topology.cross_replica_group)
+            flat.div_(topology.num_replicas)
+            torch._foreach_copy_(tensors, [mean.view_as(tensor) for mean, tensor in
+                                           zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)])
+            return take_model_step(*args, **kwargs)
+
+        engine._take_model_step = averaged_model_step
+        return SameLayoutDeepSpeedTrainer("same_layout", engine, engine.basic_optimizer, None, self.clock, mpu=mpu)
 
     def counting(self) -> tuple[Trainer, Callable[[], int]]:
         trainer = self.hdet_trainer("global", hdet_config(self.settings, 10**9))

@@ -68,15 +68,39 @@ def stage_summary_markdown(cfg: dict[str, Any], parts: list[tuple[str, dict[str,
         f"{cfg['block']}, all stages' variants round-robin in one run; details per stage below)",
         "",
         *table_header("stage", "T", "hot-path ratio, median over rounds (IQR)", "total-time ratio",
-                      "estimate from components"),
+                      "estimate from components", *same_layout_columns(parts[0][1])),
     ]
     for label, part in parts:
         for interval in cfg["sync_intervals"]:
             name = f"hdet_T{interval}"
             entry = part["step_time"][name]
             lines.append(table_row(label, interval, _ratio(entry["block_median_ratio"]),
-                                   f"{entry['total_time_ratio']:.3f}", f"{1 + part['estimated_overhead'][name]:.4f}"))
+                                   f"{entry['total_time_ratio']:.3f}", f"{1 + part['estimated_overhead'][name]:.4f}",
+                                   *same_layout_cells(part, name)))
+    if same_layout_columns(parts[0][1]):
+        lines += ["", SAME_LAYOUT_LEGEND]
     return [*lines, ""]
+
+
+SAME_LAYOUT_LEGEND = (
+    "Same layout: plain DeepSpeed sharding inside each replica with the gradients averaged across replicas by one "
+    "flat all-reduce before each step, HDET's layout without HDET. HDET over it is HDET's own work; it over plain "
+    "(the `same_layout` row) is what the layout costs or saves.")
+
+
+def same_layout_columns(part: dict[str, Any]) -> tuple[str, ...]:
+    """The columns of the ratios against the same-layout baseline, where the run measured it."""
+    if "same_layout" not in part["step_time"]:
+        return ()
+    return ("hot-path ratio vs same layout (IQR)", "total-time ratio vs same layout")
+
+
+def same_layout_cells(part: dict[str, Any], name: str) -> tuple[str, ...]:
+    """Variant ``name``'s ratios against the same-layout baseline, where the run measured it."""
+    if not same_layout_columns(part):
+        return ()
+    ratios = part["step_time"][name]["vs_same_layout"]
+    return _ratio(ratios["block_median_ratio"]), f"{ratios['total_time_ratio']:.3f}"
 
 
 def part_markdown(cfg: dict[str, Any], engine: dict[str, Any], label: str, part: dict[str, Any],
@@ -114,16 +138,21 @@ def step_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gradi
         "",
         *table_header("variant", "syncs timed", "median step ms (IQR)",
                       "hot-path ratio vs plain, median over rounds (IQR)", "total-time ratio",
-                      "estimate from components", "target"),
+                      "estimate from components", "target", *same_layout_columns(part)),
     ]
-    lines.append(table_row("plain", steps["plain"]["syncs_timed"], _ms(steps["plain"]["step_s"]), 1, 1, 1, ""))
+    lines.append(table_row("plain", steps["plain"]["syncs_timed"], _ms(steps["plain"]["step_s"]), 1, 1, 1, "",
+                           *["" for _ in same_layout_columns(part)]))
+    if same_layout_columns(part):
+        entry = steps["same_layout"]
+        lines.append(table_row("same_layout", entry["syncs_timed"], _ms(entry["step_s"]),
+                               _ratio(entry["block_median_ratio"]), f"{entry['total_time_ratio']:.3f}", "", "", 1, 1))
     for interval in cfg["sync_intervals"]:
         name = f"hdet_T{interval}"
         entry = steps[name]
-        row = table_row(name, entry["syncs_timed"], _ms(entry["step_s"]))
         target = f"<= {1 + TARGETS[interval]:.3f}" if interval in TARGETS else ""
-        lines.append(row + f" {_ratio(entry['block_median_ratio'])} | {entry['total_time_ratio']:.3f} "
-                     f"| {1 + part['estimated_overhead'][name]:.4f} | {target} |")
+        lines.append(table_row(name, entry["syncs_timed"], _ms(entry["step_s"]), _ratio(entry["block_median_ratio"]),
+                               f"{entry['total_time_ratio']:.3f}", f"{1 + part['estimated_overhead'][name]:.4f}",
+                               target, *same_layout_cells(part, name)))
     gradient_row = []
     if gradient_average:
         gradient_row = [table_row("gradient all-reduce across replicas (`average_tensors` bucket_mb=25, section 2)",
@@ -140,7 +169,8 @@ def step_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gradi
         + "median `hdet.sync()` at bucket_mb 25 from section 2 / T) / plain median step."
         + (" It leaves out that ZeRO shards over the 2 ranks of a replica instead of all ranks (a larger "
            "optimizer shard per rank, collectives over fewer ranks), which the direct ratios include."
-           if gradient_average else ""),
+           if gradient_average else "")
+        + (" " + SAME_LAYOUT_LEGEND if same_layout_columns(part) else ""),
         "",
         *table_header("hot-path component", "median µs"),
         *[table_row(f"{hdet_step}, non-sync step, {name}", f"{steps[name]['hdet_step_call_s']['median'] * US:.1f}")

@@ -101,14 +101,20 @@ def analyse_steps(settings: Settings, trainers: list[Trainer], warmup: int) -> d
                 entry["sync_step_s"] = summary([times[i] for i in syncs])
                 entry["sync_seconds_report"] = summary([r.sync_seconds for r in trainer.reports])
         result[trainer.name] = entry
-    plain = step_times["plain"]
     for trainer in trainers[1:]:
-        times = step_times[trainer.name]
-        ratios = [statistics.median(times[s: s + settings.block]) / statistics.median(plain[s: s + settings.block])
-                  for s in range(0, len(times), settings.block)]
-        result[trainer.name]["block_median_ratio"] = summary(ratios)
-        result[trainer.name]["total_time_ratio"] = sum(times) / sum(plain)
+        result[trainer.name].update(step_ratios(step_times[trainer.name], step_times["plain"], settings.block))
+        if "same_layout" in step_times and trainer.hdet is not None:
+            result[trainer.name]["vs_same_layout"] = step_ratios(step_times[trainer.name], step_times["same_layout"],
+                                                                 settings.block)
     return result
+
+
+def step_ratios(times: list[float], baseline: list[float], block: int) -> dict[str, Any]:
+    """Per round, the median step of a variant's block over the baseline's block in the same round (summarized
+    over rounds), and the ratio of their total times."""
+    ratios = [statistics.median(times[s: s + block]) / statistics.median(baseline[s: s + block])
+              for s in range(0, len(times), block)]
+    return {"block_median_ratio": summary(ratios), "total_time_ratio": sum(times) / sum(baseline)}
 
 
 # --------------------------------------------------------------------------------- 2. sync time
