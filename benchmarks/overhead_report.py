@@ -2,9 +2,10 @@
 
 The tables, and the legends that say what they show, are generated here. What the numbers mean is written by
 hand into note blocks of the results' Markdown, which a rewrite keeps (``common.save_markdown``): ``noise``
-(how far this machine's timings can be trusted) and, per engine part, ``bytes`` (what crosses replicas in
-local mode), ``signals`` (what each controller signal costs) and ``memory`` (why HDET's memory differs from the
-baseline's), named after the part where a run measures several (``ZeRO-2 memory``).
+(how far this machine's timings can be trusted), ``layout`` (what the same-layout baseline shows, where a run
+measures it) and, per engine part, ``bytes`` (what crosses replicas in local mode), ``signals`` (what each
+controller signal costs) and ``memory`` (why HDET's memory differs from the baseline's), named after the part
+where a run measures several (``ZeRO-2 memory``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def stage_summary_markdown(cfg: dict[str, Any], parts: list[tuple[str, dict[str,
                                    f"{entry['total_time_ratio']:.3f}", f"{1 + part['estimated_overhead'][name]:.4f}",
                                    *same_layout_cells(part, name)))
     if same_layout_columns(parts[0][1]):
-        lines += ["", SAME_LAYOUT_LEGEND]
+        lines += ["", SAME_LAYOUT_LEGEND, "", *note("layout")]
     return [*lines, ""]
 
 

@@ -62,23 +62,48 @@ def test_the_default_signal_is_the_librarys_controller_moving_at_every_sync():
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp", "deepspeed"])
-def test_the_report_renders_results_that_hold_the_removed_signals(tmp_path, engine):
-    """The committed results were measured with the ``displacement`` and ``progress`` signals, since removed from
-    the library and from ``SIGNALS``: the report still renders their rows (every table line as committed) and says
-    what they were."""
-    report = load_benchmark("overhead_report")
-    committed = BENCHMARKS / "results" / f"overhead_{engine}_cpu"
-    data = json.loads(committed.with_suffix(".json").read_text())
+def test_the_report_renders_every_committed_table_as_committed(tmp_path, engine):
+    """Every table line of the committed results page comes back from its JSON: DDP's and FSDP2's hold the
+    ``displacement`` and ``progress`` signals, since removed from the library and from ``SIGNALS``; DeepSpeed's
+    holds the same-layout baseline."""
+    rendered = render_committed(tmp_path, engine)
+    committed = (BENCHMARKS / "results" / f"overhead_{engine}_cpu.md").read_text()
+    tables = [[line for line in text.splitlines() if line.startswith("|")] for text in (rendered, committed)]
+    assert tables[0] == tables[1]
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_the_report_says_what_the_removed_signals_were(tmp_path, engine):
     assert set(engines.SIGNALS) == {"probe", "averaged", "default"}
-    path = tmp_path / "overhead.md"
-    report.write_markdown(path, data)
-    rendered = path.read_text()
+    rendered = render_committed(tmp_path, engine)
     assert "| hdet_T10_displacement |" in rendered and "| hdet_T10_progress |" in rendered
     assert "`displacement` (a signal since removed from the library)" in rendered
     assert "`progress` (the progress hypergradient, since removed from the library)" in rendered
-    tables = [[line for line in text.splitlines() if line.startswith("|")]
-              for text in (rendered, committed.with_suffix(".md").read_text())]
-    assert tables[0] == tables[1]
+
+
+def test_the_same_layout_baseline_gets_its_rows_columns_and_legend(tmp_path):
+    """DeepSpeed's committed run measured the same-layout baseline: its row in each stage's table, HDET's ratios
+    against it in two more columns (read from the JSON), and the legend that says what it is."""
+    data = json.loads((BENCHMARKS / "results" / "overhead_deepspeed_cpu.json").read_text())
+    rendered = render_committed(tmp_path, "deepspeed")
+    zero1 = data["stages"]["ZeRO-1"]["step_time"]
+    layout = zero1["same_layout"]["block_median_ratio"]
+    first_layout_row = next(line for line in rendered.splitlines() if line.startswith("| same_layout |"))  # ZeRO-1's
+    assert first_layout_row.split(" | ")[3] == f"{layout['median']:.3f} ({layout['q1']:.3f}-{layout['q3']:.3f})"
+    vs_layout = zero1["hdet_T100"]["vs_same_layout"]
+    row = next(line for line in rendered.splitlines() if line.startswith("| ZeRO-1 | 100 |"))
+    assert row.split(" | ")[-2].startswith(f"{vs_layout['block_median_ratio']['median']:.3f} (")
+    assert row.endswith(f"| {vs_layout['total_time_ratio']:.3f} |")
+    assert "HDET's layout without HDET" in rendered
+
+
+def render_committed(tmp_path, engine: str) -> str:
+    """The results page the report writes from the committed JSON of ``engine``."""
+    report = load_benchmark("overhead_report")
+    data = json.loads((BENCHMARKS / "results" / f"overhead_{engine}_cpu.json").read_text())
+    path = tmp_path / "overhead.md"
+    report.write_markdown(path, data)
+    return path.read_text()
 
 
 def test_the_legend_names_only_the_signals_a_results_file_holds():
