@@ -364,12 +364,15 @@ class DeepSpeedEngine(Engine):
         from hdet_scale.engines.deepspeed import replica_groups
         from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter
 
-        topology = ReplicaTopology.build(hdet_config(self.settings, 10**9))
+        topology = ReplicaTopology.build(hdet_config(self.settings, 10**9))  # the config gives the replica size
         mpu = ReplicaMPU(topology)
         model = build_model(self.settings, self.device)
         with replica_groups(mpu):
             engine, *_ = self.initialize_plain(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                                config=self.ds_config, mpu=mpu)
+        if engine.dp_world_size != topology.ranks_per_replica:
+            raise RuntimeError(f"the same-layout engine shards over {engine.dp_world_size} ranks, not the "
+                               f"{topology.ranks_per_replica} of a replica")
         gradients, take_model_step = ZeroAdapter(engine).gradient_tensors, engine._take_model_step
 
         def averaged_model_step(*args: Any, **kwargs: Any) -> Any:

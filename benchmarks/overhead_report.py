@@ -171,7 +171,7 @@ def step_markdown(cfg: dict[str, Any], part: dict[str, Any], heading: str, gradi
         + (" It leaves out that ZeRO shards over the 2 ranks of a replica instead of all ranks (a larger "
            "optimizer shard per rank, collectives over fewer ranks), which the direct ratios include."
            if gradient_average else "")
-        + (" " + SAME_LAYOUT_LEGEND if same_layout_columns(part) else ""),
+        + (" The same-layout baseline: see the summary above." if same_layout_columns(part) else ""),
         "",
         *table_header("hot-path component", "median µs"),
         *[table_row(f"{hdet_step}, non-sync step, {name}", f"{steps[name]['hdet_step_call_s']['median'] * US:.1f}")
