@@ -64,6 +64,8 @@ WORKER = "lr_finding_worker.py"
 """The worker script, run from the snapshot of the benchmarks (``snapshot_source``)."""
 METHODS = ("sweep", "hdet", "range_test", "proxy", "schedulefree", "prodigy")
 SQRT10 = math.sqrt(10.0)
+DEFAULT_START_FACTORS = (0.1, 1 / SQRT10, 1.0, SQRT10, 10.0)
+"""Where HDET and schedule-free start, over the sweep-best LR: 10x off either way and between."""
 
 
 def tenth(alpha: float = 0.5, **auto_lr: Any) -> dict[str, Any]:
@@ -185,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="at most this many runs per launch (0: all of a seed's); short launches lose less "
                              "when a benchmark is stopped, long ones pay the start-up less often")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--start_factors", type=float, nargs="+", default=[0.1, 1 / SQRT10, 1.0, SQRT10, 10.0])
+    parser.add_argument("--start_factors", type=float, nargs="+", default=list(DEFAULT_START_FACTORS))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--methods", nargs="+", default=["sweep", "hdet", "schedulefree", "prodigy"],
                         choices=METHODS)

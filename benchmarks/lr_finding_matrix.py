@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", default=None, help="these settings by name (default: all design "
                                                                  "settings, or all holdout ones with --holdout)")
     parser.add_argument("--holdout", action="store_true",
-                        help="run the holdout settings (once, with the default variant only)")
+                        help="run the holdout settings (once, with the default variant only; --start_factors may "
+                             "split its starts over invocations)")
     parser.add_argument("--methods", nargs="+", default=list(lr_finding.METHODS), choices=lr_finding.METHODS)
     parser.add_argument("--variants", nargs="+", default=[lr_finding.DEFAULT_VARIANT],
                         choices=list(lr_finding.VARIANTS))
@@ -51,9 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs_dir", type=Path, default=REPO / "runs" / "lr_finding_matrix")
     parser.add_argument("--report_only", action="store_true")
     args = parser.parse_args(argv)
-    if args.holdout and (args.variants != [lr_finding.DEFAULT_VARIANT] or args.start_factors):
-        parser.error(f"--holdout runs the default variant only ({lr_finding.DEFAULT_VARIANT}) from every start; "
-                     "drop --variants and --start_factors")
+    if args.holdout and args.variants != [lr_finding.DEFAULT_VARIANT]:
+        parser.error(f"--holdout runs the default variant only ({lr_finding.DEFAULT_VARIANT}); drop --variants")
+    if args.holdout and args.start_factors and not set(args.start_factors) <= set(lr_finding.DEFAULT_START_FACTORS):
+        parser.error(f"--holdout runs the default from the starts {list(lr_finding.DEFAULT_START_FACTORS)}; "
+                     "--start_factors may pick some of them (to run first), not others")
     return args
 
 

@@ -72,6 +72,10 @@ def test_design_settings_run_unless_holdout_is_asked_for_and_unknown_names_are_r
         matrix.selected(PLAN, matrix.parse_args(["--only", "c"]))
     with pytest.raises(SystemExit):  # a holdout runs the default variant only
         matrix.parse_args(["--holdout", "--variants", "paper"])
+    # ... from the usual starts, which may be split over invocations, and from no other
+    assert matrix.parse_args(["--holdout", "--start_factors", "1", "10"]).start_factors == [1.0, 10.0]
+    with pytest.raises(SystemExit):
+        matrix.parse_args(["--holdout", "--start_factors", "2"])
 
 
 def test_a_setting_becomes_lr_findings_arguments():
