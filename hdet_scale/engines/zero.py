@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
+from hdet_scale.averaging import coalesced_views
 from hdet_scale.engines.deepspeed_settings import TESTED_DEEPSPEED
 from hdet_scale.topology import ReplicaTopology
 
@@ -164,7 +165,9 @@ class ZeroAdapter(EngineAdapter):
             # norm over all of it, so all of it (not just this rank's partition) is averaged across replicas.
             return list(wrapper.fp32_groups_gradients_flat)
         if self._kind == "zero12":
-            return [grad for grads in wrapper.averaged_gradients.values() if grads is not None for grad in grads]
+            # Views of each group's flat gradient partition: one flat view each, averaged in place.
+            return coalesced_views([grad for grads in wrapper.averaged_gradients.values() if grads is not None
+                                    for grad in grads])
         return [wrapper.grad_partitions_flat_buffer]
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:

@@ -95,6 +95,21 @@ def record_before_sync(engine) -> dict[int, torch.Tensor]:
     return captured
 
 
+def record_averaged_gradients(engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """At each step (the last step's kept): ZeRO-1/2's own gradient views, and the tensors HDET averages."""
+    views: list[torch.Tensor] = []
+    averaged: list[torch.Tensor] = []
+    gradients = engine.hdet.adapter.gradient_tensors
+
+    def recording() -> list[torch.Tensor]:
+        views[:] = [grad for grads in getattr(engine.optimizer, "averaged_gradients", {}).values() for grad in grads]
+        averaged[:] = gradients()
+        return averaged
+
+    engine.hdet.adapter.gradient_tensors = recording
+    return views, averaged
+
+
 def probe_on_plain_model(flat_weights: torch.Tensor, batch: torch.Tensor) -> float:
     """The probe loss of a replica's weights, on a plain model in the batch's precision."""
     model = tiny_model(0).to(batch.dtype)
@@ -128,6 +143,7 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
         assert torch.equal(start, start[:1].expand(world, -1))  # replicas start identical despite the seeds
         used_lrs = record_used_lrs(engine)
         before_sync = record_before_sync(engine)
+        averaged_gradients = record_averaged_gradients(engine)
         probe_batch = micro_batch(0, -1, 0, torch.bfloat16 if bf16 else torch.float32)
         engine.hdet.ensemble.set_probe(batch_probe(engine, micro_batch(rank, -1, 0, probe_batch.dtype),
                                                    lambda model, batch: model(batch).float().pow(2).mean()))
@@ -149,6 +165,12 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
             assert engine.get_lr()[0] == pytest.approx(0.01)
             gradient_bytes = engine.hdet.gradient_bytes_across_replicas
             assert gradient_bytes > 0 if mode == "global" else gradient_bytes == 0
+            if mode == "global" and stage == 2:
+                # DeepSpeed's views of the gradient partition, adjacent ones averaged as one flat view.
+                views, averaged = averaged_gradients
+                partition = engine.optimizer.single_partition_of_fp32_groups[0]
+                assert sum(grad.numel() for grad in averaged) == partition.numel()
+                assert len(averaged) < len(views) or len(views) == 1, [(g.storage_offset(), g.numel()) for g in views]
             if mode == "global" and engine.get_global_grad_norm() is not None:
                 # One gradient for all: every rank computes the same norm, so clipping agrees everywhere.
                 norms = gather_rows(torch.tensor([float(engine.get_global_grad_norm())], dtype=torch.float64))

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from hdet_scale.averaging import average_tensors
+from hdet_scale.averaging import average_tensors, coalesced_views
 from hdet_scale.comm import pack_healthy, unpack_healthy_mean
 
 
@@ -30,3 +30,27 @@ def test_packing_counts_exactly_in_low_precision():
     out = torch.empty(2, dtype=torch.bfloat16)
     summed = torch.tensor([1.5, 3.0, 3.0])  # three of four members contributed
     assert unpack_healthy_mean(summed, out, 4).tolist() == [2.0, 4.0]
+
+
+def test_views_that_tile_a_storage_become_one_flat_view():
+    flat = torch.arange(10.0)
+    # Out of order, as ZeRO-2 lists its gradient partition (the last layer's first), plus an unrelated tensor.
+    pieces = [flat[6:10].view(2, 2), flat[0:2], flat[2:6]]
+    other = torch.ones(3)
+    merged = coalesced_views([pieces[0], other, pieces[1], pieces[2]])
+    assert len(merged) == 2 and merged[1] is other
+    assert merged[0].data_ptr() == flat.data_ptr() and merged[0].tolist() == list(range(10))
+    merged[0].mul_(2)  # a view: writing it writes every piece
+    assert pieces[0].tolist() == [[12.0, 14.0], [16.0, 18.0]]
+
+
+def test_views_with_gaps_overlaps_or_other_dtypes_stay_apart():
+    flat = torch.arange(12.0)
+    gap = coalesced_views([flat[0:3], flat[3:5], flat[6:8]])  # 5 is in neither
+    assert [(t.storage_offset(), t.numel()) for t in gap] == [(0, 5), (6, 2)]
+    overlap = coalesced_views([flat[0:4], flat[2:6]])
+    assert [(t.storage_offset(), t.numel()) for t in overlap] == [(0, 4), (2, 4)]
+    strided = flat[::2]
+    assert coalesced_views([strided])[0] is strided
+    halves = torch.zeros(4, dtype=torch.float16)
+    assert len(coalesced_views([flat[0:2], halves[0:2], halves[2:4]])) == 2
