@@ -260,7 +260,11 @@ def sync_markdown(cfg: dict[str, Any], sync: dict[str, Any], plain_step_s: float
         "every rank is a replica, a small all-rank collective alongside otherwise), the finiteness check of every "
         "parameter and the controller"
         + (", and ZeRO refreshing its parameters from the averaged master" if gradient_average else "")
-        + "; `average_tensors` minus the flat all-reduce is packing the buckets, the division and unpacking.",
+        + "; `average_tensors` minus the flat all-reduce is packing the buckets, the division and unpacking."
+        + (" The engine refresh row is the engine rewriting its own copies from the averaged master, timed alone "
+           "(ZeRO-1/2: the low-precision parameters and their all-gather inside the replica, the one ZeRO runs "
+           "after every step; ZeRO-3: the re-partition; FSDP2: resharding what a probe left unsharded)."
+           if any(name.startswith("engine refresh") for name in sync["ops"]) else ""),
     ]
 
 

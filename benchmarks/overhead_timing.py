@@ -14,7 +14,10 @@ from common import MiB
 from overhead_engines import SIGNALS, Engine, Settings, Trainer, hdet_config
 
 from hdet_scale import HDETEnsemble, SyncReport
+from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
+
+REFRESH = "engine refresh (after_average)"  # section 2's row: the engine rewriting its copies from the average
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -147,12 +150,15 @@ def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device)
             return engine.clock() - start
         return run
 
-    # name -> (timed operation, bucket size in MiB or None for the flat all-reduce)
+    # name -> (timed operation, bucket size in MiB, or None for one collective or none)
     operations: dict[str, tuple[Callable[[], float], float | None]] = {
         "flat all_reduce": (timed(lambda: dist.all_reduce(flat, group=group)), None),
         "average_tensors bucket_mb=25": (timed(lambda: average_tensors(tensors, group, bucket_bytes=25 * MiB)), 25.0),
         **{name: (timed_sync(hdet), hdet.config.bucket_mb) for name, hdet in ensembles.items()},
     }
+    adapter = some_ensemble.adapter
+    if type(adapter).after_average is not EngineAdapter.after_average:  # the engine keeps copies to refresh
+        operations[REFRESH] = (timed(adapter.after_average), None)
     names = list(operations)
     samples: dict[str, list[float]] = {name: [] for name in names}
     warmup = 2
@@ -166,7 +172,7 @@ def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device)
     result: dict[str, Any] = {"payload_bytes": payload_bytes, "warmup_reps": warmup, "ops": {}}
     for name, (_, bucket_mb) in operations.items():
         ratios = [a / b for a, b in zip(slowest[name], slowest["flat all_reduce"], strict=True)]
-        buckets = 1 if bucket_mb is None else -(-payload_bytes // int(bucket_mb * MiB))
+        buckets = "-" if name == REFRESH else 1 if bucket_mb is None else -(-payload_bytes // int(bucket_mb * MiB))
         result["ops"][name] = {"buckets": buckets, "seconds": summary(slowest[name]),
                                "ratio_vs_flat": summary(ratios)}
     return result
