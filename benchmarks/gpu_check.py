@@ -27,7 +27,8 @@ moving at every sync with a probe batch. For each engine (DDP, FSDP2) and preset
 4. **DDP's gradient hook** (DDP only): forward and backward with DDP's built-in C++ all-reduce, with torch's own
    Python ``allreduce_hook`` (what any Python hook costs) and with HDET's replica-safe mean
    (``healthy_mean_hook``), on alternate steps over the same batches; the slowest rank's median of each and the
-   paired medians between them.
+   paired medians between them. Then rank 0 profiles three passes with each (``hook_profile.py``): the operations
+   whose self time, on the host and on the device, differs most between HDET's hook and torch's.
 5. **The sync's local work** (rank 0 alone, on a group of one rank, so nothing crosses a wire): averaging the
    preset's fp32 parameters as a sync does (``average_tensors`` with the finiteness check: packing, the check,
    the division while unpacking), less one flat all-reduce of the same bytes on that group, over one
@@ -61,6 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import RESULTS, MiB, machine_info, note, save_markdown, table_header, table_row, write_json
+from hook_profile import profile_hooks, profile_markdown
 from overhead_engines import DEFAULT_CONTROLLER
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -428,6 +430,14 @@ def gradient_hooks(builder: Builder, settings: Settings) -> dict[str, Any]:
     for before, after in zip(GRADIENT_HOOKS, GRADIENT_HOOKS[1:], strict=False):
         result[f"{after}_over_{before}_ms"] = 1e3 * statistics.median(
             a - b for a, b in zip(slowest[after], slowest[before], strict=True))
+
+    def forward_backward(hook: int, index: int) -> None:
+        variant = variants[hook]
+        variant.optimizer.zero_grad(set_to_none=True)
+        builder.loss(variant, builder.batches[index % len(builder.batches)]).backward()
+        drain(builder.device)
+
+    result["profile"] = profile_hooks(GRADIENT_HOOKS, forward_backward, builder.device)
     return result
 
 
@@ -561,6 +571,12 @@ def markdown(record: dict[str, Any]) -> list[str]:
                                    f"({hooks['python_allreduce_hook_over_built_in_ms'] / built_in:+.1%})",
                                    f"{hooks['hdet_healthy_mean_over_python_allreduce_hook_ms']:+.3f} ms "
                                    f"({hooks['hdet_healthy_mean_over_python_allreduce_hook_ms'] / built_in:+.1%})"))
+    profiled = [(name, run["gradient_hooks"]["profile"]) for name, run in record["runs"].items()
+                if "profile" in run.get("gradient_hooks", {})]
+    if profiled:
+        lines += ["", "Where each hook's time goes (torch.profiler, self time of each operation):", ""]
+        for name, profiles in profiled:
+            lines += profile_markdown(name, profiles, baseline="python_allreduce_hook", hook="hdet_healthy_mean")
     lines += ["", "## The sync's local work", "",
               "Baseline: one device-to-device copy of the same bytes (the preset's fp32 parameters).", "",
               *table_header("preset", "MiB", "copy ms", "flat all-reduce, 1 rank ms", "average_tensors ms",

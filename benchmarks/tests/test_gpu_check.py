@@ -43,6 +43,13 @@ def test_the_cpu_dry_run_measures_every_engine_and_writes_consistent_results(tmp
     assert all(hooks[f"{name}_ms"] > 0 for name in ("built_in", "python_allreduce_hook", "hdet_healthy_mean"))
     assert {"python_allreduce_hook_over_built_in_ms", "hdet_healthy_mean_over_python_allreduce_hook_ms"} <= set(hooks)
     assert "gradient_hooks" not in record["runs"]["fsdp/tiny"]
+    # where each hook's time goes: rank 0's profile of each, every one all-reducing through c10d
+    profiles = hooks["profile"]["hooks"]
+    assert list(profiles) == ["built_in", "python_allreduce_hook", "hdet_healthy_mean"]
+    assert all(ops["c10d::allreduce_"]["calls"] >= 1 for ops in profiles.values())
+    # the finiteness flag is HDET's hook's own
+    assert "aten::isfinite" in profiles["hdet_healthy_mean"] and "aten::isfinite" not in profiles["built_in"]
     page = out.with_suffix(".md").read_text()
     assert "allreduce_hook ms |" in page
+    assert "differs most, hdet_healthy_mean against python_allreduce_hook" in page
     assert "| ddp/tiny |" in page and "| fsdp/tiny |" in page and "| tiny |" in page
