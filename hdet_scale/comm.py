@@ -264,14 +264,19 @@ def gather_rows(row: Sequence[float], *, world_size: int) -> torch.Tensor:
 
 def all_finite_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Whether every element of ``tensors`` is finite, as a 0-dim bool tensor on ``device`` (no host
-    synchronization): each tensor's sum of absolute values, in one fused pass per device and precision, is finite
-    exactly when every element is (up to float32's range, as ``all_finite_flag``; float64 tensors sum in
-    float64). A model has hundreds of tensors: one kernel each would cost more than the pass itself on a GPU."""
+    synchronization): each tensor's sum is finite exactly when every element is (up to float32's range, as
+    ``all_finite_flag``; float64 tensors sum in float64). On an accelerator the sums of absolute values of each
+    device and precision run as one fused pass: a model has hundreds of tensors, and one kernel each would cost
+    more than the pass itself. On the CPU a plain sum per tensor is several times faster than that fused norm."""
     kinds: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
     for tensor in tensors:
         kinds.setdefault((tensor.device, tensor.dtype == torch.float64), []).append(tensor)
-    flags = [torch.stack(torch._foreach_norm(group, 1, dtype=torch.float64 if wide else torch.float32))
-             .isfinite().all().to(device, non_blocking=True) for (_, wide), group in kinds.items()]
+    flags = []
+    for (where, wide), group in kinds.items():
+        accumulate = torch.float64 if wide else torch.float32
+        sums = ([tensor.sum(dtype=accumulate) for tensor in group] if where.type == "cpu"
+                else torch._foreach_norm(group, 1, dtype=accumulate))
+        flags.append(torch.stack(sums).isfinite().all().to(device, non_blocking=True))
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 

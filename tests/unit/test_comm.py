@@ -12,7 +12,7 @@ import math
 import torch
 
 from hdet_scale.averaging import average_tensors, coalesced_views
-from hdet_scale.comm import pack_healthy, unpack_healthy_mean
+from hdet_scale.comm import all_finite_on, pack_healthy, unpack_healthy_mean
 
 
 def test_one_replica_averages_nothing():
@@ -54,3 +54,21 @@ def test_views_with_gaps_overlaps_or_other_dtypes_stay_apart():
     assert coalesced_views([strided])[0] is strided
     halves = torch.zeros(4, dtype=torch.float16)
     assert len(coalesced_views([flat[0:2], halves[0:2], halves[2:4]])) == 2
+
+
+def test_all_finite_reads_every_tensor_of_every_precision():
+    cpu = torch.device("cpu")
+
+    def finite(*tensors: torch.Tensor) -> bool:
+        flag = all_finite_on(list(tensors), cpu)
+        assert flag.dtype == torch.bool and flag.dim() == 0
+        return bool(flag)
+
+    healthy = [torch.ones(3), torch.full((2, 2), -1e30), torch.zeros(0), torch.ones(2, dtype=torch.float64),
+               torch.ones(4, dtype=torch.bfloat16)]
+    assert finite(*healthy) and finite()
+    for broken in (torch.tensor([1.0, math.inf]), torch.tensor([-math.inf, 2.0]), torch.tensor([math.nan]),
+                   torch.tensor([math.inf, -math.inf]), torch.tensor([1e300, math.nan], dtype=torch.float64),
+                   torch.tensor([math.inf], dtype=torch.bfloat16)):
+        assert not finite(*healthy, broken), broken  # found in the last tensor, whatever its precision
+        assert not finite(broken, *healthy), broken
