@@ -267,16 +267,19 @@ def all_finite_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     synchronization): each tensor's sum is finite exactly when every element is (up to float32's range, as
     ``all_finite_flag``; float64 tensors sum in float64). On an accelerator the sums of absolute values of each
     device and precision run as one fused pass: a model has hundreds of tensors, and one kernel each would cost
-    more than the pass itself. On the CPU a plain sum per tensor is several times faster than that fused norm."""
+    more than the pass itself. On the CPU ``all_finite_flag``'s plain sum per tensor is several times faster than
+    that fused norm (the two differ only for finite values adding up to about 1e38)."""
     kinds: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
     for tensor in tensors:
         kinds.setdefault((tensor.device, tensor.dtype == torch.float64), []).append(tensor)
     flags = []
     for (where, wide), group in kinds.items():
-        accumulate = torch.float64 if wide else torch.float32
-        sums = ([tensor.sum(dtype=accumulate) for tensor in group] if where.type == "cpu"
-                else torch._foreach_norm(group, 1, dtype=accumulate))
-        flags.append(torch.stack(sums).isfinite().all().to(device, non_blocking=True))
+        if where.type == "cpu":
+            flag = torch.stack([all_finite_flag(tensor) for tensor in group]).all()
+        else:
+            flag = torch.stack(torch._foreach_norm(group, 1, dtype=torch.float64 if wide else torch.float32)) \
+                .isfinite().all()
+        flags.append(flag.to(device, non_blocking=True))
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 

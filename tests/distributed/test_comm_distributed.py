@@ -129,14 +129,14 @@ def operators_per_average(rank: int, world: int) -> list[int]:
     counts = []
     for tensors in (20, 200):
         values = [torch.full((10,), float(rank + i)) for i in range(tensors)]
-        with _ComputeCounter() as counter:  # the flag decided on the device: the masking pass runs too
+        with _ComputeCounter() as counter:  # a flag as the guard gives it: read once (CPU) or masked (accelerator)
             average_tensors(values, dist.group.WORLD, bucket_bytes=2**20, contribute=torch.tensor(True))
         assert torch.allclose(values[7], torch.full((10,), 7.5))  # the mean of 7 and 8
         counts.append(counter.count)
     return counts
 
 
-def test_packing_checking_and_unpacking_cost_the_same_operators_for_any_number_of_tensors():
+def test_packing_masking_and_unpacking_cost_the_same_operators_for_any_number_of_tensors():
     """On a GPU every operator is a kernel launch: one per tensor and pass made a sync's local work cost as much
     as its transfer. Ten times the tensors in one bucket dispatch the same operators. (The finiteness check is
     one fused pass per device on an accelerator, and one sum per tensor on the CPU, where that is several times
