@@ -69,44 +69,6 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     return _Averager(group, device, bucket_bytes, flag, known, memory).run(tensors, rider, check)
 
 
-def coalesced_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` with every run of contiguous views that tile a range of one storage (same dtype and device)
-    replaced by one flat view of that range, in storage order; the other tensors as they are, after the runs.
-
-    An average is element-wise, so the flat view averages the same elements, and ``average_tensors`` all-reduces
-    a large one in place instead of copying each view into a bucket and back (ZeRO-1/2's reduced gradients are
-    views of one flat partition). The result depends only on the memory layout: members that average together
-    must lay their tensors out alike, as the same engine does for the same partition of the same model.
-    """
-    by_storage: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-    loose: list[torch.Tensor] = []
-    for tensor in tensors:
-        if tensor.numel() == 0 or not tensor.is_contiguous():
-            loose.append(tensor)
-        else:
-            key = (tensor.untyped_storage().data_ptr(), tensor.dtype, tensor.device)
-            by_storage.setdefault(key, []).append(tensor)
-    runs: list[torch.Tensor] = []
-    for views in by_storage.values():
-        views = sorted(views, key=lambda view: view.storage_offset())
-        start = 0
-        for index in range(1, len(views) + 1):
-            if index < len(views) and views[index].storage_offset() == _end(views[index - 1]):
-                continue
-            run = views[start:index]
-            if len(run) == 1:
-                runs.append(run[0])
-            else:
-                offset = run[0].storage_offset()
-                runs.append(run[0].as_strided((_end(run[-1]) - offset,), (1,), offset))
-            start = index
-    return runs + loose
-
-
-def _end(view: torch.Tensor) -> int:
-    return view.storage_offset() + view.numel()
-
-
 def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> torch.device:
     """Where the buckets live: the tensors' accelerator if any, else the CPU; a CUDA device for CPU tensors
     (e.g. offloaded shards) under NCCL, which all-reduces device memory only."""

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
-from hdet_scale.averaging import coalesced_views
 from hdet_scale.engines.deepspeed_settings import TESTED_DEEPSPEED
 from hdet_scale.topology import ReplicaTopology
 
@@ -165,9 +164,15 @@ class ZeroAdapter(EngineAdapter):
             # norm over all of it, so all of it (not just this rank's partition) is averaged across replicas.
             return list(wrapper.fp32_groups_gradients_flat)
         if self._kind == "zero12":
-            # Views of each group's flat gradient partition: one flat view each, averaged in place.
-            return coalesced_views([grad for grads in wrapper.averaged_gradients.values() if grads is not None
-                                    for grad in grads])
+            tensors = []
+            for grads in wrapper.averaged_gradients.values():
+                # With low-precision gradients accumulated in fp32, DeepSpeed lays each group's partition out in
+                # one flat buffer of fixed layout (padding zeroed): averaged whole, in place from a bucket's size
+                # on, with no copy. Elsewhere the views' storage follows the order the backward reached them, which
+                # may differ between replicas, so they are averaged one by one.
+                flat = getattr(grads, "flat_partition", None)
+                tensors += [flat] if flat is not None else list(grads or [])
+            return tensors
         return [wrapper.grad_partitions_flat_buffer]
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:

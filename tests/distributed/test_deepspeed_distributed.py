@@ -95,19 +95,23 @@ def record_before_sync(engine) -> dict[int, torch.Tensor]:
     return captured
 
 
-def record_averaged_gradients(engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """At each step (the last step's kept): ZeRO-1/2's own gradient views, and the tensors HDET averages."""
+def record_averaged_gradients(engine) -> tuple[list[torch.Tensor], ...]:
+    """At each step (the last step's kept): ZeRO-1/2's gradient views, their groups' flat partitions where
+    DeepSpeed keeps one, and the tensors HDET averages across replicas."""
     views: list[torch.Tensor] = []
+    flats: list[torch.Tensor] = []
     averaged: list[torch.Tensor] = []
     gradients = engine.hdet.adapter.gradient_tensors
 
     def recording() -> list[torch.Tensor]:
-        views[:] = [grad for grads in getattr(engine.optimizer, "averaged_gradients", {}).values() for grad in grads]
+        groups = [grads for grads in getattr(engine.optimizer, "averaged_gradients", {}).values() if grads]
+        views[:] = [grad for grads in groups for grad in grads]
+        flats[:] = [grads.flat_partition for grads in groups if getattr(grads, "flat_partition", None) is not None]
         averaged[:] = gradients()
         return averaged
 
     engine.hdet.adapter.gradient_tensors = recording
-    return views, averaged
+    return views, flats, averaged
 
 
 def probe_on_plain_model(flat_weights: torch.Tensor, batch: torch.Tensor) -> float:
@@ -130,9 +134,10 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # as on 2 nodes of 2 ranks: ranks_per_replica "auto" is a node on ZeRO-1/2/3
     replicas = world // per_replica
     replica_of = torch.arange(world) // per_replica
-    variants = [("global", stage % 2 == 1), ("local", stage % 2 == 0)]  # (gradient mode, bf16)
-    # ZeRO-1 in bf16 with fp32 gradient accumulation is DeepSpeed's BF16_Optimizer, a wrapper of its own.
-    extra = {"data_types": {"grad_accum_dtype": "fp32"}} if stage == 1 else {}
+    variants = [("global", stage != 0), ("local", stage == 0)]  # (gradient mode, bf16)
+    # bf16 with fp32 gradient accumulation: on ZeRO-1 DeepSpeed's BF16_Optimizer, a wrapper of its own; on ZeRO-2
+    # one flat gradient partition of fixed layout per group (fp32 ZeRO-2 in global mode: the alpha = 0 test).
+    extra = {"data_types": {"grad_accum_dtype": "fp32"}} if stage in (1, 2) else {}
     syncs_per_variant = []
     for mode, bf16 in variants:
         hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 3, "gradient_mode": mode,
@@ -165,12 +170,11 @@ def fanout(rank: int, world: int, stage: int) -> list[int]:
             assert engine.get_lr()[0] == pytest.approx(0.01)
             gradient_bytes = engine.hdet.gradient_bytes_across_replicas
             assert gradient_bytes > 0 if mode == "global" else gradient_bytes == 0
-            if mode == "global" and stage == 2:
-                # DeepSpeed's views of the gradient partition, adjacent ones averaged as one flat view.
-                views, averaged = averaged_gradients
-                partition = engine.optimizer.single_partition_of_fp32_groups[0]
-                assert sum(grad.numel() for grad in averaged) == partition.numel()
-                assert len(averaged) < len(views) or len(views) == 1, [(g.storage_offset(), g.numel()) for g in views]
+            if mode == "global" and stage == 2:  # each group's flat partition, averaged whole
+                views, flats, averaged = averaged_gradients
+                # the second rank of a replica holds the views of four parameters' gradients, the first one
+                assert flats and len(views) == (1 if rank % 2 == 0 else 4)
+                assert [(t.data_ptr(), t.shape) for t in averaged] == [(t.data_ptr(), t.shape) for t in flats]
             if mode == "global" and engine.get_global_grad_norm() is not None:
                 # One gradient for all: every rank computes the same norm, so clipping agrees everywhere.
                 norms = gather_rows(torch.tensor([float(engine.get_global_grad_norm())], dtype=torch.float64))
