@@ -576,7 +576,7 @@ def markdown(record: dict[str, Any]) -> list[str]:
     if profiled:
         lines += ["", "Where each hook's time goes (torch.profiler, self time of each operation):", ""]
         for name, profiles in profiled:
-            lines += profile_markdown(name, profiles, baseline="python_allreduce_hook", hook="hdet_healthy_mean")
+            lines += profile_markdown(name, profiles, baseline=GRADIENT_HOOKS[1], hook=GRADIENT_HOOKS[2])
     lines += ["", "## The sync's local work", "",
               "Baseline: one device-to-device copy of the same bytes (the preset's fp32 parameters).", "",
               *table_header("preset", "MiB", "copy ms", "flat all-reduce, 1 rank ms", "average_tensors ms",

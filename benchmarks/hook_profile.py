@@ -4,14 +4,14 @@ says on what)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from common import table_header, table_row
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, schedule
 
 PROFILED_STEPS = 3
 SHOWN_OPERATIONS = 12
@@ -19,20 +19,25 @@ SHOWN_OPERATIONS = 12
 
 def profile_hooks(names: Sequence[str], step: Callable[[int, int], None], device: torch.device) -> dict[str, Any]:
     """``step(hook_index, step_index)`` runs one forward and backward with hook ``names[hook_index]`` on every
-    rank (collective) and drains the device; rank 0 profiles ``PROFILED_STEPS`` of each. Returns, per hook and
-    operation, its calls and self CPU and device time per step in µs (rank 0's; no hooks on the other ranks)."""
+    rank (collective) and drains the device. Every rank profiles one warm-up and ``PROFILED_STEPS`` passes of each
+    hook, behind a barrier each (the same profiler overhead everywhere). Returns rank 0's calls, self time on the
+    host and self time on the device of each operation and kernel, per step in µs (empty on the other ranks).
+    A host operation's own kernels count as device events of their own, not in the operation's device time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     profiles: dict[str, Any] = {"steps": PROFILED_STEPS, "device_times": device.type == "cuda", "hooks": {}}
     for hook_index, name in enumerate(names):
-        recorder = profile(activities=activities) if dist.get_rank() == 0 else contextlib.nullcontext()
-        with recorder:
-            for step_index in range(PROFILED_STEPS):
+        with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)) \
+                as recorder:
+            for step_index in range(1 + PROFILED_STEPS):
+                dist.barrier()
                 step(hook_index, step_index)
+                recorder.step()
         if dist.get_rank() == 0:
             profiles["hooks"][name] = {
                 event.key: {"calls": event.count / PROFILED_STEPS,
                             "self_cpu_us": event.self_cpu_time_total / PROFILED_STEPS,
-                            "self_device_us": getattr(event, "self_device_time_total", 0.0) / PROFILED_STEPS}
+                            "self_device_us": event.self_device_time_total / PROFILED_STEPS
+                            if event.device_type != DeviceType.CPU and not event.is_user_annotation else 0.0}
                 for event in recorder.key_averages()}
     return profiles
 
@@ -45,7 +50,7 @@ def profile_markdown(run_name: str, profiles: dict[str, Any], baseline: str, hoo
         return []
     kinds = ("self_cpu_us", "self_device_us") if profiles["device_times"] else ("self_cpu_us",)
     lines = [f"`{run_name}`, rank 0, {profiles['steps']} forward and backward passes per hook, µs per step:", "",
-             *table_header("hook", *(f"total {kind[:-3].replace('_', ' ')}" for kind in kinds)),
+             *table_header("hook", *(f"{kind[:-3].replace('_', ' ')}, whole pass" for kind in kinds)),
              *(table_row(name, *(f"{sum(op[kind] for op in ops.values()):.0f}" for kind in kinds))
                for name, ops in hooks.items()), ""]
     empty = {"calls": 0.0, "self_cpu_us": 0.0, "self_device_us": 0.0}
