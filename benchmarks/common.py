@@ -43,6 +43,7 @@ REPO = BENCHMARKS.parent
 RESULTS = BENCHMARKS / "results"
 """Where the committed results live."""
 MiB = 2**20
+REFRESH = "engine refresh (after_average)"  # the overhead benchmark's row for ZeRO rewriting its parameter copies
 ONECYCLE_FLOOR_DIV = 25.0 * 1e4
 """OneCycleLR's default ``div_factor * final_div_factor``: its max LR over its final LR."""
 

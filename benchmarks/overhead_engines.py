@@ -202,6 +202,9 @@ class Engine(ABC):
     gradient_average_in_hot_path = False
     """Whether HDET itself all-reduces the gradients across replicas every step in global mode, where the
     baseline's engine reduces gradients over all ranks in its own way."""
+    refreshes_copies = False
+    """Whether the engine rewrites copies of the parameters from the averaged master after a sync (ZeRO's
+    low-precision parameters and their gathering inside the replica), timed apart in section 2."""
 
     def __init__(self, settings: Settings, device: torch.device) -> None:
         self.settings = settings
@@ -325,6 +328,7 @@ class DeepSpeedEngine(Engine):
     title = "DeepSpeed ZeRO"
     baseline = "plain DeepSpeed, ZeRO at the same stage over all ranks"
     gradient_average_in_hot_path = True
+    refreshes_copies = True  # stages 1-3: the low-precision parameters, gathered (1/2) or re-partitioned (3)
 
     def __init__(self, settings: Settings, device: torch.device, stage: int) -> None:
         super().__init__(settings, device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import MiB, note, save_markdown, table_header, table_row
+from common import REFRESH, MiB, note, save_markdown, table_header, table_row
 from overhead_memory import MEMORY_STEPS, MEMORY_SYNC_INTERVAL
 
 TARGETS = {100: 0.01, 1000: 0.002}  # the project's step-time overhead targets per T (reported, not asserted)
@@ -248,7 +248,8 @@ def sync_markdown(cfg: dict[str, Any], sync: dict[str, Any], plain_step_s: float
         "",
         *table_header("operation", "buckets", "median ms (IQR)", "ratio vs flat all_reduce, paired median (IQR)",
                       *(f"per step at T = {interval}, share of a plain step" for interval in AMORTIZED_INTERVALS)),
-        *[table_row(name, entry["buckets"], _ms(entry["seconds"]), _ratio(entry["ratio_vs_flat"]),
+        *[table_row(name, "-" if entry["buckets"] is None else entry["buckets"], _ms(entry["seconds"]),
+                    _ratio(entry["ratio_vs_flat"]),
                     *(f"{amortized_share(entry['seconds']['median'], interval, plain_step_s):.2%}"
                       for interval in AMORTIZED_INTERVALS))
           for name, entry in sync["ops"].items()],
@@ -261,10 +262,9 @@ def sync_markdown(cfg: dict[str, Any], sync: dict[str, Any], plain_step_s: float
         "parameter and the controller"
         + (", and ZeRO refreshing its parameters from the averaged master" if gradient_average else "")
         + "; `average_tensors` minus the flat all-reduce is packing the buckets, the division and unpacking."
-        + (" The engine refresh row is the engine rewriting its own copies from the averaged master, timed alone "
-           "(ZeRO-1/2: the low-precision parameters and their all-gather inside the replica, the one ZeRO runs "
-           "after every step; ZeRO-3: the re-partition; FSDP2: resharding what a probe left unsharded)."
-           if any(name.startswith("engine refresh") for name in sync["ops"]) else ""),
+        + (f" `{REFRESH}` is ZeRO rewriting its parameter copies from the averaged master, timed alone (ZeRO-1/2: "
+           "the low-precision parameters and their all-gather inside the replica, the one ZeRO runs after every "
+           "step; ZeRO-3: the re-partition)." if REFRESH in sync["ops"] else ""),
     ]
 
 

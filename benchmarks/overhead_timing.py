@@ -10,14 +10,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import MiB
+from common import REFRESH, MiB
 from overhead_engines import SIGNALS, Engine, Settings, Trainer, hdet_config
 
 from hdet_scale import HDETEnsemble, SyncReport
-from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_tensors
-
-REFRESH = "engine refresh (after_average)"  # section 2's row: the engine rewriting its copies from the average
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -122,7 +119,8 @@ def step_ratios(times: list[float], baseline: list[float], block: int) -> dict[s
 
 # --------------------------------------------------------------------------------- 2. sync time
 def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device) -> dict[str, Any]:
-    """hdet.sync() per bucket size and average_tensors alone vs one flat all_reduce of the same bytes."""
+    """hdet.sync() per bucket size, average_tensors alone and, where the engine has one, its refresh of its
+    parameter copies after the average, each against one flat all_reduce of the same bytes."""
     ensembles = {f"hdet.sync bucket_mb={bucket_mb:g}": engine.hdet_trainer(
         "sync", hdet_config(settings, 10**9, bucket_mb=bucket_mb)).hdet for bucket_mb in settings.bucket_mbs}
     some_ensemble = next(iter(ensembles.values()))
@@ -156,9 +154,8 @@ def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device)
         "average_tensors bucket_mb=25": (timed(lambda: average_tensors(tensors, group, bucket_bytes=25 * MiB)), 25.0),
         **{name: (timed_sync(hdet), hdet.config.bucket_mb) for name, hdet in ensembles.items()},
     }
-    adapter = some_ensemble.adapter
-    if type(adapter).after_average is not EngineAdapter.after_average:  # the engine keeps copies to refresh
-        operations[REFRESH] = (timed(adapter.after_average), None)
+    if engine.refreshes_copies:
+        operations[REFRESH] = (timed(some_ensemble.adapter.after_average), None)
     names = list(operations)
     samples: dict[str, list[float]] = {name: [] for name in names}
     warmup = 2
@@ -172,7 +169,7 @@ def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device)
     result: dict[str, Any] = {"payload_bytes": payload_bytes, "warmup_reps": warmup, "ops": {}}
     for name, (_, bucket_mb) in operations.items():
         ratios = [a / b for a, b in zip(slowest[name], slowest["flat all_reduce"], strict=True)]
-        buckets = "-" if name == REFRESH else 1 if bucket_mb is None else -(-payload_bytes // int(bucket_mb * MiB))
+        buckets = None if name == REFRESH else 1 if bucket_mb is None else -(-payload_bytes // int(bucket_mb * MiB))
         result["ops"][name] = {"buckets": buckets, "seconds": summary(slowest[name]),
                                "ratio_vs_flat": summary(ratios)}
     return result
