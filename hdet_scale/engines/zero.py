@@ -165,7 +165,8 @@ class ZeroAdapter(EngineAdapter):
             return list(wrapper.fp32_groups_gradients_flat)
         if self._kind == "zero12":
             tensors = []
-            for grads in wrapper.averaged_gradients.values():
+            # By group index: DeepSpeed fills this dict in the order the backward first reached each group.
+            for grads in (wrapper.averaged_gradients.get(index) for index in range(len(wrapper.bit16_groups))):
                 # With low-precision gradients accumulated in fp32, DeepSpeed lays each group's partition out in
                 # one flat buffer of fixed layout (padding zeroed): averaged whole, in place from a bucket's size
                 # on, with no copy. Elsewhere the views' storage follows the order the backward reached them, which

@@ -128,21 +128,25 @@ def inverse_step(step: int) -> float:
 
 # ------------------------------------------------------------------------------------- fan-out / converge
 def fanout(rank: int, world: int, stage: int) -> list[int]:
-    """Both gradient modes on one stage (one in fp32, one in bf16): divergence between syncs, averaging at
+    """Both gradient modes on one stage (in fp32 or bf16): divergence between syncs, averaging at
     syncs against an independent mean, multipliers and the LR the optimizer really used."""
     per_replica = 1 if stage == 0 else 2
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # as on 2 nodes of 2 ranks: ranks_per_replica "auto" is a node on ZeRO-1/2/3
     replicas = world // per_replica
     replica_of = torch.arange(world) // per_replica
-    variants = [("global", stage != 0), ("local", stage == 0)]  # (gradient mode, bf16)
-    # bf16 with fp32 gradient accumulation: on ZeRO-1 DeepSpeed's BF16_Optimizer, a wrapper of its own; on ZeRO-2
-    # one flat gradient partition of fixed layout per group (fp32 ZeRO-2 in global mode: the alpha = 0 test).
-    extra = {"data_types": {"grad_accum_dtype": "fp32"}} if stage in (1, 2) else {}
+    # (gradient mode, bf16, fp32 gradient accumulation): in bf16 with fp32 accumulation ZeRO-1 is DeepSpeed's
+    # BF16_Optimizer, a wrapper of its own, and ZeRO-2 keeps one flat gradient partition of fixed layout per group
+    # (fp32 ZeRO-2 in global mode: the alpha = 0 test)
+    variants = {0: [("global", False, False), ("local", True, False)],
+                1: [("global", True, True), ("local", False, False)],
+                2: [("global", True, True), ("local", True, False)],
+                3: [("global", True, False), ("local", False, False)]}[stage]
     syncs_per_variant = []
-    for mode, bf16 in variants:
+    for mode, bf16, fp32_accumulation in variants:
         hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 3, "gradient_mode": mode,
                 "auto_lr": {"enabled": False, "range_test": 0}}
-        engine = build(ds_config(stage, bf16=bf16, hdet=hdet, **(extra if bf16 else {})), seed=rank)
+        extra = {"data_types": {"grad_accum_dtype": "fp32"}} if fp32_accumulation else {}
+        engine = build(ds_config(stage, bf16=bf16, hdet=hdet, **extra), seed=rank)
         assert engine.hdet.topology.num_replicas == replicas  # "auto": a rank on ZeRO-0, a node on 1-3
         start = gather_rows(full_fp32(engine))
         assert torch.equal(start, start[:1].expand(world, -1))  # replicas start identical despite the seeds
