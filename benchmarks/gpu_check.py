@@ -27,8 +27,9 @@ moving at every sync with a probe batch. For each engine (DDP, FSDP2) and preset
 4. **DDP's gradient hook** (DDP only): forward and backward with DDP's built-in C++ all-reduce, with torch's own
    Python ``allreduce_hook`` (what any Python hook costs) and with HDET's replica-safe mean
    (``healthy_mean_hook``), on alternate steps over the same batches; the slowest rank's median of each and the
-   paired medians between them. Then rank 0 profiles three passes with each (``hook_profile.py``): the operations
-   whose self time, on the host and on the device, differs most between HDET's hook and torch's.
+   paired medians between them. Then every rank profiles three passes with each after one warm-up pass, and rank
+   0's profile is kept (``hook_profile.py``): the operations whose self time, on the host and on the device,
+   differs most between HDET's hook and torch's.
 5. **The sync's local work** (rank 0 alone, on a group of one rank, so nothing crosses a wire): averaging the
    preset's fp32 parameters as a sync does (``average_tensors`` with the finiteness check: packing, the check,
    the division while unpacking), less one flat all-reduce of the same bytes on that group, over one

@@ -148,11 +148,15 @@ def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device)
             return engine.clock() - start
         return run
 
-    # name -> (timed operation, bucket size in MiB, or None for one collective or none)
-    operations: dict[str, tuple[Callable[[], float], float | None]] = {
-        "flat all_reduce": (timed(lambda: dist.all_reduce(flat, group=group)), None),
-        "average_tensors bucket_mb=25": (timed(lambda: average_tensors(tensors, group, bucket_bytes=25 * MiB)), 25.0),
-        **{name: (timed_sync(hdet), hdet.config.bucket_mb) for name, hdet in ensembles.items()},
+    def buckets(bucket_mb: float) -> int:
+        return -(-payload_bytes // int(bucket_mb * MiB))
+
+    # name -> (timed operation, collectives of the payload: None for the refresh, which all-reduces none)
+    operations: dict[str, tuple[Callable[[], float], int | None]] = {
+        "flat all_reduce": (timed(lambda: dist.all_reduce(flat, group=group)), 1),
+        "average_tensors bucket_mb=25": (timed(lambda: average_tensors(tensors, group, bucket_bytes=25 * MiB)),
+                                         buckets(25.0)),
+        **{name: (timed_sync(hdet), buckets(hdet.config.bucket_mb)) for name, hdet in ensembles.items()},
     }
     if engine.refreshes_copies:
         operations[REFRESH] = (timed(some_ensemble.adapter.after_average), None)
@@ -167,10 +171,9 @@ def run_sync_benchmark(settings: Settings, engine: Engine, device: torch.device)
                 samples[name].append(seconds)
     slowest = {name: per_index(gather(values), max) for name, values in samples.items()}
     result: dict[str, Any] = {"payload_bytes": payload_bytes, "warmup_reps": warmup, "ops": {}}
-    for name, (_, bucket_mb) in operations.items():
+    for name, (_, count) in operations.items():
         ratios = [a / b for a, b in zip(slowest[name], slowest["flat all_reduce"], strict=True)]
-        buckets = None if name == REFRESH else 1 if bucket_mb is None else -(-payload_bytes // int(bucket_mb * MiB))
-        result["ops"][name] = {"buckets": buckets, "seconds": summary(slowest[name]),
+        result["ops"][name] = {"buckets": count, "seconds": summary(slowest[name]),
                                "ratio_vs_flat": summary(ratios)}
     return result
 
