@@ -24,12 +24,14 @@ moving at every sync with a probe batch. For each engine (DDP, FSDP2) and preset
 3. **Peak GPU memory** (CUDA only): each of plain, HDET and HDET without the averaged-weight window trained
    through a sync once unmetered (one-time allocations such as cuBLAS's workspace), then again from a fresh
    model on a clean allocator; the peak above the allocator's start, per rank.
-4. **DDP's gradient hook** (DDP only): forward and backward with DDP's built-in C++ all-reduce, with torch's own
+4. **DDP's gradient hook** (DDP only): forward and backward with DDP's built-in C++ all-reduce, with the same
+   and a finiteness check of the averaged gradients that decides whether the step runs (the guard without a
+   Python hook: it skips every replica's step when any one replica's gradient is non-finite), with torch's own
    Python ``allreduce_hook`` (what any Python hook costs) and with HDET's replica-safe mean
-   (``healthy_mean_hook``), on alternate steps over the same batches; the slowest rank's median of each and the
-   paired medians between them. Then every rank profiles three passes with each after one warm-up pass, and rank
-   0's profile is kept (``hook_profile.py``): the operations whose self time, on the host and on the device,
-   differs most between HDET's hook and torch's.
+   (``healthy_mean_hook``), on alternate steps over the same batches; the slowest rank's median of each, the
+   paired medians of each over the built-in all-reduce and of HDET's hook over torch's. Then every rank
+   profiles three passes with each after one warm-up pass, and rank 0's profile is kept (``hook_profile.py``):
+   the operations whose self time, on the host and on the device, differs most between HDET's hook and torch's.
 5. **The sync's local work** (rank 0 alone, on a group of one rank, so nothing crosses a wire): averaging the
    preset's fp32 parameters as a sync does (``average_tensors`` with the finiteness check: packing, the check,
    the division while unpacking), less one flat all-reduce of the same bytes on that group, over one
@@ -70,7 +72,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import HealthyMean, healthy_mean_hook
+from hdet_scale.comm import HealthyMean, all_finite, healthy_mean_hook
 from hdet_scale.engines import ddp, fsdp
 from hdet_scale.lm.model import build_model, next_token_loss
 from hdet_scale.param_groups import transformer_blocks
@@ -162,6 +164,7 @@ class Variant:
     optimizer: torch.optim.Optimizer
     hdet: HDETEnsemble | None
     autocast: bool
+    guarded: bool = False  # the step runs only when every averaged gradient is finite (section 4)
 
 
 class Builder:
@@ -236,6 +239,18 @@ class StepTimes:
     sync_bytes: int | None  # the bytes a sync at this step averaged; None between syncs
 
 
+def forward_backward(builder: Builder, variant: Variant, batch: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, bool]:
+    """The loss after forward and backward, and whether the optimizer may step: always, or for a guarded
+    variant only when every averaged gradient is finite (a host synchronization, as any skip decision is)."""
+    loss = builder.loss(variant, batch)
+    variant.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    finite = not variant.guarded or all_finite(
+        [param.grad for param in variant.model.parameters() if param.grad is not None])
+    return loss, finite
+
+
 def timed_step(builder: Builder, variant: Variant, index: int,
                region: Callable[[str], contextlib.AbstractContextManager] | None = None) -> StepTimes:
     """One training step, timed in three parts with the device drained at each boundary; ``region(part)``
@@ -245,13 +260,12 @@ def timed_step(builder: Builder, variant: Variant, index: int,
     drain(builder.device)
     start = time.perf_counter()
     with region("forward_backward"):
-        loss = builder.loss(variant, batch)
-        variant.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, may_step = forward_backward(builder, variant, batch)
     drain(builder.device)
     backward_done = time.perf_counter()
     with region("optimizer"):
-        variant.optimizer.step()
+        if may_step:
+            variant.optimizer.step()
     drain(builder.device)
     optimizer_done = time.perf_counter()
     report = None
@@ -404,17 +418,20 @@ def peak_memory(builder: Builder) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- 4. DDP's gradient hook
-GRADIENT_HOOKS = ("built_in", "python_allreduce_hook", "hdet_healthy_mean")
-"""DDP's gradient average three ways: its C++ all-reduce, torch's Python ``allreduce_hook``, HDET's hook."""
+GRADIENT_HOOKS = ("built_in", "built_in_guarded", "python_allreduce_hook", "hdet_healthy_mean")
+"""DDP's gradient average four ways: its C++ all-reduce, the same with a finiteness guard before the step,
+torch's Python ``allreduce_hook``, HDET's hook."""
 
 
 def gradient_hooks(builder: Builder, settings: Settings) -> dict[str, Any]:
     """Forward and backward of plain DDP with each of ``GRADIENT_HOOKS`` on alternate steps over the same batches:
-    the slowest rank's median (ms) and the paired median of each hook over the one before it."""
+    the slowest rank's median (ms) and the paired medians of each over the built-in all-reduce and of HDET's hook
+    over torch's Python hook."""
     variants = []
     for name in GRADIENT_HOOKS:
         variant = builder.plain()
         variant.name = name
+        variant.guarded = name == "built_in_guarded"
         if name == "python_allreduce_hook":
             variant.model.register_comm_hook(None, allreduce_hook)
         elif name == "hdet_healthy_mean":
@@ -428,17 +445,16 @@ def gradient_hooks(builder: Builder, settings: Settings) -> dict[str, Any]:
                 times[variant.name].append(step.forward_backward)
     slowest = {name: slowest_rank(values) for name, values in times.items()}
     result: dict[str, Any] = {f"{name}_ms": 1e3 * statistics.median(values) for name, values in slowest.items()}
-    for before, after in zip(GRADIENT_HOOKS, GRADIENT_HOOKS[1:], strict=False):
+    pairs = [(name, "built_in") for name in GRADIENT_HOOKS[1:]] + [("hdet_healthy_mean", "python_allreduce_hook")]
+    for after, before in pairs:
         result[f"{after}_over_{before}_ms"] = 1e3 * statistics.median(
             a - b for a, b in zip(slowest[after], slowest[before], strict=True))
 
-    def forward_backward(hook: int, index: int) -> None:
-        variant = variants[hook]
-        variant.optimizer.zero_grad(set_to_none=True)
-        builder.loss(variant, builder.batches[index % len(builder.batches)]).backward()
+    def profiled_pass(hook: int, index: int) -> None:
+        forward_backward(builder, variants[hook], builder.batches[index % len(builder.batches)])
         drain(builder.device)
 
-    result["profile"] = profile_hooks(GRADIENT_HOOKS, forward_backward, builder.device)
+    result["profile"] = profile_hooks(GRADIENT_HOOKS, profiled_pass, builder.device)
     return result
 
 
@@ -558,26 +574,29 @@ def markdown(record: dict[str, Any]) -> list[str]:
                                    f"{memory['hdet_no_window_mib']:.1f}", f"{memory['hdet_over_plain']:.3f}",
                                    "-" if share is None else f"{share:.0%}"))
     lines += ["", "## DDP's gradient average: what the hook costs", "",
-              "Forward and backward of plain DDP (no ensemble) on the same batches, three ways to average the "
-              "gradients; each hook's difference is a paired median over the one before it.", "",
-              *table_header("engine / preset", "built-in C++ all-reduce ms", "torch's Python allreduce_hook ms",
-                            "HDET's replica-safe hook ms", "Python hook over built-in", "HDET's hook over Python hook")]
+              "Forward and backward of plain DDP (no ensemble) on the same batches, four ways to average the "
+              "gradients: the built-in C++ all-reduce; the same with a finiteness check of the averaged gradients "
+              "that decides whether the step runs (the guard without a Python hook, which skips every replica's "
+              "step when one replica's gradient is non-finite); torch's Python `allreduce_hook`; HDET's "
+              "replica-safe hook. Differences are paired medians (ms, and % of the built-in pass).", "",
+              *table_header("engine / preset", "built-in C++ all-reduce ms", "guard before the step over built-in",
+                            "Python hook over built-in", "HDET's hook over built-in", "HDET's hook over Python hook")]
+
+    def difference(hooks: dict[str, float], key: str) -> str:
+        return f"{hooks[key]:+.3f} ms ({hooks[key] / hooks['built_in_ms']:+.1%})" if key in hooks else "-"
+
     for name, run in record["runs"].items():
         hooks = run.get("gradient_hooks")
         if hooks:
-            built_in = hooks["built_in_ms"]
-            lines.append(table_row(name, f"{built_in:.2f}", f"{hooks['python_allreduce_hook_ms']:.2f}",
-                                   f"{hooks['hdet_healthy_mean_ms']:.2f}",
-                                   f"{hooks['python_allreduce_hook_over_built_in_ms']:+.3f} ms "
-                                   f"({hooks['python_allreduce_hook_over_built_in_ms'] / built_in:+.1%})",
-                                   f"{hooks['hdet_healthy_mean_over_python_allreduce_hook_ms']:+.3f} ms "
-                                   f"({hooks['hdet_healthy_mean_over_python_allreduce_hook_ms'] / built_in:+.1%})"))
+            lines.append(table_row(name, f"{hooks['built_in_ms']:.2f}",
+                                   *(difference(hooks, f"{hook}_over_built_in_ms") for hook in GRADIENT_HOOKS[1:]),
+                                   difference(hooks, "hdet_healthy_mean_over_python_allreduce_hook_ms")))
     profiled = [(name, run["gradient_hooks"]["profile"]) for name, run in record["runs"].items()
                 if "profile" in run.get("gradient_hooks", {})]
     if profiled:
         lines += ["", "Where each hook's time goes (torch.profiler, self time of each operation):", ""]
         for name, profiles in profiled:
-            lines += profile_markdown(name, profiles, baseline=GRADIENT_HOOKS[1], hook=GRADIENT_HOOKS[2])
+            lines += profile_markdown(name, profiles, baseline="python_allreduce_hook", hook="hdet_healthy_mean")
     lines += ["", "## The sync's local work", "",
               "Baseline: one device-to-device copy of the same bytes (the preset's fp32 parameters).", "",
               *table_header("preset", "MiB", "copy ms", "flat all-reduce, 1 rank ms", "average_tensors ms",

@@ -38,18 +38,21 @@ def test_the_cpu_dry_run_measures_every_engine_and_writes_consistent_results(tmp
         assert timing["ratio_own_work_only"]["1000"] == pytest.approx((plain + own + own_sync / 1000) / plain)
         # CUDA-only checks say so on the CPU instead of reporting numbers
         assert run["synchronizations"]["checked"] is False and run["memory"]["checked"] is False
-    # DDP's gradient average timed three ways on the same batches; FSDP2 has no DDP hook to compare
+    # DDP's gradient average timed four ways on the same batches; FSDP2 has no DDP hook to compare
     hooks = record["runs"]["ddp/tiny"]["gradient_hooks"]
-    assert all(hooks[f"{name}_ms"] > 0 for name in ("built_in", "python_allreduce_hook", "hdet_healthy_mean"))
-    assert {"python_allreduce_hook_over_built_in_ms", "hdet_healthy_mean_over_python_allreduce_hook_ms"} <= set(hooks)
+    ways = ("built_in", "built_in_guarded", "python_allreduce_hook", "hdet_healthy_mean")
+    assert all(hooks[f"{name}_ms"] > 0 for name in ways)
+    assert {f"{name}_over_built_in_ms" for name in ways[1:]} | {"hdet_healthy_mean_over_python_allreduce_hook_ms"} \
+        <= set(hooks)
     assert "gradient_hooks" not in record["runs"]["fsdp/tiny"]
     # where each hook's time goes: rank 0's profile of each, every one all-reducing through c10d
     profiles = hooks["profile"]["hooks"]
-    assert list(profiles) == ["built_in", "python_allreduce_hook", "hdet_healthy_mean"]
+    assert list(profiles) == list(ways)
     assert all(ops["c10d::allreduce_"]["calls"] >= 1 for ops in profiles.values())
-    # the finiteness flag is HDET's hook's own
-    assert "aten::isfinite" in profiles["hdet_healthy_mean"] and "aten::isfinite" not in profiles["built_in"]
+    # the finiteness check is HDET's hook's and the guarded step's own
+    assert "aten::isfinite" in profiles["hdet_healthy_mean"] and "aten::isfinite" in profiles["built_in_guarded"]
+    assert "aten::isfinite" not in profiles["built_in"]
     page = out.with_suffix(".md").read_text()
-    assert "allreduce_hook ms |" in page
+    assert "guard before the step over built-in |" in page
     assert "differs most, hdet_healthy_mean against python_allreduce_hook" in page
     assert "| ddp/tiny |" in page and "| fsdp/tiny |" in page and "| tiny |" in page
