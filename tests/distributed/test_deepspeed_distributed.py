@@ -213,12 +213,12 @@ def test_replicas_fan_out_and_converge(stage):
 
 
 # ------------------------------------------------------------------------- alpha = 0 is plain DeepSpeed
-ALPHA_ZERO_STAGES = (0, 2, 3)
+ALPHA_ZERO_STAGES = (0, 1, 2, 3)
 
 
 def losses_and_parameters(rank: int, world: int, plain: bool) -> dict[int, tuple[list[float], list[float]]]:
     """Five optimizer steps (gradient accumulation and clipping on) per stage, with plain DeepSpeed over all
-    ranks or with HDET in global mode at alpha = 0 (ZeRO-0: 4 replicas; ZeRO-2/3: 2 replicas x 2 ranks).
+    ranks or with HDET in global mode at alpha = 0 (ZeRO-0: 4 replicas; ZeRO-1/2/3: 2 replicas x 2 ranks).
     Plain and HDET run in separate launches: DeepSpeed keeps one process-wide mpu, which the HDET engine sets."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     results = {}
