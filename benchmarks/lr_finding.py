@@ -162,7 +162,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # test at the start, then every replica at 0.7 times its pick, held, unspread: range_top_mean_no_spread as the
     # library runs it. (Until 2026-11-27 the default spread the replicas with the fastest at the pick, as
     # library_range_hold; its runs are kept as range_spread_top_at_pick.)
-    "default": {"hdet": {}, "probe": True},
+    "default": {"hdet": {}, "probe": True, "library": True},
 }
 DEFAULT_VARIANT = "default"
 
@@ -177,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--schedule", choices=("cosine", "onecycle", "wsd"), default="cosine")
     parser.add_argument("--sync_interval", type=int, default=25, help="T of every HDET run")
+    parser.add_argument("--weight_decay", type=float, default=None,
+                        help="AdamW's weight decay in every run (default: the worker's, 0.01)")
     parser.add_argument("--controller_start", type=float, default=0.05,
                         help="the controller's first update, as a share of the steps (the LR warm-up's end)")
     parser.add_argument("--nproc", type=int, default=4, help="ranks = replicas")
@@ -206,7 +208,9 @@ def setting(args: argparse.Namespace) -> dict[str, Any]:
     """What makes runs comparable: recorded runs are reused only under the same setting."""
     keys = ("preset", "hidden", "layers", "steps", "batch_size", "seq_len", "schedule", "sync_interval",
             "controller_start", "nproc")
-    return {key: getattr(args, key) for key in keys}
+    # the worker's weight decay unless one is given: settings recorded before the option stay the same
+    optional = {"weight_decay": args.weight_decay} if args.weight_decay is not None else {}
+    return {**{key: getattr(args, key) for key in keys}, **optional}
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -228,11 +232,12 @@ def variant_config(args: argparse.Namespace, variant: dict[str, Any], seed: int)
     ``--controller_start``)."""
     run_fields = {"sync_interval": args.sync_interval, "ranks_per_replica": 1, "gradient_mode": "global",
                   "seed": seed}
-    if not variant["hdet"]:  # the library's defaults as a user gets them
+    if variant.get("library"):  # the library's defaults as a user gets them, with what the variant adds
         from hdet_scale.config import HDETConfig
 
-        HDETConfig.from_dict(run_fields)
-        return run_fields
+        config = {**variant["hdet"], **run_fields}
+        HDETConfig.from_dict(config)
+        return config
     config = {**json.loads(json.dumps(variant["hdet"])), **run_fields}
     auto_lr = config.setdefault("auto_lr", {})
     auto_lr.setdefault("start", args.controller_start)  # a variant's own wins
@@ -248,7 +253,8 @@ def worker_args(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) ->
              "--seq_len", str(args.seq_len), "--schedule", args.schedule, "--lr", f"{run['lr']:.8g}",
              "--seed", str(run["seed"]), "--out", str(run_dir)]
     hidden = proxy_hidden(args) if run["method"] == "proxy_sweep" else args.hidden
-    words += [item for key, value in (("hidden", hidden), ("layers", args.layers)) if value is not None
+    words += [item for key, value in (("hidden", hidden), ("layers", args.layers),
+                                      ("weight_decay", args.weight_decay)) if value is not None
               for item in (f"--{key}", str(value))]
     if run["method"] == "range_probe":
         return [*words, "--range_test"]
@@ -327,6 +333,8 @@ def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any
              "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
              "deltas": result.get("deltas"), "range_pick": result.get("range_pick"),
              "run_dir": repo_relative(run_dir)}
+    if result.get("other_scales"):  # where the controller took the other explored values, over their start
+        entry["other_scales"] = result["other_scales"]
     if run["method"] == "hdet":  # what it ran, readable after the variant changes or leaves VARIANTS
         entry |= {"hdet_config": read_json(run_dir / "hdet.json"), "probe": VARIANTS[run["variant"]]["probe"]}
     entry["final_lr_ratio"] = final_lr_ratio(entry, record.get("best_lr"))

@@ -246,6 +246,7 @@ def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, 
     rank = dist.get_rank()
     data = torch.Generator().manual_seed(args.seed * 100_003 + rank)
     scales, deltas, diverged_at, started = [], [], None, time.perf_counter()
+    others: dict[str, list[list[float]]] = {}  # every other explored value's scale on its base, at every sync
     step = 0
     while step < args.steps:
         # a step of the LR range test a run starts with (auto_lr.range_test) comes before the run's steps
@@ -273,11 +274,14 @@ def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, 
                 scales.append([step, report.values["lr/0"]["base"] / scheduled])
             if report.controller_updated:
                 deltas.append([step, report.values["lr/0"]["delta"]])
+            for name, value in report.values.items():
+                if not name.startswith("lr/"):
+                    others.setdefault(name, []).append([step, value["scale"]])
     if hdet is not None and diverged_at is None and args.steps % hdet.hdet.config.sync_interval:
         hdet.hdet.sync()  # end on the averaged model
     world = dist.get_world_size()
     return {"diverged_at_step": diverged_at, "wall_seconds": time.perf_counter() - started, "scales": scales,
-            "deltas": deltas,
+            "deltas": deltas, "other_scales": others,
             "tokens": args.steps * world * args.batch_size * args.seq_len, "world_size": world}
 
 

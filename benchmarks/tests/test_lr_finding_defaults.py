@@ -53,3 +53,17 @@ def test_benchmark_variants_keep_the_controller_they_were_measured_with(tmp_path
     for variant, start in (("tenth_rise", 75), ("tenth_rise_start2", 30)):  # of the setting's 1,500 steps
         ran = config_the_benchmark_ran(lr_finding, variant, tmp_path).auto_lr
         assert (ran.start, ran.stop) == (start, 375)
+
+
+
+def test_a_settings_weight_decay_reaches_every_worker_and_names_the_setting(tmp_path):
+    """A setting's ``--weight_decay`` reaches every worker and names the setting, while settings recorded without
+    it stay as they were (their runs are still found)."""
+    lr_finding = load_benchmark("lr_finding")
+    plain = {"method": "sweep", "lr": 1e-3, "seed": 0}
+    assert "--weight_decay" not in lr_finding.worker_args(lr_finding.parse_args([]), plain, tmp_path)
+    assert "weight_decay" not in lr_finding.setting(lr_finding.parse_args([]))
+    args = lr_finding.parse_args(["--weight_decay", "1.0"])
+    words = lr_finding.worker_args(args, plain, tmp_path)
+    assert words[words.index("--weight_decay") + 1] == "1.0"
+    assert lr_finding.setting(args)["weight_decay"] == 1.0
