@@ -163,6 +163,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # library runs it. (Until 2026-11-27 the default spread the replicas with the fastest at the pick, as
     # library_range_hold; its runs are kept as range_spread_top_at_pick.)
     "default": {"hdet": {}, "probe": True, "library": True},
+    # The library's defaults exploring AdamW's weight decay too (each replica at 0.5-1.5 times the base, the
+    # controller moving the base): what an LR range test cannot find
+    "default_weight_decay": {"hdet": {"explore": {"weight_decay": {"alpha": 0.5}}}, "probe": True, "library": True},
 }
 DEFAULT_VARIANT = "default"
 

@@ -14,7 +14,13 @@ with ``--holdout``, once, with the default variant, and are reported apart.
 Methods run in the order given, each on every selected setting before the next method starts, so the runs that
 matter most arrive first. Results accumulate in ``results/lr_finding_matrix.json`` (written after every launch;
 a recorded run is never rerun) with ``lr_finding_matrix.md`` beside it. A setting with ``import_from`` starts
-from the runs of that results file that match its setting and seeds.
+from the runs of that results file that match its setting and seeds. A settings file may name another report
+(``"report"``): ``weight_decay_finding.json`` runs the same protocol at several weight decays, reported by
+``weight_decay_report.py``.
+
+    .venv/bin/python benchmarks/lr_finding_matrix.py --settings benchmarks/weight_decay_finding.json \
+        --out benchmarks/results/weight_decay_finding --only weight_decay_1 --methods sweep hdet range_test \
+        --variants default_weight_decay default --start_factors 1
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ from typing import Any
 import lr_finding
 from common import BENCHMARKS, REPO, RESULTS, head_commit, read_json, write_json
 from lr_finding_matrix_report import write_matrix_report
+from weight_decay_report import write_weight_decay_report
 
 SETTINGS = BENCHMARKS / "lr_finding_matrix_settings.json"
 OUT = RESULTS / "lr_finding_matrix"
+REPORTS = {"matrix": write_matrix_report, "weight_decay": write_weight_decay_report}
+"""The report a settings file names (``"report"``; default ``matrix``)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             entry = next(item for item in plan["settings"] if item["name"] == record["name"])
             lr_finding.run_setting(setting_args(plan, entry, parse_args(["--report_only"]), []), record, lambda: None)
     write_json(path, matrix)
-    write_matrix_report(args.out, matrix)
+    REPORTS[plan.get("report", "matrix")](args.out, matrix)
 
 
 if __name__ == "__main__":

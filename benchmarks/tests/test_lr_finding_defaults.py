@@ -67,3 +67,15 @@ def test_a_settings_weight_decay_reaches_every_worker_and_names_the_setting(tmp_
     words = lr_finding.worker_args(args, plain, tmp_path)
     assert words[words.index("--weight_decay") + 1] == "1.0"
     assert lr_finding.setting(args)["weight_decay"] == 1.0
+
+
+def test_the_weight_decay_variant_is_the_default_exploring_weight_decay_too(tmp_path):
+    """``default_weight_decay`` runs the library's defaults with AdamW's weight decay explored besides the LR."""
+    lr_finding = load_benchmark("lr_finding")
+    ran = config_the_benchmark_ran(lr_finding, "default_weight_decay", tmp_path)
+    default = config_the_benchmark_ran(lr_finding, lr_finding.DEFAULT_VARIANT, tmp_path)
+    explored = {name for name in ("weight_decay", "dropout", "attention_scale", "label_smoothing")
+                if getattr(ran.explore, name) is not None}
+    assert explored == {"weight_decay"} and ran.explore.weight_decay.alpha == 0.5
+    assert ran.auto_lr == default.auto_lr and ran.alpha == default.alpha
+    assert default.explore == type(default.explore)()  # the default explores nothing besides the LR

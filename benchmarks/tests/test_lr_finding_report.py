@@ -57,13 +57,15 @@ def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_defini
     """A variant in benchmarks/lr_finding.py that never ran is a setting the results say nothing about, and a
     recorded run must say what it ran: by a variant VARIANTS still defines, or, for a variant since dropped, by the
     HDET config it ran with recorded on the run (``hdet_config``, and whether a probe batch scored it). Read from
-    the committed results: the benchmark's own setting, its new seeds, its GPU run and the matrix of settings."""
+    the committed results: the benchmark's own setting, its new seeds, its GPU run, the matrix of settings and the
+    weight-decay demonstration."""
     lr_finding, common = load_benchmark("lr_finding"), load_benchmark("common")
     results = lr_finding.read_json(lr_finding.RESULTS / "lr_finding.json")
     others = [lr_finding.read_json(lr_finding.RESULTS / f"lr_finding_{name}.json") for name in ("new_seeds", "gpu")]
-    matrix = lr_finding.read_json(lr_finding.RESULTS / "lr_finding_matrix.json")
+    matrices = [lr_finding.read_json(lr_finding.RESULTS / f"{name}.json")
+                for name in ("lr_finding_matrix", "weight_decay_finding")]
     runs = [run for record in (results, *others) for run in record["runs"]]
-    runs += [run for setting in matrix["settings"] for run in setting["runs"]]
+    runs += [run for matrix in matrices for setting in matrix["settings"] for run in setting["runs"]]
     hdet_runs = [run for run in runs if run["method"] == "hdet"]
     assert set(lr_finding.VARIANTS) <= {run["variant"] for run in hdet_runs}
     undefined = [run for run in hdet_runs if run["variant"] not in lr_finding.VARIANTS]
@@ -74,7 +76,7 @@ def test_every_variant_defined_has_recorded_runs_and_every_recorded_run_a_defini
             key: value for key, value in ran.get("auto_lr", {}).items()
             if key not in REMOVED_SETTINGS["auto_lr"]}}})  # what it ran, as far as today's library reads it
         assert config.seed == run["seed"] and isinstance(run["probe"], bool), run["variant"]
-    assert matrix["default_variant"] == lr_finding.DEFAULT_VARIANT
+    assert all(matrix["default_variant"] == lr_finding.DEFAULT_VARIANT for matrix in matrices)
     assert results["default_variant"] in lr_finding.VARIANTS  # the benchmark's own setting: the controller's
 
 
