@@ -147,6 +147,17 @@ def test_targets_need_every_start_and_name_what_missed():
     assert report.summary_rows([record(runs)], "d")[-1].endswith(" | no: 10x, plain DP at 1x |")
 
 
+def test_a_holdout_that_judged_an_earlier_default_shows_that_default_by_name():
+    runs = [{**hdet(factor, 0, 1.01), "variant": "old"} for factor in report.START_FACTORS]
+    held = {**record(runs), "holdout": True}
+    assert report.summary_rows([held], "d")[-1].startswith(
+        "| s (the earlier default `old`) | +0.010 | +0.010 | +0.010 | +0.010 | +0.010 | +0.010 |")
+    # a design setting, or a holdout the default ran on, shows the default (here: not run)
+    assert report.summary_rows([record(runs)], "d")[-1].startswith("| s | - | - | - |")
+    held["runs"] += [hdet(1.0, 0, 1.02)]
+    assert report.summary_rows([held], "d")[-1].startswith("| s | - | - | +0.020 |")
+
+
 def test_where_the_signal_balances_by_share_of_the_run():
     # 100 steps; updates at steps 5 and 55 (tenths 0 and 5); the scale before each is the previous sync's
     run = {**hdet(1.0, 0, 1.0), "scales": [[0, 1.0], [5, 2.0], [50, 1.0], [55, 1.0]],
