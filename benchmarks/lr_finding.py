@@ -230,9 +230,9 @@ def proxy_hidden(args: argparse.Namespace) -> int:
 
 def variant_config(args: argparse.Namespace, variant: dict[str, Any], seed: int) -> dict[str, Any]:
     """The HDET config an HDET run of ``variant`` trains with: the setting's T, every rank a replica, global
-    gradients and the run's seed, over the library's defaults (the default variant) or over the defaults the older
-    variants were measured with (``common.with_measured_defaults``, the controller's start from
-    ``--controller_start``)."""
+    gradients and the run's seed, with the variant's fields over the library's defaults (variants marked
+    ``library``: the default and what adds to it) or over the defaults the older variants were measured with
+    (``common.with_measured_defaults``, the controller's start from ``--controller_start``)."""
     run_fields = {"sync_interval": args.sync_interval, "ranks_per_replica": 1, "gradient_mode": "global",
                   "seed": seed}
     if variant.get("library"):  # the library's defaults as a user gets them, with what the variant adds
