@@ -26,7 +26,9 @@ moving at every sync with a probe batch. For each engine (DDP, FSDP2) and preset
    model on a clean allocator; the peak above the allocator's start, per rank.
 4. **DDP's gradient hook** (DDP only): forward and backward with DDP's built-in C++ all-reduce, with the same
    and a finiteness check of the averaged gradients that decides whether the step runs (the guard without a
-   Python hook: it skips every replica's step when any one replica's gradient is non-finite), with torch's own
+   Python hook: it skips every replica's step when any one replica's gradient is non-finite; the device is
+   drained at every timing boundary, so its host synchronization's cost in a real loop does not show), with
+   torch's own
    Python ``allreduce_hook`` (what any Python hook costs) and with HDET's replica-safe mean
    (``healthy_mean_hook``), on alternate steps over the same batches; the slowest rank's median of each, the
    paired medians of each over the built-in all-reduce and of HDET's hook over torch's. Then every rank
@@ -242,13 +244,14 @@ class StepTimes:
 def forward_backward(builder: Builder, variant: Variant, batch: tuple[torch.Tensor, torch.Tensor]
                      ) -> tuple[torch.Tensor, bool]:
     """The loss after forward and backward, and whether the optimizer may step: always, or for a guarded
-    variant only when every averaged gradient is finite (a host synchronization, as any skip decision is)."""
+    variant only when every averaged gradient is finite (decided on the host here; a fused optimizer could skip
+    on the device instead)."""
     loss = builder.loss(variant, batch)
     variant.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    finite = not variant.guarded or all_finite(
+    may_step = not variant.guarded or all_finite(
         [param.grad for param in variant.model.parameters() if param.grad is not None])
-    return loss, finite
+    return loss, may_step
 
 
 def timed_step(builder: Builder, variant: Variant, index: int,

@@ -16,11 +16,13 @@ matter most arrive first. Results accumulate in ``results/lr_finding_matrix.json
 a recorded run is never rerun) with ``lr_finding_matrix.md`` beside it. A setting with ``import_from`` starts
 from the runs of that results file that match its setting and seeds. A settings file may name another report
 (``"report"``): ``weight_decay_finding.json`` runs the same protocol at several weight decays, reported by
-``weight_decay_report.py``.
+``weight_decay_report.py``; its results come from three invocations (W: the command with its files):
 
-    .venv/bin/python benchmarks/lr_finding_matrix.py --settings benchmarks/weight_decay_finding.json \
-        --out benchmarks/results/weight_decay_finding --only weight_decay_1 --methods sweep hdet range_test \
-        --variants default_weight_decay default --start_factors 1
+    W=".venv/bin/python benchmarks/lr_finding_matrix.py --settings benchmarks/weight_decay_finding.json \
+       --out benchmarks/results/weight_decay_finding --runs_dir runs/weight_decay_finding"
+    $W --only weight_decay_1 weight_decay_0.01 --methods sweep hdet range_test \
+       --variants default_weight_decay default --start_factors 1
+    $W --only weight_decay_0.1 weight_decay_0.001 --methods sweep
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def record_of(matrix: dict[str, Any], entry: dict[str, Any], run_args: argparse.
     for record in matrix["settings"]:
         if record["name"] == entry["name"]:
             if record["setting"] != lr_finding.setting(run_args):
-                raise SystemExit(f"lr_finding_matrix: setting {entry['name']} in {SETTINGS.name} is no longer the "
+                raise SystemExit(f"lr_finding_matrix: setting {entry['name']} of the settings file is no longer the "
                                  f"one its recorded runs ran ({record['setting']}); give the new one another name")
             return record
     record = {"name": entry["name"], "holdout": entry["holdout"], "setting": lr_finding.setting(run_args),

@@ -246,7 +246,7 @@ def run_steps(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, 
     rank = dist.get_rank()
     data = torch.Generator().manual_seed(args.seed * 100_003 + rank)
     scales, deltas, diverged_at, started = [], [], None, time.perf_counter()
-    others: dict[str, list[list[float]]] = {}  # every other explored value's scale on its base, at every sync
+    others: dict[str, list[list[float]]] = {}  # every other explored value's scale over its given value, per sync
     step = 0
     while step < args.steps:
         # a step of the LR range test a run starts with (auto_lr.range_test) comes before the run's steps

@@ -34,7 +34,9 @@ def plain_at_best(record: dict[str, Any]) -> tuple[float, float, int]:
 
 
 def runs_of(record: dict[str, Any], method: str, variant: str) -> list[dict[str, Any]]:
-    return [run for run in record["runs"] if run["method"] == method and run["variant"] == variant]
+    """The runs of ``method`` and ``variant``; HDET's only where started at the setting's best LR."""
+    return [run for run in record["runs"] if run["method"] == method and run["variant"] == variant
+            and (run.get("start_factor") is None or math.isclose(run["start_factor"], 1.0))]
 
 
 def final_weight_decay(record: dict[str, Any], run: dict[str, Any]) -> float | None:
@@ -55,23 +57,28 @@ def summary(records: list[dict[str, Any]]) -> tuple[list[str], float]:
         cells += [mean_sd(run["heldout"] for run in runs_of(record, *column)) for column in COLUMNS]
         ended = [final_weight_decay(record, run) for run in runs_of(record, "hdet", "default_weight_decay")]
         lines.append(table_row(f"{weight_decay_of(record):g}",
-                               *(f"{_fmt(mean - anchor, signed=True)} ± {sd:.3f}" if count else "-"
-                                 for mean, sd, count in cells),
+                               *(_cell(mean - anchor, sd, count) for mean, sd, count in cells),
                                ", ".join(f"{value:.3g}" for value in ended if value is not None) or "-"))
     return lines, anchor
+
+
+def _cell(excess: float, sd: float, count: int) -> str:
+    if not count:
+        return "-"
+    return f"{_fmt(excess, signed=True)} ± {sd:.3f}" if math.isfinite(excess) else _fmt(excess)
 
 
 def per_seed(records: list[dict[str, Any]], anchor: float) -> list[str]:
     """Every run's held-out loss over the anchor, by given weight decay, method and seed."""
     lines = table_header("given weight decay", "method", "seed", "LR over the sweep-best", "held-out - anchor")
     for record in sorted(records, key=weight_decay_of):
-        for run in sorted(record["runs"], key=lambda run: (run["method"], run["variant"], run["seed"])):
-            if (run["method"], run["variant"]) in COLUMNS:
-                ratio = run.get("final_lr_ratio")
-                lines.append(table_row(f"{weight_decay_of(record):g}", f"`{run['variant']}`", run["seed"],
-                                       "-" if ratio is None else f"{ratio:.2f}",
-                                       _fmt(run["heldout"] - anchor if run["heldout"] is not None else math.inf,
-                                            signed=True)))
+        shown = [run for column in COLUMNS for run in runs_of(record, *column)]
+        for run in sorted(shown, key=lambda run: (run["method"], run["variant"], run["seed"])):
+            ratio = run.get("final_lr_ratio")
+            lines.append(table_row(f"{weight_decay_of(record):g}", f"`{run['variant']}`", run["seed"],
+                                   "-" if ratio is None else f"{ratio:.2f}",
+                                   _fmt(run["heldout"] - anchor if run["heldout"] is not None else math.inf,
+                                        signed=True)))
     return lines
 
 

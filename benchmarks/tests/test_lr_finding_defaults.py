@@ -55,7 +55,6 @@ def test_benchmark_variants_keep_the_controller_they_were_measured_with(tmp_path
         assert (ran.start, ran.stop) == (start, 375)
 
 
-
 def test_a_settings_weight_decay_reaches_every_worker_and_names_the_setting(tmp_path):
     """A setting's ``--weight_decay`` reaches every worker and names the setting, while settings recorded without
     it stay as they were (their runs are still found)."""

@@ -17,8 +17,9 @@ def record(weight_decay: float | None, sweep: dict[float, list[float]], best_lr:
             "runs": runs}
 
 
-def run(method: str, variant: str, seed: int, heldout: float, **extra) -> dict:
-    return {"method": method, "variant": variant, "seed": seed, "heldout": heldout, **extra}
+def run(method: str, variant: str, seed: int, heldout: float | None, **extra) -> dict:
+    start = 1.0 if method == "hdet" else None
+    return {"method": method, "variant": variant, "seed": seed, "heldout": heldout, "start_factor": start, **extra}
 
 
 def test_each_method_is_measured_against_the_best_plain_run_over_every_weight_decay(tmp_path):
@@ -44,3 +45,14 @@ def test_each_method_is_measured_against_the_best_plain_run_over_every_weight_de
     report.write_weight_decay_report(tmp_path / "out", {"settings": [wrong, usual], "settings_file": "x.json"})
     page = (tmp_path / "out.md").read_text()
     assert "Anchor: 1.1600" in page and "| 1 | `default_weight_decay` | 1 | - | +0.030 |" in page
+
+
+def test_hdet_started_elsewhere_is_left_out_a_diverged_method_says_so_and_the_worker_decay_is_the_workers(tmp_path):
+    usual = record(None, {3e-3: [1.15, 1.17]}, 3e-3, [
+        run("hdet", "default", 0, 1.20), {**run("hdet", "default", 1, 9.0), "start_factor": 10.0},
+        run("range_test", "range_test", 0, None)])
+    table, anchor = report.summary([usual])
+    row = table[-1].split(" | ")
+    assert row[0] == "| 0.01" and row[2] == "diverged" and row[3] == "+0.040 ± 0.000"  # 10x left out
+    assert report.WORKER_WEIGHT_DECAY == load_benchmark("lr_finding_worker").parse_args(
+        ["--out", "x", "--lr", "1e-3"]).weight_decay
