@@ -254,7 +254,9 @@ def run_worker(parse: Callable[[list[str]], argparse.Namespace],
     backend, device = backend_and_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(minutes=20))
+    # An hour: a benchmark paused (SIGSTOP) while the machine runs something else must outlast the pause; a
+    # collective times out by the clock, so a shorter timeout kills a paused launch when it resumes.
+    dist.init_process_group(backend, timeout=timedelta(minutes=60))
     for args in runs:
         train(args, device)
     dist.destroy_process_group()
