@@ -2,6 +2,8 @@
 they ran with (the library's other config tests are tests/unit/test_config.py, which imports nothing from
 benchmarks/)."""
 
+import dataclasses
+
 import pytest
 from benchmark_modules import load_benchmark
 
@@ -73,8 +75,7 @@ def test_the_weight_decay_variant_is_the_default_exploring_weight_decay_too(tmp_
     lr_finding = load_benchmark("lr_finding")
     ran = config_the_benchmark_ran(lr_finding, "default_weight_decay", tmp_path)
     default = config_the_benchmark_ran(lr_finding, lr_finding.DEFAULT_VARIANT, tmp_path)
-    explored = {name for name in ("weight_decay", "dropout", "attention_scale", "label_smoothing")
-                if getattr(ran.explore, name) is not None}
+    explored = {knob.name for knob in dataclasses.fields(ran.explore) if getattr(ran.explore, knob.name) is not None}
     assert explored == {"weight_decay"} and ran.explore.weight_decay.alpha == 0.5
     assert ran.auto_lr == default.auto_lr and ran.alpha == default.alpha
     assert default.explore == type(default.explore)()  # the default explores nothing besides the LR
