@@ -3,12 +3,14 @@
 Runs ``lr_finding.py``'s protocol (the plain sweep, HDET from 1/10 to 10 times each setting's sweep-best LR, the
 LR range test, LR transfer from a half-width proxy, schedule-free AdamW, Prodigy) on every setting of
 ``lr_finding_matrix_settings.json``. Design settings are where a default may be chosen; holdout settings run only
-with ``--holdout``, once, with the default variant, and are reported apart.
+with ``--holdout``, once, with the default variant, and are reported apart. A holdout judged by an earlier
+default stays judged by it; ``--seen_holdout`` runs the current default there too, reported as not held out.
 
     .venv/bin/python benchmarks/lr_finding_matrix.py --methods sweep                 # every design sweep first
     .venv/bin/python benchmarks/lr_finding_matrix.py --methods hdet range_test proxy
     .venv/bin/python benchmarks/lr_finding_matrix.py --only wsd_wide --methods hdet --variants some_variant
     .venv/bin/python benchmarks/lr_finding_matrix.py --holdout --methods sweep hdet range_test proxy
+    .venv/bin/python benchmarks/lr_finding_matrix.py --holdout --seen_holdout --methods hdet
     .venv/bin/python benchmarks/lr_finding_matrix.py --report_only
 
 Methods run in the order given, each on every selected setting before the next method starts, so the runs that
@@ -51,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holdout", action="store_true",
                         help="run the holdout settings (once, with the default variant only; --start_factors may "
                              "split its starts over invocations)")
+    parser.add_argument("--seen_holdout", action="store_true",
+                        help="with --holdout: run the current default on holdout settings an earlier default was "
+                             "judged on; reported in a row of its own as not held out (the setting was seen before "
+                             "the current default was chosen)")
     parser.add_argument("--methods", nargs="+", default=list(lr_finding.METHODS), choices=lr_finding.METHODS)
     parser.add_argument("--variants", nargs="+", default=[lr_finding.DEFAULT_VARIANT],
                         choices=list(lr_finding.VARIANTS))
@@ -65,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.holdout and args.variants != [lr_finding.DEFAULT_VARIANT]:
         parser.error(f"--holdout runs the default variant only ({lr_finding.DEFAULT_VARIANT}); drop --variants")
+    if args.seen_holdout and not args.holdout:
+        parser.error("--seen_holdout runs holdout settings; add --holdout")
     if args.holdout and args.start_factors and not set(args.start_factors) <= set(lr_finding.DEFAULT_START_FACTORS):
         parser.error(f"--holdout runs the default from the starts {list(lr_finding.DEFAULT_START_FACTORS)}; "
                      "--start_factors may pick some of them (to run first), not others")
@@ -119,13 +127,18 @@ def record_of(matrix: dict[str, Any], entry: dict[str, Any], run_args: argparse.
     return record
 
 
-def check_holdout(record: dict[str, Any]) -> None:
-    """A holdout setting is judged by one variant, the default it first ran with."""
-    ran = {run["variant"] for run in record["runs"] if run["method"] == "hdet"}
-    if ran - {lr_finding.DEFAULT_VARIANT}:
-        raise SystemExit(f"lr_finding_matrix: holdout setting {record['name']} already ran HDET variant "
-                         f"{', '.join(sorted(ran))}; the default is now {lr_finding.DEFAULT_VARIANT}, and a "
-                         "holdout is run once")
+def check_holdout(record: dict[str, Any], seen: bool) -> None:
+    """A holdout setting is judged by one variant, the default it first ran with; the current default runs on a
+    holdout an earlier default judged only when asked for (``seen``), since that setting is no longer held out."""
+    ran = [run["variant"] for run in record["runs"] if run["method"] == "hdet"]
+    judged = ran[0] if ran else lr_finding.DEFAULT_VARIANT
+    if seen and judged == lr_finding.DEFAULT_VARIANT:
+        raise SystemExit(f"lr_finding_matrix: holdout setting {record['name']} was not judged by an earlier default; "
+                         "run it with --holdout alone")
+    if not seen and judged != lr_finding.DEFAULT_VARIANT:
+        raise SystemExit(f"lr_finding_matrix: holdout setting {record['name']} already ran HDET variant {judged}, "
+                         f"the default it judged; the default is now {lr_finding.DEFAULT_VARIANT}, and a holdout is "
+                         "run once (--seen_holdout runs the default there, reported as not held out)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             run_args = setting_args(plan, entry, args, [method])
             record = record_of(matrix, entry, run_args)
             if entry["holdout"] and method == "hdet":
-                check_holdout(record)
+                check_holdout(record, args.seen_holdout)
             if method != "sweep" and not record["sweep_runs"]:
                 print(f"lr_finding_matrix: {entry['name']} has no sweep yet; skipping {method}", file=sys.stderr)
                 continue

@@ -85,10 +85,21 @@ def test_a_setting_becomes_lr_findings_arguments():
 
 
 def test_a_holdout_is_judged_by_the_default_it_first_ran_with():
-    record = {"name": "h", "runs": [{"method": "hdet", "variant": "paper"}]}
+    default = {"method": "hdet", "variant": lr_finding.DEFAULT_VARIANT}
+    earlier = {"name": "h", "runs": [{"method": "hdet", "variant": "paper"}]}
     with pytest.raises(SystemExit, match="already ran HDET variant paper"):
-        matrix.check_holdout(record)
-    matrix.check_holdout({"name": "h", "runs": [{"method": "hdet", "variant": lr_finding.DEFAULT_VARIANT}]})
+        matrix.check_holdout(earlier, seen=False)
+    matrix.check_holdout({"name": "h", "runs": [default]}, seen=False)
+    matrix.check_holdout({"name": "h", "runs": []}, seen=False)
+    # the current default runs on a holdout an earlier default judged only when asked for, and only there
+    matrix.check_holdout(earlier, seen=True)
+    matrix.check_holdout({"name": "h", "runs": [*earlier["runs"], default]}, seen=True)
+    for unjudged in ([], [default]):
+        with pytest.raises(SystemExit, match="was not judged by an earlier default"):
+            matrix.check_holdout({"name": "h", "runs": unjudged}, seen=True)
+    with pytest.raises(SystemExit):
+        matrix.parse_args(["--seen_holdout"])
+    assert matrix.parse_args(["--holdout", "--seen_holdout"]).seen_holdout
 
 
 def test_a_changed_setting_is_refused_and_an_imported_one_keeps_only_its_seeds_and_variants(tmp_path, monkeypatch):
@@ -150,12 +161,18 @@ def test_targets_need_every_start_and_name_what_missed():
 def test_a_holdout_that_judged_an_earlier_default_shows_that_default_by_name():
     runs = [{**hdet(factor, 0, 1.01), "variant": "old"} for factor in report.START_FACTORS]
     held = {**record(runs), "holdout": True}
-    assert report.summary_rows([held], "d")[-1].startswith(
-        "| s (the earlier default `old`) | +0.010 | +0.010 | +0.010 | +0.010 | +0.010 | +0.010 |")
-    # a design setting, or a holdout the default ran on, shows the default (here: not run)
+    assert report.summary_rows([held], "d")[2:] == [
+        "| s (the earlier default `old`) | +0.010 | +0.010 | +0.010 | +0.010 | +0.010 | +0.010 | - | - | - | - | yes |"]
+    # a design setting shows the default (here: not run)
     assert report.summary_rows([record(runs)], "d")[-1].startswith("| s | - | - | - |")
+    # the default run there after its choice gets a row of its own; the earlier default still judges the holdout
     held["runs"] += [hdet(1.0, 0, 1.02)]
-    assert report.summary_rows([held], "d")[-1].startswith("| s | - | - | +0.020 |")
+    rows = report.summary_rows([held], "d")[2:]
+    assert rows[0].startswith("| s (the earlier default `old`) | +0.010 |")
+    assert rows[1].startswith("| s (the default, run after its choice: seen, not held out) | - | - | +0.020 | - |")
+    # a holdout the default judged shows it plainly
+    assert report.summary_rows([{**record([hdet(1.0, 0, 1.02)]), "holdout": True}], "d")[-1].startswith(
+        "| s | - | - | +0.020 |")
 
 
 def test_where_the_signal_balances_by_share_of_the_run():
