@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 8 -m hdet_scale.lm.train --preset 125m --data tokens.bin --vocab_size 32000
     deepspeed --num_nodes 4 hdet_scale/lm/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
-        --hdet_config ds_configs/hdet_zero.json --preset 1b --data tokens.bin --vocab_size 32000
+        --hdet_config ds_configs/hdet_zero.json --preset 1b --data tokens.bin --vocab_size 32000 \\
+        --steps 300000
 
 The engine is FSDP2 under torchrun and DeepSpeed under the deepspeed launcher or with --deepspeed_config
 (--engine picks one explicitly). Data: the embedded standard-library source (default, bytes), a directory of
