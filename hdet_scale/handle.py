@@ -4,6 +4,7 @@ and the Trainer and Lightning callbacks all answer the same calls, so a loop rea
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -14,8 +15,9 @@ from hdet_scale.scores import LossLike
 
 
 class HDETHandle(ABC):
-    """``step(loss)``, ``sync()``, ``set_probe(fn)``, ``value(name)``, ``state_dict()``, ``load_state_dict()``,
-    ``last_report``, ``global_step``, ``ramping``, ``found_lr_factor()`` and ``ensemble`` on every engine. A
+    """``step(loss)``, ``sync()``, ``set_probe(fn)``, ``value(name)``, ``add_knob(...)``, ``close()``,
+    ``state_dict()``, ``load_state_dict()``, ``last_report``, ``global_step``, ``ramping``, ``found_lr_factor()``
+    and ``ensemble`` on every engine. A
     subclass says where its ensemble is (``_attached``); one whose loop steps HDET itself (DeepSpeed's
     ``engine.step()``, the integrations) refuses ``step``."""
 
@@ -43,6 +45,15 @@ class HDETHandle(ABC):
     def value(self, name: str) -> float:
         """This replica's current value of an explored hyperparameter (``"lr/0"``, ``"label_smoothing"``...)."""
         return self._attached().value(name)
+
+    def add_knob(self, name: str, getter: Callable[[], float], setter: Callable[[float], None], *,
+                 alpha: float | None = None, low: float = -math.inf, high: float = math.inf) -> None:
+        """Explores a scalar of your own (``HDETEnsemble.add_knob``): on every rank, before the first step."""
+        self._attached().add_knob(name, getter, setter, alpha=alpha, low=low, high=high)
+
+    def close(self) -> None:
+        """Returns every explored value to its base and removes HDET's optimizer hooks (``HDETEnsemble.close``)."""
+        self._attached().close()
 
     @property
     def last_report(self) -> SyncReport | None:

@@ -1,6 +1,6 @@
 """One handle on every engine: what DDP's ``attach`` and scheduler and FSDP2's ``wrap`` hand back answer the same
-calls (the probe, an early sync, the last report, the step count, explored values, the state), and the handles
-whose loop steps HDET itself refuse ``step``.
+calls (the probe, an early sync, the last report, the step count, explored values, a knob of one's own, closing,
+the state), and the handles whose loop steps HDET itself refuse ``step``.
 
 This file holds the tests on gloo ranks; the tests that start no process are in tests/unit/test_handle.py.
 """
@@ -41,6 +41,9 @@ def the_same_calls(rank: int, world: int, kind: str) -> dict:
     model, optimizer, hdet = handle_of(kind, config)
     probe_input = torch.ones(2, 4)
     before = hdet.last_report
+    knob = {}
+    hdet.add_knob("my_scalar", lambda: 2.0, lambda value: knob.update(value=value), alpha=0.5)
+    knob_start = knob["value"]
     hdet.set_probe(lambda: model(probe_input).pow(2).mean())
     generator = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
@@ -52,15 +55,19 @@ def the_same_calls(rank: int, world: int, kind: str) -> dict:
     regular = hdet.last_report
     early = hdet.sync()  # step 5: between the regular syncs at 4 and 6
     hdet.load_state_dict(hdet.state_dict())  # a checkpoint's round trip, at the sync point
+    hdet.close()
     return {"is_handle": isinstance(hdet, HDETHandle), "before": before, "regular_step": regular.step,
             "early_step": early.step, "last_is_early": hdet.last_report is early,
             "probed": early.probe_losses is not None, "global_step": hdet.global_step, "lr": hdet.value("lr/0"),
-            "ensemble_lr": hdet.ensemble.value("lr/0")}
+            "ensemble_lr": hdet.ensemble.value("lr/0"), "knob_start": knob_start, "knob_closed": knob["value"]}
 
 
 @pytest.mark.parametrize("kind", ["attach", "scheduler", "fsdp"])
 def test_every_engine_hands_back_a_handle_with_the_same_calls(kind):
-    for outcome in run_ranks(the_same_calls, 2, kind):
+    outcomes = run_ranks(the_same_calls, 2, kind)
+    # the knob of one's own: base 2, spread over [2 / 1.5, 2 x 1.5] by the two replicas, back at 2 once closed
+    assert sorted(outcome.pop("knob_start") for outcome in outcomes) == pytest.approx([2 / 1.5, 3.0])
+    for outcome in outcomes:
         assert outcome == {"is_handle": True, "before": None, "regular_step": 4, "early_step": 5, "last_is_early": True,
                            "probed": True, "global_step": 5, "lr": outcome["ensemble_lr"],
-                           "ensemble_lr": outcome["ensemble_lr"]}
+                           "ensemble_lr": outcome["ensemble_lr"], "knob_closed": 2.0}
