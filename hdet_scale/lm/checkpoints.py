@@ -1,10 +1,11 @@
 """What made a checkpoint of ``hdet_scale.lm.train``, checked before a run resumes from it.
 
 Every checkpoint carries ``run.json``: the engine (and ZeRO stage), the model's shape, the replica layout, the
-explored hyperparameters, the hdet_scale version, the step, and the size of every file of the checkpoint,
-written last, once the checkpoint is complete. ``--resume`` reads it before any process group exists and
-refuses, in one line, what cannot be continued (another engine, another model, missing or truncated files,
-other explored values) without touching the output directory. A different number of replicas is fine: the
+explored hyperparameters, the peak LR and weight decay, the hdet_scale version, the step, and the size of every
+file of the checkpoint, written last, once the checkpoint is complete. ``--resume`` reads it before any process
+group exists and refuses, in one line, what cannot be continued (another engine, another model, missing or
+truncated files, other explored values, optimizer settings the saved state would ignore) without touching the
+output directory. A different number of replicas is fine: the
 model is one at a sync point, and each new replica takes a saved replica's optimizer state (replica ``r``
 takes saved replica ``r mod R_saved``).
 """
@@ -49,10 +50,12 @@ class ResumePoint:
 
 
 def identity(*, engine: str, zero_stage: int | None, model: dict[str, Any], replicas: int, ranks_per_replica: int,
-             explored: list[str]) -> dict[str, Any]:
-    """What a resumed run must share with the checkpoint (and what it may change: ``replicas``)."""
+             explored: list[str], optimizer: dict[str, float]) -> dict[str, Any]:
+    """What a resumed run must share with the checkpoint (and what it may change: ``replicas``). ``optimizer``:
+    the values a resume would ignore, since the optimizer's and the LR schedule's saved state replace them (the
+    peak LR, the weight decay)."""
     return {"engine": engine, "zero_stage": zero_stage, "model": model, "replicas": replicas,
-            "ranks_per_replica": ranks_per_replica, "explored": sorted(explored)}
+            "ranks_per_replica": ranks_per_replica, "explored": sorted(explored), "optimizer": optimizer}
 
 
 def version() -> str:
@@ -147,6 +150,13 @@ def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
     if saved["explored"] != run["explored"]:
         raise ResumeError(f"{where} explores {saved['explored']}, this run {run['explored']}: resume with the same "
                           "explore settings and param groups, or use another --out")
+    if saved.get("optimizer", run["optimizer"]) != run["optimizer"]:  # checkpoints of earlier versions lack it
+        changed = ", ".join(f"{key} {saved['optimizer'].get(key)} -> {run['optimizer'].get(key)}"
+                            for key in sorted(set(saved["optimizer"]) | set(run["optimizer"]))
+                            if saved["optimizer"].get(key) != run["optimizer"].get(key))
+        raise ResumeError(f"{where} was trained with other optimizer settings ({changed}): a resumed run takes the "
+                          "saved optimizer and LR schedule state, which would ignore them; resume with the values it "
+                          "was trained with, or start a new run in another --out")
     if run["engine"] == "deepspeed" and run["zero_stage"] and saved["ranks_per_replica"] != run["ranks_per_replica"]:
         raise ResumeError(f"{where} was sharded over {saved['ranks_per_replica']} rank(s) per replica, this run "
                           f"{run['ranks_per_replica']}: ZeRO partitions do not reshape; keep ranks_per_replica (more "

@@ -86,7 +86,9 @@ def plan(args: argparse.Namespace) -> Plan:
     run = identity(engine=engine, zero_stage=zero_stage,
                    model={"preset": args.preset, **PRESETS[args.preset], "vocab_size": corpus.vocab_size},
                    replicas=replicas, ranks_per_replica=config.ranks_per_replica,
-                   explored=[name for name, knob in vars(config.explore).items() if knob is not None])
+                   explored=[name for name, knob in vars(config.explore).items() if knob is not None],
+                   optimizer={"peak_lr": given_peak_lr(args, ds_config)[0],
+                              "weight_decay": given_weight_decay(args, ds_config)})
     resume = check_resume(out, run) if args.resume else None
     return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)
 
@@ -205,6 +207,14 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
     if not isinstance(values, dict):
         raise ValueError(f"the HDET settings must be a JSON object, got {type(values).__name__}")
     return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), **values}
+
+
+def given_weight_decay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> float:
+    """The weight decay the run was given: the DeepSpeed JSON's optimizer's where it sets one, else
+    ``--weight_decay``."""
+    if "optimizer" in (ds_config or {}):  # as the DeepSpeed backend decides whose optimizer it is
+        return float(((ds_config["optimizer"] or {}).get("params") or {}).get("weight_decay", 0.0))
+    return args.weight_decay
 
 
 def given_peak_lr(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> tuple[float, str]:

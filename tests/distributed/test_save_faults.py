@@ -100,8 +100,7 @@ def faults(rank: int, world: int, directory: str, engine: str) -> list[tuple[int
 
     out = Path(directory)
     root = out / "checkpoints"
-    run = identity(engine=engine, zero_stage=2 if engine == "deepspeed" else None, model={"preset": "tiny"},
-                   replicas=2, ranks_per_replica=2, explored=[])
+    run = run_identity(engine)
     backend = build(engine, out)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
 
@@ -198,7 +197,7 @@ def killed_in_a_save(rank: int, world: int, directory: str, engine: str, victim:
 
 def run_identity(engine: str) -> dict:
     return identity(engine=engine, zero_stage=2 if engine == "deepspeed" else None, model={"preset": "tiny"},
-                    replicas=2, ranks_per_replica=2, explored=[])
+                    replicas=2, ranks_per_replica=2, explored=[], optimizer={"peak_lr": 1e-3, "weight_decay": 0.0})
 
 
 def resumed_after_a_kill(rank: int, world: int, directory: str, engine: str) -> int:

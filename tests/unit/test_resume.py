@@ -26,10 +26,13 @@ from hdet_scale.lm.train import SINGLE_PROCESS, parse_args, plan
 MODEL = {"preset": "tiny", "hidden_size": 64, "vocab_size": 256}
 
 
+OPTIMIZER = {"peak_lr": 3e-3, "weight_decay": 0.1}
+
+
 def run(engine: str = "fsdp", zero_stage: int | None = None, replicas: int = 2, per_replica: int = 2,
-        explored: list[str] | None = None, model: dict | None = None) -> dict:
+        explored: list[str] | None = None, model: dict | None = None, optimizer: dict | None = None) -> dict:
     return identity(engine=engine, zero_stage=zero_stage, model=model or MODEL, replicas=replicas,
-                    ranks_per_replica=per_replica, explored=explored or [])
+                    ranks_per_replica=per_replica, explored=explored or [], optimizer=optimizer or OPTIMIZER)
 
 
 def fake_checkpoint(out: Path, saved: dict, *, deepspeed_tag: str | None = None) -> Path:
@@ -72,6 +75,9 @@ def test_files_are_checked_before_anything_is_touched(tmp_path, change, message)
     (run(engine="deepspeed", zero_stage=2), r"was written by fsdp, this run uses deepspeed ZeRO-2"),
     (run(model={**MODEL, "hidden_size": 256}), r"holds another model \(hidden_size 64 -> 256\)"),
     (run(explored=["label_smoothing"]), r"explores \[\], this run \['label_smoothing'\]"),
+    (run(optimizer={**OPTIMIZER, "peak_lr": 1e-3}), r"other optimizer settings \(peak_lr 0.003 -> 0.001\): a "
+                                                    r"resumed run takes the saved optimizer and LR schedule state"),
+    (run(optimizer={**OPTIMIZER, "weight_decay": 0.0}), r"\(weight_decay 0.1 -> 0.0\)"),
 ])
 def test_what_cannot_continue_is_refused_in_one_line(tmp_path, current, message):
     fake_checkpoint(tmp_path, run())
@@ -148,6 +154,18 @@ def test_another_engines_checkpoint_is_refused_before_any_process_group(tmp_path
                        "--max_data_mb", "1"])
     with pytest.raises(ResumeError, match="written by fsdp, this run uses deepspeed ZeRO-1"):
         plan(args)
+    assert not dist.is_initialized()
+
+
+def test_a_changed_lr_or_weight_decay_is_refused_on_resume_not_ignored(tmp_path, single_process):
+    """The saved optimizer and LR schedule state would replace them: the run would silently train at the old ones."""
+    words = ["--out", str(tmp_path), "--max_data_mb", "1"]
+    fake_checkpoint(tmp_path, plan(parse_args(words)).run)
+    assert plan(parse_args([*words, "--resume"])).resume.step == 20
+    for change, message in ((["--lr", "1e-3"], r"peak_lr 0.003 -> 0.001"),
+                            (["--weight_decay", "0"], r"weight_decay 0.1 -> 0.0")):
+        with pytest.raises(ResumeError, match=message):
+            plan(parse_args([*words, "--resume", *change]))
     assert not dist.is_initialized()
 
 
