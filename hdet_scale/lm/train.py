@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from hdet_scale.comm import on_rank0, shut_down, shut_down_and_exit
 from hdet_scale.extras import MissingExtra
+from hdet_scale.lm import out_lock
 from hdet_scale.lm.agreement import RunFailed, agreed
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import (
@@ -197,9 +198,16 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 
 def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
-    """The run; a ``RunFailed`` on any rank exits every rank with status 1 after rank 0 has said why."""
+    """The run, holding ``--out`` for itself; a ``RunFailed`` on any rank exits every rank with status 1 after
+    rank 0 has said why."""
+    out = Path(args.out)
     try:
-        Run(args, checked, device).train()
+        agreed(f"taking {out}", lambda: on_rank0(lambda: out_lock.take(out), f"taking {out}"))
+        try:
+            Run(args, checked, device).train()
+        finally:
+            if dist.get_rank() == 0:
+                out_lock.release(out)
         dist.barrier()  # every rank is past its last collective before any tears the groups down
     except RunFailed as failure:
         if dist.get_rank() == 0:

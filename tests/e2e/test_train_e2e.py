@@ -17,6 +17,7 @@ import math
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ import wandb_records
 from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
 
 from hdet_scale import multipliers
+from hdet_scale.lm import out_lock
 from hdet_scale.lm.train import parse_args
 
 
@@ -97,6 +99,7 @@ def test_fsdp_run_end_to_end(fsdp_runs):
     assert "final train loss" in result.stdout and f"metrics: {out / 'hdet_metrics.jsonl'}" in result.stdout
     assert f"checkpoint: {out / 'checkpoints' / 'latest'}" in result.stdout
     assert f"model: {out / 'final'}" in result.stdout
+    assert not (out / out_lock.LOCK).exists()  # the run gave its --out back
     # the last line: the LR the run found, in --lr's units (SHORT's --lr), the factor of the last sync
     found = re.search(r"found LR (\S+) \((\S+) x --lr\)\n*$", result.stdout)
     assert found, result.stdout[-2000:]
@@ -227,6 +230,24 @@ def test_resume_into_fewer_replicas_says_so_and_trains_on(fsdp_runs, tmp_path):
     assert "replica layout changed: the checkpoint has 2 replica(s), this run 1" in result.stdout
     assert f"at step {STEPS}" in result.stdout and "final train loss" in result.stdout
     assert max(line["step"] for line in metric_lines(tmp_path / "out")) == STEPS + SYNC_INTERVAL
+
+
+@pytest.mark.e2e
+def test_a_second_run_on_an_out_in_use_is_refused_and_touches_nothing(fsdp_runs, tmp_path):
+    """Two jobs with the same OUT_DIR, both passing --resume (the Slurm templates' default): the second, finding no
+    checkpoint yet, would start afresh and delete the first one's metrics."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "hdet_metrics.jsonl").write_text('{"step": 0, "range_test": {}}\n')  # the live run's first line
+    with subprocess.Popen(["sleep", "300"]) as live:  # the run holding --out, on this host
+        (out / out_lock.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": live.pid,
+                                                     "since": "2026-11-27 10:00:00"}))
+        before = files_of(out)
+        result = launch([*fsdp_runs["command"], "--out", str(out), "--resume"], cwd=tmp_path, timeout=240)
+        live.kill()
+    assert f"--out {out} is in use by another run (rank 0 on {socket.gethostname()}, pid {live.pid}" in \
+        one_error(result)
+    assert files_of(out) == before
 
 
 @pytest.mark.e2e

@@ -1,0 +1,83 @@
+"""One run at a time in an output directory: a second run started on the same ``--out`` (a copy-pasted command,
+two Slurm jobs sharing an ``OUT_DIR``) is refused instead of deleting the first run's metrics and overwriting its
+checkpoints.
+
+The first run's rank 0 holds ``OUT/run.lock`` (its host, pid, Slurm job and requeue count) until it ends. A lock
+left by a run that is gone is taken over: one of the same Slurm job requeued since (``SLURM_RESTART_COUNT`` grew),
+or one whose process no longer runs on this host. A lock left on another machine outside Slurm cannot be checked
+from here; the refusal says which file to remove.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+LOCK = "run.lock"
+
+
+class OutInUse(RuntimeError):
+    """Another run holds the output directory; the message says which and what to do, in one line."""
+
+
+def this_process() -> dict[str, Any]:
+    """Who holds the lock: this host and process, and its Slurm job and requeue count where Slurm started it."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def is_gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
+    """Whether the run that wrote ``holder`` has ended, as far as ``me`` can tell."""
+    if holder.get("slurm_job") and holder["slurm_job"] == me["slurm_job"]:
+        if int(holder.get("slurm_restart", 0)) < me["slurm_restart"]:
+            return True  # the same job requeued: its earlier allocation is over
+    if holder.get("host") != me["host"]:
+        return False
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
+
+
+def take(out: Path) -> None:
+    """Takes ``out``'s lock for this process, or raises ``OutInUse`` naming the run that holds it."""
+    path, me = out / LOCK, this_process()
+    try:
+        with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as file:
+            json.dump(me, file)
+        return
+    except FileExistsError:
+        pass
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        holder = {}
+    if holder and is_gone(holder, me):
+        staged = path.with_name(f"{LOCK}.{me['host']}.{me['pid']}")
+        staged.write_text(json.dumps(me))
+        staged.replace(path)
+        return
+    job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+    who = (f"rank 0 on {holder.get('host')}, pid {holder.get('pid')}{job}, since {holder.get('since')}" if holder
+           else "its lock file is unreadable")
+    raise OutInUse(f"--out {out} is in use by another run ({who}): wait for it to end or choose another --out; if "
+                   f"no run uses it any more (one killed on another machine), remove {path}")
+
+
+def release(out: Path) -> None:
+    """Removes ``out``'s lock where this process holds it."""
+    path = out / LOCK
+    try:
+        holder = json.loads(path.read_text())
+        if (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid()):
+            path.unlink()
+    except (OSError, ValueError):
+        pass
