@@ -23,14 +23,13 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from hdet_scale.comm import on_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETEnsemble
-from hdet_scale.lm.checkpoints import write_manifest
+from hdet_scale.lm.checkpoints import DEEPSPEED_TAG_PREFIX, write_manifest
 from hdet_scale.lm.model import next_token_loss
 from hdet_scale.metrics import SyncReport
 from hdet_scale.schedule import ReplaySchedule
 from hdet_scale.topology import ReplicaTopology
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-DEEPSPEED_TAG_PREFIX = "step"
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:

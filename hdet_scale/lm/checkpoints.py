@@ -77,21 +77,28 @@ def write_manifest(directory: Path, run: dict[str, Any], step: int) -> None:
 
 STAGING = ("latest.tmp", "latest.old")
 """FSDP2's save writes ``latest.tmp``, moves ``latest`` to ``latest.old``, then ``latest.tmp`` to ``latest``."""
+DEEPSPEED_TAG_PREFIX = "step"
+"""DeepSpeed's save writes ``step<N>/`` and its manifest, then points the ``latest`` file at it (through
+``latest.tmp``), then removes the folder ``latest`` named before."""
 
 
 def checkpoint_dir(out: Path) -> Path | None:
     """The newest checkpoint under ``out/checkpoints``, of either engine: FSDP2's ``latest`` folder, or the
-    folder DeepSpeed's ``latest`` file names; where a kill between FSDP2's two renames left no ``latest``, the
-    newest complete of ``latest.tmp`` and ``latest.old``; None when there is none."""
+    folder DeepSpeed's ``latest`` file names, or a newer complete one a kill left before ``latest`` named it;
+    where a kill between FSDP2's two renames left no ``latest``, the newest complete of ``latest.tmp`` and
+    ``latest.old``; None when there is none."""
     root = out / CHECKPOINTS
     latest = root / "latest"
     if latest.is_dir():
         return latest
-    if latest.is_file():
-        return root / latest.read_text().strip()
-    complete = [(step, path) for path in (root / name for name in STAGING)
-                if (step := complete_step(path)) is not None]
-    return max(complete)[1] if complete else None
+    named = root / latest.read_text().strip() if latest.is_file() else None
+    named_step = complete_step(named) if named is not None else None
+    candidates = [*(root / name for name in STAGING), *root.glob(f"{DEEPSPEED_TAG_PREFIX}*")]
+    newer = [(step, path) for path in candidates if path != named and (step := complete_step(path)) is not None
+             and (named is None or named_step is None or step > named_step)]
+    if named is not None and (named_step is None or not newer):
+        return named  # a damaged checkpoint 'latest' names is refused by check_resume, not skipped for an older one
+    return max(newer)[1] if newer else None
 
 
 def complete_step(path: Path) -> int | None:
@@ -185,18 +192,29 @@ def remove_previous_run(out: Path, metrics_path: str | None) -> list[Path]:
 
 def settle_interrupted_save(out: Path) -> list[str]:
     """Tidies what an interrupted save left, losing nothing: where no ``latest`` is left (FSDP2 killed between
-    its two renames), the newest complete of ``latest.tmp`` and ``latest.old`` becomes ``latest``; then what is
-    left of the staging is removed, being incomplete or older than ``latest`` (DeepSpeed's ``latest.tmp`` is a
-    pointer file written before it replaces ``latest``). Returns one line per change."""
+    its two renames), the newest complete of ``latest.tmp`` and ``latest.old`` becomes ``latest``; where DeepSpeed
+    was killed after a checkpoint was complete but before ``latest`` named it, ``latest`` is pointed at it. Then
+    what is left of the staging and every other DeepSpeed ``step<N>`` folder is removed, being incomplete or older
+    than ``latest`` (DeepSpeed's ``latest.tmp`` is a pointer file written before it replaces ``latest``). Returns
+    one line per change."""
     root = out / CHECKPOINTS
     done = []
     newest = checkpoint_dir(out)
+    named = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
     if newest is not None and newest.name in STAGING:
         newest.rename(root / "latest")
         done.append(f"promoted {newest} (complete, step {complete_step(root / 'latest')}) to {root / 'latest'}, "
                     "left by a checkpoint interrupted between its renames")
-    for name in STAGING:
-        leftover = root / name
+        newest = root / "latest"
+    elif newest is not None and newest.name.startswith(DEEPSPEED_TAG_PREFIX) and newest.name != named:
+        pointer = root / "latest.tmp"
+        pointer.write_text(newest.name)
+        pointer.replace(root / "latest")
+        done.append(f"pointed {root / 'latest'} at {newest} (complete, step {complete_step(newest)}), left by a "
+                    "checkpoint interrupted before it was named")
+    leftovers = [*(root / name for name in STAGING),
+                 *sorted(path for path in root.glob(f"{DEEPSPEED_TAG_PREFIX}*") if path != newest)]
+    for leftover in leftovers:
         if leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover)
         elif leftover.exists():

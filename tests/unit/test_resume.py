@@ -103,6 +103,47 @@ def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
     assert not (root / "latest.tmp").exists() and settle_interrupted_save(tmp_path) == []
 
 
+def deepspeed_tag(out: Path, step: int, *, complete: bool = True) -> Path:
+    """A DeepSpeed checkpoint folder ``step<step>`` as its save leaves it, with its manifest or (killed during the
+    save) without."""
+    path = out / "checkpoints" / f"step{step}"
+    path.mkdir(parents=True)
+    (path / "mp_rank_00_model_states.pt").write_bytes(b"m" * 50)
+    if complete:
+        write_manifest(path, run(engine="deepspeed", zero_stage=1), step=step)
+    return path
+
+
+def test_deepspeed_folders_a_kill_left_are_removed_and_a_complete_unnamed_one_is_resumed(tmp_path):
+    root = tmp_path / "checkpoints"
+    saved = run(engine="deepspeed", zero_stage=1)
+    for step in (10, 20):  # 10: killed after 'latest' named 20, before 10 was removed
+        deepspeed_tag(tmp_path, step)
+    (root / "latest").write_text("step20")
+    deepspeed_tag(tmp_path, 30, complete=False)  # killed while writing
+    assert check_resume(tmp_path, saved).step == 20
+    assert settle_interrupted_save(tmp_path) == [
+        f"removed {root / 'step10'}, left by an interrupted checkpoint",
+        f"removed {root / 'step30'}, left by an interrupted checkpoint"]
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step20"]
+    # killed after step40's manifest, before 'latest' named it: complete, so it is the run's newest checkpoint
+    deepspeed_tag(tmp_path, 40)
+    assert check_resume(tmp_path, saved).step == 40
+    assert settle_interrupted_save(tmp_path) == [
+        f"pointed {root / 'latest'} at {root / 'step40'} (complete, step 40), left by a checkpoint interrupted before "
+        "it was named", f"removed {root / 'step20'}, left by an interrupted checkpoint"]
+    assert (root / "latest").read_text() == "step40" and check_resume(tmp_path, saved).step == 40
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step40"]
+
+
+def test_a_damaged_checkpoint_latest_names_is_refused_not_skipped_for_an_older_one(tmp_path):
+    deepspeed_tag(tmp_path, 10)
+    (deepspeed_tag(tmp_path, 20) / "mp_rank_00_model_states.pt").write_bytes(b"m" * 7)
+    (tmp_path / "checkpoints" / "latest").write_text("step20")
+    with pytest.raises(ResumeError, match="step20 is damaged"):
+        check_resume(tmp_path, run(engine="deepspeed", zero_stage=1))
+
+
 def staged(out: Path, name: str, step: int) -> Path:
     """A complete FSDP2 checkpoint at ``step`` under the staging name ``name``."""
     path = fake_checkpoint(out / name, run())
