@@ -1,5 +1,6 @@
-"""SIGTERM (Slurm preemption, the time limit, ``scancel``) or Ctrl-C turned into a clean stop that every rank
-agrees on.
+"""SIGTERM (Slurm preemption, the time limit, ``scancel``), SIGUSR1 (the DeepSpeed Slurm template's time guard,
+which DeepSpeed's launchers are made to ignore, so that they do not kill the ranks 30 s after it) or Ctrl-C turned
+into a clean stop that every rank agrees on.
 
 The signal reaches ranks at different moments (the deepspeed launcher signals its children one by one), so
 a rank cannot act on its own flag: every step each rank starts a non-blocking MAX all-reduce of its flag on a
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 
 class StopSignal:
-    """Catches SIGTERM and SIGINT (Ctrl-C) and answers, collectively, whether the run should stop now.
+    """Catches SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) and answers, collectively, whether the run should stop now.
 
     The first signal asks for a stop at the next safe point, with a checkpoint; a second SIGINT (Ctrl-C pressed
     again) aborts this rank at once, without one. A SIGINT within ``REPEAT_SECONDS`` of the first is the same
@@ -30,7 +31,7 @@ class StopSignal:
     REPEAT_SECONDS = 2.0
 
     def __init__(self, group: dist.ProcessGroup | None = None,
-                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> None:
         self.group = group
         self.received: int | None = None
         self.finishing = False
