@@ -48,8 +48,10 @@ def is_gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
 
 
 def take(out: Path) -> None:
-    """Takes ``out``'s lock for this process, or raises ``OutInUse`` naming the run that holds it."""
+    """Takes ``out``'s lock for this process (making ``out`` where it is not there yet), or raises ``OutInUse``
+    naming the run that holds it."""
     path, me = out / LOCK, this_process()
+    out.mkdir(parents=True, exist_ok=True)
     try:
         with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as file:
             json.dump(me, file)

@@ -40,6 +40,8 @@ def outside_slurm(monkeypatch):
 
 
 def test_a_free_directory_is_taken_and_a_second_run_refused_until_the_first_releases_it(tmp_path):
+    out_lock.take(tmp_path / "new" / "out")  # a fresh --out is made
+    assert (tmp_path / "new" / "out" / out_lock.LOCK).is_file()
     out_lock.take(tmp_path)
     assert held_by(tmp_path)["pid"] == os.getpid() and held_by(tmp_path)["host"] == socket.gethostname()
     message = (rf"--out {tmp_path} is in use by another run \(rank 0 on {socket.gethostname()}, pid {os.getpid()}, "
