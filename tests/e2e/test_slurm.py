@@ -176,6 +176,22 @@ def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_
     assert check_trained(job, tmp_path / "out", "fsdp", "local") == check_trained(*fsdp_job, "fsdp", "local")
 
 
+def test_deepspeed_template_stops_its_ranks_past_the_launchers_checkpoints_requeues_and_resumes(
+        cluster, tmp_path, torch_extensions):
+    """The time guard's SIGUSR1 reaches the ranks, and DeepSpeed's launchers, ignoring it, wait for their checkpoint
+    (a SIGTERM would have them kill the ranks 30 s later)."""
+    job_id = submit(cluster, "deepspeed.sbatch", tmp_path, env={"TORCH_EXTENSIONS_DIR": torch_extensions})
+    wait_for_line(cluster, job_id, tmp_path / f"slurm-{job_id}.out", "^HDET train:")  # the signal is handled now
+    cluster.signal_batch_shell(job_id)
+    cluster.start_requeued(job_id)
+    job = cluster.wait(job_id, timeout=600, restarts=1)
+    preempted = re.search(r"^preempted at step (\d+); checkpoint: \S+; rerun with --resume$", job.output, re.MULTILINE)
+    assert preempted and "received SIGUSR1" in job.output, job.output[-8000:]
+    step = int(preempted.group(1))
+    assert re.search(rf"^resumed from \S+ at step {step}$", job.output, re.MULTILINE), job.output[-8000:]
+    check_trained(job, tmp_path / "out", "deepspeed", "global")
+
+
 def test_a_short_time_limit_trains_before_the_time_guard_requeues_it(cluster, tmp_path):
     """A 3-minute debugging job: the guard's lead shrinks to a fifth of the time left (a fixed 10-minute lead
     would signal it at once, at every start), so it trains, checkpoints, requeues and resumes where it stopped."""
