@@ -36,7 +36,7 @@ from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.engines.deepspeed_settings import check_version, checked_settings, per_replica_batch
-from hdet_scale.engines.zero import ReplicaMPU, ZeroAdapter
+from hdet_scale.engines.zero import ReplicaMPU, SaveEpilogue, ZeroAdapter
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
@@ -216,13 +216,16 @@ class HDETDeepSpeed(HDETHandle):
             failure = error
         raise_together(failure, f"preparing the checkpoint {tag}")
         self._saving = True
+        epilogue = SaveEpilogue(self.engine)
         try:
-            with replica_groups(self.engine.mpu):
+            with replica_groups(self.engine.mpu), epilogue:
                 self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, **kwargs)
         except Exception as error:
-            # A write failed on this rank. DeepSpeed writes after the last collective of its save but one, the
-            # barrier that ends it, where the other ranks now wait: meet them there, then all stop together.
+            # A write failed on this rank. DeepSpeed writes after its collectives but ZeRO-3's epilogue and the
+            # barrier that ends the save, where the other ranks now wait: meet them there, then all stop together.
             failure = error
+            with replica_groups(self.engine.mpu):
+                epilogue.meet_after_failure()
             dist.barrier()
         finally:
             self._saving = False

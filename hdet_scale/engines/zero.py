@@ -245,6 +245,36 @@ class ZeroAdapter(EngineAdapter):
 
 
 
+class SaveEpilogue:
+    """The collective ZeRO-3's save ends with, after its last write (``checkpoint_event_epilogue``: an all-gather
+    of the persistent parameters inside the replica), watched during ``engine.save_checkpoint``. A rank whose write
+    failed skips it, and its replica's peers would wait there until the process group's timeout:
+    ``meet_after_failure`` has that rank join it, where it has not run yet, before the save's closing barrier."""
+
+    def __init__(self, engine: Any) -> None:
+        self._optimizer = engine.optimizer
+        self._epilogue = getattr(self._optimizer, "checkpoint_event_epilogue", None)  # ZeRO-3's optimizer only
+        self._ran = False
+
+    def __enter__(self) -> SaveEpilogue:
+        if self._epilogue is not None:
+            self._optimizer.checkpoint_event_epilogue = self._run
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._epilogue is not None:
+            del self._optimizer.checkpoint_event_epilogue  # the class's own again
+
+    def _run(self) -> None:
+        self._ran = True
+        self._epilogue()
+
+    def meet_after_failure(self) -> None:
+        """Joins the epilogue's collective where the save failed before it (a no-op for ZeRO-0/1/2)."""
+        if self._epilogue is not None and not self._ran:
+            self._run()
+
+
 def _fragment_shard(param: nn.Parameter) -> ParameterShard:
     """ZeRO-1/2 and BF16_Optimizer: the fp32 fragment of ``param`` in this rank's partition, a contiguous
     range of the flattened parameter (what ``deepspeed.utils.safe_set_full_fp32_param`` writes)."""

@@ -1,4 +1,4 @@
-"""A save that fails on one rank, at each of its writes, on FSDP2 and DeepSpeed ZeRO-2 (real gloo ranks, train.py's
+"""A save that fails on one rank, at each of its writes, on FSDP2 and DeepSpeed ZeRO-2/3 (real gloo ranks, train.py's
 backends): every rank stops within seconds with the same one-line error, never waiting for a process-group
 timeout, and the newest complete checkpoint is kept and loads the model it saved. A rank killed (SIGKILL) in a
 save leaves a checkpoint that resumes with the model it saved.
@@ -30,6 +30,8 @@ from hdet_scale.lm.checkpoints import check_resume, checkpoint_dir, identity, se
 
 SYNC_INTERVAL = 2
 VICTIMS = (0, 1)
+LAYOUTS = {"fsdp": ("fsdp", None), "zero2": ("deepspeed", 2), "zero3": ("deepspeed", 3)}
+"""What each test case runs on: the engine and its ZeRO stage."""
 ROUND_TRIP_SECONDS = 30.0  # far below the process group's timeout (90 s here, 10 min in train.py)
 
 
@@ -68,15 +70,16 @@ class Injector:
         setattr(owner, name, counted)
 
 
-def build(engine: str, directory: Path) -> Any:
+def build(layout: str, directory: Path) -> Any:
     from hdet_scale import HDETConfig
     from hdet_scale.lm.backends import DeepSpeedBackend, FSDPBackend
     from hdet_scale.lm.model import build_model
     from hdet_scale.lm.plan import _deepspeed_config
     from hdet_scale.lm.train import parse_args
 
+    engine, stage = LAYOUTS[layout]
     args = parse_args(["--steps", "200", "--micro_batch_size", "2", "--seq_len", "16", "--engine", engine,
-                       "--zero_stage", "2", "--out", str(directory), "--dtype", "fp32"])
+                       "--zero_stage", str(stage or 0), "--out", str(directory), "--dtype", "fp32"])
     config = HDETConfig(alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=2,
                         auto_lr={"enabled": False, "range_test": 0})
     torch.manual_seed(0)
@@ -95,13 +98,13 @@ def parameters(backend: Any) -> torch.Tensor:
     return full(backend.module.parameters()).clone()
 
 
-def faults(rank: int, world: int, directory: str, engine: str) -> list[tuple[int, str, str, float]]:
+def faults(rank: int, world: int, directory: str, layout: str) -> list[tuple[int, str, str, float]]:
     from hdet_scale.lm.agreement import RunFailed, agreed
 
     out = Path(directory)
     root = out / "checkpoints"
-    run = run_identity(engine)
-    backend = build(engine, out)
+    run = run_identity(layout)
+    backend = build(layout, out)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
 
     def train() -> torch.Tensor:
@@ -150,9 +153,9 @@ def faults(rank: int, world: int, directory: str, engine: str) -> list[tuple[int
     return outcomes
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
-def test_a_write_failing_on_one_rank_stops_every_rank_at_once_and_keeps_the_checkpoint(tmp_path, engine):
-    results = run_ranks(faults, 4, str(tmp_path), engine, timeout=900)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_write_failing_on_one_rank_stops_every_rank_at_once_and_keeps_the_checkpoint(tmp_path, layout):
+    results = run_ranks(faults, 4, str(tmp_path), layout, timeout=900)
     cases = results[0]
     assert {victim for victim, *_ in cases} == set(VICTIMS) and len(cases) >= 3
     for rank_cases in results:
@@ -171,17 +174,17 @@ def test_a_write_failing_on_one_rank_stops_every_rank_at_once_and_keeps_the_chec
 # ----------------------------------------------------------------------------------------------- kills
 KILLS = {"fsdp": [(0, "save latest.tmp/hdet_state.pt"), (0, "rename latest.tmp"),
                   (1, "create_stream latest.tmp/__1_0.distcp")],
-         "deepspeed": [(0, "replace latest.tmp"), (1, "save step4/zero_pp_rank_1_mp_rank_00_optim_states.pt")]}
+         "zero2": [(0, "replace latest.tmp"), (1, "save step4/zero_pp_rank_1_mp_rank_00_optim_states.pt")]}
 """(victim rank, write): on FSDP2 rank 0's first own write, between its two renames, and rank 1's shard; on
 DeepSpeed the pointer's replace and rank 1's optimizer partition."""
 
 
-def killed_in_a_save(rank: int, world: int, directory: str, engine: str, victim: int, write: str) -> None:
+def killed_in_a_save(rank: int, world: int, directory: str, layout: str, victim: int, write: str) -> None:
     """Saves at step 2, trains to step 4 and saves again, the victim rank killed at ``write`` of that save;
     writes each rank's parameters at both steps first."""
     out = Path(directory)
     root = out / "checkpoints"
-    backend = build(engine, out)
+    backend = build(layout, out)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):
         for _ in range(SYNC_INTERVAL):
@@ -191,37 +194,38 @@ def killed_in_a_save(rank: int, world: int, directory: str, engine: str, victim:
         if backend.ensemble.global_step == 2 * SYNC_INTERVAL and rank == victim:
             injector.kill_at = write
             injector.install()
-        backend.save(root, {}, run_identity(engine))
+        backend.save(root, {}, run_identity(layout))
     raise AssertionError(f"rank {victim} was not killed at {write}")
 
 
-def run_identity(engine: str) -> dict:
-    return identity(engine=engine, zero_stage=2 if engine == "deepspeed" else None, model={"preset": "tiny"},
+def run_identity(layout: str) -> dict:
+    engine, stage = LAYOUTS[layout]
+    return identity(engine=engine, zero_stage=stage, model={"preset": "tiny"},
                     replicas=2, ranks_per_replica=2, explored=[], optimizer={"peak_lr": 1e-3, "weight_decay": 0.0})
 
 
-def resumed_after_a_kill(rank: int, world: int, directory: str, engine: str) -> int:
+def resumed_after_a_kill(rank: int, world: int, directory: str, layout: str) -> int:
     """What --resume does: the newest complete checkpoint, settled, loaded; it must hold the saved model."""
     out = Path(directory)
-    point = check_resume(out, run_identity(engine))
+    point = check_resume(out, run_identity(layout))
     dist.barrier()
     on_rank0(lambda: settle_interrupted_save(out), "settling")
-    backend = build(engine, out / "fresh")
+    backend = build(layout, out / "fresh")
     backend.load(checkpoint_dir(out), 2)
     expected = torch.load(out / f"expected_{rank}_step{point.step}.pt")
     assert torch.equal(parameters(backend), expected)
     return point.step
 
 
-@pytest.mark.parametrize(("engine", "victim", "write"), [(engine, *kill) for engine, kills in KILLS.items()
+@pytest.mark.parametrize(("layout", "victim", "write"), [(layout, *kill) for layout, kills in KILLS.items()
                                                           for kill in kills])
-def test_a_rank_killed_in_a_save_leaves_a_checkpoint_that_resumes(tmp_path, engine, victim, write):
+def test_a_rank_killed_in_a_save_leaves_a_checkpoint_that_resumes(tmp_path, layout, victim, write):
     """SIGKILL of one rank at a write of the second save (the others die with the job): the newest complete
     checkpoint is found, nothing complete was deleted, and it loads the model it saved. Killed between FSDP2's
     two renames, or before DeepSpeed's 'latest' named the new checkpoint, that one is complete and is resumed."""
     with pytest.raises(AssertionError, match="distributed run failed") as killed:  # gloo tells the others at once
-        run_ranks(killed_in_a_save, 4, str(tmp_path), engine, victim, write, timeout=300)
+        run_ranks(killed_in_a_save, 4, str(tmp_path), layout, victim, write, timeout=300)
     assert "was not killed" not in str(killed.value)
-    steps = run_ranks(resumed_after_a_kill, 4, str(tmp_path), engine, timeout=300)
-    newer = (engine, write) in (("fsdp", "rename latest.tmp"), ("deepspeed", "replace latest.tmp"))
+    steps = run_ranks(resumed_after_a_kill, 4, str(tmp_path), layout, timeout=300)
+    newer = (layout, write) in (("fsdp", "rename latest.tmp"), ("zero2", "replace latest.tmp"))
     assert steps == [2 * SYNC_INTERVAL if newer else SYNC_INTERVAL] * 4
