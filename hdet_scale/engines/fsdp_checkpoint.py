@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hdet_scale.comm import on_rank0
+from hdet_scale.durable import fsync_path
 from hdet_scale.engines.fsdp import HDETFSDP
 
 HDET_STATE_FILE = "hdet_state.pt"
@@ -62,8 +63,11 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     dcp.save(_sharded_state(model, optimizer, hdet.topology.replica_index), checkpoint_id=staging)
 
     def complete() -> None:
-        torch.save(ensemble.state_dict(), staging / HDET_STATE_FILE)
-        torch.save(dict(extra_state or {}), staging / EXTRA_STATE_FILE)
+        # DCP wrote its files to the disk (fsync); these too, before anything vouches for them or the older
+        # checkpoint goes, so that a node crash cannot leave only a checkpoint with truncated files
+        for name, state in ((HDET_STATE_FILE, ensemble.state_dict()), (EXTRA_STATE_FILE, dict(extra_state or {}))):
+            torch.save(state, staging / name)
+            fsync_path(staging / name)
         if finalize is not None:
             finalize(staging)
         retired = final.with_name(final.name + ".old")
@@ -71,6 +75,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         if final.exists():
             final.rename(retired)
         staging.rename(final)  # killed just before: both are complete, and the newer is found and promoted
+        fsync_path(final.parent)
         shutil.rmtree(retired, ignore_errors=True)
 
     on_rank0(complete, f"writing the checkpoint {final}")

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hdet_scale.comm import on_rank0
 from hdet_scale.config import HDETConfig
+from hdet_scale.durable import replace_durably
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.lm.checkpoints import DEEPSPEED_TAG_PREFIX, write_manifest
 from hdet_scale.lm.model import next_token_loss
@@ -295,12 +297,16 @@ class DeepSpeedBackend(Backend):
         # after DeepSpeed's closing barrier instead, with the manifest first, so it never names an incomplete
         # checkpoint.
         self.hdet.save_checkpoint(directory, tag=tag, client_state={"train": dict(extra)}, save_latest=False)
+        # DeepSpeed's torch.save leaves its files in the page cache: each node flushes what it wrote before the
+        # manifest vouches for them and the older checkpoint goes (a node crash would leave truncated files)
+        os.sync()
+        dist.barrier()
 
         def complete() -> None:
             write_manifest(directory / tag, dict(run), self.ensemble.global_step)
             staging = directory / "latest.tmp"
             staging.write_text(tag)
-            staging.replace(directory / "latest")
+            replace_durably(staging, directory / "latest")
             if previous not in (None, tag):
                 _remove_tree(directory / previous)
 

@@ -20,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hdet_scale.durable import replace_durably
+
 MANIFEST = "run.json"
 CHECKPOINTS = "checkpoints"
 FINAL_MODEL = "final"
@@ -67,12 +69,13 @@ def version() -> str:
 
 def write_manifest(directory: Path, run: dict[str, Any], step: int) -> None:
     """Writes ``directory/run.json`` for the complete checkpoint in ``directory`` (one rank, after every rank
-    wrote its files): the run's identity, the step, and every file with its size."""
+    wrote its files and flushed them to the disk): the run's identity, the step, and every file with its size;
+    on the disk when it returns."""
     files = {str(path.relative_to(directory)): path.stat().st_size
              for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
     staging = directory / (MANIFEST + ".tmp")
     staging.write_text(json.dumps({**run, "step": step, "hdet_scale": version(), "files": files}, indent=1) + "\n")
-    staging.replace(directory / MANIFEST)
+    replace_durably(staging, directory / MANIFEST)
 
 
 STAGING = ("latest.tmp", "latest.old")

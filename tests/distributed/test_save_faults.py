@@ -52,6 +52,8 @@ class Injector:
         self._wrap(filesystem.FileSystem, "create_stream", lambda args: args[1])
         for method in ("write_text", "replace", "rename"):
             self._wrap(pathlib.Path, method, lambda args: args[0])
+        self._wrap(os, "fsync", lambda args: os.readlink(f"/proc/self/fd/{args[0]}"))
+        self._wrap(os, "sync", lambda args: self.root)
 
     def _wrap(self, owner: Any, name: str, path_of: Callable[[tuple], Any]) -> None:
         original = getattr(owner, name)
@@ -169,6 +171,46 @@ def test_a_write_failing_on_one_rank_stops_every_rank_at_once_and_keeps_the_chec
             assert outcome.startswith("saving a checkpoint: ") and f"(rank {victim})" in outcome, outcome
             assert "injected" in outcome, outcome
         assert max(other[3] for other in (case, *others)) < ROUND_TRIP_SECONDS, (write, outcome)
+
+
+# ----------------------------------------------------------------------------------------- on the disk
+DATA_WRITES = ("save", "create_stream", "write_text")
+PUBLISH = {"fsdp": "rename latest.tmp", "zero2": "replace latest.tmp"}
+"""The write that makes a save the checkpoint a resume finds (the older one goes right after it)."""
+
+
+def writes_of_a_save(rank: int, world: int, directory: str, layout: str) -> list[str]:
+    """Every write, flush and rename of this rank in a save over an existing checkpoint, in order."""
+    out = Path(directory)
+    root = out / "checkpoints"
+    backend = build(layout, out)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    injector = Injector(root)
+    injector.install()
+    for _ in range(2):
+        for _ in range(SYNC_INTERVAL):
+            one_step(backend, (tokens[:, :-1], tokens[:, 1:]))
+        injector.writes.clear()
+        backend.save(root, {}, run_identity(layout))
+    return injector.writes
+
+
+@pytest.mark.parametrize("layout", list(PUBLISH))
+def test_every_file_of_a_checkpoint_is_on_the_disk_before_it_replaces_the_older_one(tmp_path, layout):
+    """A node crash loses the page cache: each file a rank wrote is flushed (fsync of that file, or a sync of the
+    node) before rank 0 publishes the checkpoint, and the rename itself is flushed (fsync of its folder, ".")
+    before the older checkpoint is removed."""
+    writes = run_ranks(writes_of_a_save, 4, str(tmp_path), layout, timeout=300)
+    publish = writes[0].index(PUBLISH[layout])
+    for rank, done in enumerate(writes):
+        for index, write in enumerate(done):
+            kind, path = write.split(" ", 1)
+            if kind in DATA_WRITES:
+                flushed = [later for later in done[index + 1:] if later in (f"fsync {path}", "sync .")]
+                assert flushed, (rank, write, done)
+                if rank == 0:
+                    assert done.index(flushed[0]) < publish, (write, done)
+    assert "fsync ." in writes[0][publish + 1:], writes[0]
 
 
 # ----------------------------------------------------------------------------------------------- kills

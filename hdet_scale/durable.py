@@ -1,0 +1,24 @@
+"""Files on the disk before a checkpoint says it is complete: a node that crashes (power, kernel) loses what the
+page cache held, so a manifest or a rename that reached the disk before the data it vouches for would name files
+that came back truncated, after the previous checkpoint was deleted."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """Flushes the file ``path``, or the entries of the folder ``path`` (a rename in it), to the disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def replace_durably(source: Path, target: Path) -> None:
+    """``source.replace(target)`` once the file ``source`` is on the disk, then the rename too."""
+    fsync_path(source)
+    source.replace(target)
+    fsync_path(target.parent)
