@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from hdet_scale.comm import on_rank0
+from hdet_scale.comm import on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.durable import replace_durably
 from hdet_scale.ensemble import HDETEnsemble
@@ -299,8 +298,12 @@ class DeepSpeedBackend(Backend):
         self.hdet.save_checkpoint(directory, tag=tag, client_state={"train": dict(extra)}, save_latest=False)
         # DeepSpeed's torch.save leaves its files in the page cache: each node flushes what it wrote before the
         # manifest vouches for them and the older checkpoint goes (a node crash would leave truncated files)
-        os.sync()
-        dist.barrier()
+        failure = None
+        try:
+            os.sync()
+        except OSError as error:
+            failure = error
+        raise_together(failure, f"flushing the checkpoint {directory / tag} to the disk")
 
         def complete() -> None:
             write_manifest(directory / tag, dict(run), self.ensemble.global_step)
