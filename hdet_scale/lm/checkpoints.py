@@ -40,6 +40,12 @@ class ResumePoint:
     step: int
     saved_replicas: int
     replicas: int
+    changed: tuple[str, ...] = ()
+    """The settings this run gives otherwise than the checkpoint's run did, as ``name old -> new``."""
+
+    def changed_line(self) -> str:
+        return (f"resuming with other settings than the checkpoint's ({', '.join(self.changed)}): they apply from "
+                f"step {self.step} on")
 
     @property
     def layout_changed(self) -> bool:
@@ -52,12 +58,14 @@ class ResumePoint:
 
 
 def identity(*, engine: str, zero_stage: int | None, model: dict[str, Any], replicas: int, ranks_per_replica: int,
-             explored: list[str], optimizer: dict[str, float]) -> dict[str, Any]:
+             explored: list[str], optimizer: dict[str, float], settings: dict[str, Any]) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint (and what it may change: ``replicas``). ``optimizer``:
     the values a resume would ignore, since the optimizer's and the LR schedule's saved state replace them (the
-    peak LR, the weight decay)."""
+    peak LR, the weight decay). ``settings``: the others a resumed run may change, said in one line when it does
+    (JSON values: what ``run.json`` gives back)."""
     return {"engine": engine, "zero_stage": zero_stage, "model": model, "replicas": replicas,
-            "ranks_per_replica": ranks_per_replica, "explored": sorted(explored), "optimizer": optimizer}
+            "ranks_per_replica": ranks_per_replica, "explored": sorted(explored), "optimizer": optimizer,
+            "settings": json.loads(json.dumps(settings))}
 
 
 def version() -> str:
@@ -140,8 +148,11 @@ def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
         if file.stat().st_size != size:
             raise ResumeError(f"{where} is damaged: {name} has {file.stat().st_size} bytes, {size} were written; "
                               f"resume from a complete checkpoint or remove {out / CHECKPOINTS} to start afresh")
+    before, now = saved.get("settings", run["settings"]), run["settings"]  # earlier versions did not record them
+    changed = tuple(f"{name} {before.get(name)} -> {now.get(name)}" for name in sorted(set(before) | set(now))
+                    if before.get(name) != now.get(name))
     return ResumePoint(path=path, step=int(saved["step"]), saved_replicas=int(saved["replicas"]),
-                       replicas=int(run["replicas"]))
+                       replicas=int(run["replicas"]), changed=changed)
 
 
 def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:

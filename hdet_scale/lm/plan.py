@@ -88,7 +88,8 @@ def plan(args: argparse.Namespace) -> Plan:
                    replicas=replicas, ranks_per_replica=config.ranks_per_replica,
                    explored=[name for name, knob in vars(config.explore).items() if knob is not None],
                    optimizer={"peak_lr": given_peak_lr(args, ds_config)[0],
-                              "weight_decay": given_weight_decay(args, ds_config)})
+                              "weight_decay": given_weight_decay(args, ds_config)},
+                   settings=resumable_settings(args, config))
     resume = check_resume(out, run) if args.resume else None
     return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)
 
@@ -207,6 +208,23 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
     if not isinstance(values, dict):
         raise ValueError(f"the HDET settings must be a JSON object, got {type(values).__name__}")
     return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), **values}
+
+
+RESUMABLE_ARGUMENTS = ("steps", "warmup_steps", "min_lr_ratio", "seed", "data", "seq_len", "micro_batch_size",
+                       "grad_accum", "grad_clip", "dropout", "probe_batch", "replay_schedule")
+"""The command-line settings a resumed run may change (each applies from the resumed step on)."""
+
+
+def resumable_settings(args: argparse.Namespace, config: HDETConfig) -> dict[str, Any]:
+    """The settings a resume says it changed: ``RESUMABLE_ARGUMENTS`` and every HDET setting (``hdet.<field>``)
+    but where the metrics go and the replica size (a requeued job may change it)."""
+    def dotted(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for name, item in values.items() for key, value in
+                (dotted(f"{prefix}{name}.", item) if isinstance(item, dict) else {f"{prefix}{name}": item}).items()}
+
+    hdet = {name: value for name, value in config.to_dict().items()
+            if name not in ("metrics_path", "ranks_per_replica")}
+    return {**{name: getattr(args, name) for name in RESUMABLE_ARGUMENTS}, **dotted("hdet.", hdet)}
 
 
 def given_weight_decay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> float:

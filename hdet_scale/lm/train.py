@@ -352,6 +352,8 @@ class Run:
             path = checkpoint_dir(self.out)  # where a promoted checkpoint now is
             if point.layout_changed:
                 self.progress.line(point.layout_line())
+            if point.changed:
+                self.progress.line(point.changed_line())
             agreed(f"resuming from {path}", lambda: self.backend.load(path, point.saved_replicas))
             self.step = self.saved_at = self.backend.ensemble.global_step
             self.progress.line(f"resumed from {path} at step {self.step}")  # every rank has loaded

@@ -243,7 +243,8 @@ def killed_in_a_save(rank: int, world: int, directory: str, layout: str, victim:
 def run_identity(layout: str) -> dict:
     engine, stage = LAYOUTS[layout]
     return identity(engine=engine, zero_stage=stage, model={"preset": "tiny"},
-                    replicas=2, ranks_per_replica=2, explored=[], optimizer={"peak_lr": 1e-3, "weight_decay": 0.0})
+                    replicas=2, ranks_per_replica=2, explored=[], optimizer={"peak_lr": 1e-3, "weight_decay": 0.0},
+                    settings={})
 
 
 def resumed_after_a_kill(rank: int, world: int, directory: str, layout: str) -> int:

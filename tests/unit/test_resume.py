@@ -30,9 +30,11 @@ OPTIMIZER = {"peak_lr": 3e-3, "weight_decay": 0.1}
 
 
 def run(engine: str = "fsdp", zero_stage: int | None = None, replicas: int = 2, per_replica: int = 2,
-        explored: list[str] | None = None, model: dict | None = None, optimizer: dict | None = None) -> dict:
+        explored: list[str] | None = None, model: dict | None = None, optimizer: dict | None = None,
+        settings: dict | None = None) -> dict:
     return identity(engine=engine, zero_stage=zero_stage, model=model or MODEL, replicas=replicas,
-                    ranks_per_replica=per_replica, explored=explored or [], optimizer=optimizer or OPTIMIZER)
+                    ranks_per_replica=per_replica, explored=explored or [], optimizer=optimizer or OPTIMIZER,
+                    settings=settings or {"steps": 300})
 
 
 def fake_checkpoint(out: Path, saved: dict, *, deepspeed_tag: str | None = None) -> Path:
@@ -196,6 +198,24 @@ def test_another_engines_checkpoint_is_refused_before_any_process_group(tmp_path
     with pytest.raises(ResumeError, match="written by fsdp, this run uses deepspeed ZeRO-1"):
         plan(args)
     assert not dist.is_initialized()
+
+
+def test_other_settings_a_resume_may_change_are_said_in_one_line(tmp_path, single_process):
+    words = ["--out", str(tmp_path), "--max_data_mb", "1"]
+    fake_checkpoint(tmp_path, plan(parse_args(words)).run)
+    assert plan(parse_args([*words, "--resume"])).resume.changed == ()
+    point = plan(parse_args([*words, "--resume", "--steps", "600", "--seed", "3"])).resume
+    # a longer run moves the controller's window (shares of the run) with it, and train.py's sync interval
+    assert point.changed == ("hdet.auto_lr.start 6 -> 12", "hdet.auto_lr.stop 75 -> 150", "hdet.sync_interval 5 -> 10",
+                             "seed 0 -> 3", "steps 300 -> 600")
+    assert point.changed_line().startswith("resuming with other settings than the checkpoint's (hdet.auto_lr.start "
+                                           "6 -> 12, hdet.auto_lr.stop 75 -> 150, ")
+    assert point.changed_line().endswith(", steps 300 -> 600): they apply from step 20 on")
+    earlier = {**plan(parse_args([*words, "--resume"])).run}
+    del earlier["settings"]  # a checkpoint of an earlier version: nothing to compare
+    (tmp_path / "checkpoints").rename(tmp_path / "old")
+    fake_checkpoint(tmp_path, earlier)
+    assert plan(parse_args([*words, "--resume", "--steps", "600"])).resume.changed == ()
 
 
 def test_a_changed_lr_or_weight_decay_is_refused_on_resume_not_ignored(tmp_path, single_process):
