@@ -184,9 +184,15 @@ def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
                           "or fewer replicas are fine)")
 
 
+TENSORBOARD = "tensorboard"
+"""Where a run's TensorBoard events go, under ``--out`` (a fresh run's would mix with an earlier run's there)."""
+
+
 def previous_run(out: Path, metrics_path: str | None) -> list[Path]:
-    """What an earlier run left in ``out``: its checkpoints, its final model, its metrics (non-empty)."""
-    found = [path for path in (out / CHECKPOINTS, out / FINAL_MODEL) if path.is_dir() and any(path.iterdir())]
+    """What an earlier run left in ``out``: its checkpoints, its final model, its metrics (non-empty), its
+    TensorBoard events."""
+    found = [path for path in (out / CHECKPOINTS, out / FINAL_MODEL, out / TENSORBOARD)
+             if path.is_dir() and any(path.iterdir())]
     metrics = Path(metrics_path) if metrics_path else None
     if metrics is not None and metrics.is_file() and metrics.stat().st_size:
         found.append(metrics)

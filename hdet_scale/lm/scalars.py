@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hdet_scale.lm.checkpoints import TENSORBOARD
+
 WANDB_ID_FILE = "wandb_run_id"
 """In the output directory: the W&B run id, so a resumed run goes on logging into the same W&B run (a fresh
 run starts a W&B run of its own)."""
@@ -27,7 +29,7 @@ class ScalarSinks:
         except ImportError:  # TensorBoard is optional
             SummaryWriter = None  # noqa: N806
         if SummaryWriter is not None:
-            self._board = SummaryWriter(str(out / "tensorboard"))
+            self._board = SummaryWriter(str(out / TENSORBOARD))
         if wandb_project:
             import wandb
 

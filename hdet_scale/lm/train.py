@@ -157,8 +157,9 @@ def _add_run(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--resume", action="store_true",
                        help="continue from OUT/checkpoints when there is a checkpoint (else start fresh)")
     group.add_argument("--overwrite", action="store_true",
-                       help="start afresh in an --out that holds a run, removing its checkpoints, final model and "
-                       "metrics (without it, such an --out is refused unless --resume continues it)")
+                       help="start afresh in an --out that holds a run, removing its checkpoints, final model, "
+                       "metrics and TensorBoard events (without it, such an --out is refused unless --resume "
+                       "continues it)")
     group.add_argument("--on_signal", choices=("sync_now", "next_sync"), default="sync_now",
                        help="on SIGTERM: average early and stop one step later, or train on to the next "
                        "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")

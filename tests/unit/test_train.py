@@ -79,7 +79,7 @@ def test_a_run_in_its_out_is_refused_unless_resumed_or_overwritten(tmp_path):
     """A fresh run into the --out of a finished run used to replace its checkpoint, metrics and model with no
     word. Each of them alone is a run that --resume or --overwrite must name."""
     out = tmp_path / "run"
-    for left in ("checkpoints/latest/run.json", "final/model.safetensors", "hdet_metrics.jsonl"):
+    for left in ("tensorboard/events", "checkpoints/latest/run.json", "final/model.safetensors", "hdet_metrics.jsonl"):
         shutil.rmtree(out, ignore_errors=True)
         (out / left).parent.mkdir(parents=True, exist_ok=True)
         (out / left).write_text("{}")
@@ -93,7 +93,7 @@ def test_a_run_in_its_out_is_refused_unless_resumed_or_overwritten(tmp_path):
     plan(parse_args(["--out", str(out)]))
 
 
-def test_overwrite_removes_the_previous_runs_checkpoints_model_and_metrics_only(tmp_path):
+def test_overwrite_removes_the_previous_runs_checkpoints_model_metrics_and_events_only(tmp_path):
     from hdet_scale.lm.checkpoints import remove_previous_run
 
     for left in ("checkpoints/latest/run.json", "final/config.json", "hdet_metrics.jsonl", "tensorboard/events",
@@ -102,8 +102,9 @@ def test_overwrite_removes_the_previous_runs_checkpoints_model_and_metrics_only(
         (tmp_path / left).write_text("x")
     metrics = str(tmp_path / "hdet_metrics.jsonl")
     removed = remove_previous_run(tmp_path, metrics)
-    assert removed == [tmp_path / "checkpoints", tmp_path / "final", tmp_path / "hdet_metrics.jsonl"]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "tensorboard"]
+    assert removed == [tmp_path / "checkpoints", tmp_path / "final", tmp_path / "tensorboard",
+                       tmp_path / "hdet_metrics.jsonl"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.usefixtures("single_process")
