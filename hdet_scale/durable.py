@@ -4,17 +4,30 @@ that came back truncated, after the previous checkpoint was deleted."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 
 def fsync_path(path: Path) -> None:
-    """Flushes the file ``path``, or the entries of the folder ``path`` (a rename in it), to the disk."""
+    """Flushes the file ``path``, or the entries of the folder ``path`` (a rename in it), to the disk. A file
+    system that cannot flush a folder (CIFS, some FUSE mounts: EINVAL) keeps its renames as it does."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
+    except OSError as error:
+        if not (error.errno == errno.EINVAL and path.is_dir()):
+            raise
     finally:
         os.close(descriptor)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flushes every file under the folder ``path``, and the folders' entries."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder))
 
 
 def replace_durably(source: Path, target: Path) -> None:

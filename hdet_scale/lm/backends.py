@@ -22,9 +22,9 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hdet_scale.comm import on_rank0, raise_together
 from hdet_scale.config import HDETConfig
-from hdet_scale.durable import replace_durably
+from hdet_scale.durable import fsync_tree
 from hdet_scale.ensemble import HDETEnsemble
-from hdet_scale.lm.checkpoints import DEEPSPEED_TAG_PREFIX, write_manifest
+from hdet_scale.lm.checkpoints import deepspeed_tag, latest_tag, point_latest, write_manifest
 from hdet_scale.lm.model import next_token_loss
 from hdet_scale.metrics import SyncReport
 from hdet_scale.schedule import ReplaySchedule
@@ -290,26 +290,26 @@ class DeepSpeedBackend(Backend):
         return self.engine
 
     def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
-        tag = f"{DEEPSPEED_TAG_PREFIX}{self.ensemble.global_step}"
-        previous = _latest_tag(directory)
+        tag = deepspeed_tag(self.ensemble.global_step)
+        previous = latest_tag(directory)
         # DeepSpeed's own 'latest' is written by rank 0 before the other ranks are done; it is written here
         # after DeepSpeed's closing barrier instead, with the manifest first, so it never names an incomplete
         # checkpoint.
         self.hdet.save_checkpoint(directory, tag=tag, client_state={"train": dict(extra)}, save_latest=False)
-        # DeepSpeed's torch.save leaves its files in the page cache: each node flushes what it wrote before the
-        # manifest vouches for them and the older checkpoint goes (a node crash would leave truncated files)
+        # DeepSpeed's torch.save leaves its files in the page cache: each node flushes them (a write error shows
+        # here) before the manifest vouches for them and the older checkpoint goes, so that a node crash cannot
+        # leave only a checkpoint with truncated files. One rank a node: an fsync flushes what any of its ranks wrote.
         failure = None
-        try:
-            os.sync()
-        except OSError as error:
-            failure = error
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            try:
+                fsync_tree(directory / tag)
+            except OSError as error:
+                failure = error
         raise_together(failure, f"flushing the checkpoint {directory / tag} to the disk")
 
         def complete() -> None:
             write_manifest(directory / tag, dict(run), self.ensemble.global_step)
-            staging = directory / "latest.tmp"
-            staging.write_text(tag)
-            replace_durably(staging, directory / "latest")
+            point_latest(directory, tag)
             if previous not in (None, tag):
                 _remove_tree(directory / previous)
 
@@ -321,16 +321,10 @@ class DeepSpeedBackend(Backend):
         return dict(client_state.get("train", {}))
 
     def checkpoint_path(self, directory: Path) -> Path:
-        return directory / (_latest_tag(directory) or "")
+        return directory / (latest_tag(directory) or "")
 
     def export(self, path: Path) -> None:
         self.hdet.save_pretrained(path)
-
-
-def _latest_tag(directory: Path) -> str | None:
-    """The tag DeepSpeed's ``latest`` file names (written by global rank 0 once a checkpoint is complete)."""
-    latest = directory / "latest"
-    return latest.read_text().strip() if latest.is_file() else None
 
 
 def _remove_tree(path: Path) -> None:

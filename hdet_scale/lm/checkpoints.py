@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from importlib import metadata
@@ -93,6 +94,30 @@ DEEPSPEED_TAG_PREFIX = "step"
 ``latest.tmp``), then removes the folder ``latest`` named before."""
 
 
+def deepspeed_tag(step: int) -> str:
+    """The folder of DeepSpeed's checkpoint at ``step``."""
+    return f"{DEEPSPEED_TAG_PREFIX}{step}"
+
+
+def deepspeed_folders(root: Path) -> list[Path]:
+    """The DeepSpeed checkpoint folders under ``root`` (``step<N>``, nothing else a user keeps there)."""
+    return sorted(path for path in root.glob(f"{DEEPSPEED_TAG_PREFIX}*")
+                  if path.is_dir() and re.fullmatch(rf"{DEEPSPEED_TAG_PREFIX}\d+", path.name))
+
+
+def latest_tag(root: Path) -> str | None:
+    """The tag DeepSpeed's ``latest`` file under ``root`` names, None where there is none."""
+    latest = root / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def point_latest(root: Path, tag: str) -> None:
+    """Points DeepSpeed's ``latest`` file under ``root`` at ``tag``, on the disk when it returns."""
+    staging = root / "latest.tmp"
+    staging.write_text(tag)
+    replace_durably(staging, root / "latest")
+
+
 def checkpoint_dir(out: Path) -> Path | None:
     """The newest checkpoint under ``out/checkpoints``, of either engine: FSDP2's ``latest`` folder, or the
     folder DeepSpeed's ``latest`` file names, or a newer complete one a kill left before ``latest`` named it;
@@ -102,9 +127,10 @@ def checkpoint_dir(out: Path) -> Path | None:
     latest = root / "latest"
     if latest.is_dir():
         return latest
-    named = root / latest.read_text().strip() if latest.is_file() else None
+    tag = latest_tag(root)
+    named = root / tag if tag is not None else None
     named_step = complete_step(named) if named is not None else None
-    candidates = [*(root / name for name in STAGING), *root.glob(f"{DEEPSPEED_TAG_PREFIX}*")]
+    candidates = [*(root / name for name in STAGING), *deepspeed_folders(root)]
     newer = [(step, path) for path in candidates if path != named and (step := complete_step(path)) is not None
              and (named is None or named_step is None or step > named_step)]
     if named is not None and (named_step is None or not newer):
@@ -220,28 +246,25 @@ def settle_interrupted_save(out: Path) -> list[str]:
     root = out / CHECKPOINTS
     done = []
     newest = checkpoint_dir(out)
-    named = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
     if newest is not None and newest.name in STAGING:
         newest.rename(root / "latest")
         done.append(f"promoted {newest} (complete, step {complete_step(root / 'latest')}) to {root / 'latest'}, "
                     "left by a checkpoint interrupted between its renames")
         newest = root / "latest"
-    elif newest is not None and newest.name.startswith(DEEPSPEED_TAG_PREFIX) and newest.name != named:
-        pointer = root / "latest.tmp"
-        pointer.write_text(newest.name)
-        pointer.replace(root / "latest")
+    elif newest is not None and newest.name != "latest" and newest.name != latest_tag(root):
+        point_latest(root, newest.name)
         done.append(f"pointed {root / 'latest'} at {newest} (complete, step {complete_step(newest)}), left by a "
                     "checkpoint interrupted before it was named")
-    leftovers = [*(root / name for name in STAGING),
-                 *sorted(path for path in root.glob(f"{DEEPSPEED_TAG_PREFIX}*") if path != newest)]
-    for leftover in leftovers:
+    for leftover in [*(root / name for name in STAGING), *(path for path in deepspeed_folders(root) if path != newest)]:
+        why = ("older than the checkpoint resumed" if leftover.name not in STAGING and complete_step(leftover)
+               is not None else "left by an interrupted checkpoint")
         if leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover)
         elif leftover.exists():
             os.remove(leftover)
         else:
             continue
-        done.append(f"removed {leftover}, left by an interrupted checkpoint")
+        done.append(f"removed {leftover}, {why}")
     return done
 
 

@@ -53,7 +53,6 @@ class Injector:
         for method in ("write_text", "replace", "rename"):
             self._wrap(pathlib.Path, method, lambda args: args[0])
         self._wrap(os, "fsync", lambda args: os.readlink(f"/proc/self/fd/{args[0]}"))
-        self._wrap(os, "sync", lambda args: self.root)
 
     def _wrap(self, owner: Any, name: str, path_of: Callable[[tuple], Any]) -> None:
         original = getattr(owner, name)
@@ -197,19 +196,18 @@ def writes_of_a_save(rank: int, world: int, directory: str, layout: str) -> list
 
 @pytest.mark.parametrize("layout", list(PUBLISH))
 def test_every_file_of_a_checkpoint_is_on_the_disk_before_it_replaces_the_older_one(tmp_path, layout):
-    """A node crash loses the page cache: each file a rank wrote is flushed (fsync of that file, or a sync of the
-    node) before rank 0 publishes the checkpoint, and the rename itself is flushed (fsync of its folder, ".")
-    before the older checkpoint is removed."""
+    """A node crash loses the page cache: each file a rank wrote is flushed (fsync of that file by its rank, or
+    by the node's first rank, which under DeepSpeed flushes the whole checkpoint) before rank 0 publishes the
+    checkpoint, and the rename itself is flushed (fsync of its folder, ".") before the older checkpoint goes."""
     writes = run_ranks(writes_of_a_save, 4, str(tmp_path), layout, timeout=300)
     publish = writes[0].index(PUBLISH[layout])
+    flushed_before_publish = {write.split(" ", 1)[1] for write in writes[0][:publish] if write.startswith("fsync ")}
     for rank, done in enumerate(writes):
         for index, write in enumerate(done):
             kind, path = write.split(" ", 1)
             if kind in DATA_WRITES:
-                flushed = [later for later in done[index + 1:] if later in (f"fsync {path}", "sync .")]
-                assert flushed, (rank, write, done)
-                if rank == 0:
-                    assert done.index(flushed[0]) < publish, (write, done)
+                own = rank > 0 and f"fsync {path}" in done[index + 1:]  # inside the save, before rank 0 publishes
+                assert own or path in flushed_before_publish, (rank, write, done)
     assert "fsync ." in writes[0][publish + 1:], writes[0]
 
 

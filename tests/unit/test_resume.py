@@ -123,17 +123,20 @@ def test_deepspeed_folders_a_kill_left_are_removed_and_a_complete_unnamed_one_is
         deepspeed_tag(tmp_path, step)
     (root / "latest").write_text("step20")
     deepspeed_tag(tmp_path, 30, complete=False)  # killed while writing
+    (root / "step10_keep").mkdir()  # what a user keeps there is not a checkpoint's
+    (root / "steps_notes.txt").write_text("mine")
     assert check_resume(tmp_path, saved).step == 20
     assert settle_interrupted_save(tmp_path) == [
-        f"removed {root / 'step10'}, left by an interrupted checkpoint",
+        f"removed {root / 'step10'}, older than the checkpoint resumed",
         f"removed {root / 'step30'}, left by an interrupted checkpoint"]
-    assert sorted(path.name for path in root.iterdir()) == ["latest", "step20"]
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step10_keep", "step20", "steps_notes.txt"]
+    (root / "step10_keep").rmdir(), (root / "steps_notes.txt").unlink()
     # killed after step40's manifest, before 'latest' named it: complete, so it is the run's newest checkpoint
     deepspeed_tag(tmp_path, 40)
     assert check_resume(tmp_path, saved).step == 40
     assert settle_interrupted_save(tmp_path) == [
         f"pointed {root / 'latest'} at {root / 'step40'} (complete, step 40), left by a checkpoint interrupted before "
-        "it was named", f"removed {root / 'step20'}, left by an interrupted checkpoint"]
+        "it was named", f"removed {root / 'step20'}, older than the checkpoint resumed"]
     assert (root / "latest").read_text() == "step40" and check_resume(tmp_path, saved).step == 40
     assert sorted(path.name for path in root.iterdir()) == ["latest", "step40"]
 
