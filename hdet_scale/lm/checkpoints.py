@@ -174,11 +174,18 @@ def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
         if file.stat().st_size != size:
             raise ResumeError(f"{where} is damaged: {name} has {file.stat().st_size} bytes, {size} were written; "
                               f"resume from a complete checkpoint or remove {out / CHECKPOINTS} to start afresh")
-    before, now = saved.get("settings", run["settings"]), run["settings"]  # earlier versions did not record them
-    changed = tuple(f"{name} {before.get(name)} -> {now.get(name)}" for name in sorted(set(before) | set(now))
-                    if before.get(name) != now.get(name))
+    # settings both runs recorded (earlier versions recorded none, later ones may record more)
+    before, now = saved.get("settings", {}), run["settings"]
+    changed = tuple(differences({name: before[name] for name in before.keys() & now.keys()},
+                                {name: now[name] for name in before.keys() & now.keys()}))
     return ResumePoint(path=path, step=int(saved["step"]), saved_replicas=int(saved["replicas"]),
                        replicas=int(run["replicas"]), changed=changed)
+
+
+def differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``name old -> new`` for each name whose value differs between ``before`` and ``now``, sorted."""
+    return [f"{name} {before.get(name)} -> {now.get(name)}" for name in sorted(before.keys() | now.keys())
+            if before.get(name) != now.get(name)]
 
 
 def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
@@ -189,18 +196,14 @@ def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
         raise ResumeError(f"{where} was written by {engine(saved)}, this run uses {engine(run)}: resume with the "
                           "engine that wrote it, or use another --out")
     if saved["model"] != run["model"]:
-        changed = ", ".join(f"{key} {saved['model'].get(key)} -> {run['model'].get(key)}"
-                            for key in sorted(set(saved["model"]) | set(run["model"]))
-                            if saved["model"].get(key) != run["model"].get(key))
+        changed = ", ".join(differences(saved["model"], run["model"]))
         raise ResumeError(f"{where} holds another model ({changed}): resume with the model it was trained with, or "
                           "use another --out")
     if saved["explored"] != run["explored"]:
         raise ResumeError(f"{where} explores {saved['explored']}, this run {run['explored']}: resume with the same "
                           "explore settings and param groups, or use another --out")
     if saved.get("optimizer", run["optimizer"]) != run["optimizer"]:  # checkpoints of earlier versions lack it
-        changed = ", ".join(f"{key} {saved['optimizer'].get(key)} -> {run['optimizer'].get(key)}"
-                            for key in sorted(set(saved["optimizer"]) | set(run["optimizer"]))
-                            if saved["optimizer"].get(key) != run["optimizer"].get(key))
+        changed = ", ".join(differences(saved["optimizer"], run["optimizer"]))
         raise ResumeError(f"{where} was trained with other optimizer settings ({changed}): a resumed run takes the "
                           "saved optimizer and LR schedule state, which would ignore them; resume with the values it "
                           "was trained with, or start a new run in another --out")

@@ -3,8 +3,9 @@ two Slurm jobs sharing an ``OUT_DIR``) is refused instead of deleting the first 
 checkpoints.
 
 The first run's rank 0 holds ``OUT/run.lock`` (its host, pid, Slurm job and requeue count) until it ends. A lock
-left by a run that is gone is taken over: one of the same Slurm job requeued since (``SLURM_RESTART_COUNT`` grew),
-or one whose process no longer runs on this host. A lock left on another machine outside Slurm cannot be checked
+left by a run that is gone (killed, aborted by NCCL, stopped by Slurm's SIGKILL) is taken over: one of the same
+Slurm job requeued since (``SLURM_RESTART_COUNT`` grew), one of a Slurm job that ``squeue`` no longer lists, or
+one whose process no longer runs on this host. A lock left on another machine outside Slurm cannot be checked
 from here; the refusal says which file to remove.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +35,14 @@ def this_process() -> dict[str, Any]:
 
 def is_gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     """Whether the run that wrote ``holder`` has ended, as far as ``me`` can tell."""
-    if holder.get("slurm_job") and holder["slurm_job"] == me["slurm_job"]:
+    if (holder.get("host"), holder.get("pid")) == (me["host"], me["pid"]):
+        return True  # this very process (a restarted container may reuse a host name and a pid)
+    job = holder.get("slurm_job")
+    if job and job == me["slurm_job"]:
         if int(holder.get("slurm_restart", 0)) < me["slurm_restart"]:
             return True  # the same job requeued: its earlier allocation is over
+    elif job and not slurm_job_listed(str(job)):
+        return True
     if holder.get("host") != me["host"]:
         return False
     try:
@@ -45,6 +52,18 @@ def is_gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     except PermissionError:  # another user's live process
         return False
     return False
+
+
+def slurm_job_listed(job: str) -> bool:
+    """Whether ``squeue`` still lists Slurm job ``job`` (True where it cannot be asked: the lock then holds)."""
+    try:
+        listed = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format", "%i"], capture_output=True,
+                                text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    if listed.returncode != 0:  # an id slurmctld no longer knows is an error, and a job gone
+        return "invalid job id" not in listed.stderr.lower()
+    return bool(listed.stdout.strip())
 
 
 def take(out: Path) -> None:
@@ -66,7 +85,9 @@ def take(out: Path) -> None:
         staged = path.with_name(f"{LOCK}.{me['host']}.{me['pid']}")
         staged.write_text(json.dumps(me))
         staged.replace(path)
-        return
+        holder = json.loads(path.read_text())  # two runs taking over the same lock: the last to replace it wins
+        if (holder.get("host"), holder.get("pid")) == (me["host"], me["pid"]):
+            return
     job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
     who = (f"rank 0 on {holder.get('host')}, pid {holder.get('pid')}{job}, since {holder.get('since')}" if holder
            else "its lock file is unreadable")

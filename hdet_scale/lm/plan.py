@@ -89,7 +89,7 @@ def plan(args: argparse.Namespace) -> Plan:
                    explored=[name for name, knob in vars(config.explore).items() if knob is not None],
                    optimizer={"peak_lr": given_peak_lr(args, ds_config)[0],
                               "weight_decay": given_weight_decay(args, ds_config)},
-                   settings=resumable_settings(args, config))
+                   settings=resumable_settings(args, config, ds_config, dtype))
     resume = check_resume(out, run) if args.resume else None
     return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)
 
@@ -210,21 +210,29 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
     return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), **values}
 
 
-RESUMABLE_ARGUMENTS = ("steps", "warmup_steps", "min_lr_ratio", "seed", "data", "seq_len", "micro_batch_size",
-                       "grad_accum", "grad_clip", "dropout", "probe_batch", "replay_schedule")
+RESUMABLE_ARGUMENTS = ("steps", "warmup_steps", "min_lr_ratio", "seed", "data", "token_dtype", "max_data_mb",
+                       "heldout_fraction", "seq_len", "micro_batch_size", "grad_accum", "grad_clip", "dropout",
+                       "probe_batch", "replay_schedule")
 """The command-line settings a resumed run may change (each applies from the resumed step on)."""
+DEEPSPEED_WINS = {"micro_batch_size": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps",
+                  "grad_clip": "gradient_clipping", "warmup_steps": "scheduler", "min_lr_ratio": "scheduler"}
+"""Arguments a DeepSpeed JSON overrides where it sets the key named (its own value is recorded instead)."""
 
 
-def resumable_settings(args: argparse.Namespace, config: HDETConfig) -> dict[str, Any]:
-    """The settings a resume says it changed: ``RESUMABLE_ARGUMENTS`` and every HDET setting (``hdet.<field>``)
-    but where the metrics go and the replica size (a requeued job may change it)."""
+def resumable_settings(args: argparse.Namespace, config: HDETConfig, ds_config: dict[str, Any] | None,
+                       dtype: str) -> dict[str, Any]:
+    """The settings in effect that a resume says it changed: ``RESUMABLE_ARGUMENTS`` (those a DeepSpeed JSON
+    overrides as ``deepspeed.<key>``, with the rest of the JSON), the precision, and every HDET setting
+    (``hdet.<field>``) but where the metrics go and the replica size (a requeued job may change it)."""
     def dotted(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
         return {key: value for name, item in values.items() for key, value in
                 (dotted(f"{prefix}{name}.", item) if isinstance(item, dict) else {f"{prefix}{name}": item}).items()}
 
+    overridden = {name for name, key in DEEPSPEED_WINS.items() if key in (ds_config or {})}
     hdet = {name: value for name, value in config.to_dict().items()
             if name not in ("metrics_path", "ranks_per_replica")}
-    return {**{name: getattr(args, name) for name in RESUMABLE_ARGUMENTS}, **dotted("hdet.", hdet)}
+    return {**{name: getattr(args, name) for name in RESUMABLE_ARGUMENTS if name not in overridden},
+            "dtype": dtype, **dotted("deepspeed.", ds_config or {}), **dotted("hdet.", hdet)}
 
 
 def given_weight_decay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> float:

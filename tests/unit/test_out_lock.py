@@ -1,6 +1,6 @@
 """One run at a time in an output directory (hdet_scale/lm/out_lock.py): a live holder is refused in one line
-naming it and the file to remove; a holder that is gone (its process ended on this host, or its Slurm job was
-requeued since) is taken over; a run releases only its own lock.
+naming it and the file to remove; a holder that is gone (its process ended on this host, its Slurm job requeued
+since or no longer queued) is taken over; a run releases only its own lock.
 
 This file holds the tests that start no training; the refusal of a real launch is in tests/e2e/test_train_e2e.py.
 """
@@ -33,24 +33,51 @@ def ended_pid() -> int:
     return process.pid
 
 
+@pytest.fixture
+def live_pid():
+    with subprocess.Popen(["sleep", "300"]) as process:
+        yield process.pid
+        process.kill()
+
+
+@pytest.fixture
+def squeue(tmp_path, monkeypatch):
+    """A ``squeue`` on PATH that answers what the test writes into it (no squeue at all: ``None``)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    monkeypatch.setenv("PATH", str(folder))
+
+    def answer(script: str | None) -> None:
+        path = folder / "squeue"
+        path.unlink(missing_ok=True)
+        if script is not None:
+            path.write_text(f"#!/bin/sh\n{script}\n")
+            path.chmod(0o755)
+    return answer
+
+
 @pytest.fixture(autouse=True)
 def outside_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
 
 
-def test_a_free_directory_is_taken_and_a_second_run_refused_until_the_first_releases_it(tmp_path):
+def test_a_free_directory_is_taken_and_a_live_holder_refused_until_it_releases_it(tmp_path, live_pid):
     out_lock.take(tmp_path / "new" / "out")  # a fresh --out is made
     assert (tmp_path / "new" / "out" / out_lock.LOCK).is_file()
-    out_lock.take(tmp_path)
-    assert held_by(tmp_path)["pid"] == os.getpid() and held_by(tmp_path)["host"] == socket.gethostname()
-    message = (rf"--out {tmp_path} is in use by another run \(rank 0 on {socket.gethostname()}, pid {os.getpid()}, "
+    holder(tmp_path, pid=live_pid)  # another run, alive on this host
+    message = (rf"--out {tmp_path} is in use by another run \(rank 0 on {socket.gethostname()}, pid {live_pid}, "
                rf"since .*\): wait for it to end or choose another --out; .*remove {tmp_path / 'run.lock'}")
     with pytest.raises(out_lock.OutInUse, match=message):
         out_lock.take(tmp_path)
+    out_lock.release(tmp_path)  # not this process's lock: kept
+    assert held_by(tmp_path)["pid"] == live_pid
+    (tmp_path / out_lock.LOCK).unlink()  # the other run ended and released it
+    out_lock.take(tmp_path)
+    assert held_by(tmp_path)["pid"] == os.getpid()
+    out_lock.take(tmp_path)  # this very process again (a restarted container may reuse host name and pid)
     out_lock.release(tmp_path)
     assert not (tmp_path / out_lock.LOCK).exists()
-    out_lock.take(tmp_path)
 
 
 def test_a_lock_whose_process_ended_on_this_host_is_taken_over(tmp_path):
@@ -60,20 +87,27 @@ def test_a_lock_whose_process_ended_on_this_host_is_taken_over(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == [out_lock.LOCK]
 
 
-def test_a_lock_from_another_machine_is_refused_unless_its_slurm_job_was_requeued_since(tmp_path, monkeypatch):
+def test_a_lock_from_another_machine_is_taken_over_only_when_its_slurm_job_is_over(tmp_path, monkeypatch, squeue):
     holder(tmp_path, host="node-7", pid=ended_pid(), slurm_job="4242", slurm_restart=0)
+    squeue("echo 4242")  # still queued or running
     with pytest.raises(out_lock.OutInUse, match=r"rank 0 on node-7, pid \d+, Slurm job 4242, since"):
+        out_lock.take(tmp_path)
+    squeue(None)  # no Slurm to ask here: the lock holds
+    with pytest.raises(out_lock.OutInUse):
         out_lock.take(tmp_path)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")  # another step of the same allocation: still running
     with pytest.raises(out_lock.OutInUse):
         out_lock.take(tmp_path)
-    monkeypatch.setenv("SLURM_JOB_ID", "5000")  # another job
-    with pytest.raises(out_lock.OutInUse):
-        out_lock.take(tmp_path)
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the same job, requeued: its first allocation is over
     out_lock.take(tmp_path)
     assert (held_by(tmp_path)["slurm_job"], held_by(tmp_path)["slurm_restart"]) == ("4242", 1)
+    monkeypatch.setenv("SLURM_JOB_ID", "5000")  # a new job, after 4242 ended
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    for ended in ("true", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1"):
+        holder(tmp_path, host="node-7", pid=1, slurm_job="4242")
+        squeue(ended)
+        out_lock.take(tmp_path)
+        assert held_by(tmp_path)["slurm_job"] == "5000"
 
 
 def test_an_unreadable_lock_is_refused_and_a_run_releases_only_its_own(tmp_path):

@@ -221,6 +221,20 @@ def test_other_settings_a_resume_may_change_are_said_in_one_line(tmp_path, singl
     assert plan(parse_args([*words, "--resume", "--steps", "600"])).resume.changed == ()
 
 
+def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrides(tmp_path, single_process):
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
+    words = ["--engine", "deepspeed", "--deepspeed_config", str(ds_json), "--out", str(tmp_path / "out"),
+             "--max_data_mb", "1"]
+    saved = plan(parse_args(words)).run
+    del saved["settings"]["seed"]  # a setting the checkpoint's version did not record: not compared
+    fake_checkpoint(tmp_path / "out", saved)
+    assert plan(parse_args([*words, "--resume", "--micro_batch_size", "2", "--seed", "3"])).resume.changed == ()
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}))
+    assert plan(parse_args([*words, "--resume"])).resume.changed == (
+        "deepspeed.train_micro_batch_size_per_gpu 4 -> 2",)
+
+
 def test_a_changed_lr_or_weight_decay_is_refused_on_resume_not_ignored(tmp_path, single_process):
     """The saved optimizer and LR schedule state would replace them: the run would silently train at the old ones."""
     words = ["--out", str(tmp_path), "--max_data_mb", "1"]
