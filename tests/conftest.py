@@ -27,6 +27,21 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.e2e)
 
 
+SHARED_MEMORY = Path("/dev/shm")
+DEEPSPEED_BUFFERS = "deepspeed_allreduce_buffer_*"
+"""DeepSpeed's CPU all-reduce maps a 66 MB buffer per rank here and never unlinks it: left behind by every run."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_deepspeed_buffers_left():
+    """Removes the shared-memory buffers the session's DeepSpeed runs left (once they have all ended): a few
+    sessions' worth fill a machine's memory, and Slurm's daemons were seen to stop answering under that."""
+    before = set(SHARED_MEMORY.glob(DEEPSPEED_BUFFERS))
+    yield
+    for path in set(SHARED_MEMORY.glob(DEEPSPEED_BUFFERS)) - before:
+        path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def main_job(tmp_path_factory):
     """The README's main job, launched once (shortened) for test_readme_e2e.py and test_train_e2e.py: a
