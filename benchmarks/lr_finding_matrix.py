@@ -36,7 +36,7 @@ from typing import Any
 
 import lr_finding
 from common import BENCHMARKS, REPO, RESULTS, head_commit, read_json, write_json
-from lr_finding_matrix_report import write_matrix_report
+from lr_finding_matrix_report import judged_variant, write_matrix_report
 from weight_decay_report import write_weight_decay_report
 
 SETTINGS = BENCHMARKS / "lr_finding_matrix_settings.json"
@@ -130,8 +130,7 @@ def record_of(matrix: dict[str, Any], entry: dict[str, Any], run_args: argparse.
 def check_holdout(record: dict[str, Any], seen: bool) -> None:
     """A holdout setting is judged by one variant, the default it first ran with; the current default runs on a
     holdout an earlier default judged only when asked for (``seen``), since that setting is no longer held out."""
-    ran = [run["variant"] for run in record["runs"] if run["method"] == "hdet"]
-    judged = ran[0] if ran else lr_finding.DEFAULT_VARIANT
+    judged = judged_variant(record, lr_finding.DEFAULT_VARIANT)
     if seen and judged == lr_finding.DEFAULT_VARIANT:
         raise SystemExit(f"lr_finding_matrix: holdout setting {record['name']} was not judged by an earlier default; "
                          "run it with --holdout alone")

@@ -86,17 +86,17 @@ def test_a_setting_becomes_lr_findings_arguments():
 
 def test_a_holdout_is_judged_by_the_default_it_first_ran_with():
     default = {"method": "hdet", "variant": lr_finding.DEFAULT_VARIANT}
-    earlier = {"name": "h", "runs": [{"method": "hdet", "variant": "paper"}]}
+    earlier = {"name": "h", "holdout": True, "runs": [{"method": "hdet", "variant": "paper"}]}
     with pytest.raises(SystemExit, match="already ran HDET variant paper"):
         matrix.check_holdout(earlier, seen=False)
-    matrix.check_holdout({"name": "h", "runs": [default]}, seen=False)
-    matrix.check_holdout({"name": "h", "runs": []}, seen=False)
+    matrix.check_holdout({"name": "h", "holdout": True, "runs": [default]}, seen=False)
+    matrix.check_holdout({"name": "h", "holdout": True, "runs": []}, seen=False)
     # the current default runs on a holdout an earlier default judged only when asked for, and only there
     matrix.check_holdout(earlier, seen=True)
-    matrix.check_holdout({"name": "h", "runs": [*earlier["runs"], default]}, seen=True)
+    matrix.check_holdout({"name": "h", "holdout": True, "runs": [*earlier["runs"], default]}, seen=True)
     for unjudged in ([], [default]):
         with pytest.raises(SystemExit, match="was not judged by an earlier default"):
-            matrix.check_holdout({"name": "h", "runs": unjudged}, seen=True)
+            matrix.check_holdout({"name": "h", "holdout": True, "runs": unjudged}, seen=True)
     with pytest.raises(SystemExit):
         matrix.parse_args(["--seen_holdout"])
     assert matrix.parse_args(["--holdout", "--seen_holdout"]).seen_holdout

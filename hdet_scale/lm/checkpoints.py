@@ -132,7 +132,7 @@ def checkpoint_dir(out: Path) -> Path | None:
     named_step = complete_step(named) if named is not None else None
     candidates = [*(root / name for name in STAGING), *deepspeed_folders(root)]
     newer = [(step, path) for path in candidates if path != named and (step := complete_step(path)) is not None
-             and (named is None or named_step is None or step > named_step)]
+             and (named_step is None or step > named_step)]
     if named is not None and (named_step is None or not newer):
         return named  # a damaged checkpoint 'latest' names is refused by check_resume, not skipped for an older one
     return max(newer)[1] if newer else None

@@ -33,9 +33,14 @@ def this_process() -> dict[str, Any]:
             "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def is_this(holder: dict[str, Any], me: dict[str, Any]) -> bool:
+    """Whether the lock ``holder`` was written by the process ``me`` (``this_process()``)."""
+    return (holder.get("host"), holder.get("pid")) == (me["host"], me["pid"])
+
+
 def is_gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     """Whether the run that wrote ``holder`` has ended, as far as ``me`` can tell."""
-    if (holder.get("host"), holder.get("pid")) == (me["host"], me["pid"]):
+    if is_this(holder, me):
         return True  # this very process (a restarted container may reuse a host name and a pid)
     job = holder.get("slurm_job")
     if job and job == me["slurm_job"]:
@@ -86,7 +91,7 @@ def take(out: Path) -> None:
         staged.write_text(json.dumps(me))
         staged.replace(path)
         holder = json.loads(path.read_text())  # two runs taking over the same lock: the last to replace it wins
-        if (holder.get("host"), holder.get("pid")) == (me["host"], me["pid"]):
+        if is_this(holder, me):
             return
     job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
     who = (f"rank 0 on {holder.get('host')}, pid {holder.get('pid')}{job}, since {holder.get('since')}" if holder
@@ -99,8 +104,7 @@ def release(out: Path) -> None:
     """Removes ``out``'s lock where this process holds it."""
     path = out / LOCK
     try:
-        holder = json.loads(path.read_text())
-        if (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid()):
+        if is_this(json.loads(path.read_text()), this_process()):
             path.unlink()
     except (OSError, ValueError):
         pass
