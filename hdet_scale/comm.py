@@ -91,20 +91,18 @@ def unpack_healthy_mean(packed: torch.Tensor, out: torch.Tensor, group_size: int
     return out
 
 
-class HealthyMean:
-    """Replica-safe gradient means over ``group`` (None: all ranks): a member whose gradient has a non-finite
-    element contributes nothing, decided on the device in the same all-reduce (see ``pack_healthy``).
+class PackingPool:
+    """The CPU's pool of ``pack_healthy`` buffers for a group of ``size`` members: reused once their all-reduce is
+    unpacked (a fresh multi-MB buffer every step costs page faults there), so it holds as many as are in flight at
+    once; on an accelerator the caching allocator reuses memory, in stream order. DDP releases buffers from gloo's
+    callback thread while its main thread packs the next bucket: the pool is changed under a lock.
 
-    Call it on a tensor to average it in place (FSDP2's all-reduce hook), or register it with DDP as the state
-    of ``healthy_mean_hook``. On the CPU, packing buffers go back to a pool once their all-reduce is unpacked and
-    are reused (a fresh multi-MB buffer every step costs page faults there), so it holds as many as are in flight
-    at once; on an accelerator the caching allocator reuses memory, in stream order. DDP releases buffers from
-    gloo's callback thread while its main thread packs the next bucket: the pool is changed under a lock.
+    It holds no process group on purpose: DDP's callback, which holds the pool, can be freed on gloo's thread
+    after the main thread destroyed the group, and a group freed there joins its own thread (the process aborts).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
+    def __init__(self, size: int) -> None:
+        self.size = size
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._used: set[tuple[int, torch.dtype]] = set()
         self._lock = threading.Lock()
@@ -133,19 +131,34 @@ class HealthyMean:
         with self._lock:
             return sum(buffer.numel() * buffer.element_size() for pool in self._free.values() for buffer in pool)
 
-    def release(self, packed: torch.Tensor, tensor: torch.Tensor) -> None:
-        """Returns ``packed`` (done with, after unpacking into ``tensor``) to the CPU pool."""
+    def unpacked(self, packed: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Writes the all-reduced ``packed`` into ``tensor`` (``unpack_healthy_mean``), returns ``packed`` to the
+        pool and ``tensor``."""
+        unpack_healthy_mean(packed, tensor, self.size)
         if packed.device.type == "cpu":
             with self._lock:
                 self._free.setdefault((tensor.numel(), tensor.dtype), []).append(packed)
+        return tensor
+
+
+class HealthyMean:
+    """Replica-safe gradient means over ``group`` (None: all ranks): a member whose gradient has a non-finite
+    element contributes nothing, decided on the device in the same all-reduce (see ``pack_healthy``).
+
+    Call it on a tensor to average it in place (FSDP2's all-reduce hook), or register it with DDP as the state
+    of ``healthy_mean_hook``. Its ``pool`` reuses the packing buffers on the CPU.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.pool = PackingPool(dist.get_world_size(group))
 
     def __call__(self, tensor: torch.Tensor) -> int:
         """Replaces ``tensor`` by the healthy members' mean (collective; one all-reduce, no host synchronization);
         returns the bytes all-reduced."""
-        packed = self.packed(tensor)
+        packed = self.pool.packed(tensor)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group)
-        unpack_healthy_mean(packed, tensor, self.size)
-        self.release(packed, tensor)
+        self.pool.unpacked(packed, tensor)
         return packed.numel() * packed.element_size()
 
 
@@ -153,17 +166,12 @@ def healthy_mean_hook(state: HealthyMean, bucket: dist.GradBucket) -> torch.futu
     """A DDP communication hook, ``ddp.register_comm_hook(HealthyMean(group), healthy_mean_hook)``: each
     gradient bucket becomes the mean over the ranks of the group whose bucket is all finite."""
     buffer = bucket.buffer()
-    packed = state.packed(buffer)
+    pool = state.pool  # the callback holds the pool only, never the group (see PackingPool)
+    packed = pool.packed(buffer)
     if bucket.is_last():  # the step's last bucket: every size this step uses has been packed
-        state.keep_only_used()
-
-    def unpack(_: torch.futures.Future) -> torch.Tensor:
-        unpack_healthy_mean(packed, buffer, state.size)
-        state.release(packed, buffer)
-        return buffer
-
+        pool.keep_only_used()
     future = dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=state.group, async_op=True).get_future()
-    return future.then(unpack)
+    return future.then(lambda _: pool.unpacked(packed, buffer))
 
 
 # DDP checks a hook's annotations against the real classes, and this module's are strings (future annotations).

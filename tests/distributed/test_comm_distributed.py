@@ -173,7 +173,7 @@ def pool_after_ddp_steps(rank: int, world: int) -> tuple[int, int]:
     ddp.register_comm_hook(state, healthy_mean_hook)
     for _ in range(3):
         ddp(torch.randn(4, 512)).sum().backward()
-    return state.pooled_bytes(), sum(p.numel() for p in model.parameters())
+    return state.pool.pooled_bytes(), sum(p.numel() for p in model.parameters())
 
 
 def test_the_ddp_hooks_pool_keeps_one_buffer_per_bucket_after_ddp_rebuilds_them():
@@ -182,3 +182,23 @@ def test_the_ddp_hooks_pool_keeps_one_buffer_per_bucket_after_ddp_rebuilds_them(
     for pooled, parameters in run_ranks(pool_after_ddp_steps, 2):
         buckets = pooled // 4 - parameters  # each fp32 bucket packs its gradients and one contributor count
         assert pooled == (parameters + buckets) * 4 and 1 <= buckets <= 6  # 6 parameter tensors
+
+
+def ddp_hook_groups_destroyed_right_after_training(rank: int, world: int) -> None:
+    for _ in range(12):  # a race: with the group in the hook's callback, a run of 12 rounds aborted every time
+        group = dist.new_group()
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(HealthyMean(group), healthy_mean_hook)
+        for _ in range(3):
+            ddp(torch.randn(4, 512)).sum().backward()
+        del ddp
+        dist.destroy_process_group(group)
+        del group  # the last reference but the hook's
+
+
+def test_a_group_destroyed_right_after_the_ddp_hooks_last_step_does_not_abort_the_process():
+    """The hook's callback runs and is freed on gloo's thread; if it held the group, the group's last reference
+    could drop there once the main thread destroyed it, and a gloo group freed on its own thread aborts the
+    process (a thread cannot join itself)."""
+    run_ranks(ddp_hook_groups_destroyed_right_after_training, 2)
