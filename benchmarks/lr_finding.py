@@ -8,7 +8,9 @@ under torchrun; runs share launches (start-up costs more than a short run). Meth
 * ``sweep``: plain data parallel on a grid of factor sqrt(10) around ``--grid_center`` (extended until the
   best LR, by mean held-out loss over the seeds, has ``--grid_side`` points on each side). It gives the
   sweep-best LR and its held-out loss: the anchor.
-* ``hdet``: HDET started at ``--start_factors`` times the sweep-best LR, for each controller ``--variants``.
+* ``hdet``: HDET started at ``--start_factors`` times the sweep-best LR, for each controller ``--variants``. A
+  variant that starts from the library's LR range test runs from every start with the first seed only; where
+  those runs end alike, the other seeds' one run stands for all starts (``one_run_for_every_start``).
 * ``range_test``: the LR range test (``hdet_scale.range_test``: 100 steps of an exponential LR ramp, the LR of the
   smoothed loss's steepest descent), then one plain run at the LR it picked; once per seed, whatever the start.
 * ``proxy``: LR transfer from a proxy: a sweep on the model at half the width (``--proxy_seeds``, the same
@@ -438,6 +440,47 @@ def proxy_transfer(args: argparse.Namespace, record: dict[str, Any], source: Pat
     picked_runs(args, record, source, save, "proxy", {seed: record["proxy_best_lr"] for seed in args.seeds})
 
 
+def starts_from_range_test(variant: str) -> bool:
+    """Whether HDET runs of ``variant`` start with the library's LR range test: its ramp goes over fixed LRs
+    and the run goes on from its pick, so the LR a run is given should not change it."""
+    if not VARIANTS[variant].get("library"):
+        return False
+    from hdet_scale.config import HDETConfig
+
+    return bool(HDETConfig.from_dict(VARIANTS[variant]["hdet"]).auto_lr.filled().range_test)
+
+
+def one_run_for_every_start(args: argparse.Namespace, record: dict[str, Any], source: Path,
+                            save: Callable[[], None], variant: str, starts: list[float]) -> None:
+    """HDET runs of ``variant`` (one that starts from the range test) from ``starts``, one run per seed: the first
+    seed runs from every start, and where all its runs end with the same held-out loss to the last bit, each
+    other seed runs from one start (or has run before) and that run is recorded for its other starts too
+    (``copy_of_lr`` names the LR it ran from). Where they differ, every seed runs from every start."""
+    first, *others = args.seeds
+
+    def recorded(seed: int) -> list[dict[str, Any]]:
+        return [run for run in record["runs"] if (run["method"], run["variant"], run["seed"]) == ("hdet", variant, seed)
+                and run["heldout"] is not None]
+
+    def runs(seed: int, lrs: list[float]) -> list[dict[str, Any]]:
+        return [{"method": "hdet", "variant": variant, "lr": lr, "seed": seed} for lr in lrs]
+
+    todo = runs(first, starts) + [run for seed in others if not recorded(seed) for run in runs(seed, starts[:1])]
+    execute(args, pending(record, todo), source, record, save)
+    first_runs = recorded(first)
+    every_start = all(any(math.isclose(run["lr"], lr) for run in first_runs) for lr in starts)
+    if every_start and len({run["heldout"] for run in first_runs}) == 1:
+        for seed in others:
+            ran = [run for run in recorded(seed) if "copy_of_lr" not in run]
+            for run in pending(record, runs(seed, starts)) if ran else []:
+                record["runs"].append({**ran[0], **run, "copy_of_lr": ran[0]["lr"]})
+        save()
+        return
+    print(f"warning: {variant}'s runs of seed {first} end differently from different starts; every seed runs "
+          "from every start", file=sys.stderr)
+    execute(args, pending(record, [run for seed in others for run in runs(seed, starts)]), source, record, save)
+
+
 def run_setting(args: argparse.Namespace, record: dict[str, Any], save: Callable[[], None],
                 commit: str | None = None) -> dict[str, Any]:
     """Runs ``args.methods`` on the setting of ``args`` into ``record`` (a new record if it holds another setting)
@@ -467,7 +510,10 @@ def run_setting(args: argparse.Namespace, record: dict[str, Any], save: Callable
         todo = []
         if "hdet" in args.methods:
             todo += [{"method": "hdet", "variant": variant, "lr": lr, "seed": seed}
-                     for variant in args.variants for lr in starts for seed in args.seeds]
+                     for variant in args.variants if not starts_from_range_test(variant)
+                     for lr in starts for seed in args.seeds]
+            for variant in filter(starts_from_range_test, args.variants):
+                one_run_for_every_start(args, record, source, save, variant, starts)
         if "schedulefree" in args.methods:
             todo += [{"method": "schedulefree", "variant": "schedulefree", "lr": lr, "seed": seed}
                      for lr in starts for seed in args.seeds]

@@ -195,7 +195,10 @@ def write_matrix_report(stem: Path, matrix: dict[str, Any]) -> None:
         "# LR finding on a matrix of settings", "",
         f"The LR-finding benchmark (`lr_finding.md`) on the settings of `{matrix['settings_file']}`. Cells: the "
         "mean held-out loss over the seeds minus the sweep-best LR's mean (nats; lower is better). HDET columns: "
-        f"the default variant `{variant}` started at that multiple of the sweep-best LR. Baselines: the LR range "
+        f"the default variant `{variant}` started at that multiple of the sweep-best LR (it starts with the LR "
+        "range test, whose ramp does not read the LR given: the first seed runs from every start, and where those "
+        "runs end alike to the last bit, each other seed's one run stands for its every start, `copy_of_lr` in the "
+        "JSON). Baselines: the LR range "
         "test (100 steps of an exponential LR ramp, the LR of the steepest descent of the smoothed loss, then one "
         "run at it), the best LR of a sweep on the model at half the width reused on the full model, "
         "schedule-free AdamW (mean over the same starts) and Prodigy at LR 1.0. Targets: within "

@@ -79,3 +79,51 @@ def test_the_weight_decay_variant_is_the_default_exploring_weight_decay_too(tmp_
     assert explored == {"weight_decay"} and ran.explore.weight_decay.alpha == 0.5
     assert ran.auto_lr == default.auto_lr and ran.alpha == default.alpha
     assert default.explore == type(default.explore)()  # the default explores nothing besides the LR
+
+
+def runs_with_fake_results(lr_finding, monkeypatch, heldout_of, seeds=(0, 1, 2), factors=(0.1, 1.0, 10.0),
+                           recorded=()):
+    """The HDET runs ``one_run_for_every_start`` records for the default variant, each launched run ending at
+    ``heldout_of(run)``, with ``recorded`` runs there before; and the runs it launched."""
+    launched = []
+
+    def execute(args, todo, source, record, save):
+        launched.extend(todo)
+        record["runs"] += [{**run, "heldout": heldout_of(run)} for run in todo]
+
+    monkeypatch.setattr(lr_finding, "execute", execute)
+    args = lr_finding.parse_args(["--seeds", *map(str, seeds)])
+    record = {"runs": [{"method": "hdet", "variant": "default", **run} for run in recorded]}
+    lr_finding.one_run_for_every_start(args, record, None, lambda: None, "default", list(factors))
+    return record["runs"], launched
+
+
+def test_a_variant_that_starts_from_the_range_test_runs_each_seed_once_where_the_first_seed_shows_it(monkeypatch):
+    lr_finding = load_benchmark("lr_finding")
+    assert lr_finding.starts_from_range_test("default") and not lr_finding.starts_from_range_test("paper")
+    runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 + run["seed"])
+    assert sorted((run["seed"], run["lr"]) for run in launched) == [(0, 0.1), (0, 1.0), (0, 10.0), (1, 0.1), (2, 0.1)]
+    assert sorted((run["seed"], run["lr"], run["heldout"], run.get("copy_of_lr")) for run in runs) == [
+        (0, 0.1, 3.0, None), (0, 1.0, 3.0, None), (0, 10.0, 3.0, None),
+        (1, 0.1, 4.0, None), (1, 1.0, 4.0, 0.1), (1, 10.0, 4.0, 0.1),
+        (2, 0.1, 5.0, None), (2, 1.0, 5.0, 0.1), (2, 10.0, 5.0, 0.1)]
+
+
+def test_where_the_first_seeds_starts_end_apart_every_seed_runs_from_every_start(monkeypatch):
+    lr_finding = load_benchmark("lr_finding")
+    runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 + run["lr"])
+    assert len(launched) == len(runs) == 9 and not any("copy_of_lr" in run for run in runs)
+
+
+def test_new_starts_reuse_each_later_seeds_earlier_run_once_the_first_seed_ran_them_all(monkeypatch):
+    lr_finding = load_benchmark("lr_finding")
+    before = [{"lr": 1.0, "seed": seed, "heldout": 3.0 + seed} for seed in (0, 1, 2)]
+    runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 + run["seed"],
+                                            factors=(0.1, 10.0), recorded=before)
+    assert sorted((run["seed"], run["lr"]) for run in launched) == [(0, 0.1), (0, 10.0)]
+    assert sorted((run["seed"], run["lr"], run.get("copy_of_lr")) for run in runs if run["seed"]) == [
+        (1, 0.1, 1.0), (1, 1.0, None), (1, 10.0, 1.0), (2, 0.1, 1.0), (2, 1.0, None), (2, 10.0, 1.0)]
+    before[0]["heldout"] = 2.5  # the first seed's earlier run ended apart from its new ones
+    runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 + run["seed"],
+                                            factors=(0.1, 10.0), recorded=before)
+    assert len(launched) == 6 and not any("copy_of_lr" in run for run in runs)
