@@ -34,6 +34,7 @@ Code: this file runs the methods on one setting (``run_setting``; ``lr_finding_m
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -487,6 +488,11 @@ def run_setting(args: argparse.Namespace, record: dict[str, Any], save: Callable
     with ``hdet_scale`` and the workers as of ``commit`` (default: HEAD), calling ``save`` after every launch, and
     returns the record with its summary keys (``best_lr``, ``sweep``, each run's ``start_factor`` and
     ``final_lr_ratio``) filled in."""
+    missing = [package for method, package in OPTIMIZER_PACKAGES.items()
+               if method in args.methods and importlib.util.find_spec(package) is None]
+    if missing and not args.report_only:
+        raise SystemExit(f"lr_finding: --methods {' '.join(args.methods)} need {', '.join(missing)}, not installed "
+                         "here: pip install -e '.[bench]'")
     commit = commit or head_commit()
     if record.get("setting") != setting(args):
         record.clear()
@@ -529,6 +535,8 @@ def run_setting(args: argparse.Namespace, record: dict[str, Any], save: Callable
     return record
 
 
+OPTIMIZER_PACKAGES = {"schedulefree": "schedulefree", "prodigy": "prodigyopt"}
+"""The package each baseline optimizer's method imports (the ``bench`` extra)."""
 START_METHODS = ("hdet", "schedulefree")
 """The methods that start from the LR a user gives (the others pick their own)."""
 

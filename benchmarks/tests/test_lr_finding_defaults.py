@@ -127,3 +127,11 @@ def test_new_starts_reuse_each_later_seeds_earlier_run_once_the_first_seed_ran_t
     runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 + run["seed"],
                                             factors=(0.1, 10.0), recorded=before)
     assert len(launched) == 6 and not any("copy_of_lr" in run for run in runs)
+
+
+def test_a_baseline_whose_optimizer_is_not_installed_stops_before_any_run(monkeypatch):
+    lr_finding = load_benchmark("lr_finding")
+    monkeypatch.setattr(lr_finding, "OPTIMIZER_PACKAGES", {"prodigy": "no_such_optimizer_package"})
+    monkeypatch.setattr(lr_finding, "execute", lambda *args: pytest.fail("a run was launched"))
+    with pytest.raises(SystemExit, match=r"need no_such_optimizer_package.*pip install -e '\.\[bench\]'"):
+        lr_finding.run_setting(lr_finding.parse_args(["--methods", "sweep", "prodigy"]), {}, lambda: None)
