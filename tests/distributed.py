@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing.forkserver
 import os
+import pickle
 import queue as queue_module
 import socket
 import traceback
@@ -61,6 +62,18 @@ def _rank_context() -> Any:
     return context
 
 
+def _report(results: Any, rank: int, ok: bool, value: Any) -> None:
+    """Sends a rank's outcome, pickled here, by value: torch's queue would send a tensor as a handle to this
+    process's memory, which the parent cannot open once the rank has exited."""
+    results.put((rank, ok, pickle.dumps(value)))
+
+
+def _receive(results: Any, timeout: float = 1.0) -> tuple[int, bool, Any]:
+    """The next outcome a rank sent with ``_report`` (raises ``queue.Empty`` after ``timeout`` seconds)."""
+    rank, ok, value = results.get(timeout=timeout)
+    return rank, ok, pickle.loads(value)
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, environment: dict[str, str],
            results: Any, args: tuple) -> None:
     # A forked rank inherits the forkserver's environment: give it the caller's, as a spawned one would have.
@@ -72,9 +85,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, enviro
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=90))
-        results.put((rank, True, fn(rank, world_size, *args)))
+        _report(results, rank, True, fn(rank, world_size, *args))
     except BaseException:  # report every failure, including assertion errors, to the parent
-        results.put((rank, False, traceback.format_exc()))
+        _report(results, rank, False, traceback.format_exc())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -96,7 +109,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         waited = 0.0
         while len(outcome) < world_size and all(ok for ok, _ in outcome.values()) and not died and waited < timeout:
             try:
-                rank, ok, value = results.get(timeout=1.0)
+                rank, ok, value = _receive(results)
             except queue_module.Empty:
                 waited += 1.0
                 # A rank that exited without a report (its function could not even be imported) is not waited for.
@@ -104,7 +117,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 exited = {rank for rank, proc in enumerate(procs) if rank not in outcome and proc.exitcode is not None}
                 while exited:
                     try:
-                        rank, ok, value = results.get(timeout=1.0)
+                        rank, ok, value = _receive(results)
                     except queue_module.Empty:
                         break
                     outcome[rank] = (ok, value)
@@ -114,10 +127,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             waited = 0.0
             outcome[rank] = (ok, value)
     finally:
-        for proc in procs:
+        killed = set()
+        for rank, proc in enumerate(procs):
             proc.join(timeout=5 if len(outcome) == world_size else 0.5)
             if proc.is_alive():
                 proc.kill()
+                killed.add(rank)
+    # A rank that aborts while tearing down (its report already sent) fails too: a user's job would end in error.
+    died += [f"rank {rank} reported, then exited with code {proc.exitcode} (see its stderr)"
+             for rank, proc in enumerate(procs) if rank in outcome and rank not in killed and proc.exitcode != 0]
     failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcome.items()) if not ok] + died
     if failures:
         raise AssertionError("distributed run failed\n" + "\n".join(failures))
