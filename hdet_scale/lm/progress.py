@@ -57,6 +57,8 @@ class Progress:
         self._started = time.perf_counter()
         self._first_step = step
         self._tokens_per_step = tokens_per_step
+        if self._sinks is not None:
+            self._sinks.start(step)
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()

@@ -23,13 +23,14 @@ class ScalarSinks:
 
     def __init__(self, out: Path, *, wandb_project: str | None, config: dict[str, Any], resumed: bool = False) -> None:
         self._board: Any = None
+        self._board_dir = out / TENSORBOARD
         self._wandb: Any = None
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # TensorBoard is optional
             SummaryWriter = None  # noqa: N806
-        if SummaryWriter is not None:
-            self._board = SummaryWriter(str(out / TENSORBOARD))
+        # Opened when the run starts, not here: the output directory is tidied first (--overwrite removes old events)
+        self._board_class = SummaryWriter
         if wandb_project:
             import wandb
 
@@ -38,7 +39,16 @@ class ScalarSinks:
             self._wandb = wandb.init(project=wandb_project, id=run_id, resume="allow", dir=str(out), config=config)
             id_file.write_text(self._wandb.id + "\n")
 
+    def start(self, step: int) -> None:
+        """The run starts, or resumes, at ``step`` (it logs the steps after it): TensorBoard drops what an earlier
+        attempt in this directory logged after ``step`` (a run interrupted past its last checkpoint, or requeued
+        before its first), so the curves go on without steps logged twice."""
+        if self._board is None and self._board_class is not None:
+            self._board = self._board_class(str(self._board_dir), purge_step=step + 1)
+
     def log(self, scalars: dict[str, float], step: int) -> None:
+        if self._board is None and self._board_class is not None:  # logged before the run started (a range test)
+            self._board = self._board_class(str(self._board_dir))
         if self._board is not None:
             for name, value in scalars.items():
                 self._board.add_scalar(name, value, step)
@@ -46,6 +56,7 @@ class ScalarSinks:
             self._to_wandb(lambda: self._wandb.log(scalars, step=step))
 
     def close(self) -> None:
+        self._board_class = None  # nothing opens after this
         if self._board is not None:
             self._board.close()
             self._board = None
