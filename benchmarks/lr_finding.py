@@ -454,14 +454,17 @@ def starts_from_range_test(variant: str) -> bool:
 def one_run_for_every_start(args: argparse.Namespace, record: dict[str, Any], source: Path,
                             save: Callable[[], None], variant: str, starts: list[float]) -> None:
     """HDET runs of ``variant`` (one that starts from the range test) from ``starts``, one run per seed: the first
-    seed runs from every start, and where all its runs end with the same held-out loss to the last bit, each
-    other seed runs from one start (or has run before) and that run is recorded for its other starts too
-    (``copy_of_lr`` names the LR it ran from). Where they differ, every seed runs from every start."""
+    seed runs from every start, and where all its runs end alike (the same held-out loss to the last bit, or a
+    divergence at the same step), each other seed runs from one start (or has run before) and that run is
+    recorded for its other starts too (``copy_of_lr`` names the LR it ran from; its scales are over the LR it
+    stands for). Where they differ, the copies go and every seed runs from every start."""
     first, *others = args.seeds
 
+    def of_variant(run: dict[str, Any]) -> bool:
+        return (run["method"], run.get("variant")) == ("hdet", variant)
+
     def recorded(seed: int) -> list[dict[str, Any]]:
-        return [run for run in record["runs"] if (run["method"], run["variant"], run["seed"]) == ("hdet", variant, seed)
-                and run["heldout"] is not None]
+        return [run for run in record["runs"] if of_variant(run) and run["seed"] == seed]
 
     def runs(seed: int, lrs: list[float]) -> list[dict[str, Any]]:
         return [{"method": "hdet", "variant": variant, "lr": lr, "seed": seed} for lr in lrs]
@@ -469,16 +472,22 @@ def one_run_for_every_start(args: argparse.Namespace, record: dict[str, Any], so
     todo = runs(first, starts) + [run for seed in others if not recorded(seed) for run in runs(seed, starts[:1])]
     execute(args, pending(record, todo), source, record, save)
     first_runs = recorded(first)
-    every_start = all(any(math.isclose(run["lr"], lr) for run in first_runs) for lr in starts)
-    if every_start and len({run["heldout"] for run in first_runs}) == 1:
+    if not all(any(math.isclose(run["lr"], lr) for run in first_runs) for lr in starts):
+        print(f"warning: {variant} has no run of seed {first} from every start (see the launch logs); its other "
+              "seeds wait for them", file=sys.stderr)
+        return
+    if len({(run["heldout"], run["diverged_at_step"]) for run in first_runs}) == 1:
         for seed in others:
             ran = [run for run in recorded(seed) if "copy_of_lr" not in run]
             for run in pending(record, runs(seed, starts)) if ran else []:
-                record["runs"].append({**ran[0], **run, "copy_of_lr": ran[0]["lr"]})
+                ratio = ran[0]["lr"] / run["lr"]
+                record["runs"].append({**ran[0], **run, "copy_of_lr": ran[0]["lr"],
+                                       "scales": [[step, scale * ratio] for step, scale in ran[0]["scales"]]})
         save()
         return
     print(f"warning: {variant}'s runs of seed {first} end differently from different starts; every seed runs "
           "from every start", file=sys.stderr)
+    record["runs"] = [run for run in record["runs"] if not (of_variant(run) and "copy_of_lr" in run)]
     execute(args, pending(record, [run for seed in others for run in runs(seed, starts)]), source, record, save)
 
 
@@ -488,11 +497,8 @@ def run_setting(args: argparse.Namespace, record: dict[str, Any], save: Callable
     with ``hdet_scale`` and the workers as of ``commit`` (default: HEAD), calling ``save`` after every launch, and
     returns the record with its summary keys (``best_lr``, ``sweep``, each run's ``start_factor`` and
     ``final_lr_ratio``) filled in."""
-    missing = [package for method, package in OPTIMIZER_PACKAGES.items()
-               if method in args.methods and importlib.util.find_spec(package) is None]
-    if missing and not args.report_only:
-        raise SystemExit(f"lr_finding: --methods {' '.join(args.methods)} need {', '.join(missing)}, not installed "
-                         "here: pip install -e '.[bench]'")
+    if not args.report_only:
+        check_packages(args.methods)
     commit = commit or head_commit()
     if record.get("setting") != setting(args):
         record.clear()
@@ -537,6 +543,15 @@ def run_setting(args: argparse.Namespace, record: dict[str, Any], save: Callable
 
 OPTIMIZER_PACKAGES = {"schedulefree": "schedulefree", "prodigy": "prodigyopt"}
 """The package each baseline optimizer's method imports (the ``bench`` extra)."""
+
+
+def check_packages(methods: list[str]) -> None:
+    """Stops, in one line, where one of ``methods`` needs a package that is not installed."""
+    missing = [package for method, package in OPTIMIZER_PACKAGES.items()
+               if method in methods and importlib.util.find_spec(package) is None]
+    if missing:
+        raise SystemExit(f"lr_finding: --methods {' '.join(methods)} need {', '.join(missing)}, not installed here: "
+                         "pip install -e '.[bench]'")
 START_METHODS = ("hdet", "schedulefree")
 """The methods that start from the LR a user gives (the others pick their own)."""
 

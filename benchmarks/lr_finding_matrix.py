@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     matrix["settings_file"] = str(args.settings.relative_to(REPO)) if args.settings.is_relative_to(REPO) \
         else str(args.settings)
     entries = selected(plan, args)
+    if not args.report_only:
+        lr_finding.check_packages(args.methods)
     commit = head_commit()  # every run of this invocation runs the same code, whatever is committed meanwhile
     for method in [] if args.report_only else args.methods:
         for entry in entries:

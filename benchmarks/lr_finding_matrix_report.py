@@ -28,11 +28,11 @@ LR_BINS_PER_DECADE = 2
 def signal_points(record: dict[str, Any], variant: str) -> list[tuple[float, float, float]]:
     """(share of the run, log10 of the interval's LR over the sweep-best, Delta) at every controller update of
     ``variant``'s runs: the LR is the run's start LR times the scale in effect before the update (the scale the
-    previous sync left)."""
+    previous sync left). A run recorded for another start too (``copy_of_lr``) counts once."""
     points = []
     steps = record["setting"]["steps"]
     for run in record["runs"]:
-        if run["method"] != "hdet" or run["variant"] != variant or not run.get("deltas"):
+        if run["method"] != "hdet" or run["variant"] != variant or not run.get("deltas") or "copy_of_lr" in run:
             continue
         before = {}
         previous = None

@@ -108,7 +108,7 @@ class PackingPool:
         self._lock = threading.Lock()
 
     def packed(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` packed (``pack_healthy``) into a pooled or new buffer; ``release`` it after unpacking."""
+        """``tensor`` packed (``pack_healthy``) into a pooled or new buffer; ``unpacked`` returns it to the pool."""
         key = (tensor.numel(), tensor.dtype)
         buffer = None
         with self._lock:

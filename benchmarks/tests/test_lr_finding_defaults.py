@@ -84,16 +84,19 @@ def test_the_weight_decay_variant_is_the_default_exploring_weight_decay_too(tmp_
 def runs_with_fake_results(lr_finding, monkeypatch, heldout_of, seeds=(0, 1, 2), factors=(0.1, 1.0, 10.0),
                            recorded=()):
     """The HDET runs ``one_run_for_every_start`` records for the default variant, each launched run ending at
-    ``heldout_of(run)``, with ``recorded`` runs there before; and the runs it launched."""
+    ``heldout_of(run)`` (None: diverged at step 7) with its LR at 0.02 (its scale 0.02 / its LR), with
+    ``recorded`` runs there before; and the runs it launched."""
     launched = []
 
     def execute(args, todo, source, record, save):
         launched.extend(todo)
-        record["runs"] += [{**run, "heldout": heldout_of(run)} for run in todo]
+        record["runs"] += [{**run, "heldout": heldout_of(run), "scales": [[50, 0.02 / run["lr"]]],
+                            "diverged_at_step": None if heldout_of(run) else 7} for run in todo]
 
     monkeypatch.setattr(lr_finding, "execute", execute)
     args = lr_finding.parse_args(["--seeds", *map(str, seeds)])
-    record = {"runs": [{"method": "hdet", "variant": "default", **run} for run in recorded]}
+    record = {"runs": [{"method": "hdet", "variant": "default", "scales": [[50, 0.02 / run["lr"]]],
+                        "diverged_at_step": None, **run} for run in recorded]}
     lr_finding.one_run_for_every_start(args, record, None, lambda: None, "default", list(factors))
     return record["runs"], launched
 
@@ -107,6 +110,15 @@ def test_a_variant_that_starts_from_the_range_test_runs_each_seed_once_where_the
         (0, 0.1, 3.0, None), (0, 1.0, 3.0, None), (0, 10.0, 3.0, None),
         (1, 0.1, 4.0, None), (1, 1.0, 4.0, 0.1), (1, 10.0, 4.0, 0.1),
         (2, 0.1, 5.0, None), (2, 1.0, 5.0, 0.1), (2, 10.0, 5.0, 0.1)]
+    # a copy ends on the LR its run ended on, whatever LR it stands for
+    assert [lr_finding.final_lr_ratio(run, 0.01) for run in runs] == pytest.approx([2.0] * 9)
+
+
+def test_a_seed_that_diverged_from_every_start_is_recorded_diverged_at_every_start(monkeypatch):
+    lr_finding = load_benchmark("lr_finding")
+    runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 if run["seed"] != 1 else None)
+    assert len(launched) == 5 and len(runs) == 9
+    assert sorted(run["lr"] for run in runs if run["seed"] == 1 and run["heldout"] is None) == [0.1, 1.0, 10.0]
 
 
 def test_where_the_first_seeds_starts_end_apart_every_seed_runs_from_every_start(monkeypatch):
@@ -123,10 +135,22 @@ def test_new_starts_reuse_each_later_seeds_earlier_run_once_the_first_seed_ran_t
     assert sorted((run["seed"], run["lr"]) for run in launched) == [(0, 0.1), (0, 10.0)]
     assert sorted((run["seed"], run["lr"], run.get("copy_of_lr")) for run in runs if run["seed"]) == [
         (1, 0.1, 1.0), (1, 1.0, None), (1, 10.0, 1.0), (2, 0.1, 1.0), (2, 1.0, None), (2, 10.0, 1.0)]
-    before[0]["heldout"] = 2.5  # the first seed's earlier run ended apart from its new ones
+    # the first seed's earlier run ended apart from its new ones: the copies made before go, every start runs
+    copies = [{k: v for k, v in run.items() if k not in ("heldout", "scales", "diverged_at_step")}
+              for run in runs if "copy_of_lr" in run]
+    before[0]["heldout"] = 2.5
     runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 + run["seed"],
-                                            factors=(0.1, 10.0), recorded=before)
+                                            factors=(0.1, 10.0), recorded=[*before, *copies])
     assert len(launched) == 6 and not any("copy_of_lr" in run for run in runs)
+
+
+def test_a_first_seed_without_a_run_from_every_start_leaves_the_other_seeds_waiting(monkeypatch):
+    lr_finding = load_benchmark("lr_finding")
+    monkeypatch.setattr(lr_finding, "execute", lambda args, todo, source, record, save: None)  # launches fail
+    args = lr_finding.parse_args(["--seeds", "0", "1"])
+    record = {"runs": []}
+    lr_finding.one_run_for_every_start(args, record, None, lambda: None, "default", [0.1, 1.0])
+    assert record["runs"] == []
 
 
 def test_a_baseline_whose_optimizer_is_not_installed_stops_before_any_run(monkeypatch):
@@ -135,3 +159,7 @@ def test_a_baseline_whose_optimizer_is_not_installed_stops_before_any_run(monkey
     monkeypatch.setattr(lr_finding, "execute", lambda *args: pytest.fail("a run was launched"))
     with pytest.raises(SystemExit, match=r"need no_such_optimizer_package.*pip install -e '\.\[bench\]'"):
         lr_finding.run_setting(lr_finding.parse_args(["--methods", "sweep", "prodigy"]), {}, lambda: None)
+    matrix = load_benchmark("lr_finding_matrix")  # which runs every setting's sweeps before any Prodigy run
+    monkeypatch.setattr(lr_finding, "run_setting", lambda *args: pytest.fail("a setting was run"))
+    with pytest.raises(SystemExit, match=r"need no_such_optimizer_package"):
+        matrix.main(["--methods", "sweep", "prodigy"])

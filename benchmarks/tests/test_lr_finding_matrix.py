@@ -179,7 +179,8 @@ def test_where_the_signal_balances_by_share_of_the_run():
     # 100 steps; updates at steps 5 and 55 (tenths 0 and 5); the scale before each is the previous sync's
     run = {**hdet(1.0, 0, 1.0), "scales": [[0, 1.0], [5, 2.0], [50, 1.0], [55, 1.0]],
            "deltas": [[5, 0.2], [55, -0.1]]}
-    points = report.signal_points(record([run]), "d")
+    copy = {**run, "lr": run["lr"] * 10, "copy_of_lr": run["lr"]}  # the same run, recorded for another start
+    points = report.signal_points(record([run, copy]), "d")
     assert [tuple(round(value, 9) for value in point) for point in points] == [(0.05, 0.0, 0.2), (0.55, 0.0, -0.1)]
     # tenth 2: +0.3 at 1x (log 0), -0.1 at 10^0.5: the sign changes 3/4 of the way, at 10^(0.375)
     many = [(0.25, 0.0, 0.3), (0.22, 0.5, -0.1), (0.7, 0.0, -0.2)]

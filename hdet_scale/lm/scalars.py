@@ -47,7 +47,7 @@ class ScalarSinks:
             self._board = self._board_class(str(self._board_dir), purge_step=step + 1)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        if self._board is None and self._board_class is not None:  # logged before the run started (a range test)
+        if self._board is None and self._board_class is not None:  # a caller that never said where the run starts
             self._board = self._board_class(str(self._board_dir))
         if self._board is not None:
             for name, value in scalars.items():

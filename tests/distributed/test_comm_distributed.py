@@ -194,7 +194,7 @@ def ddp_hook_groups_destroyed_right_after_training(rank: int, world: int) -> Non
             ddp(torch.randn(4, 512)).sum().backward()
         del ddp
         dist.destroy_process_group(group)
-        del group  # the last reference but the hook's
+        del group  # the last reference here: none is left for the hook's callback, freed on gloo's thread
 
 
 def test_a_group_destroyed_right_after_the_ddp_hooks_last_step_does_not_abort_the_process():

@@ -3,9 +3,8 @@ after reporting fails the test."""
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
-import threading
-import time
 
 import pytest
 import torch
@@ -30,12 +29,8 @@ def test_a_ranks_tensor_reaches_the_test_after_the_rank_has_exited():
 
 
 def abort_after_reporting(rank: int, world: int) -> int:
-    def abort_at_exit() -> None:
-        time.sleep(0.5)  # past the report's delivery: the rank waits for this thread before it exits
-        if rank == 1:
-            os.abort()
-
-    threading.Thread(target=abort_at_exit).start()
+    if rank == 1:  # at exit, after the result queue's own finalizer (priority -5) has sent the report
+        multiprocessing.util.Finalize(None, os.abort, exitpriority=-10)
     return rank
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -61,13 +62,16 @@ def log_attempt(out: Path, start: int, syncs: list[SyncReport], *, before_start=
 def test_tensorboard_curves_go_on_from_the_resumed_step_without_steps_logged_twice(tmp_path):
     # The first attempt logged past its last checkpoint (step 10) before it was interrupted; the resumed one
     # trains steps 11-20 again and logs 15 anew.
-    log_attempt(tmp_path, 0, [report(5, [2.0, 2.0], 1.0), report(10, [1.5, 1.5], 1.0), report(15, [1.2, 1.2], 1.0)])
+    log_attempt(tmp_path, 0, [report(5, [2.0, 2.0], 1.0), report(10, [1.5, 1.5], 1.0), report(11, [1.4, 1.4], 1.0),
+                              report(15, [1.2, 1.2], 1.0)])
+    time.sleep(1.0)  # TensorBoard reads event files in name order, which begins with the second they were opened in
     log_attempt(tmp_path, 10, [report(15, [1.1, 1.1], 1.0), report(20, [1.0, 1.0], 1.0)])
     assert tensorboard_losses(tmp_path) == pytest.approx({5: 2.0, 10: 1.5, 15: 1.1, 20: 1.0})
 
 
 def test_tensorboard_logs_into_the_directory_left_after_an_overwrite_removed_the_old_one(tmp_path):
     log_attempt(tmp_path, 0, [report(5, [2.0, 2.0], 1.0)])
+    time.sleep(1.0)  # as a later attempt would be
     # --overwrite removes the earlier run's events after the sinks exist, before the run starts
     log_attempt(tmp_path, 0, [report(5, [3.0, 3.0], 1.0)], before_start=lambda: shutil.rmtree(tmp_path / TENSORBOARD))
     assert tensorboard_losses(tmp_path) == pytest.approx({5: 3.0})
