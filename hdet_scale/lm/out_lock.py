@@ -71,29 +71,46 @@ def slurm_job_listed(job: str) -> bool:
     return bool(listed.stdout.strip())
 
 
+def _holder(path: Path) -> dict[str, Any] | None:
+    """The lock file's holder: {} where it cannot be read, None where it is not there."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+
+
 def take(out: Path) -> None:
     """Takes ``out``'s lock for this process (making ``out`` where it is not there yet), or raises ``OutInUse``
     naming the run that holds it."""
     path, me = out / LOCK, this_process()
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as file:
-            json.dump(me, file)
-        return
-    except FileExistsError:
-        pass
-    try:
-        holder = json.loads(path.read_text())
-    except (OSError, ValueError):
-        holder = {}
-    if holder and is_gone(holder, me):
-        staged = path.with_name(f"{LOCK}.{me['host']}.{me['pid']}")
-        staged.write_text(json.dumps(me))
-        staged.replace(path)
-        holder = json.loads(path.read_text())  # two runs taking over the same lock: the last to replace it wins
-        if is_this(holder, me):
+    holder: dict[str, Any] | None = {}
+    for _ in range(3):  # again where the lock was released or taken over meanwhile
+        try:
+            with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as file:
+                json.dump(me, file)
             return
-    job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+        except FileExistsError:
+            pass
+        holder = _holder(path)
+        if holder is None:
+            continue
+        if not (holder and is_gone(holder, me)):
+            break
+        # Of runs taking over at once, one moves the old lock away (a rename is atomic) and the first to create
+        # the new one wins; a lock moved that is not the one judged gone was just taken over: it goes back.
+        claimed = path.with_name(f"{LOCK}.{me['host']}.{me['pid']}")
+        try:
+            path.rename(claimed)
+        except FileNotFoundError:
+            continue
+        if _holder(claimed) != holder:
+            claimed.rename(path)
+            continue
+        claimed.unlink()
+    job = f", Slurm job {holder['slurm_job']}" if holder and holder.get("slurm_job") else ""
     who = (f"rank 0 on {holder.get('host')}, pid {holder.get('pid')}{job}, since {holder.get('since')}" if holder
            else "its lock file is unreadable")
     raise OutInUse(f"--out {out} is in use by another run ({who}): wait for it to end or choose another --out; if "

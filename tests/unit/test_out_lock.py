@@ -87,6 +87,24 @@ def test_a_lock_whose_process_ended_on_this_host_is_taken_over(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == [out_lock.LOCK]
 
 
+def test_of_two_runs_taking_over_a_lock_at_once_one_proceeds(tmp_path, monkeypatch, live_pid):
+    holder(tmp_path, pid=ended_pid())
+    judge = out_lock.is_gone
+
+    def other_run_takes_it_over_first(found: dict, me: dict) -> bool:
+        # The other run judged the same lock gone a moment before, and has moved it away and taken the directory.
+        if found["pid"] != live_pid:
+            (tmp_path / out_lock.LOCK).unlink()
+            holder(tmp_path, pid=live_pid)
+        return judge(found, me)
+
+    monkeypatch.setattr(out_lock, "is_gone", other_run_takes_it_over_first)
+    with pytest.raises(out_lock.OutInUse, match=f"pid {live_pid}"):
+        out_lock.take(tmp_path)
+    assert held_by(tmp_path)["pid"] == live_pid
+    assert sorted(path.name for path in tmp_path.iterdir()) == [out_lock.LOCK]
+
+
 def test_a_lock_from_another_machine_is_taken_over_only_when_its_slurm_job_is_over(tmp_path, monkeypatch, squeue):
     holder(tmp_path, host="node-7", pid=ended_pid(), slurm_job="4242", slurm_restart=0)
     squeue("echo 4242")  # still queued or running
