@@ -497,8 +497,6 @@ def run_setting(args: argparse.Namespace, record: dict[str, Any], save: Callable
     with ``hdet_scale`` and the workers as of ``commit`` (default: HEAD), calling ``save`` after every launch, and
     returns the record with its summary keys (``best_lr``, ``sweep``, each run's ``start_factor`` and
     ``final_lr_ratio``) filled in."""
-    if not args.report_only:
-        check_packages(args.methods)
     commit = commit or head_commit()
     if record.get("setting") != setting(args):
         record.clear()
@@ -552,12 +550,16 @@ def check_packages(methods: list[str]) -> None:
     if missing:
         raise SystemExit(f"lr_finding: --methods {' '.join(methods)} need {', '.join(missing)}, not installed here: "
                          "pip install -e '.[bench]'")
+
+
 START_METHODS = ("hdet", "schedulefree")
 """The methods that start from the LR a user gives (the others pick their own)."""
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if not args.report_only:
+        check_packages(args.methods)
     path = args.out.with_suffix(".json")
     record = read_json(path) or {}
     run_setting(args, record, lambda: write_json(path, record))

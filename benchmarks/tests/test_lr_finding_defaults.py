@@ -153,13 +153,12 @@ def test_a_first_seed_without_a_run_from_every_start_leaves_the_other_seeds_wait
     assert record["runs"] == []
 
 
-def test_a_baseline_whose_optimizer_is_not_installed_stops_before_any_run(monkeypatch):
+def test_a_baseline_whose_optimizer_is_not_installed_stops_before_any_run(monkeypatch, tmp_path):
     lr_finding = load_benchmark("lr_finding")
     monkeypatch.setattr(lr_finding, "OPTIMIZER_PACKAGES", {"prodigy": "no_such_optimizer_package"})
-    monkeypatch.setattr(lr_finding, "execute", lambda *args: pytest.fail("a run was launched"))
-    with pytest.raises(SystemExit, match=r"need no_such_optimizer_package.*pip install -e '\.\[bench\]'"):
-        lr_finding.run_setting(lr_finding.parse_args(["--methods", "sweep", "prodigy"]), {}, lambda: None)
-    matrix = load_benchmark("lr_finding_matrix")  # which runs every setting's sweeps before any Prodigy run
     monkeypatch.setattr(lr_finding, "run_setting", lambda *args: pytest.fail("a setting was run"))
+    with pytest.raises(SystemExit, match=r"need no_such_optimizer_package.*pip install -e '\.\[bench\]'"):
+        lr_finding.main(["--methods", "sweep", "prodigy", "--out", str(tmp_path / "lr_finding")])
+    matrix = load_benchmark("lr_finding_matrix")  # which runs every setting's sweeps before any Prodigy run
     with pytest.raises(SystemExit, match=r"need no_such_optimizer_package"):
         matrix.main(["--methods", "sweep", "prodigy"])

@@ -120,8 +120,6 @@ def take(out: Path) -> None:
 def release(out: Path) -> None:
     """Removes ``out``'s lock where this process holds it."""
     path = out / LOCK
-    try:
-        if is_this(json.loads(path.read_text()), this_process()):
-            path.unlink()
-    except (OSError, ValueError):
-        pass
+    holder = _holder(path)
+    if holder and is_this(holder, this_process()):
+        path.unlink(missing_ok=True)

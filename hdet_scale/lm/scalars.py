@@ -43,12 +43,14 @@ class ScalarSinks:
         """The run starts, or resumes, at ``step`` (it logs the steps after it): TensorBoard drops what an earlier
         attempt in this directory logged after ``step`` (a run interrupted past its last checkpoint, or requeued
         before its first), so the curves go on without steps logged twice."""
+        self._open_board(purge_step=step + 1)
+
+    def _open_board(self, purge_step: int | None) -> None:
         if self._board is None and self._board_class is not None:
-            self._board = self._board_class(str(self._board_dir), purge_step=step + 1)
+            self._board = self._board_class(str(self._board_dir), purge_step=purge_step)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        if self._board is None and self._board_class is not None:  # a caller that never said where the run starts
-            self._board = self._board_class(str(self._board_dir))
+        self._open_board(purge_step=None)  # opened here only for a caller that never said where the run starts
         if self._board is not None:
             for name, value in scalars.items():
                 self._board.add_scalar(name, value, step)
