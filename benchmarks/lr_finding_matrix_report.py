@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,15 @@ LR_BINS_PER_DECADE = 2
 """... and by the LR the interval trained at over the sweep-best LR (half-decades), to find where it balances."""
 
 
-def signal_points(record: dict[str, Any], variant: str) -> list[tuple[float, float, float]]:
+def signal_points(record: dict[str, Any], variants: Collection[str]) -> list[tuple[float, float, float]]:
     """(share of the run, log10 of the interval's LR over the sweep-best, Delta) at every controller update of
-    ``variant``'s runs: the LR is the run's start LR times the scale in effect before the update (the scale the
-    previous sync left). A run recorded for another start too (``copy_of_lr``) counts once."""
+    the runs of ``variants``: the LR is the run's start LR times the scale in effect before the update (the scale
+    the previous sync left). A run recorded for another start too (``copy_of_lr``) counts once."""
     points = []
     steps = record["setting"]["steps"]
     for run in record["runs"]:
-        if run["method"] != "hdet" or run["variant"] != variant or not run.get("deltas") or "copy_of_lr" in run:
+        if (run["method"] != "hdet" or run["variant"] not in variants or not run.get("deltas")
+                or "copy_of_lr" in run):
             continue
         before = {}
         previous = None
@@ -44,23 +46,27 @@ def signal_points(record: dict[str, Any], variant: str) -> list[tuple[float, flo
     return points
 
 
-def balance_by_share(points: list[tuple[float, float, float]]) -> dict[int, float | None]:
+def balance_by_share(points: list[tuple[float, float, float]]) -> dict[int, tuple[str, float] | None]:
     """Per tenth of the run, the LR over the sweep-best where the mean Delta changes sign, from positive (raise)
-    below to negative (lower) above, interpolated between the half-decade bins around the change (None where the
-    bins do not bracket one)."""
+    below to negative (lower) above: ``("=", lr)`` interpolated between the half-decade bins around the change;
+    ``(">", lr)`` where every bin says raise (it balances above the highest bin's LR), ``("<", lr)`` where every
+    bin says lower (below the lowest); None where the signs change the other way only."""
     bins: dict[tuple[int, float], list[float]] = {}
     for share, log_ratio, delta in points:
         key = (min(int(share * SHARE_BINS), SHARE_BINS - 1), round(log_ratio * LR_BINS_PER_DECADE) / LR_BINS_PER_DECADE)
         bins.setdefault(key, []).append(delta)
-    balance: dict[int, float | None] = {}
+    balance: dict[int, tuple[str, float] | None] = {}
     for share in sorted({share for share, _ in bins}):
         means = sorted((log_ratio, statistics.fmean(deltas)) for (bin_share, log_ratio), deltas in bins.items()
                        if bin_share == share)
-        crossing = None
+        balance[share] = None
+        if all(mean > 0 for _, mean in means):
+            balance[share] = (">", 10 ** means[-1][0])
+        elif all(mean <= 0 for _, mean in means):
+            balance[share] = ("<", 10 ** means[0][0])
         for (low, low_mean), (high, high_mean) in zip(means, means[1:], strict=False):
             if low_mean > 0 >= high_mean:
-                crossing = 10 ** (low + (high - low) * low_mean / (low_mean - high_mean))
-        balance[share] = crossing
+                balance[share] = ("=", 10 ** (low + (high - low) * low_mean / (low_mean - high_mean)))
     return balance
 
 
@@ -159,13 +165,21 @@ def picks(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-def balance_lines(records: list[dict[str, Any]], variant: str) -> list[str]:
-    """A table: per setting, where the default's signal balances in each tenth of the run."""
+def balance_cell(balance: tuple[str, float] | None) -> str:
+    """``balance_by_share``'s value for one tenth, as a table cell."""
+    if balance is None:
+        return "-"
+    relation, lr = balance
+    return f"{'' if relation == '=' else relation}{lr:.2f}"
+
+
+def balance_lines(records: list[dict[str, Any]], variants: Collection[str]) -> list[str]:
+    """A table: per setting, where the controller's signal balances in each tenth of the run."""
     lines = table_header("setting", *(f"{10 * share}-{10 * share + 10}%" for share in range(SHARE_BINS)))
     for record in records:
-        balance = balance_by_share(signal_points(record, variant))
+        balance = balance_by_share(signal_points(record, variants))
         if balance:
-            lines.append(table_row(record["name"], *("-" if balance.get(share) is None else f"{balance[share]:.2f}"
+            lines.append(table_row(record["name"], *(balance_cell(balance[share]) if share in balance else ""
                                                      for share in range(SHARE_BINS))))
     return lines
 
@@ -180,9 +194,11 @@ def setting_section(record: dict[str, Any]) -> list[str]:
     return lines + ([*picks(record), ""] if picks(record) else [])
 
 
-CONTROLLER_VARIANT = "tenth_rise_start2"
-"""The controller's defaults as a variant (the library's default before the range test), whose signal the balance
-section reads."""
+SIGNAL_VARIANTS = ("tenth_rise_start2", "range_hold", "range_rise", "range_top_hold", "range_top_rise",
+                   "library_range_hold")
+"""The variants whose controller reads one signal (the log spread with alpha 0.5 over 4 replicas, scored on a probe
+batch of quarter-interval averaged weights), wherever their LR starts and however it then moves: the balance
+section pools their updates. ``tenth_rise_start2`` is the controller's own defaults (``auto_lr.range_test`` 0)."""
 
 
 def write_matrix_report(stem: Path, matrix: dict[str, Any]) -> None:
@@ -208,11 +224,13 @@ def write_matrix_report(stem: Path, matrix: dict[str, Any]) -> None:
         "## Holdout settings", "",
         *(summary_rows(holdout, variant) if holdout else ["Not run yet: they run once, with the chosen default."]),
         "", "## Where the controller's signal balances", "",
-        f"The LR (over the sweep-best) at which the controller's Delta (`{CONTROLLER_VARIANT}`, the controller's "
-        "defaults: `auto_lr.range_test` 0) changes sign from raise to lower, by tenth of the run, from every update "
-        "of its runs at every start (interpolated between half-decade bins; - where the runs did not bracket it). "
-        "A signal without lean would balance at 1.00 throughout.", "",
-        *balance_lines(design + holdout, CONTROLLER_VARIANT),
+        "The LR (over the sweep-best) at which the controller's Delta changes sign from raise to lower, by tenth "
+        "of the run, from every update of the runs whose controller reads the same signal (the spread 0.67-1.5x, "
+        f"scored on a probe batch: {', '.join(f'`{name}`' for name in SIGNAL_VARIANTS)}) at every start, "
+        "interpolated between half-decade bins of the LR. `>x`: every bin said raise, up to x; `<x`: every bin "
+        "said lower, down to x; -: no change from raise to lower; blank: no update (the controller updates "
+        "only in its window, 2-25% of the run). A signal without lean would balance at 1.00 throughout.", "",
+        *balance_lines(design + holdout, SIGNAL_VARIANTS),
         "", "## Findings", "", *note("findings"), "", "## Each setting", "",
     ]
     for record in design + holdout:

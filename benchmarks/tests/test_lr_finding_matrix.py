@@ -180,12 +180,22 @@ def test_where_the_signal_balances_by_share_of_the_run():
     run = {**hdet(1.0, 0, 1.0), "scales": [[0, 1.0], [5, 2.0], [50, 1.0], [55, 1.0]],
            "deltas": [[5, 0.2], [55, -0.1]]}
     copy = {**run, "lr": run["lr"] * 10, "copy_of_lr": run["lr"]}  # the same run, recorded for another start
-    points = report.signal_points(record([run, copy]), "d")
-    assert [tuple(round(value, 9) for value in point) for point in points] == [(0.05, 0.0, 0.2), (0.55, 0.0, -0.1)]
-    # tenth 2: +0.3 at 1x (log 0), -0.1 at 10^0.5: the sign changes 3/4 of the way, at 10^(0.375)
-    many = [(0.25, 0.0, 0.3), (0.22, 0.5, -0.1), (0.7, 0.0, -0.2)]
+    other = {**run, "variant": "e", "deltas": [[5, 0.4]]}  # another variant reading the same signal
+    points = report.signal_points(record([run, copy, other]), ("d", "e"))
+    assert [tuple(round(value, 9) for value in point) for point in points] == [
+        (0.05, 0.0, 0.2), (0.55, 0.0, -0.1), (0.05, 0.0, 0.4)]
+    assert len(report.signal_points(record([run, copy, other]), ("d",))) == 2
+    # the table: tenth 0 raised at 1x, tenth 5 lowered at 1x, the tenths without an update blank
+    assert report.balance_lines([record([run])], ("d",))[-1] == "| s | >1.00 |  |  |  |  | <1.00 |  |  |  |  |"
+    # tenth 2: +0.3 at 1x (log 0), -0.1 at 10^0.5: the sign changes 3/4 of the way, at 10^(0.375); tenth 7 says
+    # lower at 1x and 10^0.5 (below 1x); tenth 4 says raise at 10^-0.5 and 1x (above 1x); tenth 5 lowers below
+    # and raises above, which is no balance
+    many = [(0.25, 0.0, 0.3), (0.22, 0.5, -0.1), (0.7, 0.0, -0.2), (0.71, 0.5, -0.3), (0.4, -0.5, 0.1),
+            (0.4, 0.0, 0.2), (0.5, 0.0, -0.1), (0.5, 0.5, 0.1)]
     balance = report.balance_by_share(many)
-    assert balance[2] == pytest.approx(10 ** 0.375) and balance[7] is None
+    assert balance[2][0] == "=" and balance[2][1] == pytest.approx(10 ** 0.375)
+    assert balance[7] == ("<", 1.0) and balance[4] == (">", 1.0) and balance[5] is None
+    assert [report.balance_cell(balance[share]) for share in (2, 4, 5, 7)] == ["2.37", ">1.00", "-", "<1.00"]
 
 
 def test_every_variant_the_matrix_runs_is_defined():
