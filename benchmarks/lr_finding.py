@@ -38,6 +38,7 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import shlex
 import statistics
 import subprocess
@@ -310,7 +311,7 @@ def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, 
         if process.returncode != 0:
             print(f"warning: {spec.name} exited {process.returncode}; see {spec.with_suffix('.log')}", file=sys.stderr)
         for run in batch:
-            _record(args, run, record)
+            _record(args, run, record, ran_on(source.name))
         record["invocations"].append(f"PYTHONPATH={shlex.quote(str(source))} {shlex.join(command)}")
         save()
 
@@ -324,8 +325,15 @@ def _wait_any(processes: list[subprocess.Popen]) -> int:
         time.sleep(1.0)
 
 
-def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any]) -> None:
-    """Adds ``run``'s result (when its worker wrote one) to ``record``."""
+def ran_on(commit: str) -> str:
+    """Where a run's last bits come from: the code's commit and this boot of this machine (the same run on
+    another machine can end 0.01 apart after 1,500 steps of float rounding going another way)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{commit} on {boot.read_text().strip() if boot.exists() else platform.node()}"
+
+
+def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any], where: str) -> None:
+    """Adds ``run``'s result (when its worker wrote one) to ``record``, with where it ran (``ran_on``)."""
     run_dir = run_dir_of(args, run)
     result = read_json(run_dir / "result.json")
     if result is None:
@@ -338,7 +346,7 @@ def _record(args: argparse.Namespace, run: dict[str, Any], record: dict[str, Any
              "train": result["train"], "diverged_at_step": result["diverged_at_step"],
              "wall_seconds": round(result["wall_seconds"], 1), "scales": result["scales"],
              "deltas": result.get("deltas"), "range_pick": result.get("range_pick"),
-             "run_dir": repo_relative(run_dir)}
+             "run_dir": repo_relative(run_dir), "ran_on": where}
     if result.get("other_scales"):  # where the controller took the other explored values, over their start
         entry["other_scales"] = result["other_scales"]
     if run["method"] == "hdet":  # what it ran, readable after the variant changes or leaves VARIANTS
@@ -451,13 +459,22 @@ def starts_from_range_test(variant: str) -> bool:
     return bool(HDETConfig.from_dict(VARIANTS[variant]["hdet"]).auto_lr.filled().range_test)
 
 
+def bitwise_comparable(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The largest share of ``runs`` that ran with one commit on one machine (``ran_on``; runs recorded before it
+    was, together): only those can be expected to end alike to the last bit."""
+    groups: dict[str | None, list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault(run.get("ran_on"), []).append(run)
+    return max(groups.values(), key=len)
+
+
 def one_run_for_every_start(args: argparse.Namespace, record: dict[str, Any], source: Path,
                             save: Callable[[], None], variant: str, starts: list[float]) -> None:
     """HDET runs of ``variant`` (one that starts from the range test) from ``starts``, one run per seed: the first
-    seed runs from every start, and where all its runs end alike (the same held-out loss to the last bit, or a
-    divergence at the same step), each other seed runs from one start (or has run before) and that run is
-    recorded for its other starts too (``copy_of_lr`` names the LR it ran from; its scales are over the LR it
-    stands for). Where they differ, the copies go and every seed runs from every start."""
+    seed runs from every start, and where its runs end alike (of those ``bitwise_comparable``: the same held-out
+    loss to the last bit, or a divergence at the same step), each other seed runs from one start (or has run
+    before) and that run is recorded for its other starts too (``copy_of_lr`` names the LR it ran from; its scales
+    are over the LR it stands for). Where they differ, the copies go and every seed runs from every start."""
     first, *others = args.seeds
 
     def of_variant(run: dict[str, Any]) -> bool:
@@ -476,7 +493,7 @@ def one_run_for_every_start(args: argparse.Namespace, record: dict[str, Any], so
         print(f"warning: {variant} has no run of seed {first} from every start (see the launch logs); its other "
               "seeds wait for them", file=sys.stderr)
         return
-    if len({(run["heldout"], run["diverged_at_step"]) for run in first_runs}) == 1:
+    if len({(run["heldout"], run["diverged_at_step"]) for run in bitwise_comparable(first_runs)}) == 1:
         for seed in others:
             ran = [run for run in recorded(seed) if "copy_of_lr" not in run]
             for run in pending(record, runs(seed, starts)) if ran else []:

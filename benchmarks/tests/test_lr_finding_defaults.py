@@ -84,14 +84,14 @@ def test_the_weight_decay_variant_is_the_default_exploring_weight_decay_too(tmp_
 def runs_with_fake_results(lr_finding, monkeypatch, heldout_of, seeds=(0, 1, 2), factors=(0.1, 1.0, 10.0),
                            recorded=()):
     """The HDET runs ``one_run_for_every_start`` records for the default variant, each launched run ending at
-    ``heldout_of(run)`` (None: diverged at step 7) with its LR at 0.02 (its scale 0.02 / its LR), with
-    ``recorded`` runs there before; and the runs it launched."""
+    ``heldout_of(run)`` (None: diverged at step 7) with its LR at 0.02 (its scale 0.02 / its LR), on the machine
+    ``"here"``, with ``recorded`` runs there before; and the runs it launched."""
     launched = []
 
     def execute(args, todo, source, record, save):
         launched.extend(todo)
         record["runs"] += [{**run, "heldout": heldout_of(run), "scales": [[50, 0.02 / run["lr"]]],
-                            "diverged_at_step": None if heldout_of(run) else 7} for run in todo]
+                            "diverged_at_step": None if heldout_of(run) else 7, "ran_on": "here"} for run in todo]
 
     monkeypatch.setattr(lr_finding, "execute", execute)
     args = lr_finding.parse_args(["--seeds", *map(str, seeds)])
@@ -135,13 +135,29 @@ def test_new_starts_reuse_each_later_seeds_earlier_run_once_the_first_seed_ran_t
     assert sorted((run["seed"], run["lr"]) for run in launched) == [(0, 0.1), (0, 10.0)]
     assert sorted((run["seed"], run["lr"], run.get("copy_of_lr")) for run in runs if run["seed"]) == [
         (1, 0.1, 1.0), (1, 1.0, None), (1, 10.0, 1.0), (2, 0.1, 1.0), (2, 1.0, None), (2, 10.0, 1.0)]
-    # the first seed's earlier run ended apart from its new ones: the copies made before go, every start runs
+    # the first seed's earlier run, on the same machine, ended apart from its new ones: the copies made before go,
+    # every start runs
     copies = [{k: v for k, v in run.items() if k not in ("heldout", "scales", "diverged_at_step")}
               for run in runs if "copy_of_lr" in run]
-    before[0]["heldout"] = 2.5
+    before[0].update(heldout=2.5, ran_on="here")
     runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 + run["seed"],
                                             factors=(0.1, 10.0), recorded=[*before, *copies])
     assert len(launched) == 6 and not any("copy_of_lr" in run for run in runs)
+
+
+def test_a_first_seeds_run_from_another_machine_is_not_compared_bit_for_bit(monkeypatch):
+    lr_finding = load_benchmark("lr_finding")
+    # seed 0's run from 1x ran elsewhere (or before runs said where) and ended apart: its new runs, alike, decide
+    for elsewhere in ({"ran_on": "there"}, {}):
+        before = [{"lr": 1.0, "seed": seed, "heldout": 3.0 + seed + (0.5 if seed == 0 else 0), **elsewhere}
+                  for seed in (0, 1, 2)]
+        runs, launched = runs_with_fake_results(lr_finding, monkeypatch, lambda run: 3.0 + run["seed"],
+                                                factors=(0.1, 1.0, 10.0), recorded=before)
+        assert sorted((run["seed"], run["lr"]) for run in launched) == [(0, 0.1), (0, 10.0)]
+        assert sorted((run["seed"], run["lr"], run["heldout"], run.get("copy_of_lr")) for run in runs) == [
+            (0, 0.1, 3.0, None), (0, 1.0, 3.5, None), (0, 10.0, 3.0, None),
+            (1, 0.1, 4.0, 1.0), (1, 1.0, 4.0, None), (1, 10.0, 4.0, 1.0),
+            (2, 0.1, 5.0, 1.0), (2, 1.0, 5.0, None), (2, 10.0, 5.0, 1.0)]
 
 
 def test_a_first_seed_without_a_run_from_every_start_leaves_the_other_seeds_waiting(monkeypatch):

@@ -136,8 +136,9 @@ def test_a_finished_hdet_run_is_recorded_with_the_config_it_ran_and_whether_it_p
     lr_finding.write_json(run_dir / "result.json", {"heldout": 1.5, "train": 1.4, "diverged_at_step": None,
                                                     "wall_seconds": 3.0, "scales": [[25, 1.0]]})
     recorded = {"best_lr": 1e-3}
-    lr_finding._record(args, run, recorded)
+    lr_finding._record(args, run, recorded, lr_finding.ran_on("abc123"))
     entry = recorded["runs"][0]
+    assert entry["ran_on"].startswith("abc123 on ") and entry["ran_on"] == lr_finding.ran_on("abc123")
     assert entry["hdet_config"] == {"sync_interval": args.sync_interval, "ranks_per_replica": 1,
                                     "gradient_mode": "global", "seed": 7}
     assert entry["probe"] is True and entry["heldout"] == 1.5
