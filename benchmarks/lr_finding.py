@@ -287,7 +287,7 @@ def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, 
     """Runs ``todo`` one seed per launch (at most ``--runs_per_launch`` runs each), ``--parallel`` launches at a
     time, recording each launch's runs and calling ``save`` as it ends (a stopped benchmark loses at most the
     launches under way)."""
-    waiting = []
+    waiting, where = [], ran_on(source.name)
     for seed in sorted({run["seed"] for run in todo}):
         runs = [run for run in todo if run["seed"] == seed]
         size = args.runs_per_launch or len(runs)
@@ -311,7 +311,7 @@ def execute(args: argparse.Namespace, todo: list[dict[str, Any]], source: Path, 
         if process.returncode != 0:
             print(f"warning: {spec.name} exited {process.returncode}; see {spec.with_suffix('.log')}", file=sys.stderr)
         for run in batch:
-            _record(args, run, record, ran_on(source.name))
+            _record(args, run, record, where)
         record["invocations"].append(f"PYTHONPATH={shlex.quote(str(source))} {shlex.join(command)}")
         save()
 
