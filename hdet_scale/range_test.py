@@ -25,7 +25,7 @@ from hdet_scale.scores import IntervalLoss, LossLike
 LR_MIN, LR_MAX = 1e-6, 1.0
 MEAN_LR_OVER_PICK = 0.7
 """Where the replicas' mean LR goes after the test, over the LR it picked: on most settings measured the steepest
-descent of a 100-step ramp lands above the LR that is best over a whole run (1.4-2.5 times it with cosine and
+descent of a 100-step ramp lands above the LR that is best over a whole run (1.4-3.2 times it with cosine and
 warm-up-stable-decay schedules), and 0.7 times the pick did best where the default was chosen
 (benchmarks/results/lr_finding_matrix.md)."""
 BETA = 0.98
