@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -24,7 +25,7 @@ from hdet_scale.comm import on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.durable import fsync_tree
 from hdet_scale.ensemble import HDETEnsemble
-from hdet_scale.lm.checkpoints import deepspeed_tag, latest_tag, point_latest, write_manifest
+from hdet_scale.lm.checkpoints import deepspeed_tag, latest_tag, point_latest, remove_unused, write_manifest
 from hdet_scale.lm.model import next_token_loss
 from hdet_scale.metrics import SyncReport
 from hdet_scale.schedule import ReplaySchedule
@@ -311,7 +312,9 @@ class DeepSpeedBackend(Backend):
             write_manifest(directory / tag, dict(run), self.ensemble.global_step)
             point_latest(directory, tag)
             if previous not in (None, tag):
-                _remove_tree(directory / previous)
+                refused = remove_unused(directory / previous)  # the new checkpoint is complete: the run goes on
+                if refused:
+                    print(refused, file=sys.stderr, flush=True)
 
         on_rank0(complete, f"writing the checkpoint {directory / tag}")
         return directory / tag
@@ -326,9 +329,3 @@ class DeepSpeedBackend(Backend):
     def export(self, path: Path) -> None:
         self.hdet.save_pretrained(path)
 
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    if path.is_dir() and not os.path.islink(path):
-        shutil.rmtree(path)

@@ -78,12 +78,14 @@ def version() -> str:
 
 def write_manifest(directory: Path, run: dict[str, Any], step: int) -> None:
     """Writes ``directory/run.json`` for the complete checkpoint in ``directory`` (one rank, after every rank
-    wrote its files and flushed them to the disk): the run's identity, the step, and every file with its size;
-    on the disk when it returns."""
+    wrote its files and flushed them to the disk): the run's identity, the step, the Slurm job that wrote it, and
+    every file with its size; on the disk when it returns."""
     files = {str(path.relative_to(directory)): path.stat().st_size
              for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
     staging = directory / (MANIFEST + ".tmp")
-    staging.write_text(json.dumps({**run, "step": step, "hdet_scale": version(), "files": files}, indent=1) + "\n")
+    written = {**run, "step": step, "hdet_scale": version(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
+               "files": files}
+    staging.write_text(json.dumps(written, indent=1) + "\n")
     replace_durably(staging, directory / MANIFEST)
 
 
@@ -122,11 +124,15 @@ def checkpoint_dir(out: Path) -> Path | None:
     """The newest checkpoint under ``out/checkpoints``, of either engine: FSDP2's ``latest`` folder, or the
     folder DeepSpeed's ``latest`` file names, or a newer complete one a kill left before ``latest`` named it;
     where a kill between FSDP2's two renames left no ``latest``, the newest complete of ``latest.tmp`` and
-    ``latest.old``; None when there is none."""
+    ``latest.old``, and where one before them left a complete ``latest.tmp`` newer than ``latest``, that one;
+    None when there is none."""
     root = out / CHECKPOINTS
     latest = root / "latest"
     if latest.is_dir():
-        return latest
+        staged, latest_step = root / STAGING[0], complete_step(latest)
+        staged_step = complete_step(staged)
+        newer = staged_step is not None and latest_step is not None and staged_step > latest_step
+        return staged if newer else latest
     tag = latest_tag(root)
     named = root / tag if tag is not None else None
     named_step = complete_step(named) if named is not None else None
@@ -182,6 +188,18 @@ def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
                        replicas=int(run["replicas"]), changed=changed)
 
 
+def written_before_this_requeue(out: Path) -> bool:
+    """Whether this process is a requeued Slurm job and the newest checkpoint in ``out`` is one this same job
+    wrote before the requeue: progress of this run, not of the run an ``--overwrite`` was given to replace."""
+    job, path = os.environ.get("SLURM_JOB_ID"), checkpoint_dir(out)
+    if not job or int(os.environ.get("SLURM_RESTART_COUNT", 0)) == 0 or path is None:
+        return False
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("slurm_job") == job
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """``name old -> new`` for each name whose value differs between ``before`` and ``now``, sorted."""
     return [f"{name} {before.get(name)} -> {now.get(name)}" for name in sorted(before.keys() | now.keys())
@@ -228,6 +246,14 @@ def previous_run(out: Path, metrics_path: str | None) -> list[Path]:
     return found
 
 
+def out_state(out: Path, metrics_path: str | None) -> tuple[tuple[str, ...], int | None]:
+    """What ``out`` holds of a run, as far as starting one there depends on it: what ``previous_run`` finds, and
+    the step of the newest complete checkpoint."""
+    newest = checkpoint_dir(out)
+    return (tuple(map(str, previous_run(out, metrics_path))),
+            complete_step(newest) if newest is not None else None)
+
+
 def remove_previous_run(out: Path, metrics_path: str | None) -> list[Path]:
     """Removes what ``previous_run`` finds; returns what went."""
     removed = previous_run(out, metrics_path)
@@ -240,8 +266,8 @@ def remove_previous_run(out: Path, metrics_path: str | None) -> list[Path]:
 
 
 def settle_interrupted_save(out: Path) -> list[str]:
-    """Tidies what an interrupted save left, losing nothing: where no ``latest`` is left (FSDP2 killed between
-    its two renames), the newest complete of ``latest.tmp`` and ``latest.old`` becomes ``latest``; where DeepSpeed
+    """Tidies what an interrupted save left, losing nothing: where FSDP2 was killed after ``latest.tmp`` was
+    complete but before or between its two renames, the newest complete checkpoint becomes ``latest``; where DeepSpeed
     was killed after a checkpoint was complete but before ``latest`` named it, ``latest`` is pointed at it. Then
     what is left of the staging and every other DeepSpeed ``step<N>`` folder is removed, being incomplete or older
     than ``latest`` (DeepSpeed's ``latest.tmp`` is a pointer file written before it replaces ``latest``). Returns
@@ -250,25 +276,37 @@ def settle_interrupted_save(out: Path) -> list[str]:
     done = []
     newest = checkpoint_dir(out)
     if newest is not None and newest.name in STAGING:
+        if (root / "latest").exists():  # killed before the first rename: the save's own order, each step atomic
+            shutil.rmtree(root / STAGING[1], ignore_errors=True)  # older than latest
+            (root / "latest").rename(root / STAGING[1])
         newest.rename(root / "latest")
         done.append(f"promoted {newest} (complete, step {complete_step(root / 'latest')}) to {root / 'latest'}, "
-                    "left by a checkpoint interrupted between its renames")
+                    "left by a checkpoint interrupted while it was put in place")
         newest = root / "latest"
     elif newest is not None and newest.name != "latest" and newest.name != latest_tag(root):
         point_latest(root, newest.name)
         done.append(f"pointed {root / 'latest'} at {newest} (complete, step {complete_step(newest)}), left by a "
                     "checkpoint interrupted before it was named")
     for leftover in [*(root / name for name in STAGING), *(path for path in deepspeed_folders(root) if path != newest)]:
+        if not (leftover.exists() or leftover.is_symlink()):
+            continue
         why = ("older than the checkpoint resumed" if leftover.name not in STAGING and complete_step(leftover)
                is not None else "left by an interrupted checkpoint")
-        if leftover.is_dir() and not leftover.is_symlink():
-            shutil.rmtree(leftover)
-        elif leftover.exists():
-            os.remove(leftover)
-        else:
-            continue
-        done.append(f"removed {leftover}, {why}")
+        done.append(remove_unused(leftover) or f"removed {leftover}, {why}")
     return done
+
+
+def remove_unused(path: Path) -> str | None:
+    """Removes a checkpoint folder (or file) the run no longer uses. Where the file system refuses (a file another
+    NFS client holds open, say), the run goes on: the one line returned says what to remove by hand."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            os.remove(path)
+    except OSError as error:
+        return f"could not remove {path} ({error.strerror or error}); the run does not use it: remove it by hand"
+    return None
 
 
 def check_free_space(out: Path) -> None:

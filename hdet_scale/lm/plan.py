@@ -18,7 +18,15 @@ from hdet_scale.config import HDETConfig
 from hdet_scale.controller import sync_interval_for_run
 from hdet_scale.engines.deepspeed_settings import check_ds_config
 from hdet_scale.extras import require
-from hdet_scale.lm.checkpoints import ResumePoint, check_resume, identity, previous_run
+from hdet_scale.lm.checkpoints import (
+    FINAL_MODEL,
+    ResumePoint,
+    check_resume,
+    identity,
+    out_state,
+    previous_run,
+    written_before_this_requeue,
+)
 from hdet_scale.lm.corpus import Corpus, load_corpus
 from hdet_scale.lm.model import PRESETS, check_preset
 from hdet_scale.metrics import writable_directory
@@ -38,7 +46,10 @@ class Plan:
     run: dict[str, Any]
     """What a checkpoint of this run records and a resumed run must share (``lm.checkpoints.identity``)."""
     resume: ResumePoint | None
-    """The checkpoint to continue from (``--resume`` and there is one)."""
+    """The checkpoint to continue from (``--resume`` and there is one, or this requeued Slurm job's own)."""
+    out_state: tuple[tuple[str, ...], int | None]
+    """What ``--out`` held when this plan was made (``checkpoints.out_state``): the run checks it again once it
+    holds ``--out``, in case another run wrote there meanwhile."""
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -90,8 +101,15 @@ def plan(args: argparse.Namespace) -> Plan:
                    optimizer={"peak_lr": given_peak_lr(args, ds_config)[0],
                               "weight_decay": given_weight_decay(args, ds_config)},
                    settings=resumable_settings(args, config, ds_config, dtype))
-    resume = check_resume(out, run) if args.resume else None
-    return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume)
+    # A requeued job passes its command line again: an --overwrite meant for the run before it must not erase the
+    # job's own progress, as it would on every requeue.
+    resume = check_resume(out, run) if args.resume or args.overwrite and written_before_this_requeue(out) else None
+    if args.resume and resume is None and out / FINAL_MODEL in previous_run(out, None):
+        raise ValueError(f"--resume: {out} holds a finished run's model ({out / FINAL_MODEL}) and no checkpoint to "
+                         "continue from: pass --overwrite instead of --resume to start afresh over it (RESUME=0 "
+                         "with the Slurm templates), or choose another --out")
+    return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume,
+                out_state(out, config.metrics_path))
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

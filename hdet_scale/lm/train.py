@@ -48,8 +48,10 @@ from hdet_scale.lm.agreement import RunFailed, agreed
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import (
     FINAL_MODEL,
+    ResumePoint,
     check_free_space,
     checkpoint_dir,
+    out_state,
     remove_previous_run,
     settle_interrupted_save,
 )
@@ -203,7 +205,7 @@ def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.d
     rank 0 has said why."""
     out = Path(args.out)
     try:
-        agreed(f"taking {out}", lambda: on_rank0(lambda: out_lock.take(out), f"taking {out}"))
+        agreed(f"taking {out}", lambda: on_rank0(lambda: take_as_planned(out, checked), f"taking {out}"))
         try:
             Run(args, checked, device).train()
         finally:
@@ -215,6 +217,31 @@ def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.d
             print(f"train.py: error: {failure}", file=sys.stderr, flush=True)
         dist.barrier()  # no rank exits, and gets rank 0 stopped by the launcher, before rank 0 has said why
         raise SystemExit(1) from None
+
+
+def take_as_planned(out: Path, checked: Plan) -> None:
+    """Takes ``out``'s lock, then checks that ``out`` still holds what the plan found: a run that held it until
+    just now (it ended, or saved for a preemption) may have written there since, and this run would overwrite
+    that or resume from a checkpoint it did not check. Rank 0 only."""
+    out_lock.take(out)
+    if out_state(out, checked.config.metrics_path) != checked.out_state:
+        out_lock.release(out)
+        raise out_lock.OutInUse(f"--out {out} changed while this run was starting (another run wrote there "
+                                "meanwhile); nothing was touched: start this run again")
+
+
+def tidy_out(out: Path, metrics_path: str | None, *, overwrite: bool, resume: ResumePoint | None) -> list[str]:
+    """Readies ``out`` for the run, once it holds ``out``: ``--overwrite`` removes the earlier run, except where
+    the plan continues this requeued Slurm job's own checkpoint; what an interrupted save left is settled. Returns
+    one line per change. Rank 0 only."""
+    if not overwrite:
+        said = []
+    elif resume is not None:
+        said = [f"--overwrite: this Slurm job was requeued after its checkpoint at step {resume.step}; it continues "
+                "from it instead of erasing it"]
+    else:
+        said = [f"--overwrite: removed {path}" for path in remove_previous_run(out, metrics_path)]
+    return said + settle_interrupted_save(out)
 
 
 def refuse_bad_input(error: Exception) -> NoReturn:
@@ -343,8 +370,7 @@ class Run:
 
     def _start_or_resume(self) -> None:
         def tidy() -> list[str]:
-            removed = remove_previous_run(self.out, self.config.metrics_path) if self.args.overwrite else []
-            return [f"--overwrite: removed {path}" for path in removed] + settle_interrupted_save(self.out)
+            return tidy_out(self.out, self.config.metrics_path, overwrite=self.args.overwrite, resume=self.plan.resume)
 
         for line in agreed(f"tidying {self.out}", lambda: on_rank0(tidy, f"tidying {self.out}")) or []:
             self.progress.line(line)

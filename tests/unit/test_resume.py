@@ -172,7 +172,7 @@ def test_a_kill_between_the_two_renames_loses_no_checkpoint(tmp_path, newest):
     assert (point.path, point.step) == (root / newest, 30)
     assert settle_interrupted_save(tmp_path) == [
         f"promoted {root / newest} (complete, step 30) to {root / 'latest'}, left by a checkpoint interrupted "
-        "between its renames", f"removed {root / older}, left by an interrupted checkpoint"]
+        "while it was put in place", f"removed {root / older}, left by an interrupted checkpoint"]
     assert sorted(path.name for path in root.iterdir()) == ["latest"]
     assert check_resume(tmp_path, run()).step == 30
 
@@ -294,3 +294,62 @@ def test_a_collective_checkpoint_failure_is_told_by_its_first_rank_in_one_line()
     assert one_line(CheckpointException("CheckpointException ranks", failures)) == (
         "NotADirectoryError: Not a directory: 'latest.tmp' (rank 1)")
     assert one_line(ValueError("")) == "ValueError: "
+
+
+def test_a_complete_staging_newer_than_latest_is_resumed_and_promoted(tmp_path):
+    """FSDP2 killed after latest.tmp was complete but before its first rename: latest (older) and latest.tmp
+    (newer) are both complete. The older one was resumed from and the newer one removed, losing an interval."""
+    staged(tmp_path, "latest", step=10)
+    staged(tmp_path, "latest.tmp", step=30)
+    root = tmp_path / "checkpoints"
+    assert check_resume(tmp_path, run()).step == 30
+    assert settle_interrupted_save(tmp_path) == [
+        f"promoted {root / 'latest.tmp'} (complete, step 30) to {root / 'latest'}, left by a checkpoint interrupted "
+        "while it was put in place", f"removed {root / 'latest.old'}, left by an interrupted checkpoint"]
+    assert sorted(path.name for path in root.iterdir()) == ["latest"]
+    assert check_resume(tmp_path, run()).step == 30
+    # an older or incomplete latest.tmp (killed while writing) is not preferred to a complete latest
+    damaged = staged(tmp_path, "latest.tmp", step=40)
+    (damaged / "__0_0.distcp").write_bytes(b"s" * 40)
+    assert check_resume(tmp_path, run()).step == 30
+
+
+def test_a_requeued_job_given_overwrite_continues_its_own_checkpoint_not_an_earlier_runs(tmp_path, single_process,
+                                                                                         monkeypatch):
+    """A requeued Slurm job runs its command line again: with --overwrite (RESUME=0 with the templates) every
+    requeue erased the job's own progress and started from step 0, without end under the time guard."""
+    from hdet_scale.lm.train import tidy_out
+
+    words = ["--out", str(tmp_path), "--max_data_mb", "1", "--overwrite"]
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    fake_checkpoint(tmp_path, plan(parse_args(words)).run)  # written by job 7
+    assert plan(parse_args(words)).resume is None  # job 7's first start: the checkpoint is an earlier run's
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    point = plan(parse_args(words)).resume
+    assert point is not None and point.step == 20
+    assert tidy_out(tmp_path, None, overwrite=True, resume=point) == [
+        "--overwrite: this Slurm job was requeued after its checkpoint at step 20; it continues from it instead of "
+        "erasing it"]
+    assert check_resume(tmp_path, plan(parse_args(words)).run).step == 20  # still there
+    monkeypatch.setenv("SLURM_JOB_ID", "8")  # another job given the same --out: --overwrite replaces the run
+    assert plan(parse_args(words)).resume is None
+    assert tidy_out(tmp_path, None, overwrite=True, resume=None) == [f"--overwrite: removed {tmp_path / 'checkpoints'}"]
+
+
+def test_a_leftover_the_file_system_will_not_remove_is_said_and_the_run_goes_on(tmp_path):
+    """A removal the file system refuses (a file another NFS client holds open) stopped the resume, and under
+    DeepSpeed failed a save whose new checkpoint was complete. An immutable file (chattr +i) refuses even root."""
+    import subprocess
+
+    leftover = tmp_path / "checkpoints" / "latest.tmp"
+    leftover.mkdir(parents=True)
+    held = leftover / "shard"
+    held.write_text("x")
+    if subprocess.run(["chattr", "+i", str(held)], capture_output=True).returncode != 0:
+        pytest.skip("this file system cannot make a file immutable")
+    try:
+        assert settle_interrupted_save(tmp_path) == [
+            f"could not remove {leftover} (Operation not permitted); the run does not use it: remove it by hand"]
+    finally:
+        subprocess.run(["chattr", "-i", str(held)], check=True)
+    assert settle_interrupted_save(tmp_path) == [f"removed {leftover}, left by an interrupted checkpoint"]

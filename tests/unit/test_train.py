@@ -93,6 +93,39 @@ def test_a_run_in_its_out_is_refused_unless_resumed_or_overwritten(tmp_path):
     plan(parse_args(["--out", str(out)]))
 
 
+@pytest.mark.usefixtures("single_process")
+def test_resume_over_a_finished_run_without_its_checkpoint_is_refused(tmp_path):
+    """--resume without a checkpoint starts afresh (a job requeued before its first one): over a finished run's
+    model, with its checkpoints deleted, it silently trained again and wrote over that model."""
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_text("x")
+    check(["--out", str(out), "--resume"], rf"--resume: {out} holds a finished run's model \({out / 'final'}\) and "
+                                          "no checkpoint to continue from: pass --overwrite instead of --resume")
+    assert plan(parse_args(["--out", str(out), "--overwrite"])).resume is None
+    (out / "final" / "model.safetensors").unlink()  # an empty folder is no model
+    assert plan(parse_args(["--out", str(out), "--resume"])).resume is None
+
+
+@pytest.mark.usefixtures("single_process")
+def test_an_out_another_run_wrote_to_while_this_one_started_is_not_taken(tmp_path):
+    """The plan reads --out before the process group starts, the lock is taken after: a run that held --out
+    until then may have saved there meanwhile, which this run would overwrite or not have checked."""
+    from hdet_scale.lm.out_lock import LOCK, OutInUse, release
+    from hdet_scale.lm.train import take_as_planned
+
+    out = tmp_path / "run"
+    checked = plan(parse_args(["--out", str(out), "--resume"]))
+    take_as_planned(out, checked)
+    assert (out / LOCK).is_file()
+    release(out)
+    (out / "final").mkdir(parents=True)  # the run that held --out ended meanwhile
+    (out / "final" / "model.safetensors").write_text("x")
+    with pytest.raises(OutInUse, match=rf"--out {out} changed while this run was starting"):
+        take_as_planned(out, checked)
+    assert not (out / LOCK).exists()  # released: the next try sees what --out holds now
+
+
 def test_overwrite_removes_the_previous_runs_checkpoints_model_metrics_and_events_only(tmp_path):
     from hdet_scale.lm.checkpoints import remove_previous_run
 
