@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -141,6 +142,43 @@ def zero_run(rank: int, world: int, stage: int) -> list[list[int]]:
 
     return run_and_check(rank, train_step, lambda: full_fp32(engine), poison, engine.hdet.ensemble,
                          torch.arange(world) // 2)
+
+
+def zero_exclusion_checkpoint_run(rank: int, world: int, stage: int, directory: str) -> dict:
+    """ZeRO, 2 replicas of 2 ranks: replica 1 is left out at the first sync, which restarts its optimizer state;
+    a checkpoint saved right after loads into fresh engines with every rank's weights and optimizer state."""
+    from test_deepspeed import ds_config
+    from test_deepspeed_distributed import build, full_fp32
+    from test_deepspeed_distributed import train_step as deepspeed_step
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "ranks_per_replica": 2,
+            "gradient_mode": "global", "auto_lr": {"mode": "scale", "start": 0, "range_test": 0}}
+    engine = build(ds_config(stage, hdet=hdet), seed=rank)
+    for step in range(1, SYNC_INTERVAL + 1):
+        deepspeed_step(engine, rank, step)
+        if step == POISONED_AFTER and rank == 2:  # replica 1, partition 0
+            with torch.no_grad():
+                engine.hdet.adapter.master_tensors()[0].view(-1)[0] = float("nan")
+    engine.hdet.save_checkpoint(directory, tag="after_exclusion")
+    fresh = build(ds_config(stage, hdet=hdet), seed=100 + rank)
+    fresh.hdet.load_checkpoint(directory, tag="after_exclusion")
+    states = engine.hdet.adapter.optimizer_state_tensors()
+    loaded = fresh.hdet.adapter.optimizer_state_tensors()
+    return {"excluded": engine.hdet.last_report.excluded_replicas,
+            "state_zero": all(not value.any() for value in states), "state_entries": len(states),
+            "weights_loaded": torch.equal(full_fp32(fresh), full_fp32(engine)),
+            "state_loaded": len(loaded) == len(states)
+            and all(torch.equal(a, b) for a, b in zip(states, loaded, strict=True))}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_zero_checkpoint_after_a_replica_was_left_out_loads(tmp_path, stage):
+    results = run_ranks(zero_exclusion_checkpoint_run, 4, stage, str(tmp_path))
+    assert all(result["excluded"] == [1] for result in results)
+    assert [result["state_zero"] for result in results] == [False, False, True, True]
+    assert results[0]["state_entries"] > 0
+    assert all(result["weights_loaded"] and result["state_loaded"] for result in results)
 
 
 def test_zero1_global_mode_survives_a_diverged_replica():
