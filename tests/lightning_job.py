@@ -5,7 +5,8 @@
 A small regression model, AdamW, 10 batches per rank per epoch, HDET syncing every 5 optimizer steps. Rank 0
 writes ``DIR/record.pt``: every rank's flat parameters after each optimizer step (after HDET's step, so after a
 sync on sync steps) and just before each sync, each rank's micro-batch losses as training_step computed them,
-and the final parameters. Checkpoints go to ``DIR/checkpoints`` (``last.ckpt`` at every epoch end).
+and the final parameters. Checkpoints go to ``DIR/checkpoints`` (``epoch=E-step=S.ckpt`` at every epoch end, and
+``last.ckpt``).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def main() -> None:
                          "auto_lr": {"start": args.sync_interval, "stop": 100, "mode": "log", "sigma": 1.0,
                                      "average_window": 0, "range_test": 0}})
     recorder = Recorder(hdet)
-    checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)
+    checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=-1)
     # Lightning's mesh only splits the data here (every rank its own batches); HDET shards inside its replicas.
     strategy = "ddp" if args.strategy == "ddp" else ModelParallelStrategy(data_parallel_size=world,
                                                                            tensor_parallel_size=1)

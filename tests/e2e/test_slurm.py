@@ -151,14 +151,6 @@ def test_fsdp_template_trains_two_replicas_on_two_nodes(fsdp_job):
     check_trained(*fsdp_job, "fsdp", "local")
 
 
-def test_deepspeed_template_trains_two_replicas_on_two_nodes(cluster, tmp_path, torch_extensions):
-    job = cluster.wait(submit(cluster, "deepspeed.sbatch", tmp_path, env={"TORCH_EXTENSIONS_DIR": torch_extensions}),
-                       timeout=600)
-    check_trained(job, tmp_path / "out", "deepspeed", "global")
-    # One launcher per node, each told its own node rank inside its task (not the batch shell's 0 for both).
-    assert sorted(re.findall(r"node_rank=(\d)\n", job.output)) == ["0", "1"], job.output[-8000:]
-
-
 def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_path, fsdp_job):
     job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local")
     wait_for_line(cluster, job_id, tmp_path / f"slurm-{job_id}.out", "^HDET train:")  # SIGTERM is handled now
@@ -176,10 +168,10 @@ def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_
     assert check_trained(job, tmp_path / "out", "fsdp", "local") == check_trained(*fsdp_job, "fsdp", "local")
 
 
-def test_deepspeed_template_stops_its_ranks_past_the_launchers_checkpoints_requeues_and_resumes(
+def test_deepspeed_template_trains_on_two_nodes_stops_past_the_launchers_checkpoints_requeues_and_resumes(
         cluster, tmp_path, torch_extensions):
-    """The time guard's SIGUSR1 reaches the ranks, and DeepSpeed's launchers, ignoring it, wait for their checkpoint
-    (a SIGTERM would have them kill the ranks 30 s later)."""
+    """Two replicas on two nodes, one launcher a node; the time guard's SIGUSR1 reaches the ranks, and DeepSpeed's
+    launchers, ignoring it, wait for their checkpoint (a SIGTERM would have them kill the ranks 30 s later)."""
     job_id = submit(cluster, "deepspeed.sbatch", tmp_path, env={"TORCH_EXTENSIONS_DIR": torch_extensions})
     wait_for_line(cluster, job_id, tmp_path / f"slurm-{job_id}.out", "^HDET train:")  # the signal is handled now
     cluster.signal_batch_shell(job_id)
@@ -190,17 +182,20 @@ def test_deepspeed_template_stops_its_ranks_past_the_launchers_checkpoints_reque
     step = int(preempted.group(1))
     assert re.search(rf"^resumed from \S+ at step {step}$", job.output, re.MULTILINE), job.output[-8000:]
     check_trained(job, tmp_path / "out", "deepspeed", "global")
+    # One launcher per node, each told its own node rank inside its task (not the batch shell's 0 for both), in
+    # each of the job's two runs.
+    assert sorted(re.findall(r"node_rank=(\d)\n", job.output)) == ["0", "0", "1", "1"], job.output[-8000:]
 
 
 def test_a_short_time_limit_trains_before_the_time_guard_requeues_it(cluster, tmp_path):
-    """A 3-minute debugging job: the guard's lead shrinks to a fifth of the time left (a fixed 10-minute lead
+    """A 2-minute debugging job: the guard's lead shrinks to a fifth of the time left (a fixed 10-minute lead
     would signal it at once, at every start), so it trains, checkpoints, requeues and resumes where it stopped."""
-    job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local", options=("--time=3",),
+    job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local", options=("--time=2",),
                     train_args=("--steps", "100000"))  # longer than the limit: the guard has to stop it
     log = tmp_path / f"slurm-{job_id}.out"
     guard = wait_for_line(cluster, job_id, log, r"time left (\d+) s: checkpoint and requeue (\d+) s before the limit$")
     left, lead = int(guard.group(1)), int(guard.group(2))
-    assert 120 < left <= 180 and lead == left // 5
+    assert 60 < left <= 120 and lead == left // 5
     preempted = wait_for_line(cluster, job_id, log, r"^preempted at step (\d+); checkpoint: \S+", timeout=left + 60)
     step = int(preempted.group(1))
     assert step > 0 and step % SYNC_INTERVAL == 0
