@@ -129,10 +129,11 @@ def checkpoint_dir(out: Path) -> Path | None:
     root = out / CHECKPOINTS
     latest = root / "latest"
     if latest.is_dir():
-        staged, latest_step = root / STAGING[0], complete_step(latest)
+        # latest's files are stat'ed only where a complete latest.tmp is there to compare with (not before every save)
+        staged = root / STAGING[0]
         staged_step = complete_step(staged)
-        newer = staged_step is not None and latest_step is not None and staged_step > latest_step
-        return staged if newer else latest
+        latest_step = complete_step(latest) if staged_step is not None else None
+        return staged if latest_step is not None and staged_step > latest_step else latest
     tag = latest_tag(root)
     named = root / tag if tag is not None else None
     named_step = complete_step(named) if named is not None else None
