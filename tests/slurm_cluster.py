@@ -37,7 +37,7 @@ CLIENTS = ("munge", "sbatch", "srun", "scontrol", "scancel", "sinfo")
 FINAL_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "TIMEOUT"}
 """Job states a job does not leave (a requeued job passes through PENDING and REQUEUED instead)."""
-CRED_EXPIRE_S = 30
+CRED_EXPIRE_S = 15
 """Lifetime of a job step credential (long enough for a step launch on a loaded machine), and how long slurmctld
 holds a requeued job (Slurm's default: 120 s)."""
 
@@ -285,8 +285,9 @@ class SlurmCluster:
             raise RuntimeError(f"scontrol update JobId={job_id} StartTime=now failed ({result.returncode}): "
                                f"{result.stderr.strip()}")
 
-    def signal_batch_shell(self, job_id: int, name: str = "TERM") -> None:
-        """What the templates' time guard does before the time limit: signal the batch shell only."""
+    def signal_batch_shell(self, job_id: int, name: str = "USR2") -> None:
+        """What the templates' time guard does before the time limit: SIGUSR2 (or ``name``) to the batch shell
+        only."""
         self.command("scancel", "--batch", f"--signal={name}", str(job_id))
 
     def stop(self) -> None:

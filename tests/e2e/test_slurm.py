@@ -45,22 +45,10 @@ def cluster():
         yield running
 
 
-@pytest.fixture(scope="module")
-def torch_extensions() -> str:
-    """DeepSpeed JIT-builds its CPU communication op. Its own directory, kept between runs (under the repository's
-    ignored build/, so with or without pytest's cache plugin), builds it once: the jobs' ninja (the venv's) and the
-    rest of the suite's (first on PATH) may differ and rebuild each other's."""
-    path = ROOT / "build" / "slurm_torch_extensions"
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
-
-
 def python_environment() -> dict[str, str]:
     """How the jobs find this interpreter with its torchrun and deepspeed: its venv, which the templates activate
-    (HDET_VENV), or else its bin directory first on PATH."""
-    if Path(sys.prefix, "bin", "activate").is_file():
-        return {"HDET_VENV": sys.prefix}
-    return {"HDET_VENV": "", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    (HDET_VENV); without one, PATH, whose first entry is its bin directory (tests/conftest.py)."""
+    return {"HDET_VENV": sys.prefix if Path(sys.prefix, "bin", "activate").is_file() else ""}
 
 
 def submit(cluster: SlurmCluster, template: str, run_dir: Path, env: dict[str, str] | None = None, *,
@@ -151,9 +139,9 @@ def test_fsdp_template_trains_two_replicas_on_two_nodes(fsdp_job):
     check_trained(*fsdp_job, "fsdp", "local")
 
 
-def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_path, fsdp_job):
+def test_fsdp_template_checkpoints_on_the_time_guards_signal_requeues_and_resumes(cluster, tmp_path, fsdp_job):
     job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local")
-    wait_for_line(cluster, job_id, tmp_path / f"slurm-{job_id}.out", "^HDET train:")  # SIGTERM is handled now
+    wait_for_line(cluster, job_id, tmp_path / f"slurm-{job_id}.out", "^HDET train:")  # the signals are handled now
     cluster.signal_batch_shell(job_id)  # what the time guard does before the time limit
     cluster.start_requeued(job_id)
     job = cluster.wait(job_id, timeout=600, restarts=1)
@@ -169,10 +157,10 @@ def test_fsdp_template_checkpoints_on_sigterm_requeues_and_resumes(cluster, tmp_
 
 
 def test_deepspeed_template_trains_on_two_nodes_stops_past_the_launchers_checkpoints_requeues_and_resumes(
-        cluster, tmp_path, torch_extensions):
+        cluster, tmp_path):
     """Two replicas on two nodes, one launcher a node; the time guard's SIGUSR1 reaches the ranks, and DeepSpeed's
     launchers, ignoring it, wait for their checkpoint (a SIGTERM would have them kill the ranks 30 s later)."""
-    job_id = submit(cluster, "deepspeed.sbatch", tmp_path, env={"TORCH_EXTENSIONS_DIR": torch_extensions})
+    job_id = submit(cluster, "deepspeed.sbatch", tmp_path)
     wait_for_line(cluster, job_id, tmp_path / f"slurm-{job_id}.out", "^HDET train:")  # the signal is handled now
     cluster.signal_batch_shell(job_id)
     cluster.start_requeued(job_id)
@@ -187,18 +175,27 @@ def test_deepspeed_template_trains_on_two_nodes_stops_past_the_launchers_checkpo
     assert sorted(re.findall(r"node_rank=(\d)\n", job.output)) == ["0", "0", "1", "1"], job.output[-8000:]
 
 
-def test_a_short_time_limit_trains_before_the_time_guard_requeues_it(cluster, tmp_path):
-    """A 2-minute debugging job: the guard's lead shrinks to a fifth of the time left (a fixed 10-minute lead
-    would signal it at once, at every start), so it trains, checkpoints, requeues and resumes where it stopped."""
-    job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local", options=("--time=2",),
+def test_a_short_time_limit_trains_before_the_time_guard_requeues_it_and_scancel_ends_it(cluster, tmp_path):
+    """A 1-minute debugging job: the guard's lead shrinks to a fifth of the time left (a fixed 10-minute lead
+    would signal it at once, at every start), so it trains, checkpoints, requeues and resumes where it stopped.
+    Then scancel ends the job, which the templates must not take for the guard's signal."""
+    job_id = submit(cluster, "fsdp.sbatch", tmp_path, gradient_mode="local", options=("--time=1",),
                     train_args=("--steps", "100000"))  # longer than the limit: the guard has to stop it
     log = tmp_path / f"slurm-{job_id}.out"
     guard = wait_for_line(cluster, job_id, log, r"time left (\d+) s: checkpoint and requeue (\d+) s before the limit$")
     left, lead = int(guard.group(1)), int(guard.group(2))
-    assert 60 < left <= 120 and lead == left // 5
+    assert 30 < left <= 60 and lead == left // 5
     preempted = wait_for_line(cluster, job_id, log, r"^preempted at step (\d+); checkpoint: \S+", timeout=left + 60)
     step = int(preempted.group(1))
     assert step > 0 and step % SYNC_INTERVAL == 0
     cluster.start_requeued(job_id)
     wait_for_line(cluster, job_id, log, rf"^resumed from \S+ at step {step}$")
+    wait_for_line(cluster, job_id, log, rf"^sync step {step + SYNC_INTERVAL} ")
+    # scancel stops it for good: the ranks checkpoint in Slurm's KillWait, and the job is not requeued.
     cluster.command("scancel", str(job_id))
+    cluster.poll(lambda: cluster.job_record(job_id)["JobState"] not in ("RUNNING", "COMPLETING"), 60,
+                 f"job {job_id} did not end after scancel")
+    job = cluster.wait(job_id, timeout=0, restarts=1)
+    assert (job.state, job.restarts) == ("CANCELLED", 1), job.output[-8000:]
+    assert "SIGTERM: the ranks checkpoint and stop; the job is not requeued" in job.output
+    assert len(re.findall(r"^preempted at step \d+; checkpoint: ", job.output, re.MULTILINE)) == 2, job.output[-8000:]
