@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,14 @@ TIERS = ("unit", "distributed", "e2e")
 for folder in (TESTS, *(TESTS / tier for tier in TIERS)):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+
+# The suite runs as if its interpreter's environment were activated, as the Slurm templates activate it for their
+# jobs: every process it starts, and DeepSpeed's JIT build of its CPU communication op, then finds that
+# environment's tools first. With one ninja for all of them, the op is built once into ~/.cache/torch_extensions;
+# two ninja versions (a system one and the environment's) each discard the other's build log and build it again.
+BIN = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != BIN:
+    os.environ["PATH"] = os.pathsep.join([BIN, os.environ.get("PATH", "")])
 
 
 def pytest_collection_modifyitems(items):

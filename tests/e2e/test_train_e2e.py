@@ -182,6 +182,17 @@ def test_a_plain_run_replays_the_schedule_the_run_found(fsdp_runs, tmp_path):
     assert "sync step" not in result.stdout  # whose syncs only record what it applied
 
 
+def without_range_test(command: list[str], tmp: Path) -> list[str]:
+    """``command`` with a copy of its HDET config that starts no LR range test: for launches that test what happens
+    at a sync or a save, which the test's 100 steps would only delay."""
+    at = command.index("--hdet_config") + 1
+    config = json.loads(Path(command[at]).read_text())
+    config["auto_lr"] = {**config.get("auto_lr", {}), "range_test": 0}
+    path = tmp / "hdet_no_range_test.json"
+    path.write_text(json.dumps(config))
+    return [*command[:at], str(path), *command[at + 1:]]
+
+
 def files_of(directory: Path) -> dict[str, tuple[int, int]]:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(directory.rglob("*")) if p.is_file()}
 
@@ -254,7 +265,8 @@ def test_a_second_run_on_an_out_in_use_is_refused_and_touches_nothing(fsdp_runs,
 def test_a_checkpoint_that_cannot_be_written_stops_every_rank_in_one_line(fsdp_runs, tmp_path):
     """Saving fails on every rank (here: where checkpoints/ should be, a file stands): one line, exit 1."""
     (tmp_path / "checkpoints").write_text("not a directory")
-    result = launch([*fsdp_runs["command"], "--out", str(tmp_path), "--steps", str(SYNC_INTERVAL)], cwd=tmp_path,
+    command = without_range_test(fsdp_runs["command"], tmp_path)
+    result = launch([*command, "--out", str(tmp_path), "--steps", str(SYNC_INTERVAL)], cwd=tmp_path,
                     timeout=240)
     assert f"saving a checkpoint in {tmp_path / 'checkpoints'}:" in one_error(result)
 
@@ -263,7 +275,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_in_one_line(fsdp_r
 def test_ctrl_c_checkpoints_like_sigterm(fsdp_runs, tmp_path):
     """Ctrl-C in the terminal (SIGINT to every process of the launch): the ranks stop together at the next safe
     point and checkpoint, with no traceback from any rank."""
-    result = launch([*fsdp_runs["command"], "--out", str(tmp_path)], cwd=tmp_path, sigterm_after_step=SYNC_INTERVAL,
+    command = without_range_test(fsdp_runs["command"], tmp_path)
+    result = launch([*command, "--out", str(tmp_path)], cwd=tmp_path, sigterm_after_step=SYNC_INTERVAL,
                     metrics=tmp_path / "hdet_metrics.jsonl", signal_number=signal.SIGINT)
     assert "preempted at step" in result.stdout, result.stdout[-5000:]
     assert (tmp_path / "checkpoints" / "latest" / "run.json").is_file()
