@@ -188,6 +188,9 @@ def test_a_short_time_limit_trains_before_the_time_guard_requeues_it_and_scancel
     preempted = wait_for_line(cluster, job_id, log, r"^preempted at step (\d+); checkpoint: \S+", timeout=left + 60)
     step = int(preempted.group(1))
     assert step > 0 and step % SYNC_INTERVAL == 0
+    cluster.poll(lambda: cluster.job_record(job_id)["JobState"] == "PENDING", 60, f"job {job_id} was not requeued")
+    # The resumed run gets 10 minutes, so that its own guard cannot stop it before the scancel below does.
+    cluster.command("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
     cluster.start_requeued(job_id)
     wait_for_line(cluster, job_id, log, rf"^resumed from \S+ at step {step}$")
     wait_for_line(cluster, job_id, log, rf"^sync step {step + SYNC_INTERVAL} ")
@@ -197,5 +200,8 @@ def test_a_short_time_limit_trains_before_the_time_guard_requeues_it_and_scancel
                  f"job {job_id} did not end after scancel")
     job = cluster.wait(job_id, timeout=0, restarts=1)
     assert (job.state, job.restarts) == ("CANCELLED", 1), job.output[-8000:]
-    assert "SIGTERM: the ranks checkpoint and stop; the job is not requeued" in job.output
-    assert len(re.findall(r"^preempted at step \d+; checkpoint: ", job.output, re.MULTILINE)) == 2, job.output[-8000:]
+    assert job.output.count("SIGUSR2: the ranks checkpoint and stop; then the job is requeued") == 1
+    stopped = "SIGTERM: the ranks checkpoint and stop; the job is not requeued"
+    assert job.output.count(stopped) == 1, job.output[-8000:]
+    after_scancel = job.output[job.output.index(stopped):]
+    assert re.search(r"^preempted at step \d+; checkpoint: ", after_scancel, re.MULTILINE), job.output[-8000:]
