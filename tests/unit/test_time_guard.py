@@ -1,5 +1,5 @@
-"""The sbatch templates' time guard reads Slurm's time-left formats (``squeue -o %L``) as seconds, the same in
-both templates; the guard itself runs in a real job in test_slurm.py.
+"""The sbatch templates' time guard reads Slurm's time-left formats (``squeue -o %L``) as seconds, and both
+templates stop and requeue alike; the guard and scancel run in real jobs in test_slurm.py.
 
 This file holds the tests that start no process; the tests that start a launcher or script as a subprocess are in
 tests/e2e/test_time_guard_e2e.py.
@@ -22,3 +22,21 @@ def seconds_of_function(template: str) -> str:
 
 def test_both_templates_share_one_guard():
     assert seconds_of_function("fsdp.sbatch") == seconds_of_function("deepspeed.sbatch")
+
+
+def signal_handling(template: str) -> str:
+    """The template's shell from its signal handlers to its end, with the signal that stops its ranks (SIGTERM for
+    torchrun's, SIGUSR1 for DeepSpeed's) named RANK_SIGNAL."""
+    text = (LAUNCH / template).read_text()
+    start, end = text.index("requeue=0\n"), text.index("# No --kill-on-bad-exit")
+    rest = text[text.index("wait \"$srun_pid\" || status=$?"):]
+    return (text[start:end] + rest).replace("--signal=TERM", "--signal=RANK_SIGNAL").replace(
+        "--signal=USR1", "--signal=RANK_SIGNAL")
+
+
+def test_both_templates_stop_and_requeue_alike():
+    """test_slurm.py runs scancel against the FSDP template only; the DeepSpeed template's handling is the same
+    shell but for the signal its ranks get."""
+    fsdp = signal_handling("fsdp.sbatch")
+    assert "trap on_time_guard USR2" in fsdp and "scontrol requeue" in fsdp
+    assert fsdp == signal_handling("deepspeed.sbatch")
