@@ -163,7 +163,10 @@ class HDETEnsemble:
         """This replica's value of a value set inside ``optimizer.step()`` (LR, weight decay) for the step about to
         run: the range test's LR while it runs, else base times multiplier."""
         ramp = self._range_test_lr(explored)
-        return explored.applied_value(self.topology.replica_index, scheduled) if ramp is None else ramp
+        if ramp is not None:
+            return ramp
+        return explored.applied_value(self.topology.replica_index, scheduled,
+                                      self._step - (self._last_sync_step or 0))
 
     def _range_test_lr(self, explored: ExploredValue) -> float | None:
         """The LR of the range test's next step for an explored LR while the test runs; None otherwise."""

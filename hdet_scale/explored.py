@@ -67,9 +67,12 @@ class ExploredValue:
         """rho_{pi(r)}: the multiplier replica ``replica`` trains with in the current interval."""
         return self.multipliers[self.permutation[replica]]
 
-    def applied_value(self, replica: int, scheduled: float | None = None) -> float:
-        """``value`` for the optimizer step about to run, recording that step's base in ``applied_bases``."""
+    def applied_value(self, replica: int, scheduled: float | None, step_in_interval: int) -> float:
+        """``value`` for the optimizer step about to run, the interval's ``step_in_interval``-th (from 0), recording
+        that step's base in ``applied_bases``. A step whose optimizer runs several times (ZeRO-3 steps it once per
+        sub-group) keeps one base: each call records over the last."""
         base = self.base(scheduled)
+        del self.applied_bases[step_in_interval:]
         self.applied_bases.append(base)
         return self._on_base(base, replica)
 

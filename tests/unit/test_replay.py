@@ -153,3 +153,34 @@ def test_a_step_without_an_optimizer_step_still_gets_its_base(tmp_path):
         hdet.step(1.0)
     hdet.close()
     assert json.loads(metrics.read_text())["values"]["lr/0"]["applied_bases"] == [0.1, 0.2, 0.3]
+
+
+def test_an_optimizer_stepped_several_times_a_step_records_one_base_per_step(tmp_path):
+    """ZeRO-3 steps the optimizer once per sub-group, every param group in each call: still one base per step."""
+    metrics = tmp_path / "metrics.jsonl"
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(sync_interval=3, metrics_path=str(metrics), auto_lr=AutoLRConfig(range_test=0)),
+                        DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+    for lr in (0.1, 0.2, 0.3):
+        optimizer.param_groups[0]["lr"] = lr
+        optimizer.step()
+        optimizer.step()
+        hdet.step(1.0)
+    assert json.loads(metrics.read_text())["values"]["lr/0"]["applied_bases"] == [0.1, 0.2, 0.3]
+
+
+def test_the_range_tests_steps_leave_no_base_of_another_value(tmp_path):
+    """During the LR range test the weight decay (explored too) is applied but its steps are not the run's: the
+    first sync records one weight-decay base per step of the run."""
+    metrics = tmp_path / "metrics.jsonl"
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=0.1, weight_decay=0.05)
+    config = HDETConfig.from_dict({"sync_interval": 3, "metrics_path": str(metrics), "explore": {"weight_decay": {}},
+                                   "auto_lr": {"range_test": 13}})
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+    while hdet.global_step < 3:
+        optimizer.param_groups[0]["params"][0].grad = torch.ones(2)
+        optimizer.step()
+        hdet.step(1.0)
+    sync = [json.loads(line) for line in metrics.read_text().splitlines() if "values" in json.loads(line)]
+    assert [line["step"] for line in sync] == [3]
+    assert sync[0]["values"]["weight_decay/0"]["applied_bases"] == [pytest.approx(0.05)] * 3
