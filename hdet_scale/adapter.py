@@ -101,10 +101,13 @@ class EngineAdapter(ABC):
                 for group in self.optimizer.param_groups]
 
     def restart_optimizer_state(self) -> None:
-        """Starts this rank's optimizer state afresh (every tensor of it zeroed, step counts included, as a new
-        Adam's), keeping its entries, so a checkpoint saved after it holds every key a resumed run loads: on a
-        replica left out of an average for non-finite values, and after an LR range test."""
+        """Starts this rank's optimizer state afresh (every tensor of it zeroed, and step counts kept as Python
+        ints, as DeepSpeed's Adams keep them, set to 0: a new Adam's bias correction), keeping its entries, so a
+        checkpoint saved after it holds every key a resumed run loads: on a replica left out of an average for
+        non-finite values, and after an LR range test."""
         for state in self.optimizer.state.values():
-            for value in state.values():
+            for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     value.zero_()
+                elif isinstance(value, int) and not isinstance(value, bool):
+                    state[key] = 0

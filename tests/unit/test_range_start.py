@@ -41,6 +41,20 @@ def test_adam_starts_afresh_and_onecycle_holds_through_the_test():
     assert scheduler.hdet.value("lr/0") == pytest.approx(first_lr[0] * scale)
 
 
+def test_a_step_count_kept_as_an_int_starts_again_too():
+    """DeepSpeed's FusedAdam and CPU Adam keep ``state['step']`` as a Python int, which sets their bias correction:
+    left at the test's count, the first steps after it would be several times a fresh Adam's."""
+    parameter = nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([parameter], lr=0.1)
+    optimizer.state[parameter] = {"step": 100, "exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4),
+                                  "fused": True}
+    DDPAdapter(optimizer).restart_optimizer_state()
+    state = optimizer.state[parameter]
+    assert state["step"] == 0 and type(state["step"]) is int
+    assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    assert state["fused"] is True  # a flag, not a count
+
+
 def test_a_resumed_run_does_not_test_again():
     def scheduler_of(parameter: nn.Parameter) -> HDETOneCycleLR:
         return HDETOneCycleLR(torch.optim.SGD([parameter], lr=0.1), max_lr=0.1, total_steps=50, sync_interval=5,
