@@ -262,10 +262,11 @@ def _decode(encoded: torch.Tensor, dtype: torch.dtype, like: torch.Tensor) -> to
 
 def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: ReplicaTopology,
                     adapter: EngineAdapter, *, step: int, with_probe: bool, bucket_bytes: int,
-                    memory: list[torch.Tensor]) -> tuple[ReplicaScores, int]:
+                    memory: list[torch.Tensor], with_optimizer_state: bool) -> tuple[ReplicaScores, int]:
     """Gathers every rank's score ``row`` (``ReplicaScorer.row``) and replaces ``tensors`` by their mean over the
     healthy replicas (every rank of a replica healthy); the ranks of a replica left out receive the mean and start
-    their optimizer state afresh. Returns the scores and the bytes averaged (collective).
+    their optimizer state afresh, unless ``with_optimizer_state`` (the optimizer state is among ``tensors``, so
+    they received the healthy replicas' mean of it too). Returns the scores and the bytes averaged (collective).
 
     When every rank is a replica the score table rides in the average's first bucket: one collective in all.
     Otherwise (sharded replicas) it is gathered over all ranks first, so that every rank of a replica knows whether
@@ -295,7 +296,7 @@ def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: Rep
     sent = average_tensors(tensors, topo.cross_replica_group, contribute=healthy, rider=table if rides else None,
                            check=check, bucket_bytes=bucket_bytes, memory=memory)
     adapter.after_average()
-    if not healthy:
+    if not healthy and not with_optimizer_state:
         adapter.restart_optimizer_state()
     if found[0].excluded:
         logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",

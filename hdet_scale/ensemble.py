@@ -297,7 +297,8 @@ class HDETEnsemble:
         state = [] if self.config.average_optimizer_state else self.adapter.optimizer_state_tensors()
         scores, sent = average_healthy(tensors, self._scorer.row(tensors, state, self.adapter), self.topology,
                                        self.adapter, step=self._step, with_probe=self._scorer.probe is not None,
-                                       bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets)
+                                       bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets,
+                                       with_optimizer_state=self.config.average_optimizer_state)
         trained_with = {explored.name: explored.replica_values() for explored in self._explored}
         applied = {explored.name: (explored.applied_bases, explored.replica_multipliers())
                    for explored in self._explored}

@@ -224,6 +224,47 @@ def test_a_non_finite_loss_alone_is_the_worst_score_not_an_exclusion():
     assert result["moments_equal"] and result["moments_sum"] > 0
 
 
+def averaged_state_exclusion_run(rank: int, world: int) -> dict:
+    """DDP, 2 replicas, local gradients, ``average_optimizer_state``: replica 1's weights turn NaN after step 2, so
+    its gradient and Adam moments do at step 3; the sync at step 4 leaves it out."""
+    import dataclasses
+
+    from hdet_scale.engines.ddp import attach, wrap_model
+    from hdet_scale.topology import ReplicaTopology
+
+    hdet_config = dataclasses.replace(config(1), gradient_mode="local", average_optimizer_state=True)
+    topology = ReplicaTopology.build(hdet_config)
+    model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    moments = lambda: gather_rows(torch.cat([state[key].reshape(-1) for state in optimizer.state.values()  # noqa: E731
+                                             for key in ("exp_avg", "exp_avg_sq")]))
+    before: dict[int, torch.Tensor] = {}
+    hdet.add_pre_sync_hook(lambda step: before.update({step: moments()}))
+    report = None
+    for step in range(1, SYNC_INTERVAL + 1):
+        optimizer.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        report = hdet.step(loss)
+        if step == POISONED_AFTER and rank == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+    after, synced = moments(), before[SYNC_INTERVAL]
+    return {"excluded": report.excluded_replicas, "replica_1_finite_before": bool(synced[1].isfinite().all()),
+            "received_replica_0s": [torch.equal(row, synced[0]) for row in after]}
+
+
+def test_a_replica_left_out_keeps_the_averaged_optimizer_state_it_received():
+    """With the optimizer state averaged too, a replica left out receives the healthy replicas' moments; it used
+    to zero them right after (a fresh Adam), so the replicas' states differed after the sync."""
+    result = run_ranks(averaged_state_exclusion_run, 2)[0]
+    assert result["excluded"] == [1] and not result["replica_1_finite_before"]
+    assert result["received_replica_0s"] == [True, True]
+
+
 def sharded_exclusion_run(rank: int, world: int, directory: str) -> dict:
     """FSDP2, 2 replicas x 2 shards, global gradients: one shard of replica 1 turns non-finite just before the
     sync at step 4 (its other shard is finite). The whole replica is left out, both its ranks restart their Adam
