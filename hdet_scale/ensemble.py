@@ -98,9 +98,13 @@ class HDETEnsemble:
         self._step_scoped = StepScopedValues(
             adapter.optimizer, [(explored.knob.group_index, explored.knob.key) for explored in step_scoped],
             lambda index, scheduled: self._step_value(step_scoped[index], scheduled))
-        self._apply_knobs()
-        if state is not None:
-            self.load_state_dict(state)
+        try:
+            self._apply_knobs()
+            if state is not None:
+                self.load_state_dict(state)
+        except BaseException:
+            self.close()  # a retry would otherwise find this attempt's hooks and scale the LR twice
+            raise
         adapter.optimizer._hdet_attached = True
         if self.topology.rank == 0 and self.single_replica_warning:
             warn(self.single_replica_warning)

@@ -54,6 +54,20 @@ def test_group_names_must_be_unique():
         HDETEnsemble(HDETConfig(), DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
 
 
+def test_a_construction_that_fails_leaves_the_optimizer_as_it_was():
+    """A state that does not fit raises; the hooks the attempt installed go, so a retry scales the LR once."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    config = HDETConfig.from_dict({"auto_lr": {"range_test": 0}})
+    state = ensemble().state_dict()
+    state["explored"] = {"lr/other": state["explored"]["lr/0"]}
+    with pytest.raises(ValueError, match="HDET state explores"):
+        HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process(), state=state)
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert optimizer.step.__func__ is torch.optim.SGD.step
+    HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+
+
 def test_paper_mode_without_a_floor_fails_at_construction():
     with pytest.raises(ValueError, match="auto_lr.mode='paper' needs the base schedule's floor"):
         ensemble(auto_lr={"mode": "paper"})
