@@ -2,9 +2,11 @@
 together on every rank.
 
 In ``global`` gradient mode a contributor count rides with every cross-replica gradient all-reduce
-(``HealthyMean``, and ``healthy_mean_hook`` for DDP): a member whose gradient has a non-finite element contributes
-nothing to that step's mean, decided on the device with no host synchronization and no extra collective, so
-one diverging replica never poisons the others. The sync's bucketed averaging is ``hdet_scale.averaging``.
+(``HealthyMean``, and ``healthy_mean_hook`` for DDP): a member whose part of that all-reduce (a DDP bucket, an
+FSDP2 unit's shard, a ZeRO partition) has a non-finite element contributes nothing to that part's mean, decided on
+the device with no host synchronization and no extra collective, so one diverging replica's non-finite values
+never reach the others (its finite parts still count until the sync leaves the whole replica out). The sync's
+bucketed averaging is ``hdet_scale.averaging``.
 """
 
 from __future__ import annotations

@@ -331,7 +331,6 @@ class HDETEnsemble:
             tensors += self.adapter.optimizer_state_tensors()
         return tensors
 
-
     def _controller_moves_at(self, step: int) -> bool:
         """Whether a sync at ``step`` updates the controller: it is on for some value (the LR without a range test,
         or another), with 2+ replicas, past its start and not past its stop (the same on every rank)."""

@@ -45,9 +45,6 @@ class ReplicaTopology:
         """Position (shard index) of this rank inside its replica."""
         return self.rank % self.ranks_per_replica
 
-    def replica_of(self, rank: int) -> int:
-        return rank // self.ranks_per_replica
-
     def replica_ranks(self, replica: int) -> list[int]:
         start = replica * self.ranks_per_replica
         return list(range(start, start + self.ranks_per_replica))

@@ -1,8 +1,8 @@
 """Plain torch.distributed / DistributedDataParallel: every rank (or group of ranks) is a full replica.
 
-``global`` gradient mode wraps the model in DDP over all ranks (the paper's eq. 2: every replica applies
-the same all-reduced gradient with its own LR). ``local`` mode wraps it in DDP over the replica's own
-ranks only, so replicas meet only at syncs.
+The model is wrapped in DDP over all ranks, and a communication hook sets how its gradients are averaged:
+``global`` mode over all ranks (the paper's eq. 2: every replica applies the same all-reduced gradient with its
+own LR), ``local`` mode over the replica's own ranks only, so replicas meet only at syncs.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
     if not dist.is_initialized():
         raise RuntimeError("wrap_model needs torch.distributed initialized (launch with torchrun)")
     if "process_group" in ddp_kwargs:
-        raise ValueError("wrap_model chooses the DDP process_group from config.gradient_mode; do not pass one")
+        raise ValueError("wrap_model builds DDP over all ranks and averages gradients as config.gradient_mode "
+                         "says (global or local); do not pass a process_group")
     broadcast_from_rank0(model)
     wrapped = DistributedDataParallel(model, **ddp_kwargs)
     install_gradient_mean(wrapped, config, topology)

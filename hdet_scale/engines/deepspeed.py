@@ -257,7 +257,6 @@ class HDETDeepSpeed(HDETHandle):
         self.load_state_dict(client_state.pop("hdet"))
         return path, client_state
 
-
     @staticmethod
     def _saved_replicas(checkpoint: Path) -> int:
         """How many replicas wrote ``checkpoint``: replica 0 and those with files in its replica folder."""

@@ -127,7 +127,12 @@ def _flat_offset(param: DTensor) -> int:
 
 class HDETFSDP(HDETHandle):
     """The HDET handle of an FSDP2-wrapped model (``HDETHandle``): ``attach(optimizer)`` once, then
-    ``step(loss)`` after every ``optimizer.step()``. Returned by ``wrap``."""
+    ``step(loss)`` after every ``optimizer.step()``. Returned by ``wrap``.
+
+    Attributes:
+        model: the FSDP2-wrapped model.
+        mesh: the ``("replicate", "shard")`` device mesh it is sharded on (a replica is a row).
+    """
 
     def __init__(self, model: nn.Module, config: HDETConfig, topology: ReplicaTopology, mesh: DeviceMesh) -> None:
         self.model = model
@@ -157,11 +162,6 @@ class HDETFSDP(HDETHandle):
         self._ensemble = HDETEnsemble(self.config, FSDPAdapter(self.model, optimizer), topology=self.topology,
                                       paper_decay=paper_decay, total_steps=total_steps)
         return self._ensemble
-
-    @property
-    def is_attached(self) -> bool:
-        """Whether ``attach(optimizer)`` has run."""
-        return self._ensemble is not None
 
     def _attached(self) -> HDETEnsemble:
         if self._ensemble is None:

@@ -244,7 +244,6 @@ class ZeroAdapter(EngineAdapter):
             wrapper.invalidate_secondary_tensor()
 
 
-
 class SaveEpilogue:
     """The collective ZeRO-3's save ends with, after its last write (``checkpoint_event_epilogue``: an all-gather
     of the persistent parameters inside the replica), watched during ``engine.save_checkpoint``. A rank whose write

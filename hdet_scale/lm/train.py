@@ -452,7 +452,6 @@ class Run:
             peak, source = given_peak_lr(self.args, self.plan.ds_config)
             self.progress.line(f"found LR {found * peak:.2e} ({found:.3g} x {source})")
 
-
     def _export(self, path: Path) -> None:
         """The final model, without transformers' progress bar, which would cut into this run's output."""
         from transformers.utils import logging as transformers_logging

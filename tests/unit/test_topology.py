@@ -8,7 +8,7 @@ def test_replica_major_layout():
     assert (layout.num_replicas, layout.replica_index, layout.position) == (2, 1, 2)
     assert layout.replica_ranks(1) == [4, 5, 6, 7]
     assert layout.cross_replica_ranks(2) == [2, 6]  # the same shard position in every replica
-    assert [layout.replica_of(rank) for rank in range(8)] == [0] * 4 + [1] * 4
+    assert [ReplicaTopology(rank, 8, 4).replica_index for rank in range(8)] == [0] * 4 + [1] * 4
 
 
 def test_every_rank_a_replica_is_the_papers_setting():
