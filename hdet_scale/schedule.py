@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.engines.ddp import DDPAdapter, check_gradient_mean
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.handle import HDETHandle
 from hdet_scale.knobs import group_names
@@ -67,6 +67,7 @@ class HDETScheduler(HDETHandle):
                  topology: ReplicaTopology | None = None, paper_decay: list[PaperDecay] | None = None,
                  total_steps: int | None = None, **hdet_fields: Any) -> None:
         config = resolve_config(hdet_config, hdet_fields)
+        check_gradient_mean(model, config)
         self.scheduler = scheduler
         self.hdet = HDETEnsemble(config, DDPAdapter(scheduler.optimizer, model), topology=topology,
                                  paper_decay=paper_decay, total_steps=total_steps)

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.comm import HealthyMean, broadcast_from_rank0, healthy_mean_hook
-from hdet_scale.config import HDETConfig
+from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.topology import ReplicaTopology
@@ -89,6 +89,22 @@ def install_gradient_mean(model: DistributedDataParallel, config: HDETConfig, to
         model.register_comm_hook(HealthyMean(None), healthy_mean_hook)
     else:
         model.register_comm_hook(topology.intra_replica_group, allreduce_hook)
+    model._hdet_gradient_mode = config.gradient_mode
+
+
+def check_gradient_mean(model: nn.Module | None, config: HDETConfig) -> None:
+    """Refuses a DDP model over several ranks whose gradients are not averaged as ``config.gradient_mode`` says:
+    a ``DistributedDataParallel(model)`` of the user's own averages over all ranks whatever the mode, and leaves
+    no diverged replica out."""
+    if not isinstance(model, DistributedDataParallel) or model.process_group.size() == 1:
+        return
+    mode = getattr(model, "_hdet_gradient_mode", None)
+    if mode != config.gradient_mode:
+        built = "without HDET's gradient mean" if mode is None else f"for gradient_mode '{mode}'"
+        raise HDETConfigError(
+            f"the model is a DistributedDataParallel built {built}, and this run's gradient_mode is "
+            f"'{config.gradient_mode}': build it with hdet_scale.engines.ddp.wrap_model(model, config, topology) "
+            "and the same config instead of DistributedDataParallel(model)")
 
 
 def attach_to_wrapped(wrapped: nn.Module, optimizer: torch.optim.Optimizer, config: HDETConfig, *,
@@ -115,5 +131,6 @@ def attach(model: nn.Module | None, optimizer: torch.optim.Optimizer, config: HD
     """Attaches HDET to a DDP training loop; call ``ensemble.step(loss)`` after every ``optimizer.step()``.
     ``total_steps``: the run's length in optimizer steps (the default controller starts and stops at shares
     of it)."""
+    check_gradient_mean(model, config)
     return HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology, paper_decay=paper_decay,
                         total_steps=total_steps)

@@ -382,3 +382,35 @@ def test_shut_down_collects_the_run_while_its_groups_live_then_destroys_them():
     thread of a finalizing interpreter (SIGABRT after a complete run). ``shut_down`` collects it first."""
     for result in run_ranks(shut_down_in_order, 2):
         assert result == {"in_a_cycle": True, "collected": True, "groups_alive": True, "initialized_after": False}
+
+
+# ------------------------------------------------------------------------------------------- misuse
+def ddp_built_elsewhere(rank: int, world: int) -> dict[str, str]:
+    from hdet_scale.config import HDETConfigError
+
+    config = HDETConfig(ranks_per_replica=1, gradient_mode="local", sync_interval=2,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
+    topology = ReplicaTopology.build(config)
+    own = nn.parallel.DistributedDataParallel(make_model())
+    other_mode = wrap_model(make_model(), HDETConfig(ranks_per_replica=1), topology)
+    errors = {}
+    for name, build in {"own": lambda: attach(own, torch.optim.SGD(own.parameters(), lr=0.1), config,
+                                              topology=topology),
+                        "other mode": lambda: HDETScheduler(
+                            CosineAnnealingLR(torch.optim.SGD(other_mode.parameters(), lr=0.1), T_max=4),
+                            hdet_config=config, model=other_mode, topology=topology)}.items():
+        try:
+            build()
+            errors[name] = ""
+        except HDETConfigError as error:
+            errors[name] = str(error)
+    wrapped = wrap_model(make_model(), config, topology)
+    attach(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), config, topology=topology)  # the right way
+    return errors
+
+
+def test_a_ddp_model_not_built_for_the_runs_gradient_mode_is_refused():
+    """Local mode over a DistributedDataParallel of the user's own averaged every gradient over all ranks."""
+    errors = run_ranks(ddp_built_elsewhere, 2)[0]
+    assert "built without HDET's gradient mean" in errors["own"] and "wrap_model" in errors["own"]
+    assert "built for gradient_mode 'global'" in errors["other mode"] and "'local'" in errors["other mode"]
