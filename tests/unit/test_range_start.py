@@ -85,6 +85,15 @@ def test_a_test_without_finite_losses_picks_nothing_and_says_so():
     hdet.close()
 
 
+def test_a_first_group_at_lr_0_is_refused_in_one_line():
+    """The test ramps the first group's LR and scales the others by their ratio to it: 0 divided by zero."""
+    params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))]
+    optimizer = torch.optim.SGD([{"params": [params[0]], "lr": 0.0}, {"params": [params[1]]}], lr=0.1)
+    with pytest.raises(HDETConfigError, match="first param group's LR .* is 0.0: give it a positive LR"):
+        HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20)), DDPAdapter(optimizer),
+                     topology=ReplicaTopology.single_process())
+
+
 def test_a_step_without_a_loss_is_refused_during_the_test():
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
     hdet = HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20)), DDPAdapter(optimizer),
