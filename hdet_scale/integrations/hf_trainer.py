@@ -11,6 +11,9 @@ changes to that one Trainer:
 
 - ``trainer.training_step`` (Trainer's documented override point) also hands each micro-batch loss to HDET;
   a step's loss is the sum of its micro-batch losses, i.e. the loss Trainer logs.
+- ``trainer.train`` notes the checkpoint a run resumes from (HDET's state is read from it). Each ``train()``
+  is a run of its own: with ``model_init`` (``hyperparameter_search``) HDET attaches to each run's new model and
+  optimizer.
 - DeepSpeed only: while ``trainer.train()`` runs, ``deepspeed.initialize`` called for this Trainer's model
   (accelerate calls it from ``accelerator.prepare``) is answered by ``hdet_scale.engines.deepspeed.initialize``,
   which builds the engine with HDET's replica groups, so ZeRO shards and reduces inside a replica. Every
@@ -95,6 +98,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
                  probe: bool = True) -> None:
         self.trainer = trainer
         self.config = config
+        self._given_config = config  # each train() is a run of its own length (model_init: a fresh model too)
+        self._resume_folder: Path | None = None  # the checkpoint the current train() resumes from
         self.engine = engine
         self.paper_decay = paper_decay
         self.sync_at_end = sync_at_end
@@ -138,10 +143,12 @@ class HDETCallback(TrainerCallback, HDETHandle):
                 raise RuntimeError("resuming a Trainer run with HDET under DeepSpeed is not supported; use "
                                    "hdet_scale.engines.deepspeed (engine.hdet.save_checkpoint / load_checkpoint)")
             self._ensemble = self.deepspeed.ensemble
-        elif self._ensemble is None:
-            self.config = self.config.for_run(state.max_steps)
+        else:
+            if self._ensemble is not None:  # an earlier train() of this Trainer (model_init, hyperparameter_search)
+                self._ensemble.close()
+            self.config = self._given_config.for_run(state.max_steps)
             self._ensemble = self._attach_ddp(kwargs["optimizer"],
-                                              self._saved_state(args, state) if state.global_step else None)
+                                              self._saved_state(state) if state.global_step else None)
         if self.probe:
             self._set_probe(self._ensemble)
         if self._ensemble.ramping:
@@ -256,15 +263,28 @@ class HDETCallback(TrainerCallback, HDETHandle):
             # The step's loss is the mean of what is observed: scaling by the micro-batch count makes it the sum.
             self._ensemble.observe(loss * self.trainer.current_gradient_accumulation_steps)
 
-    def _saved_state(self, args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
-        """HDET's state saved next to the Trainer checkpoint this run resumes from."""
-        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE
+    def _saved_state(self, state: TrainerState) -> dict[str, Any]:
+        """HDET's state saved in the Trainer checkpoint this run resumes from."""
+        folder = self._resume_folder or Path(self.trainer.args.output_dir) / f"checkpoint-{state.global_step}"
+        path = folder / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(
-                f"resuming at step {state.global_step} but '{path}' does not exist: HDET's controller state is saved "
-                f"next to every Trainer checkpoint; resume from a checkpoint of this output_dir ({args.output_dir})"
-            )
+                f"resuming at step {state.global_step} but '{path}' does not exist: HDET's state is saved in every "
+                "Trainer checkpoint HDET took; resume from one of those")
         return torch.load(path, weights_only=True)
+
+    def _resuming_from(self, resume_from_checkpoint: Any) -> None:
+        """Notes the checkpoint folder a ``train(resume_from_checkpoint=...)`` resumes from (True: the Trainer's last
+        in its output_dir), where HDET's state is read."""
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            last = get_last_checkpoint(self.trainer.args.output_dir)
+            self._resume_folder = None if last is None else Path(last)
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            self._resume_folder = Path(resume_from_checkpoint)
+        else:
+            self._resume_folder = None
 
     @contextlib.contextmanager
     def _replica_groups(self) -> Iterator[None]:
@@ -317,15 +337,17 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
         return loss
 
     trainer.training_step = observing_training_step
-    if engine == "deepspeed":
-        train = trainer.train
+    train = trainer.train
 
-        @functools.wraps(train)
-        def train_with_replica_groups(*args: Any, **kwargs: Any) -> Any:
-            with _hdet_deepspeed_initialize(trainer, callback):
-                return train(*args, **kwargs)
+    @functools.wraps(train)
+    def train_with_hdet(*args: Any, **kwargs: Any) -> Any:
+        callback._resuming_from(kwargs.get("resume_from_checkpoint", args[0] if args else None))
+        if engine != "deepspeed":
+            return train(*args, **kwargs)
+        with _hdet_deepspeed_initialize(trainer, callback):
+            return train(*args, **kwargs)
 
-        trainer.train = train_with_replica_groups
+    trainer.train = train_with_hdet
     return callback
 
 
@@ -364,7 +386,7 @@ def _hdet_deepspeed_initialize(trainer: Trainer, callback: HDETCallback) -> Iter
         try:
             # The run's length for auto_lr.start/stop given as shares: Trainer sets its state only after this call.
             steps = optimizer_steps(trainer)
-            callback.config = callback.config.for_run(steps) if steps is not None else callback.config
+            callback.config = callback._given_config.for_run(steps) if steps is not None else callback._given_config
             engine, optimizer, loader, scheduler = hdet_deepspeed.initialize(
                 **kwargs, hdet_config=callback.config, paper_decay=callback.paper_decay)
         finally:

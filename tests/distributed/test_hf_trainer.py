@@ -348,7 +348,8 @@ def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
     seen: dict = {}
 
     def trainer_with(name: str):
-        trainer = fresh_trainer(out_dir, save_strategy="steps", save_steps=SYNC_INTERVAL, max_steps=2 * SYNC_INTERVAL)
+        trainer = fresh_trainer(os.path.join(out_dir, name), save_strategy="steps", save_steps=SYNC_INTERVAL,
+                                max_steps=2 * SYNC_INTERVAL)
         hdet = add_hdet(trainer, settings)
 
         class Watch(TrainerCallback):  # added after HDET's callback: sees the ensemble it made
@@ -363,7 +364,8 @@ def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
         return trainer
 
     trainer_with("fresh").train()
-    trainer_with("resumed").train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SYNC_INTERVAL}"))
+    # from the fresh run's folder into another output_dir: HDET's state comes from the checkpoint resumed
+    trainer_with("resumed").train(resume_from_checkpoint=os.path.join(out_dir, "fresh", f"checkpoint-{SYNC_INTERVAL}"))
     return seen
 
 
@@ -374,6 +376,44 @@ def test_warm_init_noises_a_fresh_start_only(tmp_path):
     assert not fresh["at_sync_point"]  # so step 0 is no place for a checkpoint of one model
     assert torch.equal(resumed["weights"], seen["checkpointed"][:1].expand_as(resumed["weights"]))  # not re-noised
     assert resumed["at_sync_point"]
+
+
+# ------------------------------------------------------------------------------- two runs of one Trainer
+def model_init_worker(rank: int, world: int, out_dir: str) -> list[dict]:
+    """One Trainer with ``model_init`` trained twice (what ``hyperparameter_search`` does for each trial): each
+    ``train()`` builds a new model and optimizer."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    trainer = Trainer(model_init=lambda: tiny_llama(rank), args=training_args(out_dir), train_dataset=token_dataset())
+    hdet = add_hdet(trainer, hdet_settings(out_dir, "global", 1))
+    runs: list[dict] = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # between syncs: each replica took one step at its own LR
+                runs[-1]["after_first_step"] = gathered(master_vector(hdet))
+
+    trainer.add_callback(Watch())
+    for _ in range(2):
+        runs.append({})
+        trainer.train()
+        runs[-1].update(optimizer_is_hdets=hdet.ensemble.adapter.optimizer is trainer.optimizer.optimizer,
+                        steps=hdet.global_step, lrs=gathered(torch.tensor(hdet.current_lrs())))
+    return runs
+
+
+def test_each_train_of_a_trainer_with_model_init_is_an_hdet_run(tmp_path):
+    """The second train() used to keep the first run's ensemble: the new model trained at the plain LR, unaveraged."""
+    for run in run_ranks(model_init_worker, 2, str(tmp_path), timeout=600)[0]:
+        assert run["optimizer_is_hdets"] and run["steps"] == MAX_STEPS
+        assert not torch.equal(run["after_first_step"][0], run["after_first_step"][1])
+        low, high = multipliers(2, ALPHA, "linear")  # each replica's LR: the same base times its own multiplier
+        ratio = run["lrs"].max(0).values / run["lrs"].min(0).values
+        torch.testing.assert_close(ratio, torch.full_like(ratio, high / low))
 
 
 def epochs_worker(rank: int, world: int, out_dir: str) -> dict:
