@@ -57,13 +57,18 @@ def checked_settings(args: Any, model: nn.Module | None, config: str | Mapping[s
     return ds_config, args, hdet
 
 
-def check_supported(ds_config: Mapping[str, Any], model: nn.Module, *, world_size: int | None = None) -> None:
+ZERO_INIT_FIX = "build it normally and let initialize shard it inside each replica"
+
+
+def check_supported(ds_config: Mapping[str, Any], model: nn.Module, *, world_size: int | None = None,
+                    zero_init_fix: str = ZERO_INIT_FIX) -> None:
     """Raises, naming the setting, for DeepSpeed settings and models HDET cannot run with (with ``world_size``,
-    also batch sizes that do not add up over all ranks)."""
+    also batch sizes that do not add up over all ranks); ``zero_init_fix`` says how to build the model without
+    ``deepspeed.zero.Init``."""
     check_ds_config(ds_config, world_size)
     if any(hasattr(param, "ds_id") for param in model.parameters()):
         raise HDETConfigError("the model was built under deepspeed.zero.Init, which partitions it over every "
-                              "rank; build it normally and let initialize shard it inside each replica")
+                              f"rank; {zero_init_fix}")
     from deepspeed.pipe import PipelineModule
 
     if isinstance(model, PipelineModule):

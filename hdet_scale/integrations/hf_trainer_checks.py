@@ -78,7 +78,9 @@ def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
                               "to add_hdet only")
     if int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0) > 1:
         raise HDETConfigError("tensor_parallel.autotp_size > 1 is not supported with HDET; remove it")
-    check_supported(ds_config, trainer.model)
+    check_supported(ds_config, trainer.model, zero_init_fix=(
+        "transformers builds a model so (from_pretrained, from_config) once a TrainingArguments with a ZeRO-3 config "
+        "exists: load the model before creating the TrainingArguments, and HDET shards it inside each replica"))
 
 
 def _check_saving(args: TrainingArguments, config: HDETConfig, engine: str) -> None:

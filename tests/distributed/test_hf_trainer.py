@@ -268,6 +268,21 @@ PROBED_STAGE = 3
 """(ZeRO stage, gradient mode, ranks per replica) on 4 ranks: ZeRO-1/2/3 replicas of two ranks each."""
 
 
+def zero3_initialized_trainer(out_dir: str):
+    """The usual order of a Trainer script: TrainingArguments with ZeRO-3 first, then the model from its config,
+    which transformers then builds under deepspeed.zero.Init."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer
+
+    import deepspeed
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    deepspeed.init_distributed(dist_backend="gloo")  # as the Trainer's own set-up does, before zero.Init runs
+    args = training_args(out_dir, zero_config(3))
+    model = type(tiny_llama(0))._from_config(tiny_llama(0).config)
+    return Trainer(model=model, args=args, train_dataset=token_dataset())
+
+
 def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
     from hdet_scale.integrations.hf_trainer import add_hdet
 
@@ -281,6 +296,8 @@ def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
         "saves": error_of(lambda: added("saves", save_strategy="steps", save_steps=SYNC_INTERVAL)),
         "replica size": error_of(lambda: add_hdet(fresh_trainer(os.path.join(out_dir, "size"), 2),
                                                   hdet_settings(out_dir, "global", 3))),
+        "zero.Init": error_of(lambda: add_hdet(zero3_initialized_trainer(os.path.join(out_dir, "init")),
+                                               hdet_settings(out_dir, "global", 2))),
     }
     runs = {f"zero{stage}": train_run(rank, os.path.join(out_dir, f"zero{stage}"), stage, mode, per_replica,
                                       probed=stage == PROBED_STAGE)
@@ -296,6 +313,7 @@ def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
     assert "fp16" in errors["fp16"]
     assert "save_strategy='steps' under DeepSpeed" in errors["saves"]
     assert "ranks_per_replica" in errors["replica size"]
+    assert "zero.Init" in errors["zero.Init"] and "before creating the TrainingArguments" in errors["zero.Init"]
     for stage, mode, per_replica in DEEPSPEED_RUNS:
         runs = [result["runs"][f"zero{stage}"] for result in results]
         assert {run["engine"] for run in runs} == {"deepspeed"}
