@@ -42,8 +42,9 @@ after the test, and ``for_run`` gets that length. The Trainer's first logged los
 (where the Trainer keeps their sum on itself, ``_tr_loss``, as transformers 5 does).
 
 Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_steps`` a multiple of
-``sync_interval``, checked) and carry HDET's state in ``hdet_state.pt``, which ``train(resume_from_checkpoint=
-...)`` restores. Under DeepSpeed, set ``save_strategy="no"`` (Trainer's DeepSpeed checkpoints would bypass
+``sync_interval``, checked) and carry HDET's state in ``hdet_state.pt`` (in ``local`` gradient mode also each
+other replica's optimizer state, which differs from rank 0's), which ``train(resume_from_checkpoint=...)``
+restores. Under DeepSpeed, set ``save_strategy="no"`` (Trainer's DeepSpeed checkpoints would bypass
 HDET's per-replica files); the final model is saved as usual after ``train()``. At the end of training the
 replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the ensemble's model.
 """
@@ -79,6 +80,10 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 STATE_FILE = "hdet_state.pt"
 """In a Trainer checkpoint folder: HDET's state (controller, permutations, step), written by global rank 0."""
+
+REPLICA_OPTIMIZER_FILE = "hdet_optimizer_replica{}.pt"
+"""In a Trainer checkpoint folder, in ``local`` gradient mode: replica r's optimizer state (r >= 1), written by its
+first rank. Each replica's moments follow its own gradients there, and the Trainer saves rank 0's only."""
 
 
 class HDETCallback(TrainerCallback, HDETHandle):
@@ -149,6 +154,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
             self.config = self._given_config.for_run(state.max_steps)
             self._ensemble = self._attach_ddp(kwargs["optimizer"],
                                               self._saved_state(state) if state.global_step else None)
+            if state.global_step:
+                self._load_replica_optimizer(state)
         if self.probe:
             self._set_probe(self._ensemble)
         if self._ensemble.ramping:
@@ -190,10 +197,15 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if not self.at_sync_point:
             raise RuntimeError(f"Trainer saved a checkpoint at step {state.global_step}, between HDET syncs, where "
                                "replicas differ")
-        if ensemble.topology.rank == 0:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        topology = ensemble.topology
+        if topology.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.state_dict(), folder / STATE_FILE)
+        if self._replicas_own_optimizer_state and topology.replica_index and not topology.position:
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(ensemble.adapter.optimizer.state_dict(),
+                       folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -263,15 +275,34 @@ class HDETCallback(TrainerCallback, HDETHandle):
             # The step's loss is the mean of what is observed: scaling by the micro-batch count makes it the sum.
             self._ensemble.observe(loss * self.trainer.current_gradient_accumulation_steps)
 
-    def _saved_state(self, state: TrainerState) -> dict[str, Any]:
-        """HDET's state saved in the Trainer checkpoint this run resumes from."""
+    @property
+    def _replicas_own_optimizer_state(self) -> bool:
+        """Whether each replica's optimizer state is its own at a checkpoint (``local`` gradient mode, the state not
+        averaged at syncs), so replica r >= 1 saves and loads its own."""
+        return (self.engine == "ddp" and self.config.gradient_mode == "local"
+                and not self.config.average_optimizer_state and self.ensemble.topology.num_replicas > 1)
+
+    def _saved_file(self, state: TrainerState, name: str) -> Path:
+        """File ``name`` of the Trainer checkpoint this run resumes from."""
         folder = self._resume_folder or Path(self.trainer.args.output_dir) / f"checkpoint-{state.global_step}"
-        path = folder / STATE_FILE
+        path = folder / name
         if not path.is_file():
             raise FileNotFoundError(
-                f"resuming at step {state.global_step} but '{path}' does not exist: HDET's state is saved in every "
-                "Trainer checkpoint HDET took; resume from one of those")
-        return torch.load(path, weights_only=True)
+                f"resuming at step {state.global_step} but '{path}' does not exist: HDET saves it in every Trainer "
+                "checkpoint it takes (with this gradient_mode); resume from one of those")
+        return path
+
+    def _saved_state(self, state: TrainerState) -> dict[str, Any]:
+        """HDET's state saved in the Trainer checkpoint this run resumes from."""
+        return torch.load(self._saved_file(state, STATE_FILE), weights_only=True)
+
+    def _load_replica_optimizer(self, state: TrainerState) -> None:
+        """Gives replica r >= 1 its own optimizer state back where the replicas' differ (the Trainer loaded rank 0's,
+        which is replica 0's, on every rank)."""
+        replica = self.ensemble.topology.replica_index
+        if self._replicas_own_optimizer_state and replica:
+            path = self._saved_file(state, REPLICA_OPTIMIZER_FILE.format(replica))
+            self.ensemble.adapter.optimizer.load_state_dict(torch.load(path, weights_only=True))
 
     def _resuming_from(self, resume_from_checkpoint: Any) -> None:
         """Notes the checkpoint folder a ``train(resume_from_checkpoint=...)`` resumes from (True: the Trainer's last

@@ -233,8 +233,14 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
     hdet = add_hdet(resumed, hdet_settings(global_dir, "global", 1, metrics="resumed.jsonl"))
     resumed.train(resume_from_checkpoint=os.path.join(global_dir, f"checkpoint-{2 * SYNC_INTERVAL}"))
     final = gathered(master_vector(hdet)).numpy()
-    runs["local"] = train_run(rank, local_dir, None, "local", 2, probed=True)
-    return {"errors": errors, "runs": runs, "resumed_final": final, "resumed_step": hdet.ensemble.global_step}
+    # Local mode: each replica's Adam moments are its own, and each is restored from the checkpoint.
+    runs["local"] = train_run(rank, local_dir, None, "local", 2, probed=True, save_strategy="steps",
+                              save_steps=SYNC_INTERVAL)
+    local_resumed = fresh_trainer(os.path.join(out_dir, "local_resumed"), seed=rank)
+    local_hdet = add_hdet(local_resumed, hdet_settings(out_dir, "local", 2, metrics="local_resumed.jsonl"))
+    local_resumed.train(resume_from_checkpoint=os.path.join(local_dir, f"checkpoint-{2 * SYNC_INTERVAL}"))
+    return {"errors": errors, "runs": runs, "resumed_final": final, "resumed_step": hdet.ensemble.global_step,
+            "local_resumed_final": gathered(master_vector(local_hdet)).numpy()}
 
 
 def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
@@ -260,6 +266,12 @@ def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
     torch.testing.assert_close(torch.from_numpy(results[0]["resumed_final"]), uninterrupted, rtol=1e-5, atol=1e-6)
     resumed_lines = [json.loads(line) for line in open(global_dir / "resumed.jsonl")]
     assert [line["step"] for line in resumed_lines] == [MAX_STEPS]
+    # Local mode: replica 1's optimizer state is saved beside the Trainer's (rank 0's), and the resumed run ends
+    # where the uninterrupted one did.
+    assert sorted(path.name for path in (tmp_path / "local").glob("checkpoint-*/hdet_optimizer_replica*.pt")) == [
+        "hdet_optimizer_replica1.pt"] * 3
+    torch.testing.assert_close(torch.from_numpy(results[0]["local_resumed_final"]),
+                               results[0]["runs"]["local"]["after_step"][MAX_STEPS], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed
@@ -271,10 +283,9 @@ PROBED_STAGE = 3
 def zero3_initialized_trainer(out_dir: str):
     """The usual order of a Trainer script: TrainingArguments with ZeRO-3 first, then the model from its config,
     which transformers then builds under deepspeed.zero.Init."""
+    import deepspeed
     from accelerate.state import AcceleratorState
     from transformers import Trainer
-
-    import deepspeed
 
     AcceleratorState._reset_state(reset_partial_state=False)
     deepspeed.init_distributed(dist_backend="gloo")  # as the Trainer's own set-up does, before zero.Init runs
