@@ -210,6 +210,13 @@ class HDETEnsemble:
         return self._range_start is not None
 
     @property
+    def replicas_own_optimizer_state(self) -> bool:
+        """True where the replicas' optimizer states differ at a sync point (``local`` gradient mode, the state not
+        averaged, 2+ replicas): a checkpoint then needs each replica's, not one rank's."""
+        return (self.config.gradient_mode == "local" and not self.config.average_optimizer_state
+                and self.topology.num_replicas > 1)
+
+    @property
     def wants_probe(self) -> bool:
         """True where a probe would drive a controller (it is on, with 2+ replicas) and none is set."""
         return self._scorer.probe is None and self._controller_moves_any and self.topology.num_replicas > 1

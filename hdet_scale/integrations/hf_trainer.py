@@ -277,10 +277,9 @@ class HDETCallback(TrainerCallback, HDETHandle):
 
     @property
     def _replicas_own_optimizer_state(self) -> bool:
-        """Whether each replica's optimizer state is its own at a checkpoint (``local`` gradient mode, the state not
-        averaged at syncs), so replica r >= 1 saves and loads its own."""
-        return (self.engine == "ddp" and self.config.gradient_mode == "local"
-                and not self.config.average_optimizer_state and self.ensemble.topology.num_replicas > 1)
+        """Whether replica r >= 1 saves and loads its own optimizer state (``replicas_own_optimizer_state`` of the
+        ensemble; under DeepSpeed the Trainer takes no checkpoint)."""
+        return self.engine == "ddp" and self.ensemble.replicas_own_optimizer_state
 
     def _saved_file(self, state: TrainerState, name: str) -> Path:
         """File ``name`` of the Trainer checkpoint this run resumes from."""

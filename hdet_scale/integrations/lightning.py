@@ -66,6 +66,10 @@ require("lightning", "lightning", "hdet_scale.integrations.lightning")
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 
+REPLICA_OPTIMIZERS = "replica_optimizers"
+"""In the callback's checkpoint state, in ``local`` gradient mode under ``DDPStrategy``: replica r >= 1's optimizer
+state by r (Lightning saves rank 0's, replica 0's, as the optimizer's)."""
+
 
 class HDETCallback(pl.Callback, HDETHandle):
     """Hyperparameter-Divergent Ensemble Training in a Lightning ``Trainer``.
@@ -82,8 +86,10 @@ class HDETCallback(pl.Callback, HDETHandle):
     def __init__(self, hdet_config: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  **hdet_fields: Any) -> None:
         self.config = resolve_config(hdet_config, hdet_fields)
+        self._given_config = self.config  # each fit() is a run of its own length
         self._ensemble: HDETEnsemble | None = None
         self._restored: dict[str, Any] | None = None
+        self._replica_optimizers: dict[int, dict[str, Any]] | None = None  # from a checkpoint, for on_train_start
         self._stepped = False
         self._stop_at: int | None = None  # the run's length, where the range test lengthened the loop's epochs
         self._schedulers_held = False  # while the range test runs
@@ -107,7 +113,7 @@ class HDETCallback(pl.Callback, HDETHandle):
         steps = trainer.estimated_stepping_batches
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
         if math.isfinite(steps):
-            self.config = self.config.for_run(int(steps))
+            self.config = self._given_config.for_run(int(steps))
             if self.config.auto_lr.range_test:
                 self._add_epochs_for_range_test(trainer, int(steps))
         else:
@@ -133,6 +139,10 @@ class HDETCallback(pl.Callback, HDETHandle):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ensemble = self._attached()
+        replica = ensemble.topology.replica_index
+        if self._replica_optimizers and replica:  # Lightning restored rank 0's (replica 0's) state on every rank
+            trainer.optimizers[0].load_state_dict(self._replica_optimizers[replica])
+        self._replica_optimizers = None
         if ensemble.ramping:  # known only now: a checkpoint's state (loaded by now) ends the test before it starts
             self._hold_schedulers(trainer)
         if ensemble.wants_probe and trainer.global_rank == 0:
@@ -190,13 +200,34 @@ class HDETCallback(pl.Callback, HDETHandle):
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """HDET's state (controller, permutations, step), saved in Lightning's checkpoint."""
-        if self._ensemble is not None:
-            return self._ensemble.state_dict()
-        return dict(self._restored or {})
+        """HDET's state (controller, permutations, step), saved in Lightning's checkpoint; under ``DDPStrategy`` in
+        ``local`` gradient mode also every other replica's optimizer state, gathered to rank 0, which writes the
+        checkpoint (collective: Lightning calls it on every rank)."""
+        if self._ensemble is None:
+            return dict(self._restored or {})
+        state = self._ensemble.state_dict()
+        if self._fsdp is None and self._ensemble.replicas_own_optimizer_state:
+            state[REPLICA_OPTIMIZERS] = self._gather_replica_optimizers()
+        return state
+
+    def _gather_replica_optimizers(self) -> dict[int, dict[str, Any]] | None:
+        """Each replica r >= 1's optimizer state (from its first rank, on the CPU), by replica, on rank 0; None on
+        the other ranks."""
+        topology = self._attached().topology
+        own = None
+        if topology.replica_index and not topology.position:
+            state = self._attached().adapter.optimizer.state_dict()
+            state["state"] = {index: {key: value.cpu() if isinstance(value, torch.Tensor) else value
+                                      for key, value in entry.items()} for index, entry in state["state"].items()}
+            own = (topology.replica_index, state)
+        gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
+        torch.distributed.gather_object(own, gathered, dst=0)
+        return None if gathered is None else dict(item for item in gathered if item is not None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continues a checkpoint's HDET state (kept until ``fit`` attaches HDET, when it is restored first)."""
+        state_dict = dict(state_dict)
+        self._replica_optimizers = state_dict.pop(REPLICA_OPTIMIZERS, None)
         if self._ensemble is not None:
             self._ensemble.load_state_dict(state_dict)
         else:
