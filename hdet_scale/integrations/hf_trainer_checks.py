@@ -43,6 +43,10 @@ def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
         raise HDETConfigError("a model spread over several devices (device_map) is not supported with HDET: load "
                               "it on one device per process")
     engine = "deepspeed" if getattr(trainer, "is_deepspeed_enabled", False) else "ddp"
+    if engine == "ddp" and getattr(args, "torch_compile", False) and args.world_size > 1:
+        raise HDETConfigError("TrainingArguments(torch_compile=True) under DDP is not supported with HDET (accelerate "
+                              "wraps the DDP model, whose gradient average HDET sets, in a compiled module): set "
+                              "torch_compile=False")
     world = args.world_size
     if engine == "deepspeed":
         _check_deepspeed(trainer, config)

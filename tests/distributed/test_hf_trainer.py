@@ -218,6 +218,7 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
     errors = {
         "fsdp": error_of(lambda: added("fsdp", fsdp=True)),
         "epoch saves": error_of(lambda: added("epoch", save_strategy="epoch")),
+        "compile": error_of(lambda: added("compile", torch_compile=True)),
         "saves between syncs": error_of(lambda: added("steps", save_strategy="steps", save_steps=4)),
         "replica size": error_of(lambda: added("size", hdet_settings(out_dir, "global", 3))),
         "bad field": error_of(lambda: added("field", {"alpha": 1.5, "spread": "linear"})),
@@ -249,6 +250,7 @@ def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
     assert all(errors[name].startswith("HDETConfigError") for name in errors if name != "added twice"), errors
     assert "fsdp" in errors["fsdp"] and "hdet_scale.engines.fsdp" in errors["fsdp"]
     assert "save_strategy='epoch'" in errors["epoch saves"]
+    assert "torch_compile=True" in errors["compile"]
     assert "save_steps=4" in errors["saves between syncs"] and "multiple of" in errors["saves between syncs"]
     assert "ranks_per_replica" in errors["replica size"]
     assert errors["bad field"].startswith("HDETConfigError") and "alpha" in errors["bad field"]

@@ -155,8 +155,9 @@ def test_a_resumed_model_parallel_fit_continues_the_same_run(runs):
 
 @pytest.mark.e2e
 def test_validation_scores_the_averaged_model_between_syncs(runs):
-    """Lightning validates at the epoch's last batch, before the epoch-end hook where HDET synced: each rank
-    scored its own replica (10 steps at T = 3 leave the replicas apart at steps 10 and 20)."""
+    """Lightning validates at the epoch's last batch, before the epoch-end hook where HDET synced, when each rank
+    held its own replica (10 steps at T = 3 leave the replicas apart at steps 10 and 20): the callback averages
+    them first, so every rank validates the same model."""
     validated = [(step, rows) for step, rows in runs["validated"]["validated"] if step > 0]  # not the sanity check
     assert [step for step, _ in validated] == [10, 20]
     for step, rows in validated:
