@@ -102,6 +102,12 @@ class RangeTest:
         return steepest_descent(self.lrs, self.smoothed)
 
 
+def epochs_with_test(epochs: int, run_steps: int, test_steps: int, steps_per_epoch: int) -> int:
+    """The epochs a loop bounded by epochs needs for a run of ``run_steps`` optimizer steps after a range test of
+    ``test_steps`` (``epochs`` the loop has already, if more)."""
+    return max(epochs, math.ceil((run_steps + test_steps) / steps_per_epoch))
+
+
 class HeldScheduler:
     """Stands in for a loop's LR scheduler while the range test runs: ``step()`` does nothing, so the schedule starts
     from its first step with the run; everything else is the scheduler's (``scheduler``, to put it back)."""

@@ -71,7 +71,7 @@ from hdet_scale.integrations.hf_trainer_checks import check_trainer
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
-from hdet_scale.range_test import HeldScheduler
+from hdet_scale.range_test import HeldScheduler, epochs_with_test
 from hdet_scale.resolve import load_config
 from hdet_scale.topology import ReplicaTopology
 
@@ -394,7 +394,7 @@ def _add_epochs_for_range_test(trainer: Trainer, test_steps: int) -> None:
     def with_range_test_epochs(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
         epochs, steps_per_epoch, *values, max_steps = set_values(*args, **kwargs)
         # without a dataloader length the Trainer already loops over the data until max_steps
-        epochs = max(epochs, math.ceil((max_steps + test_steps) / steps_per_epoch))
+        epochs = epochs_with_test(epochs, max_steps, test_steps, steps_per_epoch)
         return (epochs, steps_per_epoch, *values, max_steps)
 
     trainer.set_initial_training_values = with_range_test_epochs

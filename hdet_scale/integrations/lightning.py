@@ -57,7 +57,7 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import no_probe_warning
-from hdet_scale.range_test import HeldScheduler
+from hdet_scale.range_test import HeldScheduler, epochs_with_test
 from hdet_scale.resolve import run_length_error
 from hdet_scale.schedule import resolve_config
 from hdet_scale.topology import check_world_size, with_replica_size
@@ -260,8 +260,8 @@ class HDETCallback(pl.Callback, HDETHandle):
         if trainer.max_epochs in (None, -1) or not math.isfinite(batches):
             return  # Lightning goes over the data until max_steps: the run's steps alone are counted
         steps_per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
-        needed = math.ceil((run_steps + self.config.auto_lr.range_test) / steps_per_epoch)
-        trainer.fit_loop.max_epochs = max(trainer.max_epochs, needed)
+        trainer.fit_loop.max_epochs = epochs_with_test(trainer.max_epochs, run_steps, self.config.auto_lr.range_test,
+                                                       steps_per_epoch)
         self._stop_at = run_steps
 
     def _hold_schedulers(self, trainer: pl.Trainer) -> None:

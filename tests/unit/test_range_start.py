@@ -132,3 +132,11 @@ def test_every_way_of_attaching_takes_the_range_test_and_starts_with_it_by_defau
     no_test = attach(None, optimizer, HDETConfig(auto_lr=AutoLRConfig(range_test=0)),
                      topology=ReplicaTopology.single_process())
     assert not no_test.ramping
+
+
+def test_a_loop_bounded_by_epochs_gets_the_epochs_the_test_takes_on_top():
+    from hdet_scale.range_test import epochs_with_test
+
+    assert epochs_with_test(1, run_steps=7, test_steps=20, steps_per_epoch=5) == 6  # 27 steps over epochs of 5
+    assert epochs_with_test(2, run_steps=10, test_steps=0, steps_per_epoch=5) == 2
+    assert epochs_with_test(10, run_steps=7, test_steps=20, steps_per_epoch=5) == 10  # it has more already
