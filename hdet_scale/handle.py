@@ -34,6 +34,18 @@ class HDETHandle(ABC):
         """Call after every ``optimizer.step()``: HDET's step (a sync every ``sync_interval`` calls)."""
         return self._attached().step(loss)
 
+    def observe(self, loss: LossLike) -> None:
+        """Adds a micro-batch loss to the step under way, for ``step()`` without a loss (gradient accumulation)."""
+        self._attached().observe(loss)
+
+    def current_lrs(self) -> list[float]:
+        """The LR of each param group this replica trains with at the next optimizer step."""
+        return self._attached().current_lrs()
+
+    def lr_multiplier(self, group_index: int = 0) -> float:
+        """This replica's multiplier on param group ``group_index`` for the current interval."""
+        return self._attached().lr_multiplier(group_index)
+
     def sync(self) -> SyncReport:
         """A sync now, between the regular ones (collective: every rank calls it), e.g. before an export."""
         return self._attached().sync()

@@ -134,8 +134,8 @@ class RangeTestStart:
     def __post_init__(self) -> None:
         if not self.peaks[0] > 0:
             raise HDETConfigError(f"auto_lr.range_test ramps the first param group's LR and keeps the others' ratio to "
-                                  f"it, and that group's LR is {self.peaks[0]}: give it a positive LR, or set "
-                                  "auto_lr.range_test to 0")
+                                  f"it, and that group's LR is {self.peaks[0]}: build the optimizer with its peak LR "
+                                  "(a warm-up from 0 by a torch scheduler keeps it), or set auto_lr.range_test to 0")
 
     def lr(self, group_index: int, step: int) -> float:
         """Param group ``group_index``'s LR at 0-based ``step`` of the test."""

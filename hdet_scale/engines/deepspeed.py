@@ -166,14 +166,6 @@ class HDETDeepSpeed(HDETHandle):
         checkpoint. ``global_step % sync_interval == 0`` stays true for all the micro-batches that follow."""
         return self._synced_in_step
 
-    def current_lrs(self) -> list[float]:
-        """The LR of each param group this replica trains with at the next optimizer step."""
-        return self.ensemble.current_lrs()
-
-    def lr_multiplier(self, group_index: int = 0) -> float:
-        """This replica's multiplier on param group ``group_index`` for the current interval."""
-        return self.ensemble.lr_multiplier(group_index)
-
     def sync(self) -> SyncReport:
         """An HDET sync now, between the regular ones (collective): e.g. to end on one model before a
         preemption checkpoint or an export. The next regular sync stays at the next multiple of

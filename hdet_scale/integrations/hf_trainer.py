@@ -128,10 +128,6 @@ class HDETCallback(TrainerCallback, HDETHandle):
         with self._replica_groups():
             return self.ensemble.sync()
 
-    def current_lrs(self) -> list[float]:
-        """The LR of each param group this replica trains with at the next optimizer step."""
-        return self.ensemble.current_lrs()
-
     @property
     def topology(self) -> ReplicaTopology:
         """The replica layout (this rank's replica, the groups between replicas)."""

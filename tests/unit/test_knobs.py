@@ -106,8 +106,8 @@ def test_knob_guard_rails_and_clear_errors():
         hdet.close()
     assert len(values) == REPLICAS - 1 and max(values) < 1.0  # the two multipliers above 1/0.9 both clamp
     resting = torch.optim.SGD(model.parameters(), lr=0.0)  # e.g. a warm-up's first step: 0 stays 0
-    assert HDETEnsemble(HDETConfig(sync_interval=5), DDPAdapter(resting), topology=topology,
-                        total_steps=100).current_lrs() == [0.0]
+    assert HDETEnsemble(HDETConfig(sync_interval=5, auto_lr={"range_test": 0}), DDPAdapter(resting),
+                        topology=topology, total_steps=100).current_lrs() == [0.0]
     with pytest.raises(HDETConfigError, match="explore.attention_scale cannot apply to Sequential"):
         HDETEnsemble(HDETConfig.from_dict({"explore": {"attention_scale": {}}}), DDPAdapter(optimizer, model),
                      topology=ReplicaTopology.single_process())

@@ -89,7 +89,7 @@ def test_a_first_group_at_lr_0_is_refused_in_one_line():
     """The test ramps the first group's LR and scales the others by their ratio to it: 0 divided by zero."""
     params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))]
     optimizer = torch.optim.SGD([{"params": [params[0]], "lr": 0.0}, {"params": [params[1]]}], lr=0.1)
-    with pytest.raises(HDETConfigError, match="first param group's LR .* is 0.0: give it a positive LR"):
+    with pytest.raises(HDETConfigError, match="first param group's LR .* is 0.0: build the optimizer with its peak LR"):
         HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20)), DDPAdapter(optimizer),
                      topology=ReplicaTopology.single_process())
 
