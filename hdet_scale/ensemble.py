@@ -169,8 +169,7 @@ class HDETEnsemble:
         ramp = self._range_test_lr(explored)
         if ramp is not None:
             return ramp
-        return explored.applied_value(self.topology.replica_index, scheduled,
-                                      self._step - (self._last_sync_step or 0))
+        return explored.applied_value(self.topology.replica_index, scheduled, self._steps_in_interval)
 
     def _range_test_lr(self, explored: ExploredValue) -> float | None:
         """The LR of the range test's next step for an explored LR while the test runs; None otherwise."""
@@ -208,6 +207,11 @@ class HDETEnsemble:
         (``HDETScheduler`` and ``hdet_scale.lm.train`` do), and take no checkpoint; ``while hdet.global_step <
         total_steps`` runs them all."""
         return self._range_start is not None
+
+    @property
+    def _steps_in_interval(self) -> int:
+        """The optimizer steps taken since the last sync (since the start before the first)."""
+        return self._step - (self._last_sync_step or 0)
 
     @property
     def replicas_own_optimizer_state(self) -> bool:
@@ -248,7 +252,7 @@ class HDETEnsemble:
             self._range_test_step(loss)
             return None
         self._step += 1
-        steps_in_interval = self._step - (self._last_sync_step or 0)
+        steps_in_interval = self._steps_in_interval
         self._scorer.add_step(loss, steps_in_interval, self.adapter.averaged_tensors)
         for explored in self._explored:
             # Values set at syncs held their base for the whole step. A step-scoped value's base was recorded in
