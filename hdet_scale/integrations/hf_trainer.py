@@ -198,7 +198,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if topology.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.state_dict(), folder / STATE_FILE)
-        if self._replicas_own_optimizer_state and topology.replica_index and not topology.position:
+        if ensemble.replicas_own_optimizer_state and topology.replica_index and not topology.position:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.adapter.optimizer.state_dict(),
                        folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
@@ -271,16 +271,10 @@ class HDETCallback(TrainerCallback, HDETHandle):
             # The step's loss is the mean of what is observed: scaling by the micro-batch count makes it the sum.
             self._ensemble.observe(loss * self.trainer.current_gradient_accumulation_steps)
 
-    @property
-    def _replicas_own_optimizer_state(self) -> bool:
-        """Whether replica r >= 1 saves and loads its own optimizer state (``replicas_own_optimizer_state`` of the
-        ensemble; under DeepSpeed the Trainer takes no checkpoint)."""
-        return self.engine == "ddp" and self.ensemble.replicas_own_optimizer_state
-
     def _saved_file(self, state: TrainerState, name: str) -> Path:
-        """File ``name`` of the Trainer checkpoint this run resumes from."""
-        folder = self._resume_folder or Path(self.trainer.args.output_dir) / f"checkpoint-{state.global_step}"
-        path = folder / name
+        """File ``name`` of the Trainer checkpoint this run resumes from (noted by ``train``, which every resume
+        goes through)."""
+        path = self._resume_folder / name
         if not path.is_file():
             raise FileNotFoundError(
                 f"resuming at step {state.global_step} but '{path}' does not exist: HDET saves it in every Trainer "
@@ -295,7 +289,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         """Gives replica r >= 1 its own optimizer state back where the replicas' differ (the Trainer loaded rank 0's,
         which is replica 0's, on every rank)."""
         replica = self.ensemble.topology.replica_index
-        if self._replicas_own_optimizer_state and replica:
+        if self.ensemble.replicas_own_optimizer_state and replica:
             path = self._saved_file(state, REPLICA_OPTIMIZER_FILE.format(replica))
             self.ensemble.adapter.optimizer.load_state_dict(torch.load(path, weights_only=True))
 
