@@ -99,7 +99,7 @@ class AutoLRConfig:
     """Steps of the LR range test the run starts with, 0 (none) or at least 13 (``hdet_scale.range_test``): the run
     then trains with the replicas' mean LR at 0.7 times the picked LR (``MEAN_LR_OVER_PICK``), where it holds
     (the controller moves only the other explored values). Its steps come before the run's. Unset: 100, and 0 in
-    ``paper`` mode."""
+    ``paper`` mode or with the controller off."""
 
     initial_scale: float | None = None
     """The LR's scale from the first step (``scale`` and ``log`` mode), in [scale_min, scale_max]; needs the
@@ -127,7 +127,8 @@ class AutoLRConfig:
         changes: dict[str, Any] = {name: defaults[name] for name in ("beta", "sigma", "step_size", "rise_only_after",
                                                                      *WINDOW_FIELDS) if getattr(self, name) is None}
         if self.range_test is None:
-            changes["range_test"] = 0 if self.mode == "paper" else DEFAULT_RANGE_TEST_STEPS
+            # the controller off leaves the LR given ("spread and averaging only") unless a test is asked for
+            changes["range_test"] = 0 if self.mode == "paper" or not self.enabled else DEFAULT_RANGE_TEST_STEPS
         if self.initial_scale is None:  # after a range test the scale starts at its pick: 1 relative to it
             starts_below = self.enabled is True and not changes.get("range_test", self.range_test)
             changes["initial_scale"] = defaults["initial_scale"] if starts_below else 1.0

@@ -47,7 +47,10 @@ def test_unset_controller_fields_take_their_modes_defaults(mode, sigma, step_siz
     # what the user gives wins, and a start or stop in steps replaces the default share
     lr = HDETConfig.from_dict({"auto_lr": {"mode": mode, "sigma": 0.3, "start": 7}}).for_run(1000).auto_lr
     assert (lr.sigma, lr.start) == (0.3, 7)
-    assert HDETConfig.from_dict({"auto_lr": {"enabled": False}}).for_run(1000).auto_lr.initial_scale == 1.0
+    # the controller off trains at the LR given ("spread and averaging only"): no range test unless asked for
+    off = HDETConfig.from_dict({"auto_lr": {"enabled": False}}).for_run(1000).auto_lr
+    assert (off.range_test, off.initial_scale) == (0, 1.0)
+    assert HDETConfig.from_dict({"auto_lr": {"enabled": False, "range_test": 50}}).auto_lr.filled().range_test == 50
 
 
 def test_overrides_merge_onto_the_given_fields_not_the_filled_ones():
