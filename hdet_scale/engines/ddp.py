@@ -127,10 +127,12 @@ def attach_to_wrapped(wrapped: nn.Module, optimizer: torch.optim.Optimizer, conf
 
 def attach(model: nn.Module | None, optimizer: torch.optim.Optimizer, config: HDETConfig, *,
            topology: ReplicaTopology | None = None,
-           paper_decay: Sequence[PaperDecay] | None = None, total_steps: int | None = None) -> HDETEnsemble:
+           paper_decay: Sequence[PaperDecay] | None = None, state: dict[str, Any] | None = None,
+           total_steps: int | None = None) -> HDETEnsemble:
     """Attaches HDET to a DDP training loop; call ``ensemble.step(loss)`` after every ``optimizer.step()``.
-    ``total_steps``: the run's length in optimizer steps (the default controller starts and stops at shares
-    of it)."""
+    ``state``: the ``state_dict()`` of the run this one continues, whose weights are loaded already (they get
+    no warm-init noise again); ``total_steps``: the run's length in optimizer steps (the default controller
+    starts and stops at shares of it)."""
     check_gradient_mean(model, config)
     return HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology, paper_decay=paper_decay,
-                        total_steps=total_steps)
+                        state=state, total_steps=total_steps)

@@ -102,7 +102,12 @@ def ddp_and_fsdp(rank: int, world: int) -> dict[str, list[list[float]]]:
     check_noise_kept(noised, gather_rows(parameters_to_vector(model.parameters()).detach()))
     with pytest.raises(ValueError, match="already has HDET attached"):
         ddp.attach(model, optimizer, config(2), topology=topology)
+    state = hdet.state_dict()
     hdet.close()
+    # A run continuing from a checkpoint, its weights loaded already, passes the HDET state: no noise again.
+    loaded = parameters_to_vector(model.parameters()).detach().clone()
+    ddp.attach(model, optimizer, config(2), topology=topology, state=state).close()
+    assert torch.equal(parameters_to_vector(model.parameters()).detach(), loaded)
 
     # FSDP2 with 2 shards per replica (2 replicas), then 1 (4 replicas): the same noise for replicas 0 and 1.
     for per_replica in (2, 1):
