@@ -260,16 +260,19 @@ class HDETCallback(TrainerCallback, HDETHandle):
         observe = ensemble.observe
 
         def observe_unscaled(loss: Any) -> None:
-            # Trainer divides each micro-batch loss by the accumulation steps before engine.backward; undoing it
-            # makes a step's loss (the mean of these) the sum Trainer logs, as on the DDP path.
-            observe(loss * self.trainer.current_gradient_accumulation_steps)
+            observe(self._step_share(loss))
 
         ensemble.observe = observe_unscaled
 
     def _observe(self, loss: torch.Tensor) -> None:
         if self.engine != "deepspeed" and self._ensemble is not None:
-            # The step's loss is the mean of what is observed: scaling by the micro-batch count makes it the sum.
-            self._ensemble.observe(loss * self.trainer.current_gradient_accumulation_steps)
+            self._ensemble.observe(self._step_share(loss))
+
+    def _step_share(self, loss: Any) -> Any:
+        """A micro-batch's loss as HDET observes it. Trainer scales each to its share of the step (divided by the
+        accumulation steps, or by the step's token count), and the shares sum to the step's loss it logs; HDET
+        takes a step's loss as the mean of what it observes, so each share counts once per micro-batch."""
+        return loss * self.trainer.current_gradient_accumulation_steps
 
     def _saved_file(self, state: TrainerState, name: str) -> Path:
         """File ``name`` of the Trainer checkpoint this run resumes from (noted by ``train``, which every resume
