@@ -45,7 +45,7 @@ Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_ste
 ``sync_interval``, checked) and carry HDET's state in ``hdet_state.pt`` (in ``local`` gradient mode also each
 other replica's optimizer state, which differs from rank 0's), which ``train(resume_from_checkpoint=...)``
 restores. Under DeepSpeed, set ``save_strategy="no"`` (Trainer's DeepSpeed checkpoints would bypass
-HDET's per-replica files); the final model is saved as usual after ``train()``. At the end of training the
+HDET's per-replica files, and a resume is refused); the final model is saved as usual after ``train()``. At the end of training the
 replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the ensemble's model.
 """
 
@@ -140,9 +140,6 @@ class HDETCallback(TrainerCallback, HDETHandle):
             if self.deepspeed is None:
                 raise RuntimeError("the DeepSpeed engine was built without HDET: call trainer.train() on the "
                                    "Trainer add_hdet was given, after add_hdet")
-            if state.global_step:
-                raise RuntimeError("resuming a Trainer run with HDET under DeepSpeed is not supported; use "
-                                   "hdet_scale.engines.deepspeed (engine.hdet.save_checkpoint / load_checkpoint)")
             self._ensemble = self.deepspeed.ensemble
         else:
             if self._ensemble is not None:  # an earlier train() of this Trainer (model_init, hyperparameter_search)
@@ -364,9 +361,15 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
 
     @functools.wraps(train)
     def train_with_hdet(*args: Any, **kwargs: Any) -> Any:
-        callback._resuming_from(kwargs.get("resume_from_checkpoint", args[0] if args else None))
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        callback._resuming_from(resume)
         if engine != "deepspeed":
             return train(*args, **kwargs)
+        if resume not in (None, False):  # refused before DeepSpeed builds its engine and loads the checkpoint
+            raise HDETConfigError(
+                "train(resume_from_checkpoint=...) under DeepSpeed: HDET takes no Trainer checkpoint there "
+                "(save_strategy='no'), so none holds its state; checkpoint and resume with hdet_scale.engines."
+                "deepspeed (engine.hdet.save_checkpoint / load_checkpoint) in your own loop")
         with _hdet_deepspeed_initialize(trainer, callback):
             return train(*args, **kwargs)
 

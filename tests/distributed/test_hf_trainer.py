@@ -302,8 +302,15 @@ def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
     def added(name: str, stage: int = 2, **overrides) -> None:
         add_hdet(fresh_trainer(os.path.join(out_dir, name), stage, **overrides), hdet_settings(out_dir, "global", 2))
 
+    def resumed() -> None:
+        folder = os.path.join(out_dir, "resume")
+        trainer = fresh_trainer(folder, 2)
+        add_hdet(trainer, hdet_settings(out_dir, "global", 2))
+        trainer.train(resume_from_checkpoint=folder)
+
     offload = {**zero_config(2), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     errors = {
+        "resume": error_of(resumed),
         "offload": error_of(lambda: added("offload", deepspeed=offload)),
         "fp16": error_of(lambda: added("fp16", deepspeed={**zero_config(2), "fp16": {"enabled": True}})),
         "saves": error_of(lambda: added("saves", save_strategy="steps", save_steps=SYNC_INTERVAL)),
@@ -325,6 +332,7 @@ def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
     assert "offload_optimizer" in errors["offload"]
     assert "fp16" in errors["fp16"]
     assert "save_strategy='steps' under DeepSpeed" in errors["saves"]
+    assert "resume_from_checkpoint=...) under DeepSpeed" in errors["resume"]
     assert "ranks_per_replica" in errors["replica size"]
     assert "zero.Init" in errors["zero.Init"] and "before creating the TrainingArguments" in errors["zero.Init"]
     for stage, mode, per_replica in DEEPSPEED_RUNS:
