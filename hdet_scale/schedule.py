@@ -118,6 +118,7 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
                  last_epoch: int = -1, *, hdet_config: ConfigSource = None, model: nn.Module | None = None,
                  topology: ReplicaTopology | None = None, **hdet_fields: Any) -> None:
         config = resolve_config(hdet_config, hdet_fields)
+        check_gradient_mean(model, config)
         topology = topology or ReplicaTopology.build(config)  # layout errors before OneCycleLR touches anything
         self.hdet: HDETEnsemble | None = None  # OneCycleLR.__init__ calls step() before HDET exists
         super().__init__(optimizer, max_lr, total_steps=total_steps, epochs=epochs,

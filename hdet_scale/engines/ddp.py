@@ -84,12 +84,22 @@ def wrap_model(model: nn.Module, config: HDETConfig, topology: ReplicaTopology,
 def install_gradient_mean(model: DistributedDataParallel, config: HDETConfig, topology: ReplicaTopology) -> None:
     """Sets how a DDP model built over all ranks averages gradients. ``global``: over all ranks, leaving out a
     rank whose gradient bucket holds a non-finite value (its replica diverged), so one replica never ends the
-    run; ``local``: over the replica's own ranks only."""
+    run; ``local``: over the replica's own ranks only. A model set so already (a framework's second run on the
+    same DDP model) stays as it is: DDP takes one communication hook only."""
+    wanted = (config.gradient_mode, topology.ranks_per_replica)
+    installed = getattr(model, "_hdet_gradient_mean", None)
+    if installed == wanted:
+        return
+    if installed is not None:
+        raise HDETConfigError(
+            f"this DDP model averages its gradients for gradient_mode '{installed[0]}', ranks_per_replica="
+            f"{installed[1]} already, and DDP takes one communication hook: wrap the model in a new DDP for "
+            f"gradient_mode '{wanted[0]}', ranks_per_replica={wanted[1]}")
     if config.gradient_mode == "global":
         model.register_comm_hook(HealthyMean(None), healthy_mean_hook)
     else:
         model.register_comm_hook(topology.intra_replica_group, allreduce_hook)
-    model._hdet_gradient_mode = config.gradient_mode
+    model._hdet_gradient_mean = wanted
 
 
 def check_gradient_mean(model: nn.Module | None, config: HDETConfig) -> None:
@@ -98,7 +108,7 @@ def check_gradient_mean(model: nn.Module | None, config: HDETConfig) -> None:
     no diverged replica out."""
     if not isinstance(model, DistributedDataParallel) or model.process_group.size() == 1:
         return
-    mode = getattr(model, "_hdet_gradient_mode", None)
+    mode = getattr(model, "_hdet_gradient_mean", (None,))[0]
     if mode != config.gradient_mode:
         built = "without HDET's gradient mean" if mode is None else f"for gradient_mode '{mode}'"
         raise HDETConfigError(

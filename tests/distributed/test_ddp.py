@@ -26,7 +26,7 @@ from hdet_scale import (
     multipliers,
 )
 from hdet_scale.comm import shut_down
-from hdet_scale.engines.ddp import attach, wrap_model
+from hdet_scale.engines.ddp import attach, install_gradient_mean, wrap_model
 
 WORLD = 4
 
@@ -398,13 +398,18 @@ def ddp_built_elsewhere(rank: int, world: int) -> dict[str, str]:
                                               topology=topology),
                         "other mode": lambda: HDETScheduler(
                             CosineAnnealingLR(torch.optim.SGD(other_mode.parameters(), lr=0.1), T_max=4),
-                            hdet_config=config, model=other_mode, topology=topology)}.items():
+                            hdet_config=config, model=other_mode, topology=topology),
+                        "one cycle": lambda: HDETOneCycleLR(torch.optim.SGD(own.parameters(), lr=0.1), max_lr=0.1,
+                                                            total_steps=4, hdet_config=config, model=own,
+                                                            topology=topology),
+                        "rewrapped": lambda: install_gradient_mean(other_mode, config, topology)}.items():
         try:
             build()
             errors[name] = ""
         except HDETConfigError as error:
             errors[name] = str(error)
     wrapped = wrap_model(make_model(), config, topology)
+    install_gradient_mean(wrapped, config, topology)  # a framework's second run on the same model: as it was
     attach(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), config, topology=topology)  # the right way
     return errors
 
@@ -414,3 +419,5 @@ def test_a_ddp_model_not_built_for_the_runs_gradient_mode_is_refused():
     errors = run_ranks(ddp_built_elsewhere, 2)[0]
     assert "built without HDET's gradient mean" in errors["own"] and "wrap_model" in errors["own"]
     assert "built for gradient_mode 'global'" in errors["other mode"] and "'local'" in errors["other mode"]
+    assert "built without HDET's gradient mean" in errors["one cycle"]
+    assert "for gradient_mode 'global', ranks_per_replica=1 already" in errors["rewrapped"]
