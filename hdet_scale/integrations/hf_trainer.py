@@ -45,8 +45,9 @@ Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_ste
 ``sync_interval``, checked) and carry HDET's state in ``hdet_state.pt`` (in ``local`` gradient mode also each
 other replica's optimizer state, which differs from rank 0's), which ``train(resume_from_checkpoint=...)``
 restores. Under DeepSpeed, set ``save_strategy="no"`` (Trainer's DeepSpeed checkpoints would bypass
-HDET's per-replica files, and a resume is refused); the final model is saved as usual after ``train()``. At the end of training the
-replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the ensemble's model.
+HDET's per-replica files, and a resume is refused); the final model is saved as usual after ``train()``. At the
+end of training the replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the
+ensemble's model.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from hdet_scale.topology import ReplicaTopology
 
 require("transformers", "trainer", "hdet_scale.integrations.hf_trainer")
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 STATE_FILE = "hdet_state.pt"
 """In a Trainer checkpoint folder: HDET's state (controller, permutations, step), written by global rank 0."""
@@ -148,7 +150,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
             self._ensemble = self._attach_ddp(kwargs["optimizer"],
                                               self._saved_state(state) if state.global_step else None)
             if state.global_step:
-                self._load_replica_optimizer(state)
+                self._load_replica_optimizer()
         if self.probe:
             self._set_probe(self._ensemble)
         if self._ensemble.ramping:
@@ -190,12 +192,15 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if not self.at_sync_point:
             raise RuntimeError(f"Trainer saved a checkpoint at step {state.global_step}, between HDET syncs, where "
                                "replicas differ")
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        # the Trainer's own folder rule: a hyperparameter search trial (train() noted it) has a run folder of its own
+        run_folder = Path(self.trainer._get_output_dir(trial=getattr(self.trainer, "_trial", None)))
+        folder = run_folder / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         topology = ensemble.topology
         if topology.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.state_dict(), folder / STATE_FILE)
-        if ensemble.replicas_own_optimizer_state and topology.replica_index and not topology.position:
+        if (ensemble.replicas_own_optimizer_state and topology.replica_index and not topology.position
+                and not args.save_only_model):  # the Trainer saves no optimizer state there either
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.adapter.optimizer.state_dict(),
                        folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
@@ -271,27 +276,31 @@ class HDETCallback(TrainerCallback, HDETHandle):
         takes a step's loss as the mean of what it observes, so each share counts once per micro-batch."""
         return loss * self.trainer.current_gradient_accumulation_steps
 
-    def _saved_file(self, state: TrainerState, name: str) -> Path:
-        """File ``name`` of the Trainer checkpoint this run resumes from (noted by ``train``, which every resume
-        goes through)."""
-        path = self._resume_folder / name
+    def _saved_state(self, state: TrainerState) -> dict[str, Any]:
+        """HDET's state saved in the Trainer checkpoint this run resumes from (noted by ``train``, which every
+        resume goes through)."""
+        path = self._resume_folder / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(
                 f"resuming at step {state.global_step} but '{path}' does not exist: HDET saves it in every Trainer "
-                "checkpoint it takes (with this gradient_mode); resume from one of those")
-        return path
+                "checkpoint it takes; resume from one of those")
+        return torch.load(path, map_location="cpu", weights_only=True)
 
-    def _saved_state(self, state: TrainerState) -> dict[str, Any]:
-        """HDET's state saved in the Trainer checkpoint this run resumes from."""
-        return torch.load(self._saved_file(state, STATE_FILE), weights_only=True)
-
-    def _load_replica_optimizer(self, state: TrainerState) -> None:
+    def _load_replica_optimizer(self) -> None:
         """Gives replica r >= 1 its own optimizer state back where the replicas' differ (the Trainer loaded rank 0's,
-        which is replica 0's, on every rank)."""
-        replica = self.ensemble.topology.replica_index
-        if self.ensemble.replicas_own_optimizer_state and replica:
-            path = self._saved_file(state, REPLICA_OPTIMIZER_FILE.format(replica))
-            self.ensemble.adapter.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        which is replica 0's, on every rank). A checkpoint without it (saved in ``global`` mode, with fewer
+        replicas, with ``average_optimizer_state`` or ``save_only_model``) leaves replica 0's, and says so."""
+        topology = self.ensemble.topology
+        if not (self.ensemble.replicas_own_optimizer_state and topology.replica_index):
+            return
+        path = self._resume_folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index)
+        if path.is_file():
+            # on the CPU: the file's tensors name the device of the rank that saved it
+            self.ensemble.adapter.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        elif not topology.position:
+            warn(f"'{self._resume_folder}' holds no optimizer state of replica {topology.replica_index} (saved in "
+                 "global gradient mode, with fewer replicas, with average_optimizer_state or save_only_model): "
+                 "the replica goes on from replica 0's, as the Trainer loaded it")
 
     def _resuming_from(self, resume_from_checkpoint: Any) -> None:
         """Notes the checkpoint folder a ``train(resume_from_checkpoint=...)`` resumes from (True: the Trainer's last

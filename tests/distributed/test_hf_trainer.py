@@ -386,14 +386,15 @@ def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
     settings = {**hdet_settings(out_dir, "global", 1), "warm_init": {"enabled": True, "nu": 0.05}}
     seen: dict = {}
 
-    def trainer_with(name: str):
+    def trainer_with(name: str, mode: str = "global"):
         trainer = fresh_trainer(os.path.join(out_dir, name), save_strategy="steps", save_steps=SYNC_INTERVAL,
                                 max_steps=2 * SYNC_INTERVAL)
-        hdet = add_hdet(trainer, settings)
+        hdet = add_hdet(trainer, {**settings, "gradient_mode": mode})
 
         class Watch(TrainerCallback):  # added after HDET's callback: sees the ensemble it made
             def on_train_begin(self, args, state, control, **kwargs):
-                seen[name] = {"at_sync_point": hdet.at_sync_point, "weights": gathered(master_vector(hdet))}
+                seen.setdefault(name, []).append({"at_sync_point": hdet.at_sync_point,
+                                                  "weights": gathered(master_vector(hdet))})
 
             def on_step_end(self, args, state, control, **kwargs):
                 if state.global_step == SYNC_INTERVAL:
@@ -402,19 +403,33 @@ def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
         trainer.add_callback(Watch())
         return trainer
 
-    trainer_with("fresh").train()
+    checkpoint = os.path.join(out_dir, "fresh", f"checkpoint-{SYNC_INTERVAL}")
+    fresh = trainer_with("fresh")
+    fresh.train()
     # from the fresh run's folder into another output_dir: HDET's state comes from the checkpoint resumed
-    trainer_with("resumed").train(resume_from_checkpoint=os.path.join(out_dir, "fresh", f"checkpoint-{SYNC_INTERVAL}"))
+    trainer_with("resumed").train(resume_from_checkpoint=checkpoint)
+    # the same Trainer again, in the same process: its DDP model keeps the gradient mean HDET gave it
+    fresh.train(resume_from_checkpoint=checkpoint)
+    # local mode from a global-mode checkpoint, which holds no optimizer state of replica 1: it goes on from replica
+    # 0's, and its first rank says so
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_with("local", mode="local").train(resume_from_checkpoint=checkpoint)
+    seen["warnings"] = [str(warning.message) for warning in caught if "replica 0's" in str(warning.message)]
     return seen
 
 
 def test_warm_init_noises_a_fresh_start_only(tmp_path):
-    seen = run_ranks(warm_resume_worker, 2, str(tmp_path), timeout=600)[0]
-    fresh, resumed = seen["fresh"], seen["resumed"]
+    results = run_ranks(warm_resume_worker, 2, str(tmp_path), timeout=600)
+    seen = results[0]
+    (fresh, again), (resumed,), (local,) = seen["fresh"], seen["resumed"], seen["local"]
     assert not torch.equal(fresh["weights"][0], fresh["weights"][1])  # each replica drew its own noise
     assert not fresh["at_sync_point"]  # so step 0 is no place for a checkpoint of one model
-    assert torch.equal(resumed["weights"], seen["checkpointed"][:1].expand_as(resumed["weights"]))  # not re-noised
-    assert resumed["at_sync_point"]
+    for run in (resumed, again, local):  # not re-noised
+        assert torch.equal(run["weights"], seen["checkpointed"][:1].expand_as(run["weights"]))
+        assert run["at_sync_point"]
+    assert seen["warnings"] == []
+    assert len(results[1]["warnings"]) == 1 and "no optimizer state of replica 1" in results[1]["warnings"][0]
 
 
 # ------------------------------------------------------------------------------- two runs of one Trainer
@@ -423,11 +438,13 @@ def model_init_worker(rank: int, world: int, out_dir: str) -> list[dict]:
     ``train()`` builds a new model and optimizer."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import HPSearchBackend
 
     from hdet_scale.integrations.hf_trainer import add_hdet
 
     AcceleratorState._reset_state(reset_partial_state=False)
-    trainer = Trainer(model_init=lambda: tiny_llama(rank), args=training_args(out_dir), train_dataset=token_dataset())
+    trainer = Trainer(model_init=lambda: tiny_llama(rank), train_dataset=token_dataset(),
+                      args=training_args(out_dir, save_strategy="steps", save_steps=SYNC_INTERVAL))
     hdet = add_hdet(trainer, hdet_settings(out_dir, "global", 1))
     runs: list[dict] = []
 
@@ -437,9 +454,15 @@ def model_init_worker(rank: int, world: int, out_dir: str) -> list[dict]:
                 runs[-1]["after_first_step"] = gathered(master_vector(hdet))
 
     trainer.add_callback(Watch())
-    for _ in range(2):
+    class Trial(dict):  # what the Trainer reads of an optuna trial (and, as a dict, of its parameters)
+        number, params = 7, {}
+
+    # The second run as a trial of hyperparameter_search with optuna: trial.number names its folder, run-7.
+    trainer.hp_space = lambda trial: {}
+    for trial in (None, Trial()):
         runs.append({})
-        trainer.train()
+        trainer.hp_search_backend = None if trial is None else HPSearchBackend.OPTUNA
+        trainer.train(trial=trial)
         runs[-1].update(optimizer_is_hdets=hdet.ensemble.adapter.optimizer is trainer.optimizer.optimizer,
                         steps=hdet.global_step, lrs=gathered(torch.tensor(hdet.current_lrs())))
     return runs
@@ -453,6 +476,10 @@ def test_each_train_of_a_trainer_with_model_init_is_an_hdet_run(tmp_path):
         low, high = multipliers(2, ALPHA, "linear")  # each replica's LR: the same base times its own multiplier
         ratio = run["lrs"].max(0).values / run["lrs"].min(0).values
         torch.testing.assert_close(ratio, torch.full_like(ratio, high / low))
+    # HDET's state lies in each run's own checkpoints: the trial's in its run folder, beside the Trainer's
+    for folder in (tmp_path, tmp_path / "run-7"):
+        checkpoints = sorted(folder.glob("checkpoint-*"))
+        assert checkpoints and all((checkpoint / "hdet_state.pt").is_file() for checkpoint in checkpoints)
 
 
 def epochs_worker(rank: int, world: int, out_dir: str) -> dict:
