@@ -334,3 +334,10 @@ def shut_down_and_exit(code: int = 0) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    """A process group over all ranks for objects on the CPU: None (the default group) where that is gloo, else a
+    new gloo group (collective: every rank calls it, in the same order). Objects sent over NCCL are staged on the
+    GPU, a gather's at the world size times the largest on its destination."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")

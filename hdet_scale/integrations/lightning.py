@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hdet_scale.comm import cpu_group
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.engines.fsdp import HDETFSDP
@@ -90,6 +91,7 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._ensemble: HDETEnsemble | None = None
         self._restored: dict[str, Any] | None = None
         self._replica_optimizers: dict[int, dict[str, Any]] | None = None  # from a checkpoint, for on_train_start
+        self._gather_group: torch.distributed.ProcessGroup | None = None  # where replica optimizer states travel
         self._stepped = False
         self._stop_at: int | None = None  # the run's length, where the range test lengthened the loop's epochs
         self._schedulers_held = False  # while the range test runs
@@ -117,6 +119,7 @@ class HDETCallback(pl.Callback, HDETHandle):
             if self.config.auto_lr.range_test:
                 self._add_epochs_for_range_test(trainer, int(steps))
         else:
+            self.config = self._given_config  # not the length of an earlier fit()
             replicas = check_world_size(self.config, trainer.world_size, auto="node" if sharded else "rank")
             error = run_length_error(self.config, replicas, "this Trainer's length is unknown (an iterable dataset "
                                                             "without max_steps): set max_steps")
@@ -136,13 +139,23 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._ensemble = attach_to_wrapped(trainer.strategy.model, trainer.optimizers[0], self.config,
                                           state=self._restored)
         self._restored = None
+        if self._ensemble.replicas_own_optimizer_state and trainer.world_size > 1:
+            self._gather_group = cpu_group()  # on the CPU: gathered over NCCL, the states would be staged on a GPU
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ensemble = self._attached()
-        replica = ensemble.topology.replica_index
-        if self._replica_optimizers and replica:  # Lightning restored rank 0's (replica 0's) state on every rank
-            trainer.optimizers[0].load_state_dict(self._replica_optimizers[replica])
-        self._replica_optimizers = None
+        topology = ensemble.topology
+        saved, self._replica_optimizers = self._replica_optimizers, None
+        # Lightning restored rank 0's (replica 0's) optimizer state on every rank; under FSDP2 its distributed
+        # checkpoint holds one state per shard, the replicas' mixed (docs/engines.md)
+        own_states = ensemble.replicas_own_optimizer_state and self._fsdp is None
+        if saved is not None and topology.replica_index and own_states:
+            if topology.replica_index in saved:
+                trainer.optimizers[0].load_state_dict(saved[topology.replica_index])
+            elif not topology.position:
+                warn(f"HDETCallback: the checkpoint holds no optimizer state of replica {topology.replica_index} "
+                     "(saved in global gradient mode, with fewer replicas or with average_optimizer_state): the "
+                     "replica goes on from replica 0's, as Lightning restored it")
         if ensemble.ramping:  # known only now: a checkpoint's state (loaded by now) ends the test before it starts
             self._hold_schedulers(trainer)
         if ensemble.wants_probe and trainer.global_rank == 0:
@@ -221,13 +234,13 @@ class HDETCallback(pl.Callback, HDETHandle):
                                       for key, value in entry.items()} for index, entry in state["state"].items()}
             own = (topology.replica_index, state)
         gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
-        torch.distributed.gather_object(own, gathered, dst=0)
+        torch.distributed.gather_object(own, gathered, dst=0, group=self._gather_group)
         return None if gathered is None else dict(item for item in gathered if item is not None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continues a checkpoint's HDET state (kept until ``fit`` attaches HDET, when it is restored first)."""
         state_dict = dict(state_dict)
-        self._replica_optimizers = state_dict.pop(REPLICA_OPTIMIZERS, None)
+        self._replica_optimizers = state_dict.pop(REPLICA_OPTIMIZERS, None) or {}  # {}: a resume without them
         if self._ensemble is not None:
             self._ensemble.load_state_dict(state_dict)
         else:

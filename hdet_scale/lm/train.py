@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from hdet_scale.comm import on_rank0, shut_down, shut_down_and_exit
+from hdet_scale.comm import cpu_group, on_rank0, shut_down, shut_down_and_exit
 from hdet_scale.extras import MissingExtra
 from hdet_scale.lm import out_lock
 from hdet_scale.lm.agreement import RunFailed, agreed
@@ -282,8 +282,7 @@ class Run:
         if args.probe_batch and self.backend.ensemble.wants_probe:
             self._set_probe()
         self.step = 0
-        cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self.stop = StopSignal(cpu_group)
+        self.stop = StopSignal(cpu_group())
         self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
                                  metrics_path=self.config.metrics_path, wandb_project=args.wandb,
                                  resumed=checked.resume is not None, sync_lines=not args.replay_schedule,

@@ -36,6 +36,16 @@ def run_job(out: Path, *args: str, nproc: int = 4, job: Path = JOB) -> dict:
     return {**torch.load(out / "record.pt"), "stdout": result.stdout}
 
 
+def without_replica_optimizers(checkpoint: Path, copy: Path) -> Path:
+    """A copy of a local-mode checkpoint without the other replicas' optimizer states, as one saved in global mode
+    or with fewer replicas."""
+    state = torch.load(checkpoint, weights_only=False)
+    (key,) = [key for key in state["callbacks"] if key.startswith("HDETCallback")]
+    del state["callbacks"][key]["replica_optimizers"]
+    torch.save(state, copy)
+    return copy
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lightning")
@@ -47,6 +57,8 @@ def runs(tmp_path_factory) -> dict:
         "local": run_job(root / "local", *local, "--probe"),
         "local_resumed": run_job(root / "local_resumed", *local, "--probe", "--resume",
                                  str(root / "local" / "checkpoints" / "epoch=0-step=5.ckpt")),
+        "local_resumed_bare": run_job(root / "local_resumed_bare", *local, "--probe", "--resume", str(
+            without_replica_optimizers(root / "local" / "checkpoints" / "epoch=0-step=5.ckpt", root / "bare.ckpt"))),
         "resumed": run_job(root / "resumed", "--epochs", "2", "--resume",
                            str(root / "global" / "checkpoints" / first_epoch)),
         "fsdp2": run_job(root / "fsdp2", *fsdp2, "--epochs", "2"),
@@ -135,6 +147,10 @@ def test_a_resumed_local_mode_fit_gives_each_replica_its_own_optimizer_state(run
     resumed, straight = runs["local_resumed"], runs["local"]
     assert resumed["hdet_step"] == 10 and min(resumed["after"]) == 5  # its first micro-batch: no step yet
     torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=1e-6)
+    # without them the other replica goes on from replica 0's, and its first rank (rank 2) says so
+    bare = runs["local_resumed_bare"]
+    assert bare["hdet_step"] == 10 and not torch.equal(bare["final"], straight["final"])
+    assert bare["stdout"].count("holds no optimizer state of replica 1") == 1
 
 
 @pytest.mark.e2e
