@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.metrics import SyncReport
@@ -19,7 +19,11 @@ class HDETHandle(ABC):
     ``state_dict()``, ``load_state_dict()``, ``last_report``, ``global_step``, ``ramping``, ``found_lr_factor()``
     and ``ensemble`` on every engine. A
     subclass says where its ensemble is (``_attached``); one whose loop steps HDET itself (DeepSpeed's
-    ``engine.step()``, the integrations) refuses ``step``."""
+    ``engine.step()``, the integrations) refuses ``step`` and ``observe``."""
+
+    loop_feeds_hdet: ClassVar[str | None] = None
+    """How this handle's loop hands HDET each loss and takes its steps, where it does: ``step`` and ``observe``
+    then refuse (a loss observed twice would count twice), naming it."""
 
     @abstractmethod
     def _attached(self) -> HDETEnsemble:
@@ -32,11 +36,17 @@ class HDETHandle(ABC):
 
     def step(self, loss: LossLike | None = None) -> SyncReport | None:
         """Call after every ``optimizer.step()``: HDET's step (a sync every ``sync_interval`` calls)."""
+        self._refuse_where_the_loop_feeds_hdet("step")
         return self._attached().step(loss)
 
     def observe(self, loss: LossLike) -> None:
         """Adds a micro-batch loss to the step under way, for ``step()`` without a loss (gradient accumulation)."""
+        self._refuse_where_the_loop_feeds_hdet("observe")
         self._attached().observe(loss)
+
+    def _refuse_where_the_loop_feeds_hdet(self, call: str) -> None:
+        if self.loop_feeds_hdet is not None:
+            raise RuntimeError(f"{self.loop_feeds_hdet}: do not call {call}()")
 
     def current_lrs(self) -> list[float]:
         """The LR of each param group this replica trains with at the next optimizer step."""

@@ -42,7 +42,6 @@ from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
 from hdet_scale.resolve import add_hdet_args
-from hdet_scale.scores import LossLike
 from hdet_scale.topology import ReplicaTopology, check_world_size
 
 require("deepspeed", "deepspeed", "hdet_scale.engines.deepspeed")
@@ -73,6 +72,8 @@ class HDETDeepSpeed(HDETHandle):
     averaged across replicas before clipping and the step, so every replica applies the same gradient.
     """
 
+    loop_feeds_hdet = "under DeepSpeed, engine.backward(loss) hands HDET each loss and engine.step() takes its steps"
+
     def __init__(self, engine: Any, config: HDETConfig, topology: ReplicaTopology, *,
                  paper_decay: Sequence[PaperDecay] | None = None) -> None:
         self.engine = engine
@@ -101,11 +102,6 @@ class HDETDeepSpeed(HDETHandle):
     def _attached(self) -> HDETEnsemble:
         return self._ensemble
 
-    def step(self, loss: LossLike | None = None) -> SyncReport | None:
-        """Not called under DeepSpeed: ``engine.step()`` takes HDET's step, with the loss ``engine.backward``
-        saw."""
-        raise RuntimeError("under DeepSpeed, engine.step() takes HDET's step (with the loss engine.backward(loss) "
-                           "saw): call engine.step(), not engine.hdet.step()")
 
     def _install(self, engine: Any) -> None:
         backward, step, take_model_step = engine.backward, engine.step, engine._take_model_step

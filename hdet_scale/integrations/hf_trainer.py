@@ -100,6 +100,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
         deepspeed: under DeepSpeed, the engine's ``HDETDeepSpeed`` handle (``engine.hdet``), else None.
     """
 
+    loop_feeds_hdet = "the Trainer hands HDET each loss and takes its steps with its optimizer's"
+
     def __init__(self, trainer: Trainer, config: HDETConfig, engine: str, *,
                  paper_decay: Sequence[PaperDecay] | None = None, sync_at_end: bool = True,
                  probe: bool = True) -> None:
@@ -120,10 +122,6 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if self._ensemble is None:
             raise RuntimeError("HDET attaches when trainer.train() starts; call this during or after training")
         return self._ensemble
-
-    def step(self, loss: Any = None) -> SyncReport | None:
-        """Not called under the Trainer: the callback takes HDET's step after every optimizer step."""
-        raise RuntimeError("the Trainer's optimizer steps take HDET's steps: do not call the callback's step()")
 
     def sync(self) -> SyncReport:
         """A sync now, between the regular ones (collective: every rank calls it)."""

@@ -84,6 +84,8 @@ class HDETCallback(pl.Callback, HDETHandle):
     is True and ``trainer.global_step`` stays 0).
     """
 
+    loop_feeds_hdet = "HDETCallback hands HDET each loss and steps it after every Lightning optimizer step"
+
     def __init__(self, hdet_config: HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  **hdet_fields: Any) -> None:
         self.config = resolve_config(hdet_config, hdet_fields)
@@ -251,10 +253,6 @@ class HDETCallback(pl.Callback, HDETHandle):
         if self._ensemble is None:
             raise RuntimeError("HDETCallback has not attached yet: it attaches in on_fit_start")
         return self._ensemble
-
-    def step(self, loss: Any = None) -> SyncReport | None:
-        """Not called under Lightning: the callback takes HDET's step after every optimizer step."""
-        raise RuntimeError("HDETCallback steps HDET after every Lightning optimizer step: do not call its step()")
 
     @property
     def ramping(self) -> bool:

@@ -13,13 +13,15 @@ import pytest
 from hdet_scale.handle import HDETHandle
 
 
-def test_the_handles_whose_loop_steps_hdet_refuse_a_step_of_their_own():
+def test_the_handles_whose_loop_steps_hdet_refuse_a_step_or_a_loss_of_their_own():
+    """A loss observed by hand where the loop hands HDET each one already would count twice."""
     from hdet_scale.engines.deepspeed import HDETDeepSpeed
     from hdet_scale.integrations import hf_trainer, lightning
 
-    for handle, where in ((HDETDeepSpeed, "engine.step\\(\\) takes HDET's step"),
-                          (hf_trainer.HDETCallback, "the Trainer's optimizer steps take HDET's steps"),
-                          (lightning.HDETCallback, "HDETCallback steps HDET after every Lightning optimizer step")):
+    for handle, where in ((HDETDeepSpeed, "engine.backward\\(loss\\) hands HDET each loss"),
+                          (hf_trainer.HDETCallback, "the Trainer hands HDET each loss"),
+                          (lightning.HDETCallback, "HDETCallback hands HDET each loss")):
         assert issubclass(handle, HDETHandle)
-        with pytest.raises(RuntimeError, match=where):
-            handle.step(object.__new__(handle), 1.0)
+        for call in ("step", "observe"):
+            with pytest.raises(RuntimeError, match=f"{where}.*: do not call {call}\\(\\)"):
+                getattr(handle, call)(object.__new__(handle), 1.0)
