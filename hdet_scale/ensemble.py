@@ -69,7 +69,7 @@ class HDETEnsemble:
         self.config = config
         self.adapter = adapter
         self.topology = topology or ReplicaTopology.build(config)
-        check_attachable(config, adapter, self.topology, paper_decay)
+        check_attachable(config, adapter, self.topology, paper_decay, fresh_start=state is None)
         self._controllers = {"lr": Controller(config.auto_lr), "other": Controller(config.auto_lr.for_other_knobs())}
         self._explored: list[ExploredValue] = []
         for index, knob in enumerate(lr_knobs(adapter.optimizer)):

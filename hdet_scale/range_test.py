@@ -20,7 +20,6 @@ import torch
 
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.comm import gather_rows
-from hdet_scale.config_checks import HDETConfigError
 from hdet_scale.scores import IntervalLoss, LossLike
 
 LR_MIN, LR_MAX = 1e-6, 1.0
@@ -130,12 +129,6 @@ class RangeTestStart:
     test: RangeTest
     snapshot: list[torch.Tensor]
     peaks: list[float]
-
-    def __post_init__(self) -> None:
-        if not self.peaks[0] > 0:
-            raise HDETConfigError(f"auto_lr.range_test ramps the first param group's LR and keeps the others' ratio to "
-                                  f"it, and that group's LR is {self.peaks[0]}: build the optimizer with its peak LR "
-                                  "(a warm-up from 0 by a torch scheduler keeps it), or set auto_lr.range_test to 0")
 
     def lr(self, group_index: int, step: int) -> float:
         """Param group ``group_index``'s LR at 0-based ``step`` of the test."""

@@ -139,9 +139,10 @@ def few_updates_warning(config: HDETConfig, num_replicas: int) -> str | None:
 
 
 def check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: ReplicaTopology,
-                      paper_decay: Sequence[PaperDecay] | None) -> None:
-    """Refuses, before an ensemble attaches, a topology, optimizer or setting it cannot work with (a window
-    needing the run's length, a controller that could not leave its start, a paper mode without its floors)."""
+                      paper_decay: Sequence[PaperDecay] | None, *, fresh_start: bool) -> None:
+    """Refuses, before an ensemble attaches (and changes any weight), a topology, optimizer or setting it cannot
+    work with (a window needing the run's length, a controller that could not leave its start, a paper mode
+    without its floors, an LR range test from a first LR of 0); ``fresh_start``: no checkpoint's state goes on."""
     if topology.ranks_per_replica != config.ranks_per_replica:
         raise ValueError(
             f"the topology has {topology.ranks_per_replica} ranks per replica but the config says "
@@ -164,3 +165,8 @@ def check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: Repli
         )
     if paper_decay is not None and len(paper_decay) != num_groups:
         raise ValueError(f"paper_decay has {len(paper_decay)} entries for {num_groups} param groups")
+    first_lr = adapter.peak_lrs()[0]
+    if config.auto_lr.range_test and fresh_start and not first_lr > 0:
+        raise HDETConfigError(f"auto_lr.range_test ramps the first param group's LR and keeps the others' ratio to "
+                              f"it, and that group's LR is {first_lr}: build the optimizer with its peak LR "
+                              "(a warm-up from 0 by a torch scheduler keeps it), or set auto_lr.range_test to 0")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hdet_scale import HDETConfig, HDETEnsemble, HDETOneCycleLR, ReplicaTopology
+from hdet_scale import HDETConfig, HDETEnsemble, HDETOneCycleLR, ReplicaTopology, WarmInitConfig
 from hdet_scale.config import AutoLRConfig, HDETConfigError
 from hdet_scale.engines.ddp import DDPAdapter, attach
 
@@ -86,12 +86,20 @@ def test_a_test_without_finite_losses_picks_nothing_and_says_so():
 
 
 def test_a_first_group_at_lr_0_is_refused_in_one_line():
-    """The test ramps the first group's LR and scales the others by their ratio to it: 0 divided by zero."""
+    """The test ramps the first group's LR and scales the others by their ratio to it: 0 divided by zero. Refused
+    before the warm-init noise, which a retry would otherwise add a second time."""
     params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))]
     optimizer = torch.optim.SGD([{"params": [params[0]], "lr": 0.0}, {"params": [params[1]]}], lr=0.1)
+    config = HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20), warm_init=WarmInitConfig(enabled=True))
     with pytest.raises(HDETConfigError, match="first param group's LR .* is 0.0: build the optimizer with its peak LR"):
-        HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=20)), DDPAdapter(optimizer),
-                     topology=ReplicaTopology.single_process())
+        HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+    assert all(torch.equal(param, torch.ones(2)) for param in params)
+    # a run that continues a checkpoint runs no test
+    saved = HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=0)), DDPAdapter(optimizer),
+                         topology=ReplicaTopology.single_process())
+    state = saved.state_dict()
+    saved.close()
+    HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process(), state=state).close()
 
 
 def test_a_step_without_a_loss_is_refused_during_the_test():
