@@ -21,7 +21,7 @@ from hdet_scale.comm import HealthyMean, broadcast_from_rank0, healthy_mean_hook
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.controller import PaperDecay
 from hdet_scale.ensemble import HDETEnsemble
-from hdet_scale.topology import ReplicaTopology
+from hdet_scale.topology import ReplicaTopology, with_replica_size
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -86,15 +86,13 @@ def install_gradient_mean(model: DistributedDataParallel, config: HDETConfig, to
     rank whose gradient bucket holds a non-finite value (its replica diverged), so one replica never ends the
     run; ``local``: over the replica's own ranks only. A model set so already (a framework's second run on the
     same DDP model) stays as it is: DDP takes one communication hook only."""
-    wanted = (config.gradient_mode, topology.ranks_per_replica)
+    wanted = _gradient_mean(config.gradient_mode, topology.ranks_per_replica)
     installed = getattr(model, "_hdet_gradient_mean", None)
     if installed == wanted:
         return
     if installed is not None:
-        raise HDETConfigError(
-            f"this DDP model averages its gradients for gradient_mode '{installed[0]}', ranks_per_replica="
-            f"{installed[1]} already, and DDP takes one communication hook: wrap the model in a new DDP for "
-            f"gradient_mode '{wanted[0]}', ranks_per_replica={wanted[1]}")
+        raise HDETConfigError(f"this DDP model averages its gradients {installed} already, and DDP takes one "
+                              f"communication hook: wrap the model in a new DDP for {wanted}")
     if config.gradient_mode == "global":
         model.register_comm_hook(HealthyMean(None), healthy_mean_hook)
     else:
@@ -108,13 +106,19 @@ def check_gradient_mean(model: nn.Module | None, config: HDETConfig) -> None:
     no diverged replica out."""
     if not isinstance(model, DistributedDataParallel) or model.process_group.size() == 1:
         return
-    mode = getattr(model, "_hdet_gradient_mean", (None,))[0]
-    if mode != config.gradient_mode:
-        built = "without HDET's gradient mean" if mode is None else f"for gradient_mode '{mode}'"
+    installed = getattr(model, "_hdet_gradient_mean", None)
+    wanted = _gradient_mean(config.gradient_mode, with_replica_size(config).ranks_per_replica)
+    if installed != wanted:
+        built = "without HDET's gradient mean" if installed is None else f"to average its gradients {installed}"
         raise HDETConfigError(
-            f"the model is a DistributedDataParallel built {built}, and this run's gradient_mode is "
-            f"'{config.gradient_mode}': build it with hdet_scale.engines.ddp.wrap_model(model, config, topology) "
-            "and the same config instead of DistributedDataParallel(model)")
+            f"the model is a DistributedDataParallel built {built}, and this run averages them {wanted}: build it "
+            "with hdet_scale.engines.ddp.wrap_model(model, config, topology) and the same config instead of "
+            "DistributedDataParallel(model)")
+
+
+def _gradient_mean(mode: str, ranks_per_replica: int) -> str:
+    """How a DDP model averages its gradients under HDET, in words (the replica size matters in local mode only)."""
+    return f"for gradient_mode '{mode}'" + (f", ranks_per_replica={ranks_per_replica}" if mode == "local" else "")
 
 
 def attach_to_wrapped(wrapped: nn.Module, optimizer: torch.optim.Optimizer, config: HDETConfig, *,

@@ -393,6 +393,8 @@ def ddp_built_elsewhere(rank: int, world: int) -> dict[str, str]:
     topology = ReplicaTopology.build(config)
     own = nn.parallel.DistributedDataParallel(make_model())
     other_mode = wrap_model(make_model(), HDETConfig(ranks_per_replica=1), topology)
+    one_replica = HDETConfig(ranks_per_replica=2, gradient_mode="local")
+    other_size = wrap_model(make_model(), one_replica, ReplicaTopology.build(one_replica))
     errors = {}
     for name, build in {"own": lambda: attach(own, torch.optim.SGD(own.parameters(), lr=0.1), config,
                                               topology=topology),
@@ -402,6 +404,8 @@ def ddp_built_elsewhere(rank: int, world: int) -> dict[str, str]:
                         "one cycle": lambda: HDETOneCycleLR(torch.optim.SGD(own.parameters(), lr=0.1), max_lr=0.1,
                                                             total_steps=4, hdet_config=config, model=own,
                                                             topology=topology),
+                        "other size": lambda: attach(other_size, torch.optim.SGD(other_size.parameters(), lr=0.1),
+                                                     config, topology=topology),
                         "rewrapped": lambda: install_gradient_mean(other_mode, config, topology)}.items():
         try:
             build()
@@ -418,6 +422,9 @@ def test_a_ddp_model_not_built_for_the_runs_gradient_mode_is_refused():
     """Local mode over a DistributedDataParallel of the user's own averaged every gradient over all ranks."""
     errors = run_ranks(ddp_built_elsewhere, 2)[0]
     assert "built without HDET's gradient mean" in errors["own"] and "wrap_model" in errors["own"]
-    assert "built for gradient_mode 'global'" in errors["other mode"] and "'local'" in errors["other mode"]
+    assert "built to average its gradients for gradient_mode 'global'" in errors["other mode"]
+    assert "this run averages them for gradient_mode 'local', ranks_per_replica=1" in errors["other mode"]
+    # local mode over replicas of 2 ranks, where this run's replicas are single ranks: they would share gradients
+    assert "gradient_mode 'local', ranks_per_replica=2, and this run" in errors["other size"]
     assert "built without HDET's gradient mean" in errors["one cycle"]
-    assert "for gradient_mode 'global', ranks_per_replica=1 already" in errors["rewrapped"]
+    assert "averages its gradients for gradient_mode 'global' already" in errors["rewrapped"]
