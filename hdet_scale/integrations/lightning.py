@@ -39,6 +39,7 @@ needs a GPU), ``ModelParallelStrategy`` without ``shard`` and every other strate
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -93,7 +94,6 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._ensemble: HDETEnsemble | None = None
         self._restored: dict[str, Any] | None = None
         self._replica_optimizers: dict[int, dict[str, Any]] | None = None  # from a checkpoint, for on_train_start
-        self._gather_group: torch.distributed.ProcessGroup | None = None  # where replica optimizer states travel
         self._stepped = False
         self._stop_at: int | None = None  # the run's length, where the range test lengthened the loop's epochs
         self._schedulers_held = False  # while the range test runs
@@ -141,8 +141,6 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._ensemble = attach_to_wrapped(trainer.strategy.model, trainer.optimizers[0], self.config,
                                           state=self._restored)
         self._restored = None
-        if self._ensemble.replicas_own_optimizer_state and trainer.world_size > 1:
-            self._gather_group = cpu_group()  # on the CPU: gathered over NCCL, the states would be staged on a GPU
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ensemble = self._attached()
@@ -206,6 +204,11 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._release_schedulers(trainer)  # none left held, unless the fit stopped during the range test
         self._sync_if_apart(trainer)
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning restores a checkpoint's callback state for validate, test and predict too: a later fit is a run
+        # of its own unless it resumes (a fit consumes what it restored by its first batch)
+        self._restored = self._replica_optimizers = None
+
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         if self._ensemble is not None and not self._ensemble.at_sync_point and trainer.global_rank == 0:
@@ -238,6 +241,12 @@ class HDETCallback(pl.Callback, HDETHandle):
         gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
         torch.distributed.gather_object(own, gathered, dst=0, group=self._gather_group)
         return None if gathered is None else dict(item for item in gathered if item is not None)
+
+    @functools.cached_property
+    def _gather_group(self) -> torch.distributed.ProcessGroup | None:
+        """Where the replicas' optimizer states travel: on the CPU (over NCCL, rank 0 would stage world-size times the
+        largest on its GPU). Made at the first checkpoint, which every rank takes."""
+        return cpu_group()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continues a checkpoint's HDET state (kept until ``fit`` attaches HDET, when it is restored first)."""

@@ -50,7 +50,23 @@ def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     trainer = SimpleNamespace(optimizers=[optimizer], estimated_stepping_batches=float("inf"), world_size=2,
                               strategy=DDPStrategy())
+    callback = HDETCallback(auto_lr={"range_test": 0})
+    callback.config = callback.config.for_run(1000)  # what an earlier fit() of 1000 steps resolved
     with pytest.raises(HDETConfigError, match=r"^auto_lr.start=0.02 is a share of the run and needs its "
                                               r"length: this Trainer's length is unknown .*: set max_steps, or "
                                               r"give auto_lr.start as a step \(an int\)$"):
-        HDETCallback(auto_lr={"range_test": 0}).on_fit_start(trainer, None)
+        callback.on_fit_start(trainer, None)
+
+
+def test_a_state_restored_for_validation_is_not_a_later_fits():
+    """Lightning restores a checkpoint's callback states for validate(ckpt_path=...) too; a fit after it without a
+    checkpoint is a fresh run (warm-init noise, range test), not the validated checkpoint's continuation."""
+    import lightning.pytorch as pl
+
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    callback = HDETCallback()
+    callback.load_state_dict({"step": 40, "explored": {}})
+    assert callback.state_dict()["step"] == 40  # held for the fit that restored it
+    callback.teardown(pl.Trainer(accelerator="cpu", devices=1, logger=False), pl.LightningModule(), "validate")
+    assert callback.state_dict() == {}
