@@ -201,9 +201,10 @@ class HDETConfig:
 
     alpha: float | None = None
     """alpha: spread ratio of the explored values' multipliers (eq. 1), in [0, 1) (``spread="log"``: any alpha >=
-    0); 0 is plain data parallel. Unset: 0.5 (``DEFAULT_ALPHA``) for the values a controller moves, and no spread
-    for an LR that the LR range test picks (``auto_lr.range_test``, the default): nothing reads that LR's spread,
-    and at the same mean LR a spread costs held-out loss. The paper's: 1/9 with a linear spread."""
+    0); 0 is plain data parallel. Unset: no spread for an LR that the LR range test picks (``auto_lr.range_test``,
+    the default): nothing reads that LR's spread, and at the same mean LR a spread costs held-out loss; else 0.5
+    (``DEFAULT_ALPHA``), for the values a controller moves and for every value with the controller off. The paper's:
+    1/9 with a linear spread."""
 
     spread: Spread = "log"
     """``linear``: eq. 1's [1 - alpha, 1 + alpha] (arithmetic mean 1); ``log``: evenly in log space over

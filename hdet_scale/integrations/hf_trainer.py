@@ -78,6 +78,7 @@ from hdet_scale.topology import ReplicaTopology
 
 require("transformers", "trainer", "hdet_scale.integrations.hf_trainer")
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers.trainer import OPTIMIZER_NAME  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 STATE_FILE = "hdet_state.pt"
@@ -287,9 +288,12 @@ class HDETCallback(TrainerCallback, HDETHandle):
     def _load_replica_optimizer(self) -> None:
         """Gives replica r >= 1 its own optimizer state back where the replicas' differ (the Trainer loaded rank 0's,
         which is replica 0's, on every rank). A checkpoint without it (saved in ``global`` mode, with fewer
-        replicas, with ``average_optimizer_state`` or ``save_only_model``) leaves replica 0's, and says so."""
+        replicas or with ``average_optimizer_state``) leaves replica 0's, and says so; one without the Trainer's
+        (``save_only_model``) leaves every replica's fresh, as the Trainer does."""
         topology = self.ensemble.topology
         if not (self.ensemble.replicas_own_optimizer_state and topology.replica_index):
+            return
+        if not (self._resume_folder / OPTIMIZER_NAME).is_file():
             return
         path = self._resume_folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index)
         if path.is_file():
@@ -297,8 +301,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
             self.ensemble.adapter.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         elif not topology.position:
             warn(f"'{self._resume_folder}' holds no optimizer state of replica {topology.replica_index} (saved in "
-                 "global gradient mode, with fewer replicas, with average_optimizer_state or save_only_model): "
-                 "the replica goes on from replica 0's, as the Trainer loaded it")
+                 "global gradient mode, with fewer replicas or with average_optimizer_state): the replica goes on "
+                 "from replica 0's, as the Trainer loaded it")
 
     def _resuming_from(self, resume_from_checkpoint: Any) -> None:
         """Notes the checkpoint folder a ``train(resume_from_checkpoint=...)`` resumes from (True: the Trainer's last
