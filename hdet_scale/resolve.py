@@ -165,8 +165,8 @@ def check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: Repli
         )
     if paper_decay is not None and len(paper_decay) != num_groups:
         raise ValueError(f"paper_decay has {len(paper_decay)} entries for {num_groups} param groups")
-    first_lr = adapter.peak_lrs()[0]
-    if config.auto_lr.range_test and fresh_start and not first_lr > 0:
+    first_lr = adapter.peak_lrs()[0] if config.auto_lr.range_test and fresh_start else None
+    if first_lr is not None and not first_lr > 0:
         raise HDETConfigError(f"auto_lr.range_test ramps the first param group's LR and keeps the others' ratio to "
                               f"it, and that group's LR is {first_lr}: build the optimizer with its peak LR "
                               "(a warm-up from 0 by a torch scheduler keeps it), or set auto_lr.range_test to 0")

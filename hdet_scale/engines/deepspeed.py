@@ -102,7 +102,6 @@ class HDETDeepSpeed(HDETHandle):
     def _attached(self) -> HDETEnsemble:
         return self._ensemble
 
-
     def _install(self, engine: Any) -> None:
         backward, step, take_model_step = engine.backward, engine.step, engine._take_model_step
 

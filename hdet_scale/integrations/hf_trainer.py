@@ -191,7 +191,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if not self.at_sync_point:
             raise RuntimeError(f"Trainer saved a checkpoint at step {state.global_step}, between HDET syncs, where "
                                "replicas differ")
-        # the Trainer's own folder rule: a hyperparameter search trial (train() noted it) has a run folder of its own
+        # the Trainer's own folder rule: a hyperparameter search trial (its train() notes it) has a run folder
         run_folder = Path(self.trainer._get_output_dir(trial=getattr(self.trainer, "_trial", None)))
         folder = run_folder / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         topology = ensemble.topology
