@@ -68,7 +68,7 @@ from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
-from hdet_scale.integrations.hf_trainer_checks import check_trainer
+from hdet_scale.integrations.hf_trainer_checks import check_saving, check_trainer
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import warn
 from hdet_scale.probe import batch_probe, no_probe_warning
@@ -137,6 +137,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
     # ------------------------------------------------------------------------------------- events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        check_saving(args, self._given_config, self.engine)  # a hyperparameter_search trial may set save_steps
         if self.engine == "deepspeed":
             if self.deepspeed is None:
                 raise RuntimeError("the DeepSpeed engine was built without HDET: call trainer.train() on the "

@@ -51,7 +51,7 @@ def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
     if engine == "deepspeed":
         _check_deepspeed(trainer, config)
     check_world_size(config, world, auto=_auto_replica_size(trainer, engine))
-    _check_saving(args, config, engine)
+    check_saving(args, config, engine)
     return engine
 
 
@@ -87,8 +87,9 @@ def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
         "exists: load the model before creating the TrainingArguments, and HDET shards it inside each replica"))
 
 
-def _check_saving(args: TrainingArguments, config: HDETConfig, engine: str) -> None:
-    """Checkpoints must fall on sync points, where every replica holds the same model."""
+def check_saving(args: TrainingArguments, config: HDETConfig, engine: str) -> None:
+    """Checkpoints must fall on sync points, where every replica holds the same model; raises HDETConfigError
+    naming the saving setting and the fix."""
     strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
     if strategy == "no":
         return

@@ -440,6 +440,7 @@ def model_init_worker(rank: int, world: int, out_dir: str) -> list[dict]:
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_utils import HPSearchBackend
 
+    from hdet_scale.config import HDETConfigError
     from hdet_scale.integrations.hf_trainer import add_hdet
 
     AcceleratorState._reset_state(reset_partial_state=False)
@@ -458,19 +459,26 @@ def model_init_worker(rank: int, world: int, out_dir: str) -> list[dict]:
         number, params = 7, {}
 
     # The second run as a trial of hyperparameter_search with optuna: trial.number names its folder, run-7.
-    trainer.hp_space = lambda trial: {}
+    trainer.hp_space = lambda trial: dict(trial)  # the trial's own settings, which the Trainer sets on its args
     for trial in (None, Trial()):
         runs.append({})
         trainer.hp_search_backend = None if trial is None else HPSearchBackend.OPTUNA
         trainer.train(trial=trial)
         runs[-1].update(optimizer_is_hdets=hdet.ensemble.adapter.optimizer is trainer.optimizer.optimizer,
                         steps=hdet.global_step, lrs=gathered(torch.tensor(hdet.current_lrs())))
+    # A trial whose search space moves save_steps off the sync points is refused before it trains.
+    try:
+        trainer.train(trial=Trial(save_steps=SYNC_INTERVAL + 1))
+    except HDETConfigError as error:
+        runs.append({"refused": str(error), "steps": trainer.state.global_step})
     return runs
 
 
 def test_each_train_of_a_trainer_with_model_init_is_an_hdet_run(tmp_path):
     """The second train() used to keep the first run's ensemble: the new model trained at the plain LR, unaveraged."""
-    for run in run_ranks(model_init_worker, 2, str(tmp_path), timeout=600)[0]:
+    *runs, off_sync = run_ranks(model_init_worker, 2, str(tmp_path), timeout=600)[0]
+    assert f"save_steps={SYNC_INTERVAL + 1}" in off_sync["refused"] and off_sync["steps"] == 0
+    for run in runs:
         assert run["optimizer_is_hdets"] and run["steps"] == MAX_STEPS
         assert not torch.equal(run["after_first_step"][0], run["after_first_step"][1])
         low, high = multipliers(2, ALPHA, "linear")  # each replica's LR: the same base times its own multiplier
