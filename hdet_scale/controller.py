@@ -5,18 +5,18 @@ Every rank runs it on identical gathered inputs, so every rank computes identica
 
 Three modes (see ``AutoLRConfig.mode``):
 
-* ``scale``: values are ``schedule(t) * scale * rho``. The hypergradient is taken relative to the current
-  mean value, ``Delta_rel = sum_r w_r (rho_r - 1)``; momentum smooths it; ``scale <- scale * (1 +
-  lambda * v)`` clamped to [scale_min, scale_max]. The base schedule keeps its shape.
-* ``paper``: after the warm-up the controller owns the base value ``b``: ``Delta = b * sum_r w_r (rho_r - 1)``
-  (eqs. 5-6), ``v <- beta v + (1 - beta) Delta`` and ``b <- b (1 - gamma) + lambda v`` (eq. 7), with gamma
+* ``scale``: values are ``schedule(t) * scale * rho``. The hypergradient is taken relative to the replicas'
+  mean value, ``Delta_rel = (sum_r w_r rho_r - mean rho) / mean rho`` (eqs. 5-6 over eta bar); momentum smooths
+  it; ``scale <- scale * (1 + lambda * v)`` clamped to [scale_min, scale_max]. The base schedule keeps its shape.
+* ``paper``: after the warm-up the controller owns the base value ``b``: ``Delta = b * Delta_rel`` (eqs. 5-6),
+  ``v <- beta v + (1 - beta) Delta`` and ``b <- b (1 - gamma) + lambda v`` (eq. 7), with gamma
   chosen so that ``(1 - gamma)^K = floor / b`` over the K remaining syncs. Eq. 8 as printed,
   ``1 - exp(-log(f_div / f_final) / K)``, is negative for OneCycleLR's defaults (it would grow the LR
   400x); this implements the stated intent, a geometric decay to OneCycleLR's floor.
 * ``log``: scale-free. Eq. 4's weights come from z-scored losses, ``w_r = softmax(-(L_r - mean) / (s
   sigma))`` with ``s`` the replicas' loss standard deviation, so the temperature is in units of how much
-  the replicas differ, not in nats; ``Delta_log = sum_r w_r log rho_r`` (a weighted mean of log
-  multipliers, 0 when the weights are equal and the multipliers log-symmetric); ``v <- beta v + (1 - beta)
+  the replicas differ, not in nats; ``Delta_log = sum_r w_r log rho_r - mean log rho`` (a weighted mean of log
+  multipliers from their plain mean, 0 when the weights are equal); ``v <- beta v + (1 - beta)
   Delta_log``; ``log scale <- log scale + clip(lambda v, +-max_log_step)``. A step up and a step down by the
   same factor weigh alike, and the signal keeps its strength where loss gaps shrink (low LRs).
 """
@@ -59,16 +59,21 @@ def zscore_weights(losses: Sequence[float], sigma: float) -> list[float]:
 
 
 def relative_hypergradient(weights: Sequence[float], replica_multipliers: Sequence[float]) -> float:
-    """Eqs. 5-6 divided by the mean value: sum_r w_r (rho_r - 1), exactly 0 when alpha = 0.
+    """Eqs. 5-6 divided by the mean value: (sum_r w_r rho_r - mean rho) / mean rho, with ``weights`` summing to 1.
 
-    Multipliers average to 1, so this equals (weighted mean value - mean value) / mean value.
+    The mean is the replicas' own (eq. 5's eta bar): a log spread's multipliers average above 1, and measured
+    from 1 instead its equal weights would read as a hypergradient. Exactly 0 when alpha = 0.
     """
-    return math.fsum(w * (rho - 1.0) for w, rho in zip(weights, replica_multipliers, strict=True))
+    mean = math.fsum(replica_multipliers) / len(replica_multipliers)
+    return math.fsum(w * (rho - mean) for w, rho in zip(weights, replica_multipliers, strict=True)) / mean
 
 
 def log_hypergradient(weights: Sequence[float], replica_multipliers: Sequence[float]) -> float:
-    """``log`` mode's Delta: sum_r w_r log rho_r, the weighted mean of the replicas' log multipliers."""
-    return math.fsum(w * math.log(rho) for w, rho in zip(weights, replica_multipliers, strict=True))
+    """``log`` mode's Delta: sum_r w_r log rho_r - mean log rho, the weighted mean of the replicas' log multipliers
+    from their plain mean (0 at equal weights also on a linear spread, whose log multipliers average below 0)."""
+    logs = [math.log(rho) for rho in replica_multipliers]
+    mean = math.fsum(logs) / len(logs)
+    return math.fsum(w * (log - mean) for w, log in zip(weights, logs, strict=True))
 
 
 def momentum(velocity: float, delta: float, beta: float) -> float:

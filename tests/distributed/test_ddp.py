@@ -327,7 +327,8 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
         assert record["weights"] == pytest.approx(weights, rel=1e-9)
         rhos = [value / base for value in values["replica_values"]]
         assert sorted(rhos) == pytest.approx(multipliers(2, PAPER["alpha"]))
-        delta = base * sum(w * (rho - 1) for w, rho in zip(weights, rhos, strict=True))
+        mean_rho = sum(rhos) / len(rhos)  # eqs. 5-6 relative to eta bar, applied to the base
+        delta = base * (sum(w * rho for w, rho in zip(weights, rhos, strict=True)) - mean_rho) / mean_rho
         velocity = PAPER["beta"] * velocity + (1 - PAPER["beta"]) * delta
         base = max(base * (1 - gamma) + PAPER["step_size"] * velocity, floor)
         assert values["delta"] == pytest.approx(delta, rel=1e-6, abs=1e-15)

@@ -182,3 +182,28 @@ def test_the_sync_on_the_one_sided_phases_first_step_still_lowers():
         state = controller.update(state, weights=[0.8, 0.2], replica_multipliers=[0.5, 2.0], scheduled_value=1.0,
                                   step=step, sync_interval=9)
         assert state.scale == pytest.approx(expected)
+
+
+def test_the_hypergradient_is_measured_from_the_replicas_own_mean_on_either_spread():
+    """Eqs. 5-6 subtract eta bar, the replicas' mean value: a log spread's multipliers average above 1 and a linear
+    spread's log multipliers below 0, so measured from 1 (or from log 1) equal weights read as a hypergradient."""
+    log_spread, linear_spread, weights = [0.5, 1.0, 2.0], [0.5, 1.0, 1.5], [0.2, 0.3, 0.5]
+    # By hand: mean rho 7/6, sum w rho = 0.1 + 0.3 + 1.0 = 1.4, and 1.4 / (7/6) - 1 = 0.2
+    assert relative_hypergradient(weights, log_spread) == pytest.approx(0.2)
+    # By hand: 0.2 log 0.5 + 0.5 log 1.5 less the mean log multiplier, log(0.75) / 3
+    assert log_hypergradient(weights, linear_spread) == pytest.approx(
+        0.2 * math.log(0.5) + 0.5 * math.log(1.5) - math.log(0.75) / 3)
+    equal = [1 / 3] * 3
+    assert relative_hypergradient(equal, log_spread) == pytest.approx(0.0, abs=1e-15)
+    assert log_hypergradient(equal, linear_spread) == pytest.approx(0.0, abs=1e-15)
+    # so identical losses leave every mode where it was, on the spread it does not default to
+    for mode, rhos in (("scale", log_spread), ("paper", log_spread), ("log", linear_spread)):
+        controller = Controller(AutoLRConfig(mode=mode, beta=0.5, step_size=1.0))
+        state = ControllerState()
+        for step in range(100, 4100, 100):
+            state = controller.update(state, weights=controller.weights([2.0] * 3), replica_multipliers=rhos,
+                                      scheduled_value=1e-3, step=step, sync_interval=100,
+                                      paper_decay=PaperDecay(total_steps=10_000, floor=1e-3))
+        assert state.velocity == pytest.approx(0.0, abs=1e-15) and state.scale == pytest.approx(1.0)
+        if mode == "paper":
+            assert state.owned_base == pytest.approx(1e-3)
