@@ -173,7 +173,8 @@ class KnobConfig:
     """One explored hyperparameter besides the LR (paper Remark 1)."""
 
     alpha: float | None = None
-    """Its spread ratio (eq. 1), in [0, 1); null: the top-level ``alpha`` (``DEFAULT_ALPHA`` where that is unset)."""
+    """Its spread ratio (eq. 1), above 0 (below 1 on a linear spread); null: the top-level ``alpha``
+    (``DEFAULT_ALPHA`` where that is unset)."""
 
     base: float | None = None
     """``label_smoothing`` only: the base value. The others take theirs from the optimizer or the model."""

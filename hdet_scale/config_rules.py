@@ -136,17 +136,28 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
     for conflict in AUTO_LR_CONFLICTS:
         if conflict.applies(given, filled_auto_lr):
             raise HDETConfigError(conflict.message(given, filled_auto_lr))
-    _check_explored(config.explore)
+    if config.alpha == 0 and filled_auto_lr.moves_lr and filled_auto_lr.scale_min < filled_auto_lr.scale_max:
+        raise HDETConfigError(
+            "alpha=0 leaves the auto-LR controller no spread of LRs to compare, so it would never move the LR from "
+            f"auto_lr.initial_scale={filled_auto_lr.initial_scale:g} times the given LR: set alpha > 0, or "
+            "auto_lr.enabled to false to train every replica at the given LR")
+    _check_explored(config)
+
+
+def check_spread_alpha(name: str, alpha: Any, spread: str, *, explored: bool = False) -> None:
+    """Raises HDETConfigError unless ``alpha`` (the setting ``name``) gives ``spread`` positive multipliers; an
+    ``explored`` value's alpha must also be above 0, or nothing would be explored."""
+    high = None if spread == "log" else 1.0  # log: multipliers in [1/(1 + alpha), 1 + alpha], positive for any alpha
+    hint = "" if high is None else "alpha >= 1 makes the lowest multiplier 1 - alpha <= 0; spread 'log' allows it"
+    if explored and alpha == 0:
+        hint = "0 explores nothing: give a spread above 0, or explore it no more"
+    check_number(name, alpha, low=0.0, low_open=explored, high=high, high_open=True, hint=hint)
 
 
 def _check_layout(config: Any) -> None:
     """The spread's ratio, the sync interval, the replica size and the seed."""
     if config.alpha is not None:  # unset: its defaults are in range
-        if config.spread == "log":  # multipliers in [1/(1 + alpha), 1 + alpha]: positive for any alpha
-            check_number("alpha", config.alpha, low=0.0)
-        else:
-            check_number("alpha", config.alpha, low=0.0, high=1.0, high_open=True,
-                         hint="alpha >= 1 makes the lowest multiplier 1 - alpha <= 0; spread 'log' allows it")
+        check_spread_alpha("alpha", config.alpha, config.spread)
     check_int("sync_interval", config.sync_interval, low=1)
     if config.ranks_per_replica not in REPLICA_SIZE_NAMES:
         check_int("ranks_per_replica", config.ranks_per_replica, low=1,
@@ -154,14 +165,18 @@ def _check_layout(config: Any) -> None:
     check_int("seed", config.seed, low=0)
 
 
-def _check_explored(explore: Any) -> None:
-    """Each explored value's spread ratio and base: label smoothing needs one, the others read theirs."""
+def _check_explored(config: Any) -> None:
+    """Each explored value's spread ratio (its own, or the top-level ``alpha`` it takes) and base: label smoothing
+    needs one, the others read theirs."""
     for name in KNOB_NAMES:
-        knob = getattr(explore, name)
+        knob = getattr(config.explore, name)
         if knob is None:
             continue
         if knob.alpha is not None:
-            check_number(f"explore.{name}.alpha", knob.alpha, low=0.0, high=1.0, high_open=True)
+            check_spread_alpha(f"explore.{name}.alpha", knob.alpha, config.spread, explored=True)
+        elif config.alpha == 0:
+            raise HDETConfigError(f"explore.{name} takes alpha=0 from the top-level alpha, which explores nothing: "
+                                  f"give explore.{name}.alpha > 0, or remove explore.{name}")
         if name == "label_smoothing":
             if knob.base is None:
                 raise HDETConfigError("explore.label_smoothing.base is required: the label smoothing to start "

@@ -20,6 +20,7 @@ import torch
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_healthy
 from hdet_scale.config import HDETConfig
+from hdet_scale.config_rules import check_spread_alpha
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
@@ -139,9 +140,13 @@ class HDETEnsemble:
     def add_knob(self, name: str, getter: Callable[[], float], setter: Callable[[float], None], *,
                  alpha: float | None = None, low: float = -math.inf, high: float = math.inf) -> None:
         """Explores a user-defined scalar: its base is ``getter()`` now, and ``setter(value)`` receives this
-        replica's value at the start and after every sync. Call it on every rank before the first step."""
+        replica's value at the start and after every sync. Call it on every rank before the first step.
+        ``alpha``: its spread ratio, above 0 (below 1 on a linear spread); None: the top-level ``alpha``."""
         if self._step:
             raise RuntimeError(f"add_knob('{name}') after {self._step} steps: add knobs before training starts")
+        check_spread_alpha(f"add_knob('{name}', alpha=...)" + (" (the top-level alpha)" if alpha is None else ""),
+                           self.config.spread_alpha(lr=False) if alpha is None else alpha, self.config.spread,
+                           explored=True)
         error = run_length_error(self.config, self.topology.num_replicas, "pass total_steps= when attaching",
                                  explores_others=True)
         if error is not None:

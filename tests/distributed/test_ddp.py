@@ -135,7 +135,7 @@ def test_replicas_fan_out_and_converge(tmp_path, mode, per_replica):
 # ----------------------------------------------------------------------------- alpha = 0 is plain DDP
 def alpha_zero_matches_ddp(rank: int, world: int, per_replica: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.0, sync_interval=2, ranks_per_replica=per_replica,
-                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
+                        auto_lr=AutoLRConfig(enabled=False))
     topology = ReplicaTopology.build(config)
     plain = nn.parallel.DistributedDataParallel(make_model())
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)

@@ -102,7 +102,7 @@ def test_replicas_shard_fan_out_and_converge(mode):
 
 def alpha_zero(rank: int, world: int) -> None:
     config = HDETConfig(spread="linear", alpha=0.0, sync_interval=2, ranks_per_replica=PER_REPLICA,
-                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
+                        auto_lr=AutoLRConfig(enabled=False))
     model, hdet = wrap(tiny_llama(seed=0), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     hdet.attach(optimizer)

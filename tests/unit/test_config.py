@@ -472,3 +472,16 @@ def test_each_named_choice_is_the_literal_its_field_is_annotated_with():
         assert typing.get_args(hints[prefix + "." if prefix else ""][name]) == choices, path
     replica_size = typing.get_args(hints[""]["ranks_per_replica"])
     assert replica_size[0] is int and typing.get_args(replica_size[1]) == config_rules.REPLICA_SIZE_NAMES
+
+
+def test_alpha_zero_is_refused_where_the_controller_would_move_the_lr():
+    """No spread gives the controller nothing to compare: the default log controller stayed at its first tenth of
+    the LR for the whole run, without a word."""
+    with pytest.raises(HDETConfigError, match=r"alpha=0 .* never move the LR from auto_lr.initial_scale=0.1 times"):
+        HDETConfig.from_dict({"alpha": 0, "auto_lr": {"range_test": 0}})
+    with pytest.raises(HDETConfigError, match="initial_scale=1 times"):
+        HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "paper"}})
+    assert HDETConfig.from_dict({"alpha": 0, "auto_lr": {"enabled": False}})  # plain data parallel
+    assert HDETConfig.from_dict({"alpha": 0})  # the range test picks the LR, which holds
+    pinned = {"range_test": 0, "initial_scale": 0.5, "scale_min": 0.5, "scale_max": 0.5}  # held where it is given
+    assert HDETConfig.from_dict({"alpha": 0, "auto_lr": pinned}).auto_lr.filled().initial_scale == 0.5

@@ -121,8 +121,31 @@ def test_knob_guard_rails_and_clear_errors():
         HDETConfig.from_dict({"explore": {"dropout": {"base": 0.1}}})
     with pytest.raises(HDETConfigError, match="unknown HDET setting 'explore.temperature'"):
         HDETConfig.from_dict({"explore": {"temperature": {}}})
-    with pytest.raises(HDETConfigError, match=r"explore.weight_decay.alpha must be a number in \[0.0, 1.0\)"):
-        HDETConfig.from_dict({"explore": {"weight_decay": {"alpha": 1.0}}})
+    with pytest.raises(HDETConfigError, match=r"explore.weight_decay.alpha must be a number in \(0.0, 1.0\)"):
+        HDETConfig.from_dict({"spread": "linear", "explore": {"weight_decay": {"alpha": 1.0}}})
+
+
+def test_an_explored_value_needs_a_spread_the_spread_allows():
+    """A knob's alpha follows the spread's own range (a log spread takes any alpha, a linear one below 1), and 0,
+    given or taken from the top-level alpha, is refused: the value would never differ, nor move."""
+    assert HDETConfig.from_dict({"spread": "log", "explore": {"weight_decay": {"alpha": 1.5}}})
+    for settings, named in (({"explore": {"weight_decay": {"alpha": 0}}}, "explore.weight_decay.alpha"),
+                            ({"alpha": 0, "explore": {"dropout": {}}}, "explore.dropout takes alpha=0"),
+                            ({"spread": "linear", "explore": {"dropout": {"alpha": -0.1}}}, "explore.dropout.alpha")):
+        with pytest.raises(HDETConfigError, match=named) as refused:
+            HDETConfig.from_dict(settings)
+        assert "explores nothing" in str(refused.value) or "-0.1" in str(refused.value)
+    model = nn.Linear(2, 2)
+    for config, alpha, named in ((HDETConfig(spread="linear", auto_lr=LR_HELD_AT_GIVEN), 1.5, r"alpha=\.\.\.\)"),
+                                 (HDETConfig(auto_lr=LR_HELD_AT_GIVEN), -1.0, r"alpha=\.\.\.\)"),
+                                 (HDETConfig(alpha=0.0, auto_lr={"enabled": False}), None,
+                                  r"alpha=\.\.\.\) \(the top-level alpha\)")):
+        hdet = HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                            topology=ReplicaTopology.single_process(), total_steps=100)
+        seen: list[float] = []
+        with pytest.raises(HDETConfigError, match=rf"add_knob\('temperature', {named}"):
+            hdet.add_knob("temperature", lambda: 1.0, seen.append, alpha=alpha)
+        assert seen == [] and not hdet.explores("temperature")
 
 
 def test_permutations_of_different_knobs_are_independent():
