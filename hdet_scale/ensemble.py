@@ -23,7 +23,7 @@ from hdet_scale.config import HDETConfig
 from hdet_scale.config_rules import check_spread_alpha
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
-from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, lr_knobs
+from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, is_configured_name, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter, SyncReport
 from hdet_scale.notices import warn
@@ -85,6 +85,8 @@ class HDETEnsemble:
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
         self._last_report: SyncReport | None = None
+        # add_knob values of a loaded state, by name: restored when add_knob adds them, before the first step
+        self._awaited_knobs: dict[str, tuple[Mapping[str, Any], bool]] = {}
         if config.warm_init.enabled and state is None:
             add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
             self._last_sync_step = None  # the replicas differ until the first sync
@@ -140,9 +142,11 @@ class HDETEnsemble:
     def add_knob(self, name: str, getter: Callable[[], float], setter: Callable[[float], None], *,
                  alpha: float | None = None, low: float = -math.inf, high: float = math.inf) -> None:
         """Explores a user-defined scalar: its base is ``getter()`` now, and ``setter(value)`` receives this
-        replica's value at the start and after every sync. Call it on every rank before the first step.
+        replica's value at the start and after every sync. Call it on every rank before the first step; a run
+        that continues a checkpoint adds the checkpoint's own knobs before or after loading its state.
         ``alpha``: its spread ratio, above 0 (below 1 on a linear spread); None: the top-level ``alpha``."""
-        if self._step:
+        saved = self._awaited_knobs.get(name)
+        if self._step and saved is None:
             raise RuntimeError(f"add_knob('{name}') after {self._step} steps: add knobs before training starts")
         check_spread_alpha(f"add_knob('{name}', alpha=...)" + (" (the top-level alpha)" if alpha is None else ""),
                            self.config.spread_alpha(lr=False) if alpha is None else alpha, self.config.spread,
@@ -152,6 +156,9 @@ class HDETEnsemble:
         if error is not None:
             raise error
         explored = self._explore(ValueKnob(name, float(getter()), Bounds(low=low, high=high), alpha, setter))
+        if saved is not None:
+            explored.load_state_dict(saved[0], same_layout=saved[1])
+            del self._awaited_knobs[name]
         explored.knob.apply(explored.value(self.topology.replica_index))
 
     def explores(self, name: str) -> bool:
@@ -253,6 +260,9 @@ class HDETEnsemble:
         their device until the next sync, so this adds no host-device synchronization. Returns the sync
         report on sync steps, else None. While the run's LR range test runs it takes one step of it.
         """
+        if self._awaited_knobs:
+            raise RuntimeError(f"the loaded HDET state explores {sorted(self._awaited_knobs)} with add_knob: call "
+                               "add_knob for each on every rank before the first step")
         if self._range_start is not None:
             self._range_test_step(loss)
             return None
@@ -430,12 +440,14 @@ class HDETEnsemble:
         saved by an earlier version loads too: keys it holds for settings since removed (``start_probe_loss``, the
         controller's ``updates``, ``log_scale_sum`` and ``scales_averaged``) are ignored."""
         saved = state["explored"]
-        self._range_start = None  # a saved run is past its range test (none is saved during one)
         names = [explored.name for explored in self._explored]
-        if sorted(saved) != sorted(names):
+        awaited = [name for name in saved if name not in names and not is_configured_name(name)]
+        if sorted(set(saved) - set(awaited)) != sorted(names):
             raise ValueError(f"HDET state explores {sorted(saved)} but this run explores {sorted(names)}; "
-                             "the optimizer's param groups must match the checkpoint's")
+                             "the optimizer's param groups and HDET's explore settings must match the checkpoint's")
+        self._range_start = None  # a saved run is past its range test (none is saved during one)
         same_layout = state["num_replicas"] == self.topology.num_replicas
+        self._awaited_knobs = {name: (saved[name], same_layout) for name in awaited}
         for explored in self._explored:
             explored.load_state_dict(saved[explored.name], same_layout=same_layout)
             # A checkpoint is taken at a sync: no step of the interval it starts has run yet. Loading an

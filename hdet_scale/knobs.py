@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hdet_scale.config import ExploreConfig, HDETConfigError
+from hdet_scale.config_rules import KNOB_NAMES
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,12 @@ def lr_knobs(optimizer: torch.optim.Optimizer, alpha: float | None = None) -> li
     controller's scale never reaches 0); a schedule's own 0 (e.g. a warm-up's first step) stays 0."""
     return [OptimizerGroupKnob(f"lr/{name}", optimizer, index, "lr", NON_NEGATIVE, alpha)
             for index, name in enumerate(group_names(optimizer))]
+
+
+def is_configured_name(name: str) -> bool:
+    """Whether ``name`` is one the optimizer or ``HDETConfig.explore`` gives (``lr/<group>``, ``dropout``...),
+    not one of ``add_knob``'s."""
+    return name.startswith(("lr/", "weight_decay/")) or name in KNOB_NAMES
 
 
 def configured_knobs(explore: ExploreConfig, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> list[Knob]:

@@ -202,3 +202,42 @@ def test_paper_param_groups_cover_every_parameter_once(tied):
                         topology=ReplicaTopology.single_process())
     report = hdet.step(1.0)
     assert {name for name in report.values} == {f"lr/{name}" for name in groups}  # one controller per group
+
+
+def test_a_run_that_continues_a_checkpoint_adds_its_own_knobs_after_loading_its_state():
+    """attach(state=...), DeepSpeed's load_checkpoint and the integrations load HDET's state where it is built, and
+    add_knob comes after: it was refused there (the state's names did not match, then the step count was past 0)."""
+    model = nn.Linear(2, 2)
+    config = HDETConfig(sync_interval=10, auto_lr=LR_HELD_AT_GIVEN)
+    topology = ReplicaTopology(rank=1, world_size=REPLICAS, ranks_per_replica=1)  # no sync: no process group
+
+    def ensemble(state=None) -> HDETEnsemble:
+        return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                            topology=topology, state=state, total_steps=100)
+
+    first, seen = ensemble(), []
+    first.add_knob("temperature", lambda: 2.0, seen.append, alpha=0.5)
+    for _ in range(3):
+        first.step(1.0)
+    saved = first.state_dict()
+    # as a later sync would have left it: replica 1 on another multiplier
+    permutation = saved["explored"]["temperature"]["permutation"]
+    saved["explored"]["temperature"]["permutation"] = permutation = permutation[2:] + permutation[:2]
+    expected = 2.0 * multipliers(REPLICAS, 0.5, "log")[permutation[1]]
+    assert seen != [expected]
+    resumed, seen_again = ensemble(saved), []
+    with pytest.raises(RuntimeError, match=r"explores \['temperature'\] with add_knob: call add_knob"):
+        resumed.step(1.0)
+    resumed.add_knob("temperature", lambda: 2.0, seen_again.append, alpha=0.5)
+    assert seen_again == [pytest.approx(expected)] and resumed.value("temperature") == pytest.approx(expected)
+    restored, kept = resumed.state_dict()["explored"]["temperature"], saved["explored"]["temperature"]
+    assert (restored["permutation"], restored["controller"]) == (kept["permutation"], kept["controller"])
+    assert torch.equal(restored["stream"]["generator"], kept["stream"]["generator"])  # the same draws to come
+    resumed.step(1.0)
+    assert resumed.global_step == 4
+    with pytest.raises(RuntimeError, match=r"add_knob\('other'\) after 4 steps"):
+        resumed.add_knob("other", lambda: 1.0, seen_again.append)
+    with pytest.raises(ValueError, match="explore settings must match the checkpoint's"):  # a configured value
+        HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model), topology=topology,
+                     state={**saved, "explored": {**saved["explored"], "dropout": saved["explored"]["temperature"]}},
+                     total_steps=100)

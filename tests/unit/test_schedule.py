@@ -152,7 +152,7 @@ def test_state_loads_into_a_different_number_of_replicas():
 
     one_group = HDETEnsemble(HDETConfig(), DDPAdapter(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)),
                              topology=ReplicaTopology.single_process())
-    with pytest.raises(ValueError, match="param groups must match the checkpoint"):
+    with pytest.raises(ValueError, match="param groups and HDET.s explore settings must match the checkpoint"):
         one_group.load_state_dict(state)
 
 
