@@ -60,17 +60,23 @@ class HDETScheduler(HDETHandle):
         paper_decay: per param group, for ``auto_lr.mode='paper'``.
         total_steps: the run's length in optimizer steps (the default controller starts and stops at shares of
             it; the scheduler does not say).
+        state: the ``state_dict()`` of the scheduler this run continues, for a model whose weights are loaded
+            already: restored here, without new warm-init noise (else call ``load_state_dict`` after building).
         **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``sync_interval=100``).
     """
 
     def __init__(self, scheduler: LRScheduler, *, hdet_config: ConfigSource = None, model: nn.Module | None = None,
                  topology: ReplicaTopology | None = None, paper_decay: list[PaperDecay] | None = None,
-                 total_steps: int | None = None, **hdet_fields: Any) -> None:
+                 total_steps: int | None = None, state: Mapping[str, Any] | None = None,
+                 **hdet_fields: Any) -> None:
         config = resolve_config(hdet_config, hdet_fields)
         check_gradient_mean(model, config)
         self.scheduler = scheduler
         self.hdet = HDETEnsemble(config, DDPAdapter(scheduler.optimizer, model), topology=topology,
-                                 paper_decay=paper_decay, total_steps=total_steps)
+                                 paper_decay=paper_decay, total_steps=total_steps,
+                                 state=None if state is None else state["hdet"])
+        if state is not None:
+            scheduler.load_state_dict(state["scheduler"])
 
     def _attached(self) -> HDETEnsemble:
         return self.hdet
@@ -107,6 +113,8 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
         hdet_config: an HDETConfig, a dict, a JSON path, or None for defaults.
         model: optional model whose floating-point buffers are averaged with the parameters.
         topology: the replica layout; built from the default process group when omitted.
+        state: the ``state_dict()`` of the scheduler this run continues, for a model whose weights are loaded
+            already: restored here, without new warm-init noise (else call ``load_state_dict`` after building).
         **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``sync_interval=100``).
     """
 
@@ -116,7 +124,8 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
                  base_momentum: float | list[float] = 0.85, max_momentum: float | list[float] = 0.95,
                  div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False,
                  last_epoch: int = -1, *, hdet_config: ConfigSource = None, model: nn.Module | None = None,
-                 topology: ReplicaTopology | None = None, **hdet_fields: Any) -> None:
+                 topology: ReplicaTopology | None = None, state: Mapping[str, Any] | None = None,
+                 **hdet_fields: Any) -> None:
         config = resolve_config(hdet_config, hdet_fields)
         check_gradient_mean(model, config)
         topology = topology or ReplicaTopology.build(config)  # layout errors before OneCycleLR touches anything
@@ -128,7 +137,9 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
                          last_epoch=last_epoch)
         floors = [PaperDecay(total_steps=self.total_steps, floor=group["min_lr"]) for group in optimizer.param_groups]
         self.hdet = HDETEnsemble(config.for_run(self.total_steps), DDPAdapter(optimizer, model), topology=topology,
-                                 paper_decay=floors)
+                                 paper_decay=floors, state=None if state is None else state["hdet_state"])
+        if state is not None:
+            OneCycleLR.load_state_dict(self, {key: value for key, value in state.items() if key != "hdet_state"})
 
     def _attached(self) -> HDETEnsemble:
         if self.hdet is None:

@@ -173,3 +173,35 @@ def test_onecycle_starts_the_controller_at_its_share_of_total_steps():
     scheduler = HDETOneCycleLR(two_group_optimizer("adam"), max_lr=0.1, total_steps=40, sync_interval=5,
                                auto_lr={"start": 0.25})
     assert scheduler.hdet.config.auto_lr.start == 10  # 0.25 x 40
+
+
+@pytest.mark.parametrize("kind", ["onecycle", "any scheduler"])
+def test_a_scheduler_built_with_its_saved_state_continues_without_new_warm_init_noise(kind):
+    """A run that loads its weights before building the scheduler passes the scheduler's state: it was noised
+    again by warm init (eq. 10 is for a fresh start)."""
+    replica_one_of_two = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)
+    settings = {"sync_interval": 50, "auto_lr": LR_HELD_AT_GIVEN, "warm_init": {"enabled": True, "nu": 0.1}}
+
+    def build(optimizer: torch.optim.Optimizer, state=None):
+        if kind == "onecycle":
+            return HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=40, topology=replica_one_of_two, state=state,
+                                  **settings)
+        return HDETScheduler(ExponentialLR(optimizer, gamma=0.9), topology=replica_one_of_two, state=state,
+                             total_steps=40, **settings)
+
+    def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [param for group in optimizer.param_groups for param in group["params"]]
+
+    optimizer = two_group_optimizer("sgd")
+    scheduler = build(optimizer)
+    assert not torch.equal(params(optimizer)[0], torch.ones(3))  # a fresh start is noised
+    for _ in range(10):  # no sync: one process, no process group
+        scheduler.step(train_step(optimizer))
+    loaded = two_group_optimizer("sgd")
+    with torch.no_grad():  # the checkpoint's weights, loaded before the scheduler is built
+        for param, saved in zip(params(loaded), params(optimizer), strict=True):
+            param.copy_(saved)
+    resumed = build(loaded, state=scheduler.state_dict())
+    for param, saved in zip(params(loaded), params(optimizer), strict=True):
+        assert torch.equal(param, saved)
+    assert resumed.hdet.global_step == 10 and resumed.get_last_lr() == scheduler.get_last_lr()
