@@ -8,6 +8,7 @@ multipliers cannot compound with chainable schedulers. ``step(loss)`` replaces `
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -116,6 +117,9 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
         state: the ``state_dict()`` of the scheduler this run continues, for a model whose weights are loaded
             already: restored here, without new warm-init noise (else call ``load_state_dict`` after building).
         **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``sync_interval=100``).
+
+    In ``paper`` mode the controller takes the LR over at the end of the warm-up (``pct_start`` of the run)
+    unless ``auto_lr.start`` says otherwise.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float | list[float], total_steps: int | None = None,
@@ -127,6 +131,9 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
                  topology: ReplicaTopology | None = None, state: Mapping[str, Any] | None = None,
                  **hdet_fields: Any) -> None:
         config = resolve_config(hdet_config, hdet_fields)
+        if config.auto_lr.mode == "paper" and config.auto_lr.start is None:
+            # The paper's controller takes over after the warm-up (S_warm): from the schedule's peak, not on its rise.
+            config = dataclasses.replace(config, auto_lr=dataclasses.replace(config.auto_lr, start=float(pct_start)))
         check_gradient_mean(model, config)
         topology = topology or ReplicaTopology.build(config)  # layout errors before OneCycleLR touches anything
         self.hdet: HDETEnsemble | None = None  # OneCycleLR.__init__ calls step() before HDET exists

@@ -205,3 +205,14 @@ def test_a_scheduler_built_with_its_saved_state_continues_without_new_warm_init_
     for param, saved in zip(params(loaded), params(optimizer), strict=True):
         assert torch.equal(param, saved)
     assert resumed.hdet.global_step == 10 and resumed.get_last_lr() == scheduler.get_last_lr()
+
+
+def test_the_papers_controller_takes_over_onecycle_at_the_end_of_its_warm_up():
+    """Eq. 8's decay starts from where the controller takes over: at 5% of the run it took OneCycleLR over on its
+    rise, at a tenth of max_lr, and the LR never reached its peak."""
+    def start(pct_start: float, **auto_lr) -> int:
+        return HDETOneCycleLR(two_group_optimizer("sgd"), max_lr=0.1, total_steps=40, pct_start=pct_start,
+                              auto_lr={"mode": "paper", **auto_lr}).hdet.config.auto_lr.start
+
+    assert start(0.3) == 12 and start(0.25) == 10  # 0.3 x 40 and 0.25 x 40: OneCycleLR's peak
+    assert start(0.3, start=5) == 5 and start(0.3, start=0.5) == 20  # as given
