@@ -280,7 +280,7 @@ class HDETEnsemble:
 
     def _range_test_step(self, loss: LossLike | Sequence[LossLike] | None) -> None:
         """One step of the run's range test; at its end every replica back to its first weights and the LR's
-        scale (and the controller's bounds) from the pick: the replicas' mean LR at ``MEAN_LR_OVER_PICK`` times it."""
+        scale from the pick: the replicas' mean LR at ``MEAN_LR_OVER_PICK`` times it."""
         if not self._range_start.add_step(self._scorer.interval, loss, self.topology.world_size):
             return
         start, self._range_start = self._range_start, None
@@ -421,8 +421,10 @@ class HDETEnsemble:
     def state_dict(self) -> dict[str, Any]:
         """Controller, generator and interval state. No rank id: a rank's multipliers are re-derived from
         the topology, so the state loads on any world size. Between syncs it also holds this rank's interval
-        loss accumulator (identical replicas make the state rank-independent at sync points). Not while the run's
-        LR range test runs: a resumed run could not take it up again."""
+        loss accumulator (identical replicas make the state rank-independent at sync points), but not the
+        probe's window of averaged weights (``auto_lr.average_window``, a copy of the weights): the first sync
+        after a resume between syncs scores the weights averaged since the resume. Not while the run's LR range
+        test runs: a resumed run could not take it up again."""
         if self._range_start is not None:
             raise RuntimeError("HDET's state was asked for during the LR range test (auto_lr.range_test), which a "
                                "resumed run could not take up again: checkpoint once `ramping` is False")
