@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hdet_scale import config_rules
-from hdet_scale.config_checks import HDETConfigError, check_int
+from hdet_scale.config_checks import HDETConfigError, check_int, check_window_order
 from hdet_scale.config_rules import ControllerMode, GradientMode, ReplicaSizeName, Spread
 
 __all__ = ["AutoLRConfig", "ExploreConfig", "HDETConfig", "HDETConfigError", "KnobConfig", "WarmInitConfig"]
@@ -294,7 +294,9 @@ class HDETConfig:
         check_int("total_steps (the run's length, for auto_lr." + "/".join(shares) + " given as a share of it)",
                   total_steps, low=1)
         changes = {name: round(getattr(lr, name) * total_steps) for name in shares}
-        return dataclasses.replace(self, auto_lr=dataclasses.replace(lr, **changes))
+        run_lr = dataclasses.replace(lr, **changes)
+        check_window_order(run_lr.start, run_lr.stop, given=(lr.start, lr.stop))
+        return dataclasses.replace(self, auto_lr=run_lr)
 
 
 def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:

@@ -36,6 +36,18 @@ def check_step_or_share(name: str, value: Any, *, low_open: bool = False, high_o
         check_int(name, value, low=0, also=" (a step) or a float in [0, 1] (a share of the run)")
 
 
+def check_window_order(start: Any, stop: Any, *, given: tuple[Any, Any] | None = None) -> None:
+    """Raises HDETConfigError when the controller's ``stop`` comes before its ``start`` (both steps, or both shares
+    of the run); ``given`` is what the config said where these are its steps for a run."""
+    if start is None or stop is None or is_step(start) != is_step(stop) or stop >= start:
+        return
+    said = given or (start, stop)
+    steps = f" (step {stop} before step {start})" if given else ""
+    raise HDETConfigError(
+        f"auto_lr.stop={said[1]!r} comes before auto_lr.start={said[0]!r}{steps}: an int is a step and a float a "
+        "share of the run (1.0: its end); set the stop after the start")
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise HDETConfigError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")

@@ -13,6 +13,7 @@ from hdet_scale.config_checks import (
     check_int,
     check_number,
     check_step_or_share,
+    check_window_order,
 )
 
 GradientMode = Literal["global", "local"]
@@ -124,6 +125,7 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
     for name, options in (("start", {"high_open": True}), ("stop", {"low_open": True})):
         if getattr(given, name) is not None:
             check_step_or_share(f"auto_lr.{name}", getattr(given, name), **options)
+    check_window_order(filled_auto_lr.start, filled_auto_lr.stop)
     if given.range_test is not None:
         check_int("auto_lr.range_test", given.range_test, low=0)
     for path, allowed in NUMBER_RANGES.items():

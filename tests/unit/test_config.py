@@ -485,3 +485,17 @@ def test_alpha_zero_is_refused_where_the_controller_would_move_the_lr():
     assert HDETConfig.from_dict({"alpha": 0})  # the range test picks the LR, which holds
     pinned = {"range_test": 0, "initial_scale": 0.5, "scale_min": 0.5, "scale_max": 0.5}  # held where it is given
     assert HDETConfig.from_dict({"alpha": 0, "auto_lr": pinned}).auto_lr.filled().initial_scale == 0.5
+
+
+def test_a_stop_before_the_start_is_refused_and_says_how_ints_and_floats_read():
+    """"stop": 1 (meant as the run's end) is step 1: a log controller's error told the user to set initial_scale
+    to 1, a scale controller only warned that its window was short."""
+    with pytest.raises(HDETConfigError, match=r"auto_lr.stop=10 comes before auto_lr.start=20: an int is a step"):
+        HDETConfig.from_dict({"auto_lr": {"start": 20, "stop": 10}})
+    with pytest.raises(HDETConfigError, match=r"stop=0.1 comes before auto_lr.start=0.2: an int"):
+        HDETConfig.from_dict({"auto_lr": {"mode": "scale", "start": 0.2, "stop": 0.1}})
+    stop_at_one = HDETConfig.from_dict({"auto_lr": {"range_test": 0, "stop": 1}})  # the default start is a share
+    with pytest.raises(HDETConfigError, match=r"auto_lr.stop=1 comes before auto_lr.start=0.02 \(step 1 before "
+                                              r"step 20\): an int is a step and a float a share of the run \(1.0: "):
+        stop_at_one.for_run(1000)
+    assert HDETConfig.from_dict({"auto_lr": {"stop": 1.0}}).for_run(1000).auto_lr.stop == 1000
