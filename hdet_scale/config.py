@@ -289,13 +289,14 @@ class HDETConfig:
         of the run become steps (rounded), the unset controller fields their mode's defaults."""
         lr = self.auto_lr.filled()
         shares = [name for name in WINDOW_FIELDS if isinstance(getattr(lr, name), float)]
+        if shares:
+            check_int("total_steps (the run's length, for auto_lr." + "/".join(shares) + " given as a share of it)",
+                      total_steps, low=1)
+        run_lr = dataclasses.replace(lr, **{name: round(getattr(lr, name) * total_steps) for name in shares})
+        if run_lr.start < total_steps:  # a start past the run's end keeps the controller off: no window to order
+            check_window_order(run_lr.start, run_lr.stop, given=(lr.start, lr.stop) if shares else None)
         if not shares:
             return self if lr is self.auto_lr else dataclasses.replace(self, auto_lr=lr)
-        check_int("total_steps (the run's length, for auto_lr." + "/".join(shares) + " given as a share of it)",
-                  total_steps, low=1)
-        changes = {name: round(getattr(lr, name) * total_steps) for name in shares}
-        run_lr = dataclasses.replace(lr, **changes)
-        check_window_order(run_lr.start, run_lr.stop, given=(lr.start, lr.stop))
         return dataclasses.replace(self, auto_lr=run_lr)
 
 

@@ -125,7 +125,8 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
     for name, options in (("start", {"high_open": True}), ("stop", {"low_open": True})):
         if getattr(given, name) is not None:
             check_step_or_share(f"auto_lr.{name}", getattr(given, name), **options)
-    check_window_order(filled_auto_lr.start, filled_auto_lr.stop)
+    if isinstance(filled_auto_lr.start, float):  # two shares; steps are checked against the run (for_run)
+        check_window_order(filled_auto_lr.start, filled_auto_lr.stop)
     if given.range_test is not None:
         check_int("auto_lr.range_test", given.range_test, low=0)
     for path, allowed in NUMBER_RANGES.items():

@@ -491,7 +491,7 @@ def test_a_stop_before_the_start_is_refused_and_says_how_ints_and_floats_read():
     """"stop": 1 (meant as the run's end) is step 1: a log controller's error told the user to set initial_scale
     to 1, a scale controller only warned that its window was short."""
     with pytest.raises(HDETConfigError, match=r"auto_lr.stop=10 comes before auto_lr.start=20: an int is a step"):
-        HDETConfig.from_dict({"auto_lr": {"start": 20, "stop": 10}})
+        HDETConfig.from_dict({"auto_lr": {"start": 20, "stop": 10}}).for_run(1000)
     with pytest.raises(HDETConfigError, match=r"stop=0.1 comes before auto_lr.start=0.2: an int"):
         HDETConfig.from_dict({"auto_lr": {"mode": "scale", "start": 0.2, "stop": 0.1}})
     stop_at_one = HDETConfig.from_dict({"auto_lr": {"range_test": 0, "stop": 1}})  # the default start is a share
@@ -499,3 +499,5 @@ def test_a_stop_before_the_start_is_refused_and_says_how_ints_and_floats_read():
                                               r"step 20\): an int is a step and a float a share of the run \(1.0: "):
         stop_at_one.for_run(1000)
     assert HDETConfig.from_dict({"auto_lr": {"stop": 1.0}}).for_run(1000).auto_lr.stop == 1000
+    kept_off = HDETConfig.from_dict({"auto_lr": {"start": 2000}}).for_run(1000).auto_lr  # starts past the end
+    assert (kept_off.start, kept_off.stop) == (2000, 250)
