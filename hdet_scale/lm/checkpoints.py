@@ -266,6 +266,32 @@ def remove_previous_run(out: Path, metrics_path: str | None) -> list[Path]:
     return removed
 
 
+EARLIER_ATTEMPT = "earlier_attempt"
+"""In the name a fresh start under ``--resume`` gives the metrics of the attempt before it, which left no checkpoint:
+``hdet_metrics.earlier_attempt_1.jsonl``, ``_2`` for the next, ..."""
+
+
+def start_without_checkpoint(out: Path, metrics_path: str | None) -> list[str]:
+    """Readies ``out`` for a run that starts at step 0 and removes nothing: what an earlier attempt there left without
+    a checkpoint (a requeued job that failed before its first) is said in one line, and its metrics are moved aside
+    to a name that says so rather than written over. An ``out`` with nothing of a run in it (an empty metrics file
+    at most) says nothing. Returns the line, if any."""
+    left = previous_run(out, metrics_path)
+    metrics = Path(metrics_path) if metrics_path else None
+    if metrics is not None and metrics.is_file() and not metrics.stat().st_size:
+        metrics.unlink()  # empty: nothing to keep, and the run's own lines go there
+    if not left:
+        return []
+    line = f"no checkpoint in {out / CHECKPOINTS} to resume from: this run starts at step 0"
+    if metrics in left:
+        number = 1
+        while (aside := metrics.with_name(f"{metrics.stem}.{EARLIER_ATTEMPT}_{number}{metrics.suffix}")).exists():
+            number += 1
+        metrics.rename(aside)
+        line += f"; the earlier attempt's metrics are kept in {aside}"
+    return [line]
+
+
 def settle_interrupted_save(out: Path) -> list[str]:
     """Tidies what an interrupted save left, losing nothing: where FSDP2 was killed after ``latest.tmp`` was
     complete but before or between its two renames, the newest complete checkpoint becomes ``latest``; where DeepSpeed

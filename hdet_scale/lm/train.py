@@ -19,7 +19,9 @@ OUT/hdet_metrics.jsonl --out plots` draws them.
 On SIGTERM (Slurm preemption or time limit) the ranks agree to stop, average the replicas (--on_signal
 sync_now, the default: one step later) or train on to the next regular sync (--on_signal next_sync: the
 resumed run is then bit-identical to an uninterrupted one), checkpoint, and exit with code 0; rerun with
---resume (a requeued job can always pass it: without a checkpoint the run starts fresh).
+--resume (a requeued job can always pass it: without a checkpoint the run starts at step 0, saying so where an
+earlier attempt left output, whose metrics it keeps aside). Without --checkpoint_interval the only checkpoints are
+the one at the end and the one a signal asks for: a long job that can die without a signal (a lost node) needs one.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from hdet_scale.lm.checkpoints import (
     out_state,
     remove_previous_run,
     settle_interrupted_save,
+    start_without_checkpoint,
 )
 from hdet_scale.lm.corpus import batch
 from hdet_scale.lm.model import PRESETS, build_model
@@ -157,7 +160,8 @@ def _add_run(group: argparse._ArgumentGroup) -> None:
                        help="steps between held-out evaluations, a multiple of sync_interval (0: only at the end)")
     group.add_argument("--eval_batches", type=int, default=8, help="batches per rank in each evaluation")
     group.add_argument("--resume", action="store_true",
-                       help="continue from OUT/checkpoints when there is a checkpoint (else start fresh)")
+                       help="continue from OUT/checkpoints when there is a checkpoint (else start at step 0, "
+                       "keeping an earlier attempt's metrics as hdet_metrics.earlier_attempt_N.jsonl)")
     group.add_argument("--overwrite", action="store_true",
                        help="start afresh in an --out that holds a run, removing its checkpoints, final model, "
                        "metrics and TensorBoard events (without it, such an --out is refused unless --resume "
@@ -232,15 +236,16 @@ def take_as_planned(out: Path, checked: Plan) -> None:
 
 def tidy_out(out: Path, metrics_path: str | None, *, overwrite: bool, resume: ResumePoint | None) -> list[str]:
     """Readies ``out`` for the run, once it holds ``out``: ``--overwrite`` removes the earlier run, except where
-    the plan continues this requeued Slurm job's own checkpoint; what an interrupted save left is settled. Returns
-    one line per change. Rank 0 only."""
-    if not overwrite:
-        said = []
-    elif resume is not None:
+    the plan continues this requeued Slurm job's own checkpoint; a run that starts at step 0 without it keeps what an
+    earlier attempt left (``--resume`` without a checkpoint: the plan refuses such an ``out`` otherwise); what an
+    interrupted save left is settled. Returns one line per change. Rank 0 only."""
+    if resume is not None:
         said = [f"--overwrite: this Slurm job was requeued after its checkpoint at step {resume.step}; it continues "
-                "from it instead of erasing it"]
-    else:
+                "from it instead of erasing it"] if overwrite else []
+    elif overwrite:
         said = [f"--overwrite: removed {path}" for path in remove_previous_run(out, metrics_path)]
+    else:
+        said = start_without_checkpoint(out, metrics_path)
     return said + settle_interrupted_save(out)
 
 
@@ -385,8 +390,6 @@ class Run:
             self.progress.line(f"resumed from {path} at step {self.step}")  # every rank has loaded
             agreed(f"rewriting {self.config.metrics_path}",
                    lambda: self.progress.truncate_metrics(self.config.metrics_path, self.step))
-        elif self.rank == 0 and self.config.metrics_path:
-            Path(self.config.metrics_path).unlink(missing_ok=True)  # a fresh run, not appended to an old one
         dist.barrier()
 
     def _batches(self, step: int) -> list[Batch]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import wandb_records
-from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
+from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, single_process, torchrun
 
 from hdet_scale import multipliers
 from hdet_scale.lm import out_lock
@@ -37,6 +37,14 @@ def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
     path.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": mode,
                                 "ranks_per_replica": ranks_per_replica, "auto_lr": {"start": 10, "range_test": 0}}))
     return str(path)
+
+
+def one_rank(tmp: Path, steps: int = 2 * SYNC_INTERVAL) -> list[str]:
+    """A single-process run (no launcher) of ``steps`` short steps, syncing every SYNC_INTERVAL, without the LR range
+    test: a few seconds (append ``--out`` and the rest)."""
+    config = tmp / "hdet_one_rank.json"
+    config.write_text(json.dumps({"sync_interval": SYNC_INTERVAL, "auto_lr": {"range_test": 0}}))
+    return [*single_process(), *SHORT, "--steps", str(steps), "--hdet_config", str(config)]
 
 
 def metric_lines(out: Path, kind: str = "replica_losses") -> list[dict]:
@@ -259,6 +267,25 @@ def test_a_second_run_on_an_out_in_use_is_refused_and_touches_nothing(fsdp_runs,
     assert f"--out {out} is in use by another run (rank 0 on {socket.gethostname()}, pid {live.pid}" in \
         one_error(result)
     assert files_of(out) == before
+
+
+@pytest.mark.e2e
+def test_a_resume_without_a_checkpoint_says_it_starts_at_step_0_and_keeps_the_earlier_metrics(tmp_path):
+    """The Slurm templates always pass --resume; a requeued job whose first attempt failed before any checkpoint
+    (a lost node, with the default --checkpoint_interval 0) started again at step 0 without a word and deleted that
+    attempt's metrics."""
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = '{"step": 5, "replica_losses": [5.0]}\n{"step": 10, "replica_losses": [4.0]}\n'
+    (out / "hdet_metrics.jsonl").write_text(earlier)
+    result = launch([*one_rank(tmp_path), "--out", str(out), "--resume"], cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout[-5000:]
+    aside = out / "hdet_metrics.earlier_attempt_1.jsonl"
+    assert (f"no checkpoint in {out / 'checkpoints'} to resume from: this run starts at step 0; the earlier "
+            f"attempt's metrics are kept in {aside}") in result.stdout
+    assert aside.read_text() == earlier
+    assert [line["step"] for line in metric_lines(out)] == [5, 10]  # this run's own, from step 0
+    assert "final train loss" in result.stdout
 
 
 @pytest.mark.e2e

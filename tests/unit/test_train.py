@@ -107,6 +107,31 @@ def test_resume_over_a_finished_run_without_its_checkpoint_is_refused(tmp_path):
     assert plan(parse_args(["--out", str(out), "--resume"])).resume is None
 
 
+def test_a_start_without_checkpoint_is_quiet_in_an_empty_out_and_keeps_every_earlier_attempts_metrics(tmp_path):
+    """The Slurm templates' first start (--resume, nothing in --out) says nothing; each attempt that left metrics
+    but no checkpoint has them kept under a name of its own (train.py's e2e test runs one)."""
+    from hdet_scale.lm.train import tidy_out
+
+    out, metrics = tmp_path / "run", tmp_path / "run" / "hdet_metrics.jsonl"
+    assert tidy_out(out, str(metrics), overwrite=False, resume=None) == []
+    out.mkdir()
+    metrics.write_text("")  # an empty metrics file is no attempt: removed, so that the run's lines start it
+    assert tidy_out(out, str(metrics), overwrite=False, resume=None) == []
+    assert not metrics.exists()
+    for attempt in (1, 2):
+        metrics.write_text(f'{{"step": 5, "attempt": {attempt}}}\n')
+        aside = out / f"hdet_metrics.earlier_attempt_{attempt}.jsonl"
+        assert tidy_out(out, str(metrics), overwrite=False, resume=None) == [
+            f"no checkpoint in {out / 'checkpoints'} to resume from: this run starts at step 0; the earlier "
+            f"attempt's metrics are kept in {aside}"]
+        assert json.loads(aside.read_text())["attempt"] == attempt and not metrics.exists()
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events").write_text("x")  # TensorBoard drops an earlier attempt's curves itself
+    assert tidy_out(out, str(metrics), overwrite=False, resume=None) == [
+        f"no checkpoint in {out / 'checkpoints'} to resume from: this run starts at step 0"]
+    assert (out / "tensorboard" / "events").exists()
+
+
 @pytest.mark.usefixtures("single_process")
 def test_an_out_another_run_wrote_to_while_this_one_started_is_not_taken(tmp_path):
     """The plan reads --out before the process group starts, the lock is taken after: a run that held --out
