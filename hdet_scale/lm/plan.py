@@ -66,6 +66,7 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
     if args.replay_schedule:
         _check_replay(args, ds_config)
+    _check_warmup(args, ds_config)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     config = resolve(load_config(_hdet_values(args, ds_config), world_size=None), world_size=world_size,
                      auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
@@ -127,6 +128,17 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+
+
+def _check_warmup(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:
+    """train.py's warm-up ends before the run does; a replayed schedule or the DeepSpeed JSON's "scheduler" replaces
+    it (and --warmup_steps with it)."""
+    if args.replay_schedule or "scheduler" in (ds_config or {}):
+        return
+    if args.warmup_steps >= args.steps:
+        raise ValueError(f"--warmup_steps {args.warmup_steps} is not below --steps {args.steps}: the LR would still "
+                         f"be warming up when the run ends, and never decay; pass a --warmup_steps below {args.steps} "
+                         "(a tenth of the run is usual), or more --steps")
 
 
 def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:

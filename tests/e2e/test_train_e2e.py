@@ -293,8 +293,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_in_one_line(fsdp_r
     """Saving fails on every rank (here: where checkpoints/ should be, a file stands): one line, exit 1."""
     (tmp_path / "checkpoints").write_text("not a directory")
     command = without_range_test(fsdp_runs["command"], tmp_path)
-    result = launch([*command, "--out", str(tmp_path), "--steps", str(SYNC_INTERVAL)], cwd=tmp_path,
-                    timeout=240)
+    result = launch([*command, "--out", str(tmp_path), "--steps", str(SYNC_INTERVAL), "--warmup_steps", "1"],
+                    cwd=tmp_path, timeout=240)
     assert f"saving a checkpoint in {tmp_path / 'checkpoints'}:" in one_error(result)
 
 

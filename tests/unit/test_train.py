@@ -67,6 +67,10 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")  # 300 steps: T = 5
     check(["--steps", "1500", "--eval_interval", "30"], "--eval_interval=30 must be a multiple of sync_interval=25")
     check(["--steps", "0"], "--steps must be at least 1")
+    # train.py's warm-up (default 30 steps) longer than the run: the LR never reached its peak, and never decayed
+    check(["--steps", "20"], r"--warmup_steps 30 is not below --steps 20: the LR would still be warming up when the "
+                             r"run ends, and never decay; pass a --warmup_steps below 20")
+    check(["--steps", "20", "--warmup_steps", "20"], "--warmup_steps 20 is not below --steps 20")
     # docs/train.md's DeepSpeed JSON without its --steps: a 300-step run of a 300,000-step schedule learned nothing
     zero2 = str(Path(__file__).resolve().parents[2] / "ds_configs" / "zero2_bf16.json")
     check(["--deepspeed_config", zero2], "--steps is 300 and the DeepSpeed JSON's "
@@ -222,6 +226,10 @@ def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(t
     schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
                                     "values": {"lr/0": [1e-3] * 10, "label_smoothing": [0.1] * 10}}))
     check(["--replay_schedule", str(schedule), "--steps", "10"], r"also explored \['label_smoothing'\]")
+    # a replayed schedule replaces the warm-up: --warmup_steps (default 30) above its 10 steps is no matter
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
+                                    "values": {"lr/0": [1e-3] * 10}}))
+    assert plan(parse_args(["--replay_schedule", str(schedule), "--steps", "10"])).config.sync_interval == 10
 
 
 @pytest.mark.usefixtures("single_process")
