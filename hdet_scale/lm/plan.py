@@ -105,6 +105,10 @@ def plan(args: argparse.Namespace) -> Plan:
     # A requeued job passes its command line again: an --overwrite meant for the run before it must not erase the
     # job's own progress, as it would on every requeue.
     resume = check_resume(out, run) if args.resume or args.overwrite and written_before_this_requeue(out) else None
+    if resume is not None and resume.step > args.steps:
+        raise ValueError(f"--steps {args.steps} is below the step of the checkpoint to resume, {resume.step} "
+                         f"({resume.path}): pass --steps {resume.step} or more (the run's own length, or longer to "
+                         "train on), or choose another --out")
     if args.resume and resume is None and out / FINAL_MODEL in previous_run(out, None):
         raise ValueError(f"--resume: {out} holds a finished run's model ({out / FINAL_MODEL}) and no checkpoint to "
                          "continue from: pass --overwrite instead of --resume to start afresh over it (RESUME=0 "

@@ -36,6 +36,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 import argparse
 import os
+import shutil
 import time
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.comm import cpu_group, on_rank0, shut_down, shut_down_and_exit
+from hdet_scale.durable import fsync_tree, replace_folder_durably
 from hdet_scale.extras import MissingExtra
 from hdet_scale.lm import out_lock
 from hdet_scale.lm.agreement import RunFailed, agreed
@@ -388,6 +390,9 @@ class Run:
             agreed(f"resuming from {path}", lambda: self.backend.load(path, point.saved_replicas))
             self.step = self.saved_at = self.backend.ensemble.global_step
             self.progress.line(f"resumed from {path} at step {self.step}")  # every rank has loaded
+            if self.step == self.args.steps:  # a run requeued after its last checkpoint, its model perhaps unwritten
+                self.progress.line(f"the checkpoint at step {self.step} ends this run (--steps {self.args.steps}): "
+                                   "nothing to train; its model is written again (a larger --steps trains on)")
             agreed(f"rewriting {self.config.metrics_path}",
                    lambda: self.progress.truncate_metrics(self.config.metrics_path, self.step))
         dist.barrier()
@@ -455,16 +460,25 @@ class Run:
             self.progress.line(f"found LR {found * peak:.2e} ({found:.3g} x {source})")
 
     def _export(self, path: Path) -> None:
-        """The final model, without transformers' progress bar, which would cut into this run's output."""
+        """The final model, written beside ``path`` and put in its place once complete (a kill meanwhile leaves a
+        model written before intact), without transformers' progress bar, which would cut into this run's output."""
         from transformers.utils import logging as transformers_logging
 
+        staging = path.with_name(path.name + ".tmp")
+        on_rank0(lambda: shutil.rmtree(staging, ignore_errors=True), f"clearing {staging}")
         shown = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()
         try:
-            self.backend.export(path)
+            self.backend.export(staging)
         finally:
             if shown:
                 transformers_logging.enable_progress_bar()
+
+        def put_in_place() -> None:
+            fsync_tree(staging)
+            replace_folder_durably(staging, path)
+
+        on_rank0(put_in_place, f"writing the model to {path}")
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:

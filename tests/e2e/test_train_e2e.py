@@ -289,6 +289,28 @@ def test_a_resume_without_a_checkpoint_says_it_starts_at_step_0_and_keeps_the_ea
 
 
 @pytest.mark.e2e
+def test_resuming_a_finished_run_writes_its_model_again_in_one_piece_and_no_line_twice(tmp_path):
+    """A job requeued after its last checkpoint (killed while it wrote the model, say) resumes at the run's end:
+    it appended the held-out loss a second time, and wrote final/ in place, where a kill in the middle damages a
+    complete model. The model is now written beside it and renamed into place."""
+    out = tmp_path / "out"
+    command = [*one_rank(tmp_path), "--out", str(out)]
+    finished = launch(command, cwd=tmp_path, timeout=240)
+    assert finished.returncode == 0, finished.stdout[-5000:]
+    metrics, model, folder = (out / "hdet_metrics.jsonl").read_text(), exported(out), (out / "final").stat().st_ino
+    again = launch([*command, "--resume"], cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, again.stdout[-5000:]
+    steps = 2 * SYNC_INTERVAL
+    assert (f"the checkpoint at step {steps} ends this run (--steps {steps}): nothing to train; its model is written "
+            "again") in again.stdout
+    assert (out / "hdet_metrics.jsonl").read_text() == metrics  # the held-out loss at the end once
+    assert (out / "final").stat().st_ino != folder  # a new folder, renamed into place
+    assert sorted(path.name for path in out.iterdir() if path.name.startswith("final")) == ["final"]
+    for name, tensor in exported(out).items():
+        assert torch.equal(tensor, model[name]), name
+
+
+@pytest.mark.e2e
 def test_a_checkpoint_that_cannot_be_written_stops_every_rank_in_one_line(fsdp_runs, tmp_path):
     """Saving fails on every rank (here: where checkpoints/ should be, a file stands): one line, exit 1."""
     (tmp_path / "checkpoints").write_text("not a directory")

@@ -221,6 +221,18 @@ def test_other_settings_a_resume_may_change_are_said_in_one_line(tmp_path, singl
     assert plan(parse_args([*words, "--resume", "--steps", "600"])).resume.changed == ()
 
 
+def test_a_resume_with_fewer_steps_than_its_checkpoint_is_refused_before_any_process_group(tmp_path, single_process):
+    """--steps 10 over a checkpoint at step 20 skipped the loop, exported the model as finished at step 20 and
+    exited 0."""
+    words = ["--out", str(tmp_path), "--max_data_mb", "1", "--warmup_steps", "1"]
+    path = fake_checkpoint(tmp_path, plan(parse_args(words)).run)  # at step 20
+    with pytest.raises(ValueError, match=rf"--steps 10 is below the step of the checkpoint to resume, 20 \({path}\): "
+                                         r"pass --steps 20 or more"):
+        plan(parse_args([*words, "--resume", "--steps", "10"]))
+    assert not dist.is_initialized()
+    assert plan(parse_args([*words, "--resume", "--steps", "20"])).resume.step == 20  # the run's end: written again
+
+
 def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrides(tmp_path, single_process):
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
