@@ -152,7 +152,11 @@ def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:
     if metrics_path:
         writable_directory(Path(metrics_path).parent, "metrics_path's folder")
     if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+        # under Slurm the --resume is likely the templates' own (RESUME=1), not one the user typed
+        templates = (" (the Slurm templates in launch/ pass --resume themselves: submit with RESUME=0 to overwrite)"
+                     if os.environ.get("SLURM_JOB_ID") else "")
+        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them"
+                         + templates)
     left = previous_run(out, metrics_path)
     if left and not args.resume and not args.overwrite:
         raise ValueError(f"--out {out} holds a run already ({', '.join(map(str, left))}): pass --resume to continue "

@@ -92,9 +92,19 @@ def test_a_run_in_its_out_is_refused_unless_resumed_or_overwritten(tmp_path):
         assert plan(parse_args(["--out", str(out), "--overwrite"])).resume is None
         assert (out / left).exists()  # nothing is removed before the process group starts
     check(["--out", str(out), "--resume", "--overwrite"], "--resume continues the run in --out and --overwrite "
-                                                          "replaces it: pass one of them")
+                                                          "replaces it: pass one of them$")
     (out / "hdet_metrics.jsonl").write_text("")  # an empty metrics file is no run
     plan(parse_args(["--out", str(out)]))
+
+
+@pytest.mark.usefixtures("single_process")
+def test_overwrite_under_a_slurm_template_says_how_to_drop_its_resume(tmp_path, monkeypatch):
+    """`sbatch launch/fsdp.sbatch --overwrite ...`: the template adds --resume itself (RESUME=1), so the user was
+    told to pass one of two flags of which they had passed one."""
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    check(["--out", str(tmp_path / "run"), "--resume", "--overwrite"],
+          r"pass one of them \(the Slurm templates in launch/ pass --resume themselves: submit with RESUME=0 to "
+          r"overwrite\)")
 
 
 @pytest.mark.usefixtures("single_process")
