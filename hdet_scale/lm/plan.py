@@ -132,6 +132,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.max_data_mb is not None and not (args.max_data_mb > 0 and math.isfinite(args.max_data_mb)):
+        raise ValueError(f"--max_data_mb must be a positive number of MiB, got {args.max_data_mb} (leave it out to "
+                         "read all the data)")
 
 
 def _check_warmup(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:

@@ -55,7 +55,7 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--data", str(wrong_vocab), "--vocab_size", "500"], "token id 999 is outside the vocabulary of 500")
     check(["--data", str(wrong_vocab)], "give its tokenizer's vocabulary with --vocab_size")
     check(["--data", str(wrong_vocab), "--vocab_size", "1000", "--seq_len", "512"],
-          "too few for one batch of 8 x 513 tokens")
+          "too few for one batch of 8 x 513 tokens; give a longer token file, or lower --seq_len")
     texts = tmp_path / "texts"
     texts.mkdir()
     check(["--data", str(texts)], "no text files")
@@ -76,6 +76,33 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--deepspeed_config", zero2], "--steps is 300 and the DeepSpeed JSON's "
           "scheduler.params.total_num_steps is 300000: the LR schedule must end when the run does; pass --steps "
           "300000")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_too_little_data_names_the_flag_that_cut_it(tmp_path):
+    """Each said 'give more data or lower --seq_len', also where --max_data_mb or --heldout_fraction left too few
+    tokens, and counted text files that were never read."""
+    for bad in ("0", "-1", "nan"):
+        check(["--max_data_mb", bad], rf"--max_data_mb must be a positive number of MiB, got {bad}")
+    # the first few stdlib files hold none of the held-out ones (every 20th)
+    check(["--max_data_mb", "0.01"], r"the standard library's source \(embedded\): 0 held-out tokens are too few for "
+                                     r"one window of 129; raise --max_data_mb \(it stopped the reading at 0.01 MiB\), "
+                                     r"or lower --seq_len$")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for index in range(30):
+        (texts / f"{index:02}.txt").write_text("x" * 1024)
+    check(["--data", str(texts), "--max_data_mb", str(5.5 / 1024)],
+          rf"the first 6 of 30 text files in {texts}: 0 held-out tokens are too few for one window of 129; raise "
+          r"--max_data_mb \(it stopped the reading at 0.00537 MiB\), or lower --seq_len$")
+    check(["--data", str(texts), "--max_data_mb", str(1 / 1024), "--micro_batch_size", "16"],
+          rf"the first 1 of 30 text files in {texts}: 1024 training tokens are too few for one batch of 16 x 129 "
+          r"tokens; raise --max_data_mb")
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(torch.arange(1000, dtype=torch.int16).numpy().tobytes())
+    check(["--data", str(tokens), "--vocab_size", "1000", "--seq_len", "32"],
+          r"1,000 uint16 tokens in .*tokens.bin: 10 held-out tokens are too few for one window of 33; raise "
+          r"--heldout_fraction \(now 0.01\), or lower --seq_len$")
 
 
 @pytest.mark.usefixtures("single_process")
