@@ -44,7 +44,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from hdet_scale.comm import cpu_group, on_rank0, shut_down, shut_down_and_exit
+from hdet_scale.comm import cpu_group, free_port, on_rank0, shut_down, shut_down_and_exit
 from hdet_scale.durable import fsync_tree, replace_folder_durably
 from hdet_scale.extras import MissingExtra
 from hdet_scale.lm import out_lock
@@ -75,8 +75,11 @@ PROBE_SEED = 777
 BAD_INPUT_GRACE_S = 20.0
 """How long a rank other than 0 waits for its launcher to stop it after a bad input (see refuse_bad_input)."""
 SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29512")}
-"""The launcher's environment for a run started without one."""
+                  "MASTER_ADDR": "127.0.0.1"}
+"""The launcher's environment for a run started without one; its MASTER_PORT is the user's, else a free port
+(``start_process_group``)."""
+PORT_TRIES = 3
+"""Free ports a run started without a launcher tries, where another process takes the one it picked first."""
 
 
 class _OneVoiceParser(argparse.ArgumentParser):
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """The training script on every rank: bad input is refused before any process group starts; a complete run
     ends the process through ``shut_down_and_exit`` (status 0), a failed one raises after ``shut_down``."""
     args = parse_args(argv)
-    if "WORLD_SIZE" not in os.environ:  # plain `python -m hdet_scale.lm.train`: a world of one
+    own_world = "WORLD_SIZE" not in os.environ  # plain `python -m hdet_scale.lm.train`: a world of one
+    if own_world:
         os.environ.update(SINGLE_PROCESS)
     try:
         checked = plan(args)
@@ -192,18 +196,37 @@ def main(argv: list[str] | None = None) -> NoReturn:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if checked.engine == "fsdp":
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-    else:
-        import deepspeed
-
-        deepspeed.init_distributed(timeout=timedelta(minutes=10))
+    start_process_group(checked.engine, cuda, own_world=own_world)
     try:
         train_on_every_rank(args, checked, device)
     except BaseException:
         shut_down()
         raise
     shut_down_and_exit(0)
+
+
+def start_process_group(engine: str, cuda: bool, *, own_world: bool) -> None:
+    """The launch's process group, or the world of one this process sets up itself (``own_world``: started without
+    a launcher) on the user's MASTER_PORT, else on a free port: two such runs on one machine do not collide."""
+    picks_port = own_world and "MASTER_PORT" not in os.environ
+    for attempt in range(1, PORT_TRIES + 1):
+        if picks_port:  # again where another process took the port since it was picked
+            os.environ["MASTER_PORT"] = str(free_port())
+        try:
+            if engine == "fsdp":
+                dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+            else:
+                import deepspeed
+
+                deepspeed.init_distributed(timeout=timedelta(minutes=10))
+            return
+        except dist.DistNetworkError as error:
+            if not own_world or "EADDRINUSE" not in str(error) or attempt == PORT_TRIES:
+                raise
+            if not picks_port:
+                refuse_bad_input(ValueError(f"MASTER_PORT={os.environ['MASTER_PORT']} is in use on this machine "
+                                            "(another run?): set MASTER_PORT to a free port, or leave it unset and "
+                                            "the run picks one"))
 
 
 def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.device) -> None:

@@ -12,6 +12,7 @@ tests/unit/test_train.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -308,6 +309,27 @@ def test_resuming_a_finished_run_writes_its_model_again_in_one_piece_and_no_line
     assert sorted(path.name for path in out.iterdir() if path.name.startswith("final")) == ["final"]
     for name, tensor in exported(out).items():
         assert torch.equal(tensor, model[name]), name
+
+
+@pytest.mark.e2e
+def test_runs_without_a_launcher_on_one_machine_do_not_collide_on_a_port(tmp_path):
+    """Without a launcher the run set up its world of one on MASTER_PORT 29512 unless told otherwise: a second such
+    run on the machine (here a socket listening there) failed with EADDRINUSE's traceback. It picks a free port now,
+    and a MASTER_PORT the user gave that is taken is said in one line."""
+    with socket.socket() as other_run, socket.socket() as given:
+        with contextlib.suppress(OSError):  # taken by another process already: the collision to avoid all the same
+            other_run.bind(("127.0.0.1", 29512))
+            other_run.listen()
+        result = launch([*one_rank(tmp_path), "--out", str(tmp_path / "out")], cwd=tmp_path, timeout=240)
+        assert result.returncode == 0, result.stdout[-5000:]
+        given.bind(("127.0.0.1", 0))
+        given.listen()
+        port = given.getsockname()[1]
+        refused = launch(["env", f"MASTER_PORT={port}", *one_rank(tmp_path), "--out", str(tmp_path / "again")],
+                         cwd=tmp_path, timeout=240)
+    assert one_error(refused) == (f"train.py: error: MASTER_PORT={port} is in use on this machine (another run?): "
+                                  "set MASTER_PORT to a free port, or leave it unset and the run picks one")
+    assert refused.returncode == 2
 
 
 @pytest.mark.e2e
