@@ -181,12 +181,9 @@ def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
         if file.stat().st_size != size:
             raise ResumeError(f"{where} is damaged: {name} has {file.stat().st_size} bytes, {size} were written; "
                               f"resume from a complete checkpoint or remove {out / CHECKPOINTS} to start afresh")
-    # settings both runs recorded (earlier versions recorded none, later ones may record more)
-    before, now = saved.get("settings", {}), run["settings"]
-    changed = tuple(differences({name: before[name] for name in before.keys() & now.keys()},
-                                {name: now[name] for name in before.keys() & now.keys()}))
     return ResumePoint(path=path, step=int(saved["step"]), saved_replicas=int(saved["replicas"]),
-                       replicas=int(run["replicas"]), changed=changed)
+                       replicas=int(run["replicas"]), changed=changed_settings(saved.get("settings", {}),
+                                                                               run["settings"]))
 
 
 def written_before_this_requeue(out: Path) -> bool:
@@ -201,10 +198,30 @@ def written_before_this_requeue(out: Path) -> bool:
         return False
 
 
+UNSET = "unset"
+"""How ``differences`` says a name one side does not have."""
+
+
 def differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """``name old -> new`` for each name whose value differs between ``before`` and ``now``, sorted."""
-    return [f"{name} {before.get(name)} -> {now.get(name)}" for name in sorted(before.keys() | now.keys())
-            if before.get(name) != now.get(name)]
+    """``name old -> new`` for each name whose value differs between ``before`` and ``now``, sorted; a name one
+    side lacks is ``unset`` there."""
+    def value(values: dict[str, Any], name: str) -> Any:
+        return values[name] if name in values else UNSET
+
+    return [f"{name} {value(before, name)} -> {value(now, name)}" for name in sorted(before.keys() | now.keys())
+            if value(before, name) != value(now, name)]
+
+
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> tuple[str, ...]:
+    """The settings (``identity``'s) a resumed run gives otherwise than its checkpoint's: those both runs recorded,
+    and the DeepSpeed JSON's keys (``deepspeed.<key>``) that one of them has and the other lacks, where the
+    checkpoint recorded its JSON. Any other name one side lacks is left out: earlier versions recorded fewer
+    settings (or none), and a flag the JSON overrides is recorded as the JSON's key instead."""
+    recorded_json = any(name.startswith("deepspeed.") for name in before)
+    compared = {name for name in before.keys() | now.keys()
+                if name in before and name in now or recorded_json and name.startswith("deepspeed.")}
+    return tuple(differences({name: before[name] for name in compared & before.keys()},
+                             {name: now[name] for name in compared & now.keys()}))
 
 
 def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:

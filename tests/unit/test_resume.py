@@ -247,6 +247,28 @@ def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrid
         "deepspeed.train_micro_batch_size_per_gpu 4 -> 2",)
 
 
+def test_keys_a_deepspeed_json_gains_or_loses_are_said_too(tmp_path, single_process):
+    """Only keys both runs recorded were compared: a JSON that gained a scheduler or lost its gradient_clipping
+    resumed without a word."""
+    ds_json = tmp_path / "ds.json"
+    base = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    ds_json.write_text(json.dumps({**base, "gradient_clipping": 0.5}))
+    words = ["--engine", "deepspeed", "--deepspeed_config", str(ds_json), "--out", str(tmp_path / "out"),
+             "--max_data_mb", "1"]
+    saved = plan(parse_args(words)).run
+    fake_checkpoint(tmp_path / "out", saved)
+    ds_json.write_text(json.dumps({**base, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}))
+    # --grad_clip, --warmup_steps and --min_lr_ratio, which the new JSON's keys override, are not said unset
+    assert plan(parse_args([*words, "--resume"])).resume.changed == (
+        "deepspeed.gradient_clipping 0.5 -> unset", "deepspeed.scheduler.params.warmup_num_steps unset -> 10",
+        "deepspeed.scheduler.type unset -> WarmupLR")
+    # a checkpoint of a version that recorded no DeepSpeed JSON: its keys are not compared
+    (tmp_path / "out" / "checkpoints").rename(tmp_path / "old")
+    fake_checkpoint(tmp_path / "out", {**saved, "settings": {name: value for name, value in saved["settings"].items()
+                                                             if not name.startswith("deepspeed.")}})
+    assert plan(parse_args([*words, "--resume"])).resume.changed == ()
+
+
 def test_a_changed_lr_or_weight_decay_is_refused_on_resume_not_ignored(tmp_path, single_process):
     """The saved optimizer and LR schedule state would replace them: the run would silently train at the old ones."""
     words = ["--out", str(tmp_path), "--max_data_mb", "1"]
