@@ -33,6 +33,12 @@ class ResumeError(ValueError):
     """A checkpoint that this run cannot continue from; the message says which and why, in one line."""
 
 
+TAKEN_FROM_THE_CHECKPOINT = ("hdet.seed", "hdet.auto_lr.initial_scale", "hdet.auto_lr.range_test", "hdet.warm_init.")
+"""Settings (and prefixes of them) that a resumed run cannot change: its checkpoint restores the permutation
+streams hdet.seed started and the controller's scale auto_lr.initial_scale started, and the LR range test and
+warm_init act only when a run starts."""
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """A checkpoint a run can continue from."""
@@ -45,8 +51,18 @@ class ResumePoint:
     """The settings this run gives otherwise than the checkpoint's run did, as ``name old -> new``."""
 
     def changed_line(self) -> str:
-        return (f"resuming with other settings than the checkpoint's ({', '.join(self.changed)}): they apply from "
-                f"step {self.step} on")
+        """One line: the changed settings that apply from the resumed step on, and those the checkpoint keeps."""
+        kept = [change for change in self.changed if change.split(" ", 1)[0].startswith(TAKEN_FROM_THE_CHECKPOINT)]
+        applied = [change for change in self.changed if change not in kept]
+        said = []
+        if applied:
+            said.append(f"resuming with other settings than the checkpoint's ({', '.join(applied)}): they apply from "
+                        f"step {self.step} on")
+        if kept:
+            said.append(f"{'and' if applied else 'resuming with'} settings the checkpoint keeps as they were "
+                        f"({', '.join(kept)}): it restores the permutation streams and the controller's scale, and "
+                        "the LR range test and warm_init act only when a run starts")
+        return "; ".join(said)
 
     @property
     def layout_changed(self) -> bool:

@@ -233,6 +233,27 @@ def test_a_resume_with_fewer_steps_than_its_checkpoint_is_refused_before_any_pro
     assert plan(parse_args([*words, "--resume", "--steps", "20"])).resume.step == 20  # the run's end: written again
 
 
+def test_hdet_settings_the_checkpoint_keeps_are_said_kept_not_applied(tmp_path, single_process):
+    """The line said every changed setting applies from the resumed step on, but the checkpoint's own state sets
+    hdet.seed (the permutation streams) and auto_lr.initial_scale (the controller's scale), and the LR range test
+    and warm_init act only when a run starts."""
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"sync_interval": 5}))
+    words = ["--out", str(tmp_path / "out"), "--max_data_mb", "1", "--hdet_config", str(hdet)]
+    fake_checkpoint(tmp_path / "out", plan(parse_args(words)).run)
+    hdet.write_text(json.dumps({"sync_interval": 5, "seed": 3, "auto_lr": {"initial_scale": 0.5, "range_test": 0},
+                                "warm_init": {"enabled": True}}))
+    point = plan(parse_args([*words, "--resume", "--steps", "600"])).resume
+    assert point.changed_line() == (
+        "resuming with other settings than the checkpoint's (hdet.auto_lr.start 6 -> 12, hdet.auto_lr.stop 75 -> 150, "
+        "steps 300 -> 600): they apply from step 20 on; and settings the checkpoint keeps as they were "
+        "(hdet.auto_lr.initial_scale 1.0 -> 0.5, hdet.auto_lr.range_test 100 -> 0, hdet.seed 0 -> 3, "
+        "hdet.warm_init.enabled False -> True): it restores the permutation streams and the controller's scale, and "
+        "the LR range test and warm_init act only when a run starts")
+    assert plan(parse_args([*words, "--resume"])).resume.changed_line().startswith(
+        "resuming with settings the checkpoint keeps as they were (hdet.auto_lr.initial_scale 1.0 -> 0.5, ")
+
+
 def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrides(tmp_path, single_process):
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
