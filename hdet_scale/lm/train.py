@@ -410,7 +410,10 @@ class Run:
                 self.progress.line(point.layout_line())
             if point.changed:
                 self.progress.line(point.changed_line())
-            agreed(f"resuming from {path}", lambda: self.backend.load(path, point.saved_replicas))
+            extra = agreed(f"resuming from {path}", lambda: self.backend.load(path, point.saved_replicas))
+            saved_streams = extra.get("rng_states")  # checkpoints of earlier versions have none
+            if saved_streams is not None and len(saved_streams) == dist.get_world_size():
+                _restore_rng(saved_streams[self.rank])  # another world size cannot go on bit-identically anyway
             self.step = self.saved_at = self.backend.ensemble.global_step
             self.progress.line(f"resumed from {path} at step {self.step}")  # every rank has loaded
             if self.step == self.args.steps:  # a run requeued after its last checkpoint, its model perhaps unwritten
@@ -445,9 +448,13 @@ class Run:
         directory = self.out / "checkpoints"
         if self.saved_at != self.step:
             agreed(f"saving a checkpoint in {directory}", lambda: check_free_space(self.out))
+            # every rank's random stream (--dropout draws from it), so that a resumed run draws what an
+            # uninterrupted one would; the extra state is the same on every rank, so it holds all of them
+            rng_states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(rng_states, _rng_state())
+            extra = {"step": self.step, "seed": self.args.seed, "rng_states": rng_states}
             path = agreed(f"saving a checkpoint in {directory}",
-                          lambda: self.backend.save(directory, {"step": self.step, "seed": self.args.seed},
-                                                    self.plan.run))
+                          lambda: self.backend.save(directory, extra, self.plan.run))
             self.saved_at = self.step
             self.progress.line(f"checkpoint: {path}")
         return self.backend.checkpoint_path(directory)
@@ -508,6 +515,19 @@ def _plain(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` with what is not a JSON scalar (paths, dtypes) as text, for a run's recorded config."""
     return {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
             for key, value in values.items()}
+
+
+def _rng_state() -> dict[str, torch.Tensor | None]:
+    """This rank's global random streams: the CPU's, and the GPU's where there is one."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _restore_rng(state: dict[str, torch.Tensor | None]) -> None:
+    """Sets this rank's global random streams to ``_rng_state()``'s."""
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _mix(seed: int, step: int, rank: int) -> int:
