@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 
@@ -35,3 +36,16 @@ def replace_durably(source: Path, target: Path) -> None:
     fsync_path(source)
     source.replace(target)
     fsync_path(target.parent)
+
+
+def replace_folder_durably(staging: Path, target: Path) -> None:
+    """Puts the complete folder ``staging`` (its files on the disk already) at ``target``, replacing the folder
+    there: ``target`` moves to ``target.old``, ``staging`` to ``target``, then the old one goes. A kill at any
+    moment leaves a complete folder: ``target``, or ``target.old`` with ``staging`` beside it."""
+    retired = target.with_name(target.name + ".old")
+    shutil.rmtree(retired, ignore_errors=True)  # older than ``target``, which is complete
+    if target.exists():
+        target.rename(retired)
+    staging.rename(target)
+    fsync_path(target.parent)
+    shutil.rmtree(retired, ignore_errors=True)

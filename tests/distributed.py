@@ -14,7 +14,6 @@ import multiprocessing.forkserver
 import os
 import pickle
 import queue as queue_module
-import socket
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hdet_scale.comm import free_port
 
 PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers.models.llama.modeling_llama", "hdet_scale",
            "pytest"]
@@ -31,12 +32,6 @@ to import is left to each rank, as under spawn."""
 # The forkserver's environment is the one its preloaded modules were imported under: the session's, taken
 # before any test ran (not whatever a test has monkeypatched when the first ranks start).
 _SESSION_ENVIRONMENT = dict(os.environ)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def gather_rows(vector: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,11 @@ def torchrun(nproc: int) -> list[str]:
             "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "-m", "hdet_scale.lm.train"]
 
 
+def single_process() -> list[str]:
+    """``python -m hdet_scale.lm.train`` without a launcher: a world of one rank (append its arguments)."""
+    return [sys.executable, "-m", "hdet_scale.lm.train"]
+
+
 def deepspeed(nproc: int) -> list[str]:
     """A deepspeed-launcher launch of ``hdet_scale.lm.train`` with ``nproc`` ranks on a free port."""
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hdet_scale.comm import on_rank0
-from hdet_scale.durable import fsync_path
+from hdet_scale.durable import fsync_path, replace_folder_durably
 from hdet_scale.engines.fsdp import HDETFSDP
 
 HDET_STATE_FILE = "hdet_state.pt"
@@ -70,13 +70,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             fsync_path(staging / name)
         if finalize is not None:
             finalize(staging)
-        retired = final.with_name(final.name + ".old")
-        shutil.rmtree(retired, ignore_errors=True)  # older than ``final``, which is complete
-        if final.exists():
-            final.rename(retired)
-        staging.rename(final)  # killed just before: both are complete, and the newer is found and promoted
-        fsync_path(final.parent)
-        shutil.rmtree(retired, ignore_errors=True)
+        # killed between its renames: both checkpoints are complete, and the newer is found and promoted
+        replace_folder_durably(staging, final)
 
     on_rank0(complete, f"writing the checkpoint {final}")
 

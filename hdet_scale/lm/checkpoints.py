@@ -33,6 +33,12 @@ class ResumeError(ValueError):
     """A checkpoint that this run cannot continue from; the message says which and why, in one line."""
 
 
+TAKEN_FROM_THE_CHECKPOINT = ("hdet.seed", "hdet.auto_lr.initial_scale", "hdet.auto_lr.range_test", "hdet.warm_init.")
+"""Settings (and prefixes of them) that a resumed run cannot change: its checkpoint restores the permutation
+streams hdet.seed started and the controller's scale auto_lr.initial_scale started, and the LR range test and
+warm_init act only when a run starts."""
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """A checkpoint a run can continue from."""
@@ -45,8 +51,18 @@ class ResumePoint:
     """The settings this run gives otherwise than the checkpoint's run did, as ``name old -> new``."""
 
     def changed_line(self) -> str:
-        return (f"resuming with other settings than the checkpoint's ({', '.join(self.changed)}): they apply from "
-                f"step {self.step} on")
+        """One line: the changed settings that apply from the resumed step on, and those the checkpoint keeps."""
+        kept = [change for change in self.changed if change.split(" ", 1)[0].startswith(TAKEN_FROM_THE_CHECKPOINT)]
+        applied = [change for change in self.changed if change not in kept]
+        said = []
+        if applied:
+            said.append(f"resuming with other settings than the checkpoint's ({', '.join(applied)}): they apply from "
+                        f"step {self.step} on")
+        if kept:
+            said.append(f"{'and' if applied else 'resuming with'} settings the checkpoint keeps as they were "
+                        f"({', '.join(kept)}): it restores the permutation streams and the controller's scale, and "
+                        "the LR range test and warm_init act only when a run starts")
+        return "; ".join(said)
 
     @property
     def layout_changed(self) -> bool:
@@ -181,12 +197,9 @@ def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
         if file.stat().st_size != size:
             raise ResumeError(f"{where} is damaged: {name} has {file.stat().st_size} bytes, {size} were written; "
                               f"resume from a complete checkpoint or remove {out / CHECKPOINTS} to start afresh")
-    # settings both runs recorded (earlier versions recorded none, later ones may record more)
-    before, now = saved.get("settings", {}), run["settings"]
-    changed = tuple(differences({name: before[name] for name in before.keys() & now.keys()},
-                                {name: now[name] for name in before.keys() & now.keys()}))
     return ResumePoint(path=path, step=int(saved["step"]), saved_replicas=int(saved["replicas"]),
-                       replicas=int(run["replicas"]), changed=changed)
+                       replicas=int(run["replicas"]), changed=changed_settings(saved.get("settings", {}),
+                                                                               run["settings"]))
 
 
 def written_before_this_requeue(out: Path) -> bool:
@@ -201,10 +214,30 @@ def written_before_this_requeue(out: Path) -> bool:
         return False
 
 
+UNSET = "unset"
+"""How ``differences`` says a name one side does not have."""
+
+
 def differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """``name old -> new`` for each name whose value differs between ``before`` and ``now``, sorted."""
-    return [f"{name} {before.get(name)} -> {now.get(name)}" for name in sorted(before.keys() | now.keys())
-            if before.get(name) != now.get(name)]
+    """``name old -> new`` for each name whose value differs between ``before`` and ``now``, sorted; a name one
+    side lacks is ``unset`` there."""
+    def value(values: dict[str, Any], name: str) -> Any:
+        return values[name] if name in values else UNSET
+
+    return [f"{name} {value(before, name)} -> {value(now, name)}" for name in sorted(before.keys() | now.keys())
+            if value(before, name) != value(now, name)]
+
+
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> tuple[str, ...]:
+    """The settings (``identity``'s) a resumed run gives otherwise than its checkpoint's: those both runs recorded,
+    and the DeepSpeed JSON's keys (``deepspeed.<key>``) that one of them has and the other lacks, where the
+    checkpoint recorded its JSON. Any other name one side lacks is left out: earlier versions recorded fewer
+    settings (or none), and a flag the JSON overrides is recorded as the JSON's key instead."""
+    recorded_json = any(name.startswith("deepspeed.") for name in before)
+    compared = {name for name in before.keys() | now.keys()
+                if name in before and name in now or recorded_json and name.startswith("deepspeed.")}
+    return tuple(differences({name: before[name] for name in compared & before.keys()},
+                             {name: now[name] for name in compared & now.keys()}))
 
 
 def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
@@ -264,6 +297,32 @@ def remove_previous_run(out: Path, metrics_path: str | None) -> list[Path]:
         else:
             path.unlink()
     return removed
+
+
+EARLIER_ATTEMPT = "earlier_attempt"
+"""In the name a fresh start under ``--resume`` gives the metrics of the attempt before it, which left no checkpoint:
+``hdet_metrics.earlier_attempt_1.jsonl``, ``_2`` for the next, ..."""
+
+
+def start_without_checkpoint(out: Path, metrics_path: str | None) -> list[str]:
+    """Readies ``out`` for a run that starts at step 0 and removes nothing: what an earlier attempt there left without
+    a checkpoint (a requeued job that failed before its first) is said in one line, and its metrics are moved aside
+    to a name that says so rather than written over. An ``out`` with nothing of a run in it (an empty metrics file
+    at most) says nothing. Returns the line, if any."""
+    left = previous_run(out, metrics_path)
+    metrics = Path(metrics_path) if metrics_path else None
+    if metrics is not None and metrics.is_file() and not metrics.stat().st_size:
+        metrics.unlink()  # empty: nothing to keep, and the run's own lines go there
+    if not left:
+        return []
+    line = f"no checkpoint in {out / CHECKPOINTS} to resume from: this run starts at step 0"
+    if metrics in left:
+        number = 1
+        while (aside := metrics.with_name(f"{metrics.stem}.{EARLIER_ATTEMPT}_{number}{metrics.suffix}")).exists():
+            number += 1
+        metrics.rename(aside)
+        line += f"; the earlier attempt's metrics are kept in {aside}"
+    return [line]
 
 
 def settle_interrupted_save(out: Path) -> list[str]:

@@ -31,17 +31,21 @@ class Corpus:
     heldout: Any
     vocab_size: int
     description: str
+    more_train: str = "give more data"
+    """How to get more training tokens out of this source, for an error that finds too few."""
+    more_heldout: str = "give more data"
+    """How to get more held-out tokens out of this source."""
 
     def check_fits(self, *, seq_len: int, micro_batch_size: int) -> None:
         """Raises when the corpus cannot fill one batch of ``micro_batch_size`` windows of ``seq_len + 1``."""
         needed = micro_batch_size * (seq_len + 1)
         if len(self.train) < needed:
             raise ValueError(f"{self.description}: {len(self.train)} training tokens are too few for one batch of "
-                             f"{micro_batch_size} x {seq_len + 1} tokens; give more data or lower --seq_len / "
+                             f"{micro_batch_size} x {seq_len + 1} tokens; {self.more_train}, or lower --seq_len / "
                              "--micro_batch_size")
         if len(self.heldout) < seq_len + 2:
             raise ValueError(f"{self.description}: {len(self.heldout)} held-out tokens are too few for one window of "
-                             f"{seq_len + 1}; give more data or lower --seq_len")
+                             f"{seq_len + 1}; {self.more_heldout}, or lower --seq_len")
 
 
 def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | None = None,
@@ -58,7 +62,8 @@ def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | N
     """
     if source == "stdlib":
         train, heldout = stdlib_corpus(max_bytes)
-        return Corpus(train, heldout, BYTE_VOCAB, "the standard library's source (embedded)")
+        more = _more_text(max_bytes, read=len(train) + len(heldout), otherwise="give a directory of text files")
+        return Corpus(train, heldout, BYTE_VOCAB, "the standard library's source (embedded)", more, more)
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {source}: no such file or directory (use 'stdlib', a directory of text "
@@ -68,6 +73,14 @@ def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | N
     return _token_file(path, token_dtype, vocab_size, heldout_fraction)
 
 
+def _more_text(max_bytes: int | None, *, read: int, otherwise: str) -> str:
+    """How to get more tokens from a text source that gave ``read`` bytes: a larger --max_data_mb where it stopped
+    the reading, else ``otherwise``."""
+    if max_bytes is not None and read >= max_bytes:
+        return f"raise --max_data_mb (it stopped the reading at {max_bytes / 2**20:.3g} MiB)"
+    return otherwise
+
+
 def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
@@ -75,7 +88,7 @@ def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
     if len(files) == 1:  # nothing can be held out whole: the file's last tenth is held out instead
         data = files[0].read_bytes()[:max_bytes]
         cut = len(data) - len(data) // 10
-        train, heldout = [data[:cut]], [data[cut:]]
+        train, heldout, read = [data[:cut]], [data[cut:]], 1
     else:
         held = set(range(HELDOUT_EVERY - 1, len(files), HELDOUT_EVERY)) or {len(files) - 1}
         train, heldout, total = [], [], 0
@@ -85,8 +98,11 @@ def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
             data = file.read_bytes()[: None if max_bytes is None else max_bytes - total]
             (heldout if index in held else train).append(data)
             total += len(data)
-    return Corpus(byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout)), BYTE_VOCAB,
-                  f"{len(files)} text files in {root}")
+        read = len(train) + len(heldout)
+    description = f"{len(files)} text files in {root}" if read == len(files) else (
+        f"the first {read} of {len(files)} text files in {root}")  # --max_data_mb stopped the reading
+    more = _more_text(max_bytes, read=sum(map(len, train)) + sum(map(len, heldout)), otherwise="give more text files")
+    return Corpus(byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout)), BYTE_VOCAB, description, more, more)
 
 
 def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fraction: float) -> Corpus:
@@ -113,7 +129,9 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
         raise ValueError(f"--data {path}: token id {highest} is outside the vocabulary of {vocab_size} "
                          "(--vocab_size): the file is corrupt, or --token_dtype / --vocab_size are wrong")
     cut = len(tokens) - max(1, int(len(tokens) * heldout_fraction))
-    return Corpus(tokens[:cut], tokens[cut:], vocab_size, f"{len(tokens):,} {token_dtype} tokens in {path}")
+    return Corpus(tokens[:cut], tokens[cut:], vocab_size, f"{len(tokens):,} {token_dtype} tokens in {path}",
+                  more_train="give a longer token file",
+                  more_heldout=f"raise --heldout_fraction (now {heldout_fraction:g})")
 
 
 def batch(tokens: Any, *, micro_batch_size: int, seq_len: int,

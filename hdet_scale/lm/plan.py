@@ -66,6 +66,7 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
     if args.replay_schedule:
         _check_replay(args, ds_config)
+    _check_warmup(args, ds_config)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     config = resolve(load_config(_hdet_values(args, ds_config), world_size=None), world_size=world_size,
                      auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
@@ -104,6 +105,10 @@ def plan(args: argparse.Namespace) -> Plan:
     # A requeued job passes its command line again: an --overwrite meant for the run before it must not erase the
     # job's own progress, as it would on every requeue.
     resume = check_resume(out, run) if args.resume or args.overwrite and written_before_this_requeue(out) else None
+    if resume is not None and resume.step > args.steps:
+        raise ValueError(f"--steps {args.steps} is below the step of the checkpoint to resume, {resume.step} "
+                         f"({resume.path}): pass --steps {resume.step} or more (the run's own length, or longer to "
+                         "train on), or choose another --out")
     if args.resume and resume is None and out / FINAL_MODEL in previous_run(out, None):
         raise ValueError(f"--resume: {out} holds a finished run's model ({out / FINAL_MODEL}) and no checkpoint to "
                          "continue from: pass --overwrite instead of --resume to start afresh over it (RESUME=0 "
@@ -127,6 +132,20 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.max_data_mb is not None and not (args.max_data_mb > 0 and math.isfinite(args.max_data_mb)):
+        raise ValueError(f"--max_data_mb must be a positive number of MiB, got {args.max_data_mb} (leave it out to "
+                         "read all the data)")
+
+
+def _check_warmup(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> None:
+    """train.py's warm-up ends before the run does; a replayed schedule or the DeepSpeed JSON's "scheduler" replaces
+    it (and --warmup_steps with it)."""
+    if args.replay_schedule or "scheduler" in (ds_config or {}):
+        return
+    if args.warmup_steps >= args.steps:
+        raise ValueError(f"--warmup_steps {args.warmup_steps} is not below --steps {args.steps}: the LR would still "
+                         f"be warming up when the run ends, and never decay; pass a --warmup_steps below {args.steps} "
+                         "(a tenth of the run is usual), or more --steps")
 
 
 def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:
@@ -136,7 +155,11 @@ def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:
     if metrics_path:
         writable_directory(Path(metrics_path).parent, "metrics_path's folder")
     if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+        # under Slurm the --resume is likely the templates' own (RESUME=1), not one the user typed
+        templates = (" (the Slurm templates in launch/ pass --resume themselves: submit with RESUME=0 to overwrite)"
+                     if os.environ.get("SLURM_JOB_ID") else "")
+        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them"
+                         + templates)
     left = previous_run(out, metrics_path)
     if left and not args.resume and not args.overwrite:
         raise ValueError(f"--out {out} holds a run already ({', '.join(map(str, left))}): pass --resume to continue "

@@ -43,6 +43,7 @@ class Progress:
         self._first_step = 0
         self._tokens_per_step = 0
         self._scale = 1.0
+        self._heldout_recorded: set[int] = set()  # steps whose held-out loss the metrics file has (a resume's)
         if not enabled:
             return
         if bar:
@@ -105,8 +106,12 @@ class Progress:
             self._sinks.log({**scalars, "train/tokens_per_second": self.tokens_per_second(report.step)}, report.step)
 
     def heldout(self, step: int, loss: float, *, announce: bool = True) -> None:
+        """Says and records a held-out loss; one a resumed run's metrics file has for ``step`` already (a run
+        resumed from its last checkpoint evaluates it again) is not recorded twice."""
         if announce:
             self.line(f"held-out loss {loss:.4f} at step {step}")
+        if step in self._heldout_recorded:
+            return
         self._metrics.write({"step": step, "heldout_loss": loss})
         if self.enabled and self._sinks is not None:
             self._sinks.log({"eval/heldout_loss": loss}, step)
@@ -126,6 +131,8 @@ class Progress:
                 unreadable += bool(line.strip())
             elif record["step"] <= step:
                 kept.append(line)
+                if "heldout_loss" in record:
+                    self._heldout_recorded.add(record["step"])
         staging = path.with_name(path.name + ".tmp")
         staging.write_text("".join(line + "\n" for line in kept))
         staging.replace(path)

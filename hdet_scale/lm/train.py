@@ -19,7 +19,9 @@ OUT/hdet_metrics.jsonl --out plots` draws them.
 On SIGTERM (Slurm preemption or time limit) the ranks agree to stop, average the replicas (--on_signal
 sync_now, the default: one step later) or train on to the next regular sync (--on_signal next_sync: the
 resumed run is then bit-identical to an uninterrupted one), checkpoint, and exit with code 0; rerun with
---resume (a requeued job can always pass it: without a checkpoint the run starts fresh).
+--resume (a requeued job can always pass it: without a checkpoint the run starts at step 0, saying so where an
+earlier attempt left output, whose metrics it keeps aside). Without --checkpoint_interval the only checkpoints are
+the one at the end and the one a signal asks for: a long job that can die without a signal (a lost node) needs one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 import argparse
 import os
+import shutil
 import time
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -41,7 +44,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from hdet_scale.comm import cpu_group, on_rank0, shut_down, shut_down_and_exit
+from hdet_scale.comm import cpu_group, free_port, on_rank0, shut_down, shut_down_and_exit
+from hdet_scale.durable import fsync_tree, replace_folder_durably
 from hdet_scale.extras import MissingExtra
 from hdet_scale.lm import out_lock
 from hdet_scale.lm.agreement import RunFailed, agreed
@@ -54,6 +58,7 @@ from hdet_scale.lm.checkpoints import (
     out_state,
     remove_previous_run,
     settle_interrupted_save,
+    start_without_checkpoint,
 )
 from hdet_scale.lm.corpus import batch
 from hdet_scale.lm.model import PRESETS, build_model
@@ -70,8 +75,11 @@ PROBE_SEED = 777
 BAD_INPUT_GRACE_S = 20.0
 """How long a rank other than 0 waits for its launcher to stop it after a bad input (see refuse_bad_input)."""
 SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29512")}
-"""The launcher's environment for a run started without one."""
+                  "MASTER_ADDR": "127.0.0.1"}
+"""The launcher's environment for a run started without one; its MASTER_PORT is the user's, else a free port
+(``start_process_group``)."""
+PORT_TRIES = 3
+"""Free ports a run started without a launcher tries, where another process takes the one it picked first."""
 
 
 class _OneVoiceParser(argparse.ArgumentParser):
@@ -157,7 +165,8 @@ def _add_run(group: argparse._ArgumentGroup) -> None:
                        help="steps between held-out evaluations, a multiple of sync_interval (0: only at the end)")
     group.add_argument("--eval_batches", type=int, default=8, help="batches per rank in each evaluation")
     group.add_argument("--resume", action="store_true",
-                       help="continue from OUT/checkpoints when there is a checkpoint (else start fresh)")
+                       help="continue from OUT/checkpoints when there is a checkpoint (else start at step 0, "
+                       "keeping an earlier attempt's metrics as hdet_metrics.earlier_attempt_N.jsonl)")
     group.add_argument("--overwrite", action="store_true",
                        help="start afresh in an --out that holds a run, removing its checkpoints, final model, "
                        "metrics and TensorBoard events (without it, such an --out is refused unless --resume "
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """The training script on every rank: bad input is refused before any process group starts; a complete run
     ends the process through ``shut_down_and_exit`` (status 0), a failed one raises after ``shut_down``."""
     args = parse_args(argv)
-    if "WORLD_SIZE" not in os.environ:  # plain `python -m hdet_scale.lm.train`: a world of one
+    own_world = "WORLD_SIZE" not in os.environ  # plain `python -m hdet_scale.lm.train`: a world of one
+    if own_world:
         os.environ.update(SINGLE_PROCESS)
     try:
         checked = plan(args)
@@ -186,18 +196,37 @@ def main(argv: list[str] | None = None) -> NoReturn:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if checked.engine == "fsdp":
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-    else:
-        import deepspeed
-
-        deepspeed.init_distributed(timeout=timedelta(minutes=10))
+    start_process_group(checked.engine, cuda, own_world=own_world)
     try:
         train_on_every_rank(args, checked, device)
     except BaseException:
         shut_down()
         raise
     shut_down_and_exit(0)
+
+
+def start_process_group(engine: str, cuda: bool, *, own_world: bool) -> None:
+    """The launch's process group, or the world of one this process sets up itself (``own_world``: started without
+    a launcher) on the user's MASTER_PORT, else on a free port: two such runs on one machine do not collide."""
+    picks_port = own_world and "MASTER_PORT" not in os.environ
+    for attempt in range(1, PORT_TRIES + 1):
+        if picks_port:  # again where another process took the port since it was picked
+            os.environ["MASTER_PORT"] = str(free_port())
+        try:
+            if engine == "fsdp":
+                dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+            else:
+                import deepspeed
+
+                deepspeed.init_distributed(timeout=timedelta(minutes=10))
+            return
+        except dist.DistNetworkError as error:
+            if not own_world or "EADDRINUSE" not in str(error) or attempt == PORT_TRIES:
+                raise
+            if not picks_port:
+                refuse_bad_input(ValueError(f"MASTER_PORT={os.environ['MASTER_PORT']} is in use on this machine "
+                                            "(another run?): set MASTER_PORT to a free port, or leave it unset and "
+                                            "the run picks one"))
 
 
 def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
@@ -232,15 +261,16 @@ def take_as_planned(out: Path, checked: Plan) -> None:
 
 def tidy_out(out: Path, metrics_path: str | None, *, overwrite: bool, resume: ResumePoint | None) -> list[str]:
     """Readies ``out`` for the run, once it holds ``out``: ``--overwrite`` removes the earlier run, except where
-    the plan continues this requeued Slurm job's own checkpoint; what an interrupted save left is settled. Returns
-    one line per change. Rank 0 only."""
-    if not overwrite:
-        said = []
-    elif resume is not None:
+    the plan continues this requeued Slurm job's own checkpoint; a run that starts at step 0 without it keeps what an
+    earlier attempt left (``--resume`` without a checkpoint: the plan refuses such an ``out`` otherwise); what an
+    interrupted save left is settled. Returns one line per change. Rank 0 only."""
+    if resume is not None:
         said = [f"--overwrite: this Slurm job was requeued after its checkpoint at step {resume.step}; it continues "
-                "from it instead of erasing it"]
-    else:
+                "from it instead of erasing it"] if overwrite else []
+    elif overwrite:
         said = [f"--overwrite: removed {path}" for path in remove_previous_run(out, metrics_path)]
+    else:
+        said = start_without_checkpoint(out, metrics_path)
     return said + settle_interrupted_save(out)
 
 
@@ -380,13 +410,17 @@ class Run:
                 self.progress.line(point.layout_line())
             if point.changed:
                 self.progress.line(point.changed_line())
-            agreed(f"resuming from {path}", lambda: self.backend.load(path, point.saved_replicas))
+            extra = agreed(f"resuming from {path}", lambda: self.backend.load(path, point.saved_replicas))
+            saved_streams = extra.get("rng_states")  # checkpoints of earlier versions have none
+            if saved_streams is not None and len(saved_streams) == dist.get_world_size():
+                _restore_rng(saved_streams[self.rank])  # another world size cannot go on bit-identically anyway
             self.step = self.saved_at = self.backend.ensemble.global_step
             self.progress.line(f"resumed from {path} at step {self.step}")  # every rank has loaded
+            if self.step == self.args.steps:  # a run requeued after its last checkpoint, its model perhaps unwritten
+                self.progress.line(f"the checkpoint at step {self.step} ends this run (--steps {self.args.steps}): "
+                                   "nothing to train; its model is written again (a larger --steps trains on)")
             agreed(f"rewriting {self.config.metrics_path}",
                    lambda: self.progress.truncate_metrics(self.config.metrics_path, self.step))
-        elif self.rank == 0 and self.config.metrics_path:
-            Path(self.config.metrics_path).unlink(missing_ok=True)  # a fresh run, not appended to an old one
         dist.barrier()
 
     def _batches(self, step: int) -> list[Batch]:
@@ -414,9 +448,13 @@ class Run:
         directory = self.out / "checkpoints"
         if self.saved_at != self.step:
             agreed(f"saving a checkpoint in {directory}", lambda: check_free_space(self.out))
+            # every rank's random stream (--dropout draws from it), so that a resumed run draws what an
+            # uninterrupted one would; the extra state is the same on every rank, so it holds all of them
+            rng_states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(rng_states, _rng_state())
+            extra = {"step": self.step, "seed": self.args.seed, "rng_states": rng_states}
             path = agreed(f"saving a checkpoint in {directory}",
-                          lambda: self.backend.save(directory, {"step": self.step, "seed": self.args.seed},
-                                                    self.plan.run))
+                          lambda: self.backend.save(directory, extra, self.plan.run))
             self.saved_at = self.step
             self.progress.line(f"checkpoint: {path}")
         return self.backend.checkpoint_path(directory)
@@ -452,22 +490,44 @@ class Run:
             self.progress.line(f"found LR {found * peak:.2e} ({found:.3g} x {source})")
 
     def _export(self, path: Path) -> None:
-        """The final model, without transformers' progress bar, which would cut into this run's output."""
+        """The final model, written beside ``path`` and put in its place once complete (a kill meanwhile leaves a
+        model written before intact), without transformers' progress bar, which would cut into this run's output."""
         from transformers.utils import logging as transformers_logging
 
+        staging = path.with_name(path.name + ".tmp")
+        on_rank0(lambda: shutil.rmtree(staging, ignore_errors=True), f"clearing {staging}")
         shown = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()
         try:
-            self.backend.export(path)
+            self.backend.export(staging)
         finally:
             if shown:
                 transformers_logging.enable_progress_bar()
+
+        def put_in_place() -> None:
+            fsync_tree(staging)
+            replace_folder_durably(staging, path)
+
+        on_rank0(put_in_place, f"writing the model to {path}")
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` with what is not a JSON scalar (paths, dtypes) as text, for a run's recorded config."""
     return {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
             for key, value in values.items()}
+
+
+def _rng_state() -> dict[str, torch.Tensor | None]:
+    """This rank's global random streams: the CPU's, and the GPU's where there is one."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _restore_rng(state: dict[str, torch.Tensor | None]) -> None:
+    """Sets this rank's global random streams to ``_rng_state()``'s."""
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _mix(seed: int, step: int, rank: int) -> int:

@@ -17,8 +17,8 @@ from launcher import SHORT, launch, torchrun
 def test_train_header_warns_of_one_replica(tmp_path):
     hdet = tmp_path / "hdet.json"
     hdet.write_text(json.dumps({"ranks_per_replica": 2, "sync_interval": 5}))
-    result = launch([*torchrun(2), *SHORT[:2], "--steps", "5", *SHORT[4:], "--hdet_config", str(hdet),
-                     "--out", str(tmp_path)], cwd=tmp_path, timeout=300)
+    result = launch([*torchrun(2), *SHORT[:2], "--steps", "5", *SHORT[4:], "--warmup_steps", "1", "--hdet_config",
+                     str(hdet), "--out", str(tmp_path)], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     header = result.stdout.split("HDET train:")[1].splitlines()
     assert "replicas=1 ranks_per_replica=2" in header[0]

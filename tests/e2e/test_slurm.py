@@ -23,8 +23,8 @@ from slurm_cluster import Job, SlurmCluster, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, SYNC_INTERVAL = 20, 5
-TRAIN_ARGS = ["--preset", "tiny", "--steps", str(STEPS), "--checkpoint_interval", "10", "--no_progress",
-              "--on_signal", "next_sync"]  # next_sync: a preempted run resumes bit-identically
+TRAIN_ARGS = ["--preset", "tiny", "--steps", str(STEPS), "--warmup_steps", "5", "--checkpoint_interval", "10",
+              "--no_progress", "--on_signal", "next_sync"]  # next_sync: a preempted run resumes bit-identically
 FINAL_LINE = re.compile(r"^final train loss \d+\.\d+  held-out loss \d+\.\d+", re.MULTILINE)
 pytestmark = pytest.mark.e2e  # every test here runs sbatch jobs on the emulated cluster
 

@@ -12,6 +12,7 @@ tests/unit/test_train.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import wandb_records
-from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, torchrun
+from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, single_process, torchrun
 
 from hdet_scale import multipliers
 from hdet_scale.lm import out_lock
@@ -37,6 +38,14 @@ def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
     path.write_text(json.dumps({"alpha": 0.5, "sync_interval": SYNC_INTERVAL, "gradient_mode": mode,
                                 "ranks_per_replica": ranks_per_replica, "auto_lr": {"start": 10, "range_test": 0}}))
     return str(path)
+
+
+def one_rank(tmp: Path, steps: int = 2 * SYNC_INTERVAL) -> list[str]:
+    """A single-process run (no launcher) of ``steps`` short steps, syncing every SYNC_INTERVAL, without the LR range
+    test: a few seconds (append ``--out`` and the rest)."""
+    config = tmp / "hdet_one_rank.json"
+    config.write_text(json.dumps({"sync_interval": SYNC_INTERVAL, "auto_lr": {"range_test": 0}}))
+    return [*single_process(), *SHORT, "--steps", str(steps), "--hdet_config", str(config)]
 
 
 def metric_lines(out: Path, kind: str = "replica_losses") -> list[dict]:
@@ -262,12 +271,92 @@ def test_a_second_run_on_an_out_in_use_is_refused_and_touches_nothing(fsdp_runs,
 
 
 @pytest.mark.e2e
+def test_a_resume_without_a_checkpoint_says_it_starts_at_step_0_and_keeps_the_earlier_metrics(tmp_path):
+    """The Slurm templates always pass --resume; a requeued job whose first attempt failed before any checkpoint
+    (a lost node, with the default --checkpoint_interval 0) started again at step 0 without a word and deleted that
+    attempt's metrics."""
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = '{"step": 5, "replica_losses": [5.0]}\n{"step": 10, "replica_losses": [4.0]}\n'
+    (out / "hdet_metrics.jsonl").write_text(earlier)
+    result = launch([*one_rank(tmp_path), "--out", str(out), "--resume"], cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout[-5000:]
+    aside = out / "hdet_metrics.earlier_attempt_1.jsonl"
+    assert (f"no checkpoint in {out / 'checkpoints'} to resume from: this run starts at step 0; the earlier "
+            f"attempt's metrics are kept in {aside}") in result.stdout
+    assert aside.read_text() == earlier
+    assert [line["step"] for line in metric_lines(out)] == [5, 10]  # this run's own, from step 0
+    assert "final train loss" in result.stdout
+
+
+@pytest.mark.e2e
+def test_resuming_a_finished_run_writes_its_model_again_in_one_piece_and_no_line_twice(tmp_path):
+    """A job requeued after its last checkpoint (killed while it wrote the model, say) resumes at the run's end:
+    it appended the held-out loss a second time, and wrote final/ in place, where a kill in the middle damages a
+    complete model. The model is now written beside it and renamed into place."""
+    out = tmp_path / "out"
+    command = [*one_rank(tmp_path), "--out", str(out)]
+    finished = launch(command, cwd=tmp_path, timeout=240)
+    assert finished.returncode == 0, finished.stdout[-5000:]
+    metrics, model, folder = (out / "hdet_metrics.jsonl").read_text(), exported(out), (out / "final").stat().st_ino
+    again = launch([*command, "--resume"], cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, again.stdout[-5000:]
+    steps = 2 * SYNC_INTERVAL
+    assert (f"the checkpoint at step {steps} ends this run (--steps {steps}): nothing to train; its model is written "
+            "again") in again.stdout
+    assert (out / "hdet_metrics.jsonl").read_text() == metrics  # the held-out loss at the end once
+    assert (out / "final").stat().st_ino != folder  # a new folder, renamed into place
+    assert sorted(path.name for path in out.iterdir() if path.name.startswith("final")) == ["final"]
+    for name, tensor in exported(out).items():
+        assert torch.equal(tensor, model[name]), name
+
+
+@pytest.mark.e2e
+def test_runs_without_a_launcher_on_one_machine_do_not_collide_on_a_port(tmp_path):
+    """Without a launcher the run set up its world of one on MASTER_PORT 29512 unless told otherwise: a second such
+    run on the machine (here a socket listening there) failed with EADDRINUSE's traceback. It picks a free port now,
+    and a MASTER_PORT the user gave that is taken is said in one line."""
+    with socket.socket() as other_run, socket.socket() as given:
+        with contextlib.suppress(OSError):  # taken by another process already: the collision to avoid all the same
+            other_run.bind(("127.0.0.1", 29512))
+            other_run.listen()
+        result = launch([*one_rank(tmp_path), "--out", str(tmp_path / "out")], cwd=tmp_path, timeout=240)
+        assert result.returncode == 0, result.stdout[-5000:]
+        given.bind(("127.0.0.1", 0))
+        given.listen()
+        port = given.getsockname()[1]
+        refused = launch(["env", f"MASTER_PORT={port}", *one_rank(tmp_path), "--out", str(tmp_path / "again")],
+                         cwd=tmp_path, timeout=240)
+    assert one_error(refused) == (f"train.py: error: MASTER_PORT={port} is in use on this machine (another run?): "
+                                  "set MASTER_PORT to a free port, or leave it unset and the run picks one")
+    assert refused.returncode == 2
+
+
+@pytest.mark.e2e
+def test_a_resumed_run_with_dropout_draws_what_an_uninterrupted_one_would(tmp_path):
+    """Only torch.manual_seed(seed) was set and no random state saved: the resumed run's dropout masks started over
+    from the seed, and the model differed from an uninterrupted run's. An LR constant in --steps (no warm-up, no
+    decay) lets a 10-step run be continued to 20 steps."""
+    steps = 4 * SYNC_INTERVAL
+    command = [*one_rank(tmp_path, steps), "--dropout", "0.3", "--warmup_steps", "0", "--min_lr_ratio", "1"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    for result in (launch([*command, "--out", str(whole)], cwd=tmp_path, timeout=240),
+                   launch([*command, "--steps", str(steps // 2), "--out", str(split)], cwd=tmp_path, timeout=240),
+                   launch([*command, "--out", str(split), "--resume"], cwd=tmp_path, timeout=240)):
+        assert result.returncode == 0, result.stdout[-5000:]
+    assert f"resumed from {split / 'checkpoints' / 'latest'} at step {steps // 2}" in result.stdout
+    model = exported(whole)
+    for name, tensor in exported(split).items():
+        assert torch.equal(tensor, model[name]), name
+
+
+@pytest.mark.e2e
 def test_a_checkpoint_that_cannot_be_written_stops_every_rank_in_one_line(fsdp_runs, tmp_path):
     """Saving fails on every rank (here: where checkpoints/ should be, a file stands): one line, exit 1."""
     (tmp_path / "checkpoints").write_text("not a directory")
     command = without_range_test(fsdp_runs["command"], tmp_path)
-    result = launch([*command, "--out", str(tmp_path), "--steps", str(SYNC_INTERVAL)], cwd=tmp_path,
-                    timeout=240)
+    result = launch([*command, "--out", str(tmp_path), "--steps", str(SYNC_INTERVAL), "--warmup_steps", "1"],
+                    cwd=tmp_path, timeout=240)
     assert f"saving a checkpoint in {tmp_path / 'checkpoints'}:" in one_error(result)
 
 

@@ -221,6 +221,39 @@ def test_other_settings_a_resume_may_change_are_said_in_one_line(tmp_path, singl
     assert plan(parse_args([*words, "--resume", "--steps", "600"])).resume.changed == ()
 
 
+def test_a_resume_with_fewer_steps_than_its_checkpoint_is_refused_before_any_process_group(tmp_path, single_process):
+    """--steps 10 over a checkpoint at step 20 skipped the loop, exported the model as finished at step 20 and
+    exited 0."""
+    words = ["--out", str(tmp_path), "--max_data_mb", "1", "--warmup_steps", "1"]
+    path = fake_checkpoint(tmp_path, plan(parse_args(words)).run)  # at step 20
+    with pytest.raises(ValueError, match=rf"--steps 10 is below the step of the checkpoint to resume, 20 \({path}\): "
+                                         r"pass --steps 20 or more"):
+        plan(parse_args([*words, "--resume", "--steps", "10"]))
+    assert not dist.is_initialized()
+    assert plan(parse_args([*words, "--resume", "--steps", "20"])).resume.step == 20  # the run's end: written again
+
+
+def test_hdet_settings_the_checkpoint_keeps_are_said_kept_not_applied(tmp_path, single_process):
+    """The line said every changed setting applies from the resumed step on, but the checkpoint's own state sets
+    hdet.seed (the permutation streams) and auto_lr.initial_scale (the controller's scale), and the LR range test
+    and warm_init act only when a run starts."""
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"sync_interval": 5}))
+    words = ["--out", str(tmp_path / "out"), "--max_data_mb", "1", "--hdet_config", str(hdet)]
+    fake_checkpoint(tmp_path / "out", plan(parse_args(words)).run)
+    hdet.write_text(json.dumps({"sync_interval": 5, "seed": 3, "auto_lr": {"initial_scale": 0.5, "range_test": 0},
+                                "warm_init": {"enabled": True}}))
+    point = plan(parse_args([*words, "--resume", "--steps", "600"])).resume
+    assert point.changed_line() == (
+        "resuming with other settings than the checkpoint's (hdet.auto_lr.start 6 -> 12, hdet.auto_lr.stop 75 -> 150, "
+        "steps 300 -> 600): they apply from step 20 on; and settings the checkpoint keeps as they were "
+        "(hdet.auto_lr.initial_scale 1.0 -> 0.5, hdet.auto_lr.range_test 100 -> 0, hdet.seed 0 -> 3, "
+        "hdet.warm_init.enabled False -> True): it restores the permutation streams and the controller's scale, and "
+        "the LR range test and warm_init act only when a run starts")
+    assert plan(parse_args([*words, "--resume"])).resume.changed_line().startswith(
+        "resuming with settings the checkpoint keeps as they were (hdet.auto_lr.initial_scale 1.0 -> 0.5, ")
+
+
 def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrides(tmp_path, single_process):
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
@@ -233,6 +266,28 @@ def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrid
     ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}))
     assert plan(parse_args([*words, "--resume"])).resume.changed == (
         "deepspeed.train_micro_batch_size_per_gpu 4 -> 2",)
+
+
+def test_keys_a_deepspeed_json_gains_or_loses_are_said_too(tmp_path, single_process):
+    """Only keys both runs recorded were compared: a JSON that gained a scheduler or lost its gradient_clipping
+    resumed without a word."""
+    ds_json = tmp_path / "ds.json"
+    base = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    ds_json.write_text(json.dumps({**base, "gradient_clipping": 0.5}))
+    words = ["--engine", "deepspeed", "--deepspeed_config", str(ds_json), "--out", str(tmp_path / "out"),
+             "--max_data_mb", "1"]
+    saved = plan(parse_args(words)).run
+    fake_checkpoint(tmp_path / "out", saved)
+    ds_json.write_text(json.dumps({**base, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}))
+    # --grad_clip, --warmup_steps and --min_lr_ratio, which the new JSON's keys override, are not said unset
+    assert plan(parse_args([*words, "--resume"])).resume.changed == (
+        "deepspeed.gradient_clipping 0.5 -> unset", "deepspeed.scheduler.params.warmup_num_steps unset -> 10",
+        "deepspeed.scheduler.type unset -> WarmupLR")
+    # a checkpoint of a version that recorded no DeepSpeed JSON: its keys are not compared
+    (tmp_path / "out" / "checkpoints").rename(tmp_path / "old")
+    fake_checkpoint(tmp_path / "out", {**saved, "settings": {name: value for name, value in saved["settings"].items()
+                                                             if not name.startswith("deepspeed.")}})
+    assert plan(parse_args([*words, "--resume"])).resume.changed == ()
 
 
 def test_a_changed_lr_or_weight_decay_is_refused_on_resume_not_ignored(tmp_path, single_process):

@@ -55,7 +55,7 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--data", str(wrong_vocab), "--vocab_size", "500"], "token id 999 is outside the vocabulary of 500")
     check(["--data", str(wrong_vocab)], "give its tokenizer's vocabulary with --vocab_size")
     check(["--data", str(wrong_vocab), "--vocab_size", "1000", "--seq_len", "512"],
-          "too few for one batch of 8 x 513 tokens")
+          "too few for one batch of 8 x 513 tokens; give a longer token file, or lower --seq_len")
     texts = tmp_path / "texts"
     texts.mkdir()
     check(["--data", str(texts)], "no text files")
@@ -67,11 +67,42 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")  # 300 steps: T = 5
     check(["--steps", "1500", "--eval_interval", "30"], "--eval_interval=30 must be a multiple of sync_interval=25")
     check(["--steps", "0"], "--steps must be at least 1")
+    # train.py's warm-up (default 30 steps) longer than the run: the LR never reached its peak, and never decayed
+    check(["--steps", "20"], r"--warmup_steps 30 is not below --steps 20: the LR would still be warming up when the "
+                             r"run ends, and never decay; pass a --warmup_steps below 20")
+    check(["--steps", "20", "--warmup_steps", "20"], "--warmup_steps 20 is not below --steps 20")
     # docs/train.md's DeepSpeed JSON without its --steps: a 300-step run of a 300,000-step schedule learned nothing
     zero2 = str(Path(__file__).resolve().parents[2] / "ds_configs" / "zero2_bf16.json")
     check(["--deepspeed_config", zero2], "--steps is 300 and the DeepSpeed JSON's "
           "scheduler.params.total_num_steps is 300000: the LR schedule must end when the run does; pass --steps "
           "300000")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_too_little_data_names_the_flag_that_cut_it(tmp_path):
+    """Each said 'give more data or lower --seq_len', also where --max_data_mb or --heldout_fraction left too few
+    tokens, and counted text files that were never read."""
+    for bad in ("0", "-1", "nan"):
+        check(["--max_data_mb", bad], rf"--max_data_mb must be a positive number of MiB, got {bad}")
+    # the first few stdlib files hold none of the held-out ones (every 20th)
+    check(["--max_data_mb", "0.01"], r"the standard library's source \(embedded\): 0 held-out tokens are too few for "
+                                     r"one window of 129; raise --max_data_mb \(it stopped the reading at 0.01 MiB\), "
+                                     r"or lower --seq_len$")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for index in range(30):
+        (texts / f"{index:02}.txt").write_text("x" * 1024)
+    check(["--data", str(texts), "--max_data_mb", str(5.5 / 1024)],
+          rf"the first 6 of 30 text files in {texts}: 0 held-out tokens are too few for one window of 129; raise "
+          r"--max_data_mb \(it stopped the reading at 0.00537 MiB\), or lower --seq_len$")
+    check(["--data", str(texts), "--max_data_mb", str(1 / 1024), "--micro_batch_size", "16"],
+          rf"the first 1 of 30 text files in {texts}: 1024 training tokens are too few for one batch of 16 x 129 "
+          r"tokens; raise --max_data_mb")
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(torch.arange(1000, dtype=torch.int16).numpy().tobytes())
+    check(["--data", str(tokens), "--vocab_size", "1000", "--seq_len", "32"],
+          r"1,000 uint16 tokens in .*tokens.bin: 10 held-out tokens are too few for one window of 33; raise "
+          r"--heldout_fraction \(now 0.01\), or lower --seq_len$")
 
 
 @pytest.mark.usefixtures("single_process")
@@ -88,9 +119,19 @@ def test_a_run_in_its_out_is_refused_unless_resumed_or_overwritten(tmp_path):
         assert plan(parse_args(["--out", str(out), "--overwrite"])).resume is None
         assert (out / left).exists()  # nothing is removed before the process group starts
     check(["--out", str(out), "--resume", "--overwrite"], "--resume continues the run in --out and --overwrite "
-                                                          "replaces it: pass one of them")
+                                                          "replaces it: pass one of them$")
     (out / "hdet_metrics.jsonl").write_text("")  # an empty metrics file is no run
     plan(parse_args(["--out", str(out)]))
+
+
+@pytest.mark.usefixtures("single_process")
+def test_overwrite_under_a_slurm_template_says_how_to_drop_its_resume(tmp_path, monkeypatch):
+    """`sbatch launch/fsdp.sbatch --overwrite ...`: the template adds --resume itself (RESUME=1), so the user was
+    told to pass one of two flags of which they had passed one."""
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    check(["--out", str(tmp_path / "run"), "--resume", "--overwrite"],
+          r"pass one of them \(the Slurm templates in launch/ pass --resume themselves: submit with RESUME=0 to "
+          r"overwrite\)")
 
 
 @pytest.mark.usefixtures("single_process")
@@ -105,6 +146,31 @@ def test_resume_over_a_finished_run_without_its_checkpoint_is_refused(tmp_path):
     assert plan(parse_args(["--out", str(out), "--overwrite"])).resume is None
     (out / "final" / "model.safetensors").unlink()  # an empty folder is no model
     assert plan(parse_args(["--out", str(out), "--resume"])).resume is None
+
+
+def test_a_start_without_checkpoint_is_quiet_in_an_empty_out_and_keeps_every_earlier_attempts_metrics(tmp_path):
+    """The Slurm templates' first start (--resume, nothing in --out) says nothing; each attempt that left metrics
+    but no checkpoint has them kept under a name of its own (train.py's e2e test runs one)."""
+    from hdet_scale.lm.train import tidy_out
+
+    out, metrics = tmp_path / "run", tmp_path / "run" / "hdet_metrics.jsonl"
+    assert tidy_out(out, str(metrics), overwrite=False, resume=None) == []
+    out.mkdir()
+    metrics.write_text("")  # an empty metrics file is no attempt: removed, so that the run's lines start it
+    assert tidy_out(out, str(metrics), overwrite=False, resume=None) == []
+    assert not metrics.exists()
+    for attempt in (1, 2):
+        metrics.write_text(f'{{"step": 5, "attempt": {attempt}}}\n')
+        aside = out / f"hdet_metrics.earlier_attempt_{attempt}.jsonl"
+        assert tidy_out(out, str(metrics), overwrite=False, resume=None) == [
+            f"no checkpoint in {out / 'checkpoints'} to resume from: this run starts at step 0; the earlier "
+            f"attempt's metrics are kept in {aside}"]
+        assert json.loads(aside.read_text())["attempt"] == attempt and not metrics.exists()
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events").write_text("x")  # TensorBoard drops an earlier attempt's curves itself
+    assert tidy_out(out, str(metrics), overwrite=False, resume=None) == [
+        f"no checkpoint in {out / 'checkpoints'} to resume from: this run starts at step 0"]
+    assert (out / "tensorboard" / "events").exists()
 
 
 @pytest.mark.usefixtures("single_process")
@@ -197,6 +263,10 @@ def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(t
     schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
                                     "values": {"lr/0": [1e-3] * 10, "label_smoothing": [0.1] * 10}}))
     check(["--replay_schedule", str(schedule), "--steps", "10"], r"also explored \['label_smoothing'\]")
+    # a replayed schedule replaces the warm-up: --warmup_steps (default 30) above its 10 steps is no matter
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
+                                    "values": {"lr/0": [1e-3] * 10}}))
+    assert plan(parse_args(["--replay_schedule", str(schedule), "--steps", "10"])).config.sync_interval == 10
 
 
 @pytest.mark.usefixtures("single_process")
