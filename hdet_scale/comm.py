@@ -29,12 +29,12 @@ from hdet_scale.topology import collective_device
 T = TypeVar("T")
 
 
-
 def free_port() -> int:
     """A TCP port on this machine that no process listens on now (another may take it before it is used)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
 
 def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
     """The bucket dtype for a tensor dtype: fp32, or fp64 for fp64 tensors (never lose precision)."""

@@ -8,7 +8,8 @@ and the munge key and socket. Nothing reads or writes /etc/slurm or the system m
 look-alikes) so that ``--gpus-per-node`` lines work; nothing uses them.
 
     with SlurmCluster() as cluster:
-        job = cluster.sbatch("launch/fsdp.sbatch", "--steps", "20", options=["--nodes=2"], cwd=tmp)
+        job = cluster.sbatch("launch/fsdp.sbatch", "--steps", "20", "--warmup_steps", "2", options=["--nodes=2"],
+                             cwd=tmp)
         assert job.state == "COMPLETED", job.output
 
 ``stop()`` (or leaving the ``with``) cancels the jobs and stops every daemon it started, also on errors; the

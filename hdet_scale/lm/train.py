@@ -312,7 +312,8 @@ class Run:
         if args.probe_batch and self.backend.ensemble.wants_probe:
             self._set_probe()
         self.step = 0
-        self.stop = StopSignal(cpu_group())
+        self.cpu_group = cpu_group()  # the signal's votes and the checkpoints' random streams, off the GPU
+        self.stop = StopSignal(self.cpu_group)
         self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
                                  metrics_path=self.config.metrics_path, wandb_project=args.wandb,
                                  resumed=checked.resume is not None, sync_lines=not args.replay_schedule,
@@ -451,7 +452,7 @@ class Run:
             # every rank's random stream (--dropout draws from it), so that a resumed run draws what an
             # uninterrupted one would; the extra state is the same on every rank, so it holds all of them
             rng_states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(rng_states, _rng_state())
+            dist.all_gather_object(rng_states, _rng_state(), group=self.cpu_group)
             extra = {"step": self.step, "seed": self.args.seed, "rng_states": rng_states}
             path = agreed(f"saving a checkpoint in {directory}",
                           lambda: self.backend.save(directory, extra, self.plan.run))
