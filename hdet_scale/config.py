@@ -195,6 +195,11 @@ class ExploreConfig:
     def __post_init__(self) -> None:
         _nest(self, "explore.")
 
+    @property
+    def any_given(self) -> bool:
+        """Whether some value besides the LR is explored here."""
+        return any(getattr(self, field.name) is not None for field in dataclasses.fields(self))
+
 
 @dataclass(frozen=True)
 class HDETConfig:
@@ -202,10 +207,10 @@ class HDETConfig:
 
     alpha: float | None = None
     """alpha: spread ratio of the explored values' multipliers (eq. 1), in [0, 1) (``spread="log"``: any alpha >=
-    0); 0 is plain data parallel. Unset: no spread for an LR that the LR range test picks (``auto_lr.range_test``,
-    the default): nothing reads that LR's spread, and at the same mean LR a spread costs held-out loss; else 0.5
-    (``DEFAULT_ALPHA``), for the values a controller moves and for every value with the controller off. The paper's:
-    1/9 with a linear spread."""
+    0); 0: every replica at the same value (with the controller off, plain data parallel). Unset: no spread for an
+    LR that the LR range test picks (``auto_lr.range_test``, the default): nothing reads that LR's spread, and at
+    the same mean LR a spread costs held-out loss; else 0.5 (``DEFAULT_ALPHA``), for the values a controller moves
+    and for every value with the controller off. The paper's: 1/9 with a linear spread."""
 
     spread: Spread = "log"
     """``linear``: eq. 1's [1 - alpha, 1 + alpha] (arithmetic mean 1); ``log``: evenly in log space over
@@ -293,7 +298,8 @@ class HDETConfig:
             check_int("total_steps (the run's length, for auto_lr." + "/".join(shares) + " given as a share of it)",
                       total_steps, low=1)
         run_lr = dataclasses.replace(lr, **{name: round(getattr(lr, name) * total_steps) for name in shares})
-        if run_lr.start < total_steps:  # a start past the run's end keeps the controller off: no window to order
+        # a start past the run's end keeps the controller off, as does a controller with nothing to move: no window
+        if run_lr.start < total_steps and run_lr.moves_any(self.explore.any_given):
             check_window_order(run_lr.start, run_lr.stop, given=(lr.start, lr.stop) if shares else None)
         if not shares:
             return self if lr is self.auto_lr else dataclasses.replace(self, auto_lr=lr)

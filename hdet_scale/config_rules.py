@@ -125,8 +125,8 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
     for name, options in (("start", {"high_open": True}), ("stop", {"low_open": True})):
         if getattr(given, name) is not None:
             check_step_or_share(f"auto_lr.{name}", getattr(given, name), **options)
-    if isinstance(filled_auto_lr.start, float):  # two shares; steps are checked against the run (for_run)
-        check_window_order(filled_auto_lr.start, filled_auto_lr.stop)
+    if isinstance(filled_auto_lr.start, float) and filled_auto_lr.moves_any(config.explore.any_given):
+        check_window_order(filled_auto_lr.start, filled_auto_lr.stop)  # steps are checked for the run (for_run)
     if given.range_test is not None:
         check_int("auto_lr.range_test", given.range_test, low=0)
     for path, allowed in NUMBER_RANGES.items():
@@ -139,11 +139,12 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
     for conflict in AUTO_LR_CONFLICTS:
         if conflict.applies(given, filled_auto_lr):
             raise HDETConfigError(conflict.message(given, filled_auto_lr))
-    if config.alpha == 0 and filled_auto_lr.moves_lr and filled_auto_lr.scale_min < filled_auto_lr.scale_max:
-        raise HDETConfigError(
+    lr = filled_auto_lr
+    if config.alpha == 0 and lr.moves_lr and lr.initial_scale != 1.0 and lr.scale_min < lr.scale_max:
+        raise HDETConfigError(  # a scale held on purpose (scale_min = scale_max) is the user's to choose
             "alpha=0 leaves the auto-LR controller no spread of LRs to compare, so it would never move the LR from "
-            f"auto_lr.initial_scale={filled_auto_lr.initial_scale:g} times the given LR: set alpha > 0, or "
-            "auto_lr.enabled to false to train every replica at the given LR")
+            f"auto_lr.initial_scale={lr.initial_scale:g}{_default_of(given, lr)} times the given LR for the whole "
+            "run: set alpha > 0, or auto_lr.initial_scale to 1 (the given LR)")
     _check_explored(config)
 
 
@@ -154,6 +155,8 @@ def check_spread_alpha(name: str, alpha: Any, spread: str, *, explored: bool = F
     hint = "" if high is None else "alpha >= 1 makes the lowest multiplier 1 - alpha <= 0; spread 'log' allows it"
     if explored and alpha == 0:
         hint = "0 explores nothing: give a spread above 0, or explore it no more"
+    elif isinstance(alpha, (int, float)) and alpha < 0:
+        hint = "a spread ratio is never negative"
     check_number(name, alpha, low=0.0, low_open=explored, high=high, high_open=True, hint=hint)
 
 

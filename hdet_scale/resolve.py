@@ -58,9 +58,7 @@ def run_length_error(config: HDETConfig, num_replicas: int, fix: str, *,
     in ``config.explore`` or ``explores_others``) and its start or stop is still a share of a run whose length is
     unknown (``for_run`` not applied); ``fix`` says how to give the length."""
     lr = config.auto_lr.filled()
-    others = explores_others or any(getattr(config.explore, field.name) is not None
-                                    for field in dataclasses.fields(config.explore))
-    moves = lr.moves_any(others)
+    moves = lr.moves_any(explores_others or config.explore.any_given)
     for name in WINDOW_FIELDS:
         if moves and num_replicas > 1 and isinstance(getattr(lr, name), float):
             return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} is a share of the run and needs its "

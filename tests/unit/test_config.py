@@ -477,12 +477,17 @@ def test_each_named_choice_is_the_literal_its_field_is_annotated_with():
 def test_alpha_zero_is_refused_where_the_controller_would_move_the_lr():
     """No spread gives the controller nothing to compare: the default log controller stayed at its first tenth of
     the LR for the whole run, without a word."""
-    with pytest.raises(HDETConfigError, match=r"alpha=0 .* never move the LR from auto_lr.initial_scale=0.1 times"):
+    with pytest.raises(HDETConfigError, match=r"alpha=0 .* never move the LR from auto_lr.initial_scale=0.1 \(the "
+                                              r"'log' mode's default\) times the given LR for the whole run"):
         HDETConfig.from_dict({"alpha": 0, "auto_lr": {"range_test": 0}})
-    with pytest.raises(HDETConfigError, match="initial_scale=1 times"):
-        HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "paper"}})
+    with pytest.raises(HDETConfigError, match=r"initial_scale=2 times the given LR"):
+        HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0, "initial_scale": 2.0}})
     assert HDETConfig.from_dict({"alpha": 0, "auto_lr": {"enabled": False}})  # plain data parallel
     assert HDETConfig.from_dict({"alpha": 0})  # the range test picks the LR, which holds
+    assert HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "paper"}})  # eq. 8 decays it still
+    # the LR at the given one while dropout is explored
+    assert HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0},
+                                 "explore": {"dropout": {"alpha": 0.3}}})
     pinned = {"range_test": 0, "initial_scale": 0.5, "scale_min": 0.5, "scale_max": 0.5}  # held where it is given
     assert HDETConfig.from_dict({"alpha": 0, "auto_lr": pinned}).auto_lr.filled().initial_scale == 0.5
 
@@ -491,9 +496,9 @@ def test_a_stop_before_the_start_is_refused_and_says_how_ints_and_floats_read():
     """"stop": 1 (meant as the run's end) is step 1: a log controller's error told the user to set initial_scale
     to 1, a scale controller only warned that its window was short."""
     with pytest.raises(HDETConfigError, match=r"auto_lr.stop=10 comes before auto_lr.start=20: an int is a step"):
-        HDETConfig.from_dict({"auto_lr": {"start": 20, "stop": 10}}).for_run(1000)
+        HDETConfig.from_dict({"auto_lr": {"range_test": 0, "start": 20, "stop": 10}}).for_run(1000)
     with pytest.raises(HDETConfigError, match=r"stop=0.1 comes before auto_lr.start=0.2: an int"):
-        HDETConfig.from_dict({"auto_lr": {"mode": "scale", "start": 0.2, "stop": 0.1}})
+        HDETConfig.from_dict({"auto_lr": {"mode": "scale", "range_test": 0, "start": 0.2, "stop": 0.1}})
     stop_at_one = HDETConfig.from_dict({"auto_lr": {"range_test": 0, "stop": 1}})  # the default start is a share
     with pytest.raises(HDETConfigError, match=r"auto_lr.stop=1 comes before auto_lr.start=0.02 \(step 1 before "
                                               r"step 20\): an int is a step and a float a share of the run \(1.0: "):
@@ -501,3 +506,8 @@ def test_a_stop_before_the_start_is_refused_and_says_how_ints_and_floats_read():
     assert HDETConfig.from_dict({"auto_lr": {"stop": 1.0}}).for_run(1000).auto_lr.stop == 1000
     kept_off = HDETConfig.from_dict({"auto_lr": {"start": 2000}}).for_run(1000).auto_lr  # starts past the end
     assert (kept_off.start, kept_off.stop) == (2000, 250)
+    # a controller with nothing to move has no window to order: off, or the range test's LR held and nothing else
+    for auto_lr in ({"enabled": False, "start": 100}, {"start": 100}):
+        assert HDETConfig.from_dict({"auto_lr": auto_lr}).for_run(300).auto_lr.start == 100
+    with pytest.raises(HDETConfigError, match="auto_lr.stop=0.25 comes before auto_lr.start=100"):  # weight decay
+        HDETConfig.from_dict({"auto_lr": {"start": 100}, "explore": {"weight_decay": {}}}).for_run(300)
