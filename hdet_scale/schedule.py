@@ -118,8 +118,8 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
             already: restored here, without new warm-init noise (else call ``load_state_dict`` after building).
         **hdet_fields: config fields overriding ``hdet_config`` (e.g. ``sync_interval=100``).
 
-    In ``paper`` mode the controller takes the LR over at the end of the warm-up (``pct_start`` of the run)
-    unless ``auto_lr.start`` says otherwise.
+    In ``paper`` mode the controller takes the LR over at the end of the warm-up (``pct_start`` of the run, where
+    it ends before the run does) unless ``auto_lr.start`` says otherwise.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float | list[float], total_steps: int | None = None,
@@ -131,7 +131,7 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
                  topology: ReplicaTopology | None = None, state: Mapping[str, Any] | None = None,
                  **hdet_fields: Any) -> None:
         config = resolve_config(hdet_config, hdet_fields)
-        if config.auto_lr.mode == "paper" and config.auto_lr.start is None:
+        if config.auto_lr.mode == "paper" and config.auto_lr.start is None and pct_start < 1:
             # The paper's controller takes over after the warm-up (S_warm): from the schedule's peak, not on its rise.
             config = dataclasses.replace(config, auto_lr=dataclasses.replace(config.auto_lr, start=float(pct_start)))
         check_gradient_mean(model, config)

@@ -216,3 +216,4 @@ def test_the_papers_controller_takes_over_onecycle_at_the_end_of_its_warm_up():
 
     assert start(0.3) == 12 and start(0.25) == 10  # 0.3 x 40 and 0.25 x 40: OneCycleLR's peak
     assert start(0.3, start=5) == 5 and start(0.3, start=0.5) == 20  # as given
+    assert start(1.0) == 2  # a warm-up over the whole run (OneCycleLR takes it): the mode's own default, 5%
