@@ -33,10 +33,11 @@ class ResumeError(ValueError):
     """A checkpoint that this run cannot continue from; the message says which and why, in one line."""
 
 
-TAKEN_FROM_THE_CHECKPOINT = ("hdet.seed", "hdet.auto_lr.initial_scale", "hdet.auto_lr.range_test", "hdet.warm_init.")
+TAKEN_FROM_THE_CHECKPOINT = ("hdet.seed", "hdet.auto_lr.initial_scale", "hdet.warm_init.")
 """Settings (and prefixes of them) that a resumed run cannot change: its checkpoint restores the permutation
-streams hdet.seed started and the controller's scale auto_lr.initial_scale started, and the LR range test and
-warm_init act only when a run starts."""
+streams hdet.seed started and the controller's scale auto_lr.initial_scale started, and warm_init acts only when
+a run starts. (A changed auto_lr.range_test applies: no test runs again, but whether the controller moves the LR
+and the LR's default spread follow it.)"""
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class ResumePoint:
         if kept:
             said.append(f"{'and' if applied else 'resuming with'} settings the checkpoint keeps as they were "
                         f"({', '.join(kept)}): it restores the permutation streams and the controller's scale, and "
-                        "the LR range test and warm_init act only when a run starts")
+                        "warm_init acts only when a run starts")
         return "; ".join(said)
 
     @property
@@ -270,13 +271,18 @@ TENSORBOARD = "tensorboard"
 
 
 def previous_run(out: Path, metrics_path: str | None) -> list[Path]:
-    """What an earlier run left in ``out``: its checkpoints, its final model, its metrics (non-empty), its
-    TensorBoard events."""
-    found = [path for path in (out / CHECKPOINTS, out / FINAL_MODEL, out / TENSORBOARD)
+    """What an earlier run left in ``out``: its checkpoints, its final model (and the folders an export interrupted
+    while it was put in place leaves), its metrics (non-empty) and those of attempts before it, its TensorBoard
+    events."""
+    final = out / FINAL_MODEL
+    found = [path for path in (out / CHECKPOINTS, final, final.with_name(final.name + ".tmp"),
+                               final.with_name(final.name + ".old"), out / TENSORBOARD)
              if path.is_dir() and any(path.iterdir())]
     metrics = Path(metrics_path) if metrics_path else None
     if metrics is not None and metrics.is_file() and metrics.stat().st_size:
         found.append(metrics)
+    if metrics is not None:
+        found += sorted(metrics.parent.glob(f"{metrics.stem}.{EARLIER_ATTEMPT}_*{metrics.suffix}"))
     return found
 
 

@@ -235,8 +235,8 @@ def test_a_resume_with_fewer_steps_than_its_checkpoint_is_refused_before_any_pro
 
 def test_hdet_settings_the_checkpoint_keeps_are_said_kept_not_applied(tmp_path, single_process):
     """The line said every changed setting applies from the resumed step on, but the checkpoint's own state sets
-    hdet.seed (the permutation streams) and auto_lr.initial_scale (the controller's scale), and the LR range test
-    and warm_init act only when a run starts."""
+    hdet.seed (the permutation streams) and auto_lr.initial_scale (the controller's scale), and warm_init acts
+    only when a run starts. The range test's setting applies: whether the controller moves the LR follows it."""
     hdet = tmp_path / "hdet.json"
     hdet.write_text(json.dumps({"sync_interval": 5}))
     words = ["--out", str(tmp_path / "out"), "--max_data_mb", "1", "--hdet_config", str(hdet)]
@@ -245,13 +245,15 @@ def test_hdet_settings_the_checkpoint_keeps_are_said_kept_not_applied(tmp_path, 
                                 "warm_init": {"enabled": True}}))
     point = plan(parse_args([*words, "--resume", "--steps", "600"])).resume
     assert point.changed_line() == (
-        "resuming with other settings than the checkpoint's (hdet.auto_lr.start 6 -> 12, hdet.auto_lr.stop 75 -> 150, "
-        "steps 300 -> 600): they apply from step 20 on; and settings the checkpoint keeps as they were "
-        "(hdet.auto_lr.initial_scale 1.0 -> 0.5, hdet.auto_lr.range_test 100 -> 0, hdet.seed 0 -> 3, "
+        "resuming with other settings than the checkpoint's (hdet.auto_lr.range_test 100 -> 0, hdet.auto_lr.start "
+        "6 -> 12, hdet.auto_lr.stop 75 -> 150, steps 300 -> 600): they apply from step 20 on; and settings the "
+        "checkpoint keeps as they were (hdet.auto_lr.initial_scale 1.0 -> 0.5, hdet.seed 0 -> 3, "
         "hdet.warm_init.enabled False -> True): it restores the permutation streams and the controller's scale, and "
-        "the LR range test and warm_init act only when a run starts")
-    assert plan(parse_args([*words, "--resume"])).resume.changed_line().startswith(
-        "resuming with settings the checkpoint keeps as they were (hdet.auto_lr.initial_scale 1.0 -> 0.5, ")
+        "warm_init acts only when a run starts")
+    hdet.write_text(json.dumps({"sync_interval": 5, "seed": 3}))
+    assert plan(parse_args([*words, "--resume"])).resume.changed_line() == (
+        "resuming with settings the checkpoint keeps as they were (hdet.seed 0 -> 3): it restores the permutation "
+        "streams and the controller's scale, and warm_init acts only when a run starts")
 
 
 def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrides(tmp_path, single_process):

@@ -151,6 +151,7 @@ def test_resume_over_a_finished_run_without_its_checkpoint_is_refused(tmp_path):
 def test_a_start_without_checkpoint_is_quiet_in_an_empty_out_and_keeps_every_earlier_attempts_metrics(tmp_path):
     """The Slurm templates' first start (--resume, nothing in --out) says nothing; each attempt that left metrics
     but no checkpoint has them kept under a name of its own (train.py's e2e test runs one)."""
+    from hdet_scale.lm.checkpoints import previous_run
     from hdet_scale.lm.train import tidy_out
 
     out, metrics = tmp_path / "run", tmp_path / "run" / "hdet_metrics.jsonl"
@@ -171,6 +172,16 @@ def test_a_start_without_checkpoint_is_quiet_in_an_empty_out_and_keeps_every_ear
     assert tidy_out(out, str(metrics), overwrite=False, resume=None) == [
         f"no checkpoint in {out / 'checkpoints'} to resume from: this run starts at step 0"]
     assert (out / "tensorboard" / "events").exists()
+    # an export killed between its renames leaves the model in final.tmp and the one before in final.old
+    for folder in ("final.tmp", "final.old"):
+        (out / folder).mkdir()
+        (out / folder / "model.safetensors").write_text("x")
+    left = [out / name for name in ("final.tmp", "final.old", "tensorboard", "hdet_metrics.earlier_attempt_1.jsonl",
+                                    "hdet_metrics.earlier_attempt_2.jsonl")]
+    assert sorted(previous_run(out, str(metrics))) == sorted(left)  # so a run without flags is refused there
+    assert sorted(tidy_out(out, str(metrics), overwrite=True, resume=None)) == sorted(
+        f"--overwrite: removed {path}" for path in left)
+    assert not any(out.iterdir())
 
 
 @pytest.mark.usefixtures("single_process")
