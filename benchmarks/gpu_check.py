@@ -52,7 +52,6 @@ import gc
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -74,7 +73,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import HealthyMean, all_finite, healthy_mean_hook
+from hdet_scale.comm import HealthyMean, all_finite, free_port, healthy_mean_hook
 from hdet_scale.engines import ddp, fsdp
 from hdet_scale.lm.model import build_model, next_token_loss
 from hdet_scale.param_groups import transformer_blocks
@@ -515,12 +514,6 @@ def run_rank(rank: int, settings: Settings, port: int, result_file: str) -> None
                 print(f"{engine}/{preset}: {run['wall_seconds']:.0f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------ report
