@@ -38,11 +38,17 @@ def replace_durably(source: Path, target: Path) -> None:
     fsync_path(target.parent)
 
 
+def replacement_folders(target: Path) -> tuple[Path, Path]:
+    """Where the next version of the folder ``target`` is written (``target.tmp``), and where the one it replaces
+    waits while ``replace_folder_durably`` puts it in place (``target.old``)."""
+    return target.with_name(target.name + ".tmp"), target.with_name(target.name + ".old")
+
+
 def replace_folder_durably(staging: Path, target: Path) -> None:
     """Puts the complete folder ``staging`` (its files on the disk already) at ``target``, replacing the folder
     there: ``target`` moves to ``target.old``, ``staging`` to ``target``, then the old one goes. A kill at any
     moment leaves a complete folder: ``target``, or ``target.old`` with ``staging`` beside it."""
-    retired = target.with_name(target.name + ".old")
+    retired = replacement_folders(target)[1]
     shutil.rmtree(retired, ignore_errors=True)  # older than ``target``, which is complete
     if target.exists():
         target.rename(retired)

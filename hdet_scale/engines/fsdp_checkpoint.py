@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hdet_scale.comm import on_rank0
-from hdet_scale.durable import fsync_path, replace_folder_durably
+from hdet_scale.durable import fsync_path, replace_folder_durably, replacement_folders
 from hdet_scale.engines.fsdp import HDETFSDP
 
 HDET_STATE_FILE = "hdet_state.pt"
@@ -58,7 +58,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             "hdet.sync() first"
         )
     final = Path(path)
-    staging = final.with_name(final.name + ".tmp")
+    staging = replacement_folders(final)[0]
     on_rank0(lambda: shutil.rmtree(staging, ignore_errors=True), f"clearing {staging}")
     dcp.save(_sharded_state(model, optimizer, hdet.topology.replica_index), checkpoint_id=staging)
 

@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.durable import replace_durably
+from hdet_scale.durable import replace_durably, replacement_folders
 
 MANIFEST = "run.json"
 CHECKPOINTS = "checkpoints"
@@ -106,8 +106,9 @@ def write_manifest(directory: Path, run: dict[str, Any], step: int) -> None:
     replace_durably(staging, directory / MANIFEST)
 
 
-STAGING = ("latest.tmp", "latest.old")
-"""FSDP2's save writes ``latest.tmp``, moves ``latest`` to ``latest.old``, then ``latest.tmp`` to ``latest``."""
+STAGING = tuple(folder.name for folder in replacement_folders(Path("latest")))
+"""FSDP2's save writes ``latest.tmp``, moves ``latest`` to ``latest.old``, then ``latest.tmp`` to ``latest``
+(``replace_folder_durably``)."""
 DEEPSPEED_TAG_PREFIX = "step"
 """DeepSpeed's save writes ``step<N>/`` and its manifest, then points the ``latest`` file at it (through
 ``latest.tmp``), then removes the folder ``latest`` named before."""
@@ -274,9 +275,8 @@ def previous_run(out: Path, metrics_path: str | None) -> list[Path]:
     """What an earlier run left in ``out``: its checkpoints, its final model (and the folders an export interrupted
     while it was put in place leaves), its metrics (non-empty) and those of attempts before it, its TensorBoard
     events."""
-    final = out / FINAL_MODEL
-    found = [path for path in (out / CHECKPOINTS, final, final.with_name(final.name + ".tmp"),
-                               final.with_name(final.name + ".old"), out / TENSORBOARD)
+    found = [path for path in (out / CHECKPOINTS, out / FINAL_MODEL, *replacement_folders(out / FINAL_MODEL),
+                               out / TENSORBOARD)
              if path.is_dir() and any(path.iterdir())]
     metrics = Path(metrics_path) if metrics_path else None
     if metrics is not None and metrics.is_file() and metrics.stat().st_size:
