@@ -43,7 +43,7 @@ class Progress:
         self._first_step = 0
         self._tokens_per_step = 0
         self._scale = 1.0
-        self._heldout_recorded: set[int] = set()  # steps whose held-out loss the metrics file has (a resume's)
+        self._heldout_recorded: set[int] = set()  # steps whose held-out loss this run or the one it resumes recorded
         if not enabled:
             return
         if bar:
@@ -106,15 +106,25 @@ class Progress:
             self._sinks.log({**scalars, "train/tokens_per_second": self.tokens_per_second(report.step)}, report.step)
 
     def heldout(self, step: int, loss: float, *, announce: bool = True) -> None:
-        """Says and records a held-out loss; one a resumed run's metrics file has for ``step`` already (a run
-        resumed from its last checkpoint evaluates it again) is not recorded twice."""
+        """Says and records a held-out loss; one recorded for ``step`` already (a run resumed from its last
+        checkpoint evaluates it again) is not recorded twice."""
         if announce:
             self.line(f"held-out loss {loss:.4f} at step {step}")
         if step in self._heldout_recorded:
             return
+        self._heldout_recorded.add(step)
         self._metrics.write({"step": step, "heldout_loss": loss})
         if self.enabled and self._sinks is not None:
             self._sinks.log({"eval/heldout_loss": loss}, step)
+
+    def heldout_recorded(self, step: int) -> bool:
+        """Whether the held-out loss at ``step`` is recorded (the same on every rank)."""
+        return step in self._heldout_recorded
+
+    def resume_heldout(self, step: int) -> None:
+        """The run resumed records its held-out loss at ``step`` no more: the run it resumes did (in the metrics
+        file, TensorBoard and W&B, whichever it had)."""
+        self._heldout_recorded.add(step)
 
     def truncate_metrics(self, metrics_path: str | None, step: int) -> None:
         """Drops metrics lines past ``step`` (written by the run before it was interrupted after its last

@@ -416,6 +416,8 @@ class Run:
             if saved_streams is not None and len(saved_streams) == dist.get_world_size():
                 _restore_rng(saved_streams[self.rank])  # another world size cannot go on bit-identically anyway
             self.step = self.saved_at = self.backend.ensemble.global_step
+            if extra.get("heldout_recorded"):  # a run's end: its held-out loss is evaluated again, not recorded twice
+                self.progress.resume_heldout(self.step)
             self.progress.line(f"resumed from {path} at step {self.step}")  # every rank has loaded
             if self.step == self.args.steps:  # a run requeued after its last checkpoint, its model perhaps unwritten
                 self.progress.line(f"the checkpoint at step {self.step} ends this run (--steps {self.args.steps}): "
@@ -453,7 +455,8 @@ class Run:
             # uninterrupted one would; the extra state is the same on every rank, so it holds all of them
             rng_states: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(rng_states, _rng_state(), group=self.cpu_group)
-            extra = {"step": self.step, "seed": self.args.seed, "rng_states": rng_states}
+            extra = {"step": self.step, "seed": self.args.seed, "rng_states": rng_states,
+                     "heldout_recorded": self.progress.heldout_recorded(self.step)}
             path = agreed(f"saving a checkpoint in {directory}",
                           lambda: self.backend.save(directory, extra, self.plan.run))
             self.saved_at = self.step

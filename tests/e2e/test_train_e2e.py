@@ -40,11 +40,11 @@ def hdet_config(tmp: Path, mode: str, ranks_per_replica: int) -> str:
     return str(path)
 
 
-def one_rank(tmp: Path, steps: int = 2 * SYNC_INTERVAL) -> list[str]:
+def one_rank(tmp: Path, steps: int = 2 * SYNC_INTERVAL, **hdet_settings) -> list[str]:
     """A single-process run (no launcher) of ``steps`` short steps, syncing every SYNC_INTERVAL, without the LR range
-    test: a few seconds (append ``--out`` and the rest)."""
+    test, with ``hdet_settings`` besides: a few seconds (append ``--out`` and the rest)."""
     config = tmp / "hdet_one_rank.json"
-    config.write_text(json.dumps({"sync_interval": SYNC_INTERVAL, "auto_lr": {"range_test": 0}}))
+    config.write_text(json.dumps({"sync_interval": SYNC_INTERVAL, "auto_lr": {"range_test": 0}, **hdet_settings}))
     return [*single_process(), *SHORT, "--steps", str(steps), "--hdet_config", str(config)]
 
 
@@ -289,22 +289,38 @@ def test_a_resume_without_a_checkpoint_says_it_starts_at_step_0_and_keeps_the_ea
     assert "final train loss" in result.stdout
 
 
+def tensorboard_steps(out: Path, name: str) -> list[int]:
+    """The steps of every ``name`` event TensorBoard holds for ``out``, a step logged twice twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(out / "tensorboard"))
+    accumulator.Reload()
+    return [event.step for event in accumulator.Scalars(name)]
+
+
 @pytest.mark.e2e
-def test_resuming_a_finished_run_writes_its_model_again_in_one_piece_and_no_line_twice(tmp_path):
+@pytest.mark.parametrize("metrics_file", [True, False], ids=["metrics_file", "no_metrics_file"])
+def test_resuming_a_finished_run_writes_its_model_again_in_one_piece_and_no_line_twice(tmp_path, metrics_file):
     """A job requeued after its last checkpoint (killed while it wrote the model, say) resumes at the run's end:
     it appended the held-out loss a second time, and wrote final/ in place, where a kill in the middle damages a
-    complete model. The model is now written beside it and renamed into place."""
+    complete model. The model is now written beside it and renamed into place. Without a metrics file (whose lines
+    told which held-out losses were recorded) TensorBoard got the last one twice."""
     out = tmp_path / "out"
-    command = [*one_rank(tmp_path), "--out", str(out)]
+    command = [*one_rank(tmp_path, **({} if metrics_file else {"metrics_path": None})), "--out", str(out)]
     finished = launch(command, cwd=tmp_path, timeout=240)
     assert finished.returncode == 0, finished.stdout[-5000:]
-    metrics, model, folder = (out / "hdet_metrics.jsonl").read_text(), exported(out), (out / "final").stat().st_ino
+    metrics = (out / "hdet_metrics.jsonl").read_text() if metrics_file else None
+    model, folder = exported(out), (out / "final").stat().st_ino
     again = launch([*command, "--resume"], cwd=tmp_path, timeout=240)
     assert again.returncode == 0, again.stdout[-5000:]
     steps = 2 * SYNC_INTERVAL
     assert (f"the checkpoint at step {steps} ends this run (--steps {steps}): nothing to train; its model is written "
             "again") in again.stdout
-    assert (out / "hdet_metrics.jsonl").read_text() == metrics  # the held-out loss at the end once
+    assert tensorboard_steps(out, "eval/heldout_loss") == [steps]  # the held-out loss at the end once
+    if metrics_file:
+        assert (out / "hdet_metrics.jsonl").read_text() == metrics
+    else:
+        assert not (out / "hdet_metrics.jsonl").exists()
     assert (out / "final").stat().st_ino != folder  # a new folder, renamed into place
     assert sorted(path.name for path in out.iterdir() if path.name.startswith("final")) == ["final"]
     for name, tensor in exported(out).items():
