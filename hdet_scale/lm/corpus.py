@@ -58,7 +58,8 @@ def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | N
         token_dtype: ``"uint16"`` or ``"uint32"``, for token files.
         vocab_size: the tokenizer's vocabulary, required for token files (ids must be below it).
         heldout_fraction: token files: the share at the end held out for the held-out loss.
-        max_bytes: text sources: read at most this many bytes (None: all).
+        max_bytes: read at most this many bytes (None: all); of a token file, its first ``max_bytes``, whose last
+            ``heldout_fraction`` is held out.
     """
     if source == "stdlib":
         train, heldout = stdlib_corpus(max_bytes)
@@ -70,7 +71,7 @@ def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | N
                                 "files, or a uint16/uint32 token file)")
     if path.is_dir():
         return _text_directory(path, max_bytes)
-    return _token_file(path, token_dtype, vocab_size, heldout_fraction)
+    return _token_file(path, token_dtype, vocab_size, heldout_fraction, max_bytes)
 
 
 def _more_text(max_bytes: int | None, *, read: int, otherwise: str) -> str:
@@ -105,7 +106,8 @@ def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
     return Corpus(byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout)), BYTE_VOCAB, description, more, more)
 
 
-def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fraction: float) -> Corpus:
+def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fraction: float,
+                max_bytes: int | None) -> Corpus:
     if token_dtype not in TOKEN_DTYPES:
         raise ValueError(f"--token_dtype {token_dtype!r}: choose one of {', '.join(TOKEN_DTYPES)}")
     if vocab_size is None:
@@ -120,6 +122,15 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
         raise ValueError(f"--data {path}: {size} bytes is not a whole number of {token_dtype} tokens: the file is "
                          f"truncated or corrupt, or its token type is not {token_dtype} (--token_dtype)")
     tokens = np.memmap(path, dtype=dtype, mode="r")
+    described = f"{len(tokens):,} {token_dtype} tokens in {path}"
+    more_train = "give a longer token file"
+    if max_bytes is not None and max_bytes < size:
+        tokens = tokens[: max_bytes // dtype.itemsize]
+        described = f"the first {len(tokens):,} of {described}"  # --max_data_mb stopped the reading
+        more_train = _more_text(max_bytes, read=max_bytes, otherwise=more_train)
+        if not len(tokens):
+            raise ValueError(f"--max_data_mb {max_bytes / 2**20:.3g} is less than one {token_dtype} token of "
+                             f"--data {path}: raise it, or leave it out to read the whole file")
     # Checking every id of a multi-billion-token file would take minutes: the start, the end and a
     # strided sample catch a wrong dtype, a wrong vocabulary or a file of another format.
     stride = max(1, len(tokens) // VOCAB_CHECK_TOKENS)
@@ -129,8 +140,7 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
         raise ValueError(f"--data {path}: token id {highest} is outside the vocabulary of {vocab_size} "
                          "(--vocab_size): the file is corrupt, or --token_dtype / --vocab_size are wrong")
     cut = len(tokens) - max(1, int(len(tokens) * heldout_fraction))
-    return Corpus(tokens[:cut], tokens[cut:], vocab_size, f"{len(tokens):,} {token_dtype} tokens in {path}",
-                  more_train="give a longer token file",
+    return Corpus(tokens[:cut], tokens[cut:], vocab_size, described, more_train=more_train,
                   more_heldout=f"raise --heldout_fraction (now {heldout_fraction:g})")
 
 

@@ -17,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -297,6 +298,22 @@ def test_token_file_trains_the_vocabulary_it_names(tmp_path):
     assert checked.corpus.vocab_size == 300
     assert len(checked.corpus.train) + len(checked.corpus.heldout) == 20_000
     assert int(checked.corpus.train[299]) == 299  # read as uint32, in order
+
+
+@pytest.mark.usefixtures("single_process")
+def test_max_data_mb_reads_the_start_of_a_token_file(tmp_path):
+    """--max_data_mb was ignored for a token file: the whole file was read, silently."""
+    path = tmp_path / "tokens.u16"
+    path.write_bytes(np.arange(2**20, dtype=np.uint16).tobytes())  # 2 MiB, ids 0 .. 65535 in turn
+    words = ["--data", str(path), "--vocab_size", "65536", "--heldout_fraction", "0.25"]
+    corpus = plan(parse_args([*words, "--max_data_mb", "0.5"])).corpus
+    assert (len(corpus.train), len(corpus.heldout)) == (3 * 2**16, 2**16)  # 0.5 MiB = 2**18 tokens, a quarter out
+    assert int(corpus.heldout[-1]) == 2**16 - 1  # the end of the first 2**18 tokens
+    assert corpus.description == f"the first 262,144 of 1,048,576 uint16 tokens in {path}"
+    check([*words, "--max_data_mb", str(256 / 2**10 / 2**10)],  # 128 tokens: 96 to train on
+          rf"the first 128 of 1,048,576 uint16 tokens in {path}: 96 training tokens are too few for one batch of 8 x "
+          r"129 tokens; raise --max_data_mb \(it stopped the reading at 0.000244 MiB\), or lower --seq_len")
+    check([*words, "--max_data_mb", str(1 / 2**20)], r"--max_data_mb 9.54e-07 is less than one uint16 token of --data ")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
