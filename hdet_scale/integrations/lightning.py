@@ -116,6 +116,7 @@ class HDETCallback(pl.Callback, HDETHandle):
                                   f"returned {len(trainer.optimizers)}")
         steps = trainer.estimated_stepping_batches
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
+        self._stop_at = None  # not the length of an earlier fit()
         if math.isfinite(steps):
             self.config = self._given_config.for_run(int(steps))
             if self.config.auto_lr.range_test:

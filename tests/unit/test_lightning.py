@@ -9,6 +9,8 @@ tests/e2e/test_lightning_e2e.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -70,3 +72,40 @@ def test_a_state_restored_for_validation_is_not_a_later_fits():
     assert callback.state_dict()["step"] == 40  # held for the fit that restored it
     callback.teardown(pl.Trainer(accelerator="cpu", devices=1, logger=False), pl.LightningModule(), "validate")
     assert callback.state_dict() == {}
+
+
+def one_device_fit(hdet, **trainer_args) -> Any:
+    """A fit in this process on one CPU device (one replica): a linear regression, 10 batches an epoch, SGD."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            return (self.net(inputs).squeeze(1) - targets).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    inputs = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
+    ckpt_path = trainer_args.pop("ckpt_path", None)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[hdet], **trainer_args)
+    trainer.fit(Regression(), DataLoader(TensorDataset(inputs, inputs.sum(1)), batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_later_fit_is_not_cut_to_an_earlier_fits_length():
+    """A fit in epochs with an LR range test stops once it has trained its own steps; a later fit of the same callback
+    that is bounded by max_steps alone trains all of its."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 15, "start": 5, "stop": 100}})
+    assert one_device_fit(hdet, max_epochs=2).global_step == hdet.global_step == 20
+    assert one_device_fit(hdet, max_epochs=-1, max_steps=40).global_step == hdet.global_step == 40
