@@ -109,3 +109,17 @@ def test_a_later_fit_is_not_cut_to_an_earlier_fits_length():
     hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 15, "start": 5, "stop": 100}})
     assert one_device_fit(hdet, max_epochs=2).global_step == hdet.global_step == 20
     assert one_device_fit(hdet, max_epochs=-1, max_steps=40).global_step == hdet.global_step == 40
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_later_fit_that_resumes_continues_the_checkpoints_hdet_state(tmp_path):
+    """A fit of the same callback that resumes from a checkpoint continues its HDET state, not the fresh state of a
+    run of its own (it was loaded into the earlier fit's ensemble, and the fit restarted HDET at step 0)."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    first = one_device_fit(hdet, max_epochs=1)
+    first.save_checkpoint(tmp_path / "epoch1.ckpt")
+    assert hdet.global_step == 10
+    resumed = one_device_fit(hdet, max_epochs=2, ckpt_path=tmp_path / "epoch1.ckpt")
+    assert resumed.global_step == hdet.global_step == 20
