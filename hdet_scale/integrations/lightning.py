@@ -115,6 +115,8 @@ class HDETCallback(pl.Callback, HDETHandle):
         if len(trainer.optimizers) != 1:
             raise HDETConfigError(f"HDETCallback explores one optimizer's param groups; configure_optimizers "
                                   f"returned {len(trainer.optimizers)}")
+        if self._ensemble is not None:  # an earlier fit()'s: off its optimizer (a module may return it again)
+            self._ensemble.close()
         steps = trainer.estimated_stepping_batches
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
         self._stop_at = None  # not the length of an earlier fit()
