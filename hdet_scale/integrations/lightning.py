@@ -98,6 +98,7 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._stop_at: int | None = None  # the run's length, where the range test lengthened the loop's epochs
         self._schedulers_held = False  # while the range test runs
         self._fsdp: HDETFSDP | None = None  # set by shard() under ModelParallelStrategy
+        self._fitting = False  # from on_fit_start to teardown: _ensemble is this fit's, not an earlier fit's
 
     # ------------------------------------------------------------------------------------ checks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -114,8 +115,11 @@ class HDETCallback(pl.Callback, HDETHandle):
         if len(trainer.optimizers) != 1:
             raise HDETConfigError(f"HDETCallback explores one optimizer's param groups; configure_optimizers "
                                   f"returned {len(trainer.optimizers)}")
+        if self._ensemble is not None:  # an earlier fit()'s: off its optimizer (a module may return it again)
+            self._ensemble.close()
         steps = trainer.estimated_stepping_batches
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
+        self._stop_at = None  # not the length of an earlier fit()
         if math.isfinite(steps):
             self.config = self._given_config.for_run(int(steps))
             if self.config.auto_lr.range_test:
@@ -134,12 +138,14 @@ class HDETCallback(pl.Callback, HDETHandle):
                                       "self.model = shard(self, self.model)")
             self._fsdp.config = with_replica_size(self.config, auto="node", world_size=trainer.world_size)
             self._ensemble = self._fsdp.attach(trainer.optimizers[0])
+            self._fitting = True  # its checkpoint's state comes after this hook, in load_state_dict
             if self._restored is not None:
                 self._ensemble.load_state_dict(self._restored)
             self._restored = None
             return
         self._ensemble = attach_to_wrapped(trainer.strategy.model, trainer.optimizers[0], self.config,
                                           state=self._restored)
+        self._fitting = True
         self._restored = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -208,6 +214,7 @@ class HDETCallback(pl.Callback, HDETHandle):
         # Lightning restores a checkpoint's callback state for validate, test and predict too: a later fit is a run
         # of its own unless it resumes (a fit consumes what it restored by its first batch)
         self._restored = self._replica_optimizers = None
+        self._fitting = False
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -249,10 +256,11 @@ class HDETCallback(pl.Callback, HDETHandle):
         return cpu_group()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continues a checkpoint's HDET state (kept until ``fit`` attaches HDET, when it is restored first)."""
+        """Continues a checkpoint's HDET state (kept until ``fit`` attaches HDET, when it is restored first; an
+        earlier fit's ensemble is not the one it continues)."""
         state_dict = dict(state_dict)
         self._replica_optimizers = state_dict.pop(REPLICA_OPTIMIZERS, None) or {}  # {}: a resume without them
-        if self._ensemble is not None:
+        if self._ensemble is not None and self._fitting:  # ModelParallelStrategy restores after on_fit_start
             self._ensemble.load_state_dict(state_dict)
         else:
             self._restored = dict(state_dict)

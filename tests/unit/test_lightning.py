@@ -9,6 +9,8 @@ tests/e2e/test_lightning_e2e.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -70,3 +72,79 @@ def test_a_state_restored_for_validation_is_not_a_later_fits():
     assert callback.state_dict()["step"] == 40  # held for the fit that restored it
     callback.teardown(pl.Trainer(accelerator="cpu", devices=1, logger=False), pl.LightningModule(), "validate")
     assert callback.state_dict() == {}
+
+
+def regression(*, keeps_its_optimizer: bool = False) -> Any:
+    """A LightningModule: a linear regression trained with SGD (made once and returned to every fit, where it
+    ``keeps_its_optimizer``)."""
+    import lightning.pytorch as pl
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(4, 1)
+            self.optimizer = None
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            return (self.net(inputs).squeeze(1) - targets).pow(2).mean()
+
+        def configure_optimizers(self):
+            optimizer = self.optimizer or torch.optim.SGD(self.parameters(), lr=0.01)
+            if keeps_its_optimizer:
+                self.optimizer = optimizer
+            return optimizer
+
+    return Regression()
+
+
+def one_device_fit(hdet, module: Any = None, **trainer_args) -> Any:
+    """A fit of ``module`` (default: a new ``regression()``) in this process on one CPU device (one replica), 10
+    batches an epoch; returns the Trainer."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    inputs = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
+    ckpt_path = trainer_args.pop("ckpt_path", None)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[hdet], **trainer_args)
+    trainer.fit(module or regression(), DataLoader(TensorDataset(inputs, inputs.sum(1)), batch_size=4),
+                ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_later_fit_is_not_cut_to_an_earlier_fits_length():
+    """A fit in epochs with an LR range test stops once it has trained its own steps; a later fit of the same callback
+    that is bounded by max_steps alone trains all of its."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 15, "start": 5, "stop": 100}})
+    assert one_device_fit(hdet, max_epochs=2).global_step == hdet.global_step == 20
+    assert one_device_fit(hdet, max_epochs=-1, max_steps=40).global_step == hdet.global_step == 40
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_later_fit_that_resumes_continues_the_checkpoints_hdet_state(tmp_path):
+    """A fit of the same callback that resumes from a checkpoint continues its HDET state, not the fresh state of a
+    run of its own (it was loaded into the earlier fit's ensemble, and the fit restarted HDET at step 0)."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    first = one_device_fit(hdet, max_epochs=1)
+    first.save_checkpoint(tmp_path / "epoch1.ckpt")
+    assert hdet.global_step == 10
+    resumed = one_device_fit(hdet, max_epochs=2, ckpt_path=tmp_path / "epoch1.ckpt")
+    assert resumed.global_step == hdet.global_step == 20
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_later_fit_attaches_to_an_optimizer_an_earlier_fit_trained():
+    """A module that keeps its optimizer returns the same one to every fit: the earlier fit's HDET lets go of it."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    module = regression(keeps_its_optimizer=True)
+    assert one_device_fit(hdet, module, max_epochs=1).global_step == hdet.global_step == 10
+    assert one_device_fit(hdet, module, max_epochs=1).global_step == hdet.global_step == 10
