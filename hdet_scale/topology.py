@@ -84,19 +84,21 @@ class ReplicaTopology:
                    cross_replica_group=cross, intra_replica_group=intra)
 
 
-def with_replica_size(config: HDETConfig, *, auto: str = "rank", world_size: int | None = None) -> HDETConfig:
-    """``config`` with ``ranks_per_replica`` as a number: ``"node"`` read from the launcher's LOCAL_WORLD_SIZE
-    (torchrun) or LOCAL_SIZE (deepspeed); ``"auto"`` as ``auto`` says: ``"rank"``, 1; ``"node"``, a node, except
-    where that would leave one replica (every rank on one node): then the largest replica that still gives two or
-    more (half of the world size when it is even), so a first run on one machine explores too. ``world_size``
-    defaults to the launcher's WORLD_SIZE."""
+def with_replica_size(config: HDETConfig, *, auto: str = "rank", world_size: int | None = None,
+                      node_size: int | None = None) -> HDETConfig:
+    """``config`` with ``ranks_per_replica`` as a number: ``"node"`` is ``node_size`` where the caller knows it
+    (a Lightning Trainer's devices), else read from the launcher's LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE
+    (deepspeed); ``"auto"`` as ``auto`` says: ``"rank"``, 1; ``"node"``, a node, except where that would leave one
+    replica (every rank on one node): then the largest replica that still gives two or more (half of the world
+    size when it is even), so a first run on one machine explores too. ``world_size`` defaults to the launcher's
+    WORLD_SIZE."""
     value = config.ranks_per_replica
     if value == "auto":
         if auto not in ("rank", "node"):
             raise ValueError(f"auto must be 'rank' or 'node', got {auto!r}")
-        value = 1 if auto == "rank" else _node_but_two_replicas(world_size)
+        value = 1 if auto == "rank" else _node_but_two_replicas(world_size, node_size)
     if value == "node":
-        value = ranks_per_node()
+        value = node_size or ranks_per_node()
     return config if value == config.ranks_per_replica else dataclasses.replace(config, ranks_per_replica=value)
 
 
@@ -124,10 +126,11 @@ def ranks_per_node() -> int:
     )
 
 
-def _node_but_two_replicas(world_size: int | None) -> int:
-    """A node's ranks, or where the whole world is one node, the largest divisor of the world size that leaves
-    two replicas or more (the world size over its smallest prime factor; 1 for one rank)."""
-    per_node = ranks_per_node()
+def _node_but_two_replicas(world_size: int | None, node_size: int | None) -> int:
+    """A node's ranks (``node_size``, else the launcher's), or where the whole world is one node, the largest
+    divisor of the world size that leaves two replicas or more (the world size over its smallest prime factor; 1
+    for one rank)."""
+    per_node = node_size or ranks_per_node()
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     if world_size is None or world_size // per_node >= 2 or world_size % per_node:

@@ -120,13 +120,14 @@ class HDETCallback(pl.Callback, HDETHandle):
         steps = trainer.estimated_stepping_batches
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
         self._stop_at = None  # not the length of an earlier fit()
+        laid_out = _laid_out(self._given_config, trainer)  # not the length of an earlier fit()
         if math.isfinite(steps):
-            self.config = self._given_config.for_run(int(steps))
+            self.config = laid_out.for_run(int(steps))
             if self.config.auto_lr.range_test:
                 self._add_epochs_for_range_test(trainer, int(steps))
         else:
-            self.config = self._given_config  # not the length of an earlier fit()
-            replicas = check_world_size(self.config, trainer.world_size, auto="node" if sharded else "rank")
+            self.config = laid_out
+            replicas = check_world_size(self.config, trainer.world_size)
             error = run_length_error(self.config, replicas, "this Trainer's length is unknown (an iterable dataset "
                                                             "without max_steps): set max_steps")
             if error is not None:
@@ -136,7 +137,7 @@ class HDETCallback(pl.Callback, HDETHandle):
                 raise HDETConfigError("under ModelParallelStrategy, shard the model with "
                                       "hdet_scale.integrations.lightning.shard in configure_model: "
                                       "self.model = shard(self, self.model)")
-            self._fsdp.config = with_replica_size(self.config, auto="node", world_size=trainer.world_size)
+            self._fsdp.config = self.config
             self._ensemble = self._fsdp.attach(trainer.optimizers[0])
             self._fitting = True  # its checkpoint's state comes after this hook, in load_state_dict
             if self._restored is not None:
@@ -339,8 +340,18 @@ def shard(pl_module: pl.LightningModule, model: nn.Module, **fsdp_options: Any) 
     if callback._fsdp is not None:
         return callback._fsdp.model
     device_type = pl_module.trainer.strategy.root_device.type
-    wrapped, callback._fsdp = fsdp_wrap(model, callback.config, device_type=device_type, **fsdp_options)
+    wrapped, callback._fsdp = fsdp_wrap(model, _laid_out(callback.config, pl_module.trainer),
+                                        device_type=device_type, **fsdp_options)
     return wrapped
+
+
+def _laid_out(config: HDETConfig, trainer: pl.Trainer) -> HDETConfig:
+    """``config`` with its replica size a number: ``"node"`` is the Trainer's devices per node (Lightning's own
+    launcher and srun set no LOCAL_WORLD_SIZE), ``"auto"`` a node's ranks under ModelParallelStrategy (FSDP2
+    shards inside a replica) and one rank under DDP."""
+    sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
+    return with_replica_size(config, auto="node" if sharded else "rank", world_size=trainer.world_size,
+                             node_size=trainer.num_devices)
 
 
 def check_strategy(strategy: Any) -> None:

@@ -51,7 +51,7 @@ def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
 
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     trainer = SimpleNamespace(optimizers=[optimizer], estimated_stepping_batches=float("inf"), world_size=2,
-                              strategy=DDPStrategy())
+                              num_devices=2, strategy=DDPStrategy())
     callback = HDETCallback(auto_lr={"range_test": 0})
     callback.config = callback.config.for_run(1000)  # what an earlier fit() of 1000 steps resolved
     with pytest.raises(HDETConfigError, match=r"^auto_lr.start=0.02 is a share of the run and needs its "
@@ -148,3 +148,16 @@ def test_a_later_fit_attaches_to_an_optimizer_an_earlier_fit_trained():
     module = regression(keeps_its_optimizer=True)
     assert one_device_fit(hdet, module, max_epochs=1).global_step == hdet.global_step == 10
     assert one_device_fit(hdet, module, max_epochs=1).global_step == hdet.global_step == 10
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_replica_of_a_node_is_the_trainers_devices_without_a_torchrun_variable(monkeypatch):
+    """Lightning's own launcher and srun set no LOCAL_WORLD_SIZE: ranks_per_replica 'node' (and 'auto' under
+    ModelParallelStrategy) failed, asking for the launcher's variable; the Trainer's devices per node are a node."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    hdet = HDETCallback({"sync_interval": 5, "ranks_per_replica": "node", "auto_lr": {"range_test": 0}})
+    assert one_device_fit(hdet, max_epochs=1).global_step == hdet.global_step == 10
+    assert hdet.config.ranks_per_replica == 1
