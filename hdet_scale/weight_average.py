@@ -7,7 +7,10 @@ removes most of that noise term and keeps the progress, so a too-low LR no longe
 noise alone (``AutoLRConfig.average_window``).
 
 The average is of this rank's local tensors (its shard of the master weights, and floating buffers): it
-stays sharded on FSDP2 and ZeRO. It is transient: checkpoints are taken at sync points, where it is empty.
+stays sharded on FSDP2 and ZeRO. It is kept in fp32 for bf16 and fp16 tensors: a running mean in bf16 adds
+``(x - mean) / n``, which stops moving once that is below half of bf16's 8-bit precision, so over a window of
+tens of steps it stayed near the window's first iterate. It is transient: checkpoints are taken at sync points,
+where it is empty.
 """
 
 from __future__ import annotations
@@ -46,13 +49,19 @@ class WindowAverage:
             return
         current = list(tensors())
         if self.count == 0:
-            if len(self._mean) != len(current) or any(m.shape != c.shape for m, c in zip(self._mean, current,
-                                                                                          strict=True)):
-                self._mean = [tensor.detach().clone() for tensor in current]
+            if len(self._mean) != len(current) or any(m.shape != c.shape or m.dtype != _mean_dtype(c)
+                                                      for m, c in zip(self._mean, current, strict=True)):
+                self._mean = [tensor.detach().to(_mean_dtype(tensor), copy=True) for tensor in current]
             else:
                 torch._foreach_copy_(self._mean, current)
         else:
-            torch._foreach_lerp_(self._mean, current, 1.0 / (self.count + 1))
+            weight = 1.0 / (self.count + 1)
+            same = [index for index, (m, c) in enumerate(zip(self._mean, current, strict=True)) if m.dtype == c.dtype]
+            if same:
+                torch._foreach_lerp_([self._mean[i] for i in same], [current[i] for i in same], weight)
+            for mean, tensor in zip(self._mean, current, strict=True):
+                if mean.dtype != tensor.dtype:  # one widened copy at a time, not of every tensor at once
+                    mean.lerp_(tensor.to(mean.dtype), weight)
         self.count += 1
 
     @contextlib.contextmanager
@@ -83,3 +92,8 @@ class WindowAverage:
     def reset(self) -> None:
         """Starts a new interval (the memory of the mean is kept for the next one)."""
         self.count = 0
+
+
+def _mean_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a running mean of ``tensor`` is kept in: fp32 for bf16 and fp16, else its own."""
+    return torch.promote_types(tensor.dtype, torch.float32)

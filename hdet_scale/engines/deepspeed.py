@@ -259,11 +259,13 @@ class HDETDeepSpeed(HDETHandle):
         from deepspeed.utils import safe_get_full_fp32_param
 
         state = {}
+        masters = self.adapter.whole_masters()  # ZeRO-0, where DeepSpeed's API finds no master
         with replica_groups(self.engine.mpu):
             for name, param in self.engine.module.named_parameters():
-                # ZeRO-0 keeps no separate fp32 master of an fp32 model: the parameter is the master.
                 full = safe_get_full_fp32_param(param)
-                state[name] = (param.detach() if full is None else full).float().cpu().clone()
+                if full is None:  # ZeRO-0's master (bf16: its fp32 copy), or a frozen parameter as it is
+                    full = masters.get(id(param), param.detach())
+                state[name] = full.float().cpu().clone()
         saved = self.engine.module.state_dict(keep_vars=True).keys()  # persistent buffers only
         for name, buffer in self.engine.module.named_buffers():
             if name in saved:

@@ -86,6 +86,13 @@ def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None)
                 f"zero_optimization.{section}.device={device!r}: HDET averages the ZeRO partitions in place on "
                 "the accelerator and does not support offload; remove the offload section or set it to 'none'"
             )
+    for legacy, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if zero.get(legacy):  # DeepSpeed still reads these older spellings as {section: {"device": "cpu"}}
+            raise HDETConfigError(
+                f"zero_optimization.{legacy}={zero[legacy]!r} (DeepSpeed's older spelling of {section}.device='cpu'): "
+                "HDET averages the ZeRO partitions in place on the accelerator and does not support offload; remove "
+                "the setting"
+            )
     if int(zero.get("zero_hpz_partition_size", 1)) > 1:
         raise HDETConfigError("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ) is not supported with "
                               "HDET: a replica already shards inside its own group; remove the setting")

@@ -57,6 +57,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             f"is between syncs (every {ensemble.config.sync_interval} steps); save right after one, or call "
             "hdet.sync() first"
         )
+    # Taken on every rank before anything is written (the same there: no collective), so that a state HDET
+    # refuses to give (during the LR range test) stops every rank before the shards are written for nothing.
+    hdet_state = ensemble.state_dict()
     final = Path(path)
     staging = replacement_folders(final)[0]
     on_rank0(lambda: shutil.rmtree(staging, ignore_errors=True), f"clearing {staging}")
@@ -65,7 +68,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     def complete() -> None:
         # DCP wrote its files to the disk (fsync); these too, before anything vouches for them or the older
         # checkpoint goes, so that a node crash cannot leave only a checkpoint with truncated files
-        for name, state in ((HDET_STATE_FILE, ensemble.state_dict()), (EXTRA_STATE_FILE, dict(extra_state or {}))):
+        for name, state in ((HDET_STATE_FILE, hdet_state), (EXTRA_STATE_FILE, dict(extra_state or {}))):
             torch.save(state, staging / name)
             fsync_path(staging / name)
         if finalize is not None:

@@ -132,16 +132,24 @@ class ZeroAdapter(EngineAdapter):
             return [_fragment_shard(param) for param in params]
         if self._kind == "zero3":
             return [_partition_shard(param, wrapper.dp_process_group) for param in params]
-        masters = {id(param): param.data for param in params}  # a torch optimizer: the parameters are the masters
-        if self._kind == "fp16_unfused_optimizer":
-            masters = {id(low): master.data
-                       for lows, fp32s in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
-                       for low, master in zip(lows, fp32s, strict=True)}
-        elif self._kind == "fp16_optimizer":
-            # One flat fp32 master per group, laid out like the group's parameters: views of it per parameter.
-            masters = {id(low): master for lows, flat in zip(wrapper.fp16_groups, wrapper.fp32_groups_flat, strict=True)
-                       for low, master in zip(lows, _views_like(flat, lows), strict=True)}
+        masters = self.whole_masters()
         return [ParameterShard(param.shape, masters[id(param)]) for param in params]
+
+    def whole_masters(self) -> dict[int, torch.Tensor]:
+        """Where nothing is partitioned (ZeRO-0): each trained parameter's fp32 master, shaped like it, by the
+        ``id`` of the module parameter (DeepSpeed's public ``safe_get_full_fp32_param`` finds none there). Empty
+        on the stages that partition."""
+        wrapper = self._wrapper
+        if self._kind == "fp16_unfused_optimizer":
+            return {id(low): master.data for lows, fp32s in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
+                    for low, master in zip(lows, fp32s, strict=True)}
+        if self._kind == "fp16_optimizer":
+            # One flat fp32 master per group, laid out like the group's parameters: views of it per parameter.
+            return {id(low): master for lows, flat in zip(wrapper.fp16_groups, wrapper.fp32_groups_flat, strict=True)
+                    for low, master in zip(lows, _views_like(flat, lows), strict=True)}
+        if self._kind == "torch":  # the parameters are the masters
+            return {id(param): param.data for param in optimizer_parameters(wrapper)}
+        return {}
 
     def _trained_groups(self) -> list[list[nn.Parameter]]:
         """The module parameters the optimizer trains, per param group (ZeRO-3: per sub-group)."""

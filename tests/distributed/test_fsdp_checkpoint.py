@@ -130,3 +130,28 @@ def test_a_resumed_interval_records_only_its_own_steps(tmp_path):
     depends on the step, so there is nothing left to size.)"""
     for result in run_ranks(applied_after_resume, WORLD, str(tmp_path)):
         assert len(result["applied"]) == 3 and all(base > 0 for base in result["applied"])
+
+
+def save_while_ramping(rank: int, world: int, directory: str) -> list[str]:
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=4, ranks_per_replica=1,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=13))
+    torch.manual_seed(0)
+    model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config, block_classes=[])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle.attach(optimizer)
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        handle.step(loss)
+    assert handle.ramping
+    with pytest.raises(RuntimeError, match="during the LR range test"):
+        save_checkpoint(Path(directory) / "ckpt", model, optimizer, handle)
+    return sorted(p.name for p in Path(directory).iterdir())
+
+
+def test_a_checkpoint_during_the_range_test_is_refused_before_anything_is_written(tmp_path):
+    """HDET's state was asked for on rank 0 only after every rank had written its shards: the refusal came after a
+    full save, on the other ranks as a PeerFailed, and left ckpt.tmp behind."""
+    assert run_ranks(save_while_ramping, 2, str(tmp_path)) == [[], []]

@@ -1,7 +1,8 @@
 """Where DeepSpeed keeps the state HDET averages and saves, on real gloo ranks.
 
 ZeRO-0 (every rank a replica) keeps its optimizer state in DeepSpeed's model file: each replica's Adam moments
-are averaged when asked, and saved and reloaded as its own, in fp32 and bf16. ZeRO-3 pads each parameter's
+are averaged when asked, and saved and reloaded as its own, in fp32 and bf16; the exported model is the fp32
+masters, not the bf16 copies the forward uses. ZeRO-3 pads each parameter's
 last partition with uninitialized memory: a sync must neither average nor check it.
 """
 
@@ -43,7 +44,7 @@ def moments(engine) -> torch.Tensor:
 
 
 def zero0_states(rank: int, world: int, directory: str) -> None:
-    from test_deepspeed_distributed import train_step
+    from test_deepspeed_distributed import full_fp32, train_step
 
     for bf16 in (False, True):
         averaged = build(bf16, average_optimizer_state=True)
@@ -59,6 +60,8 @@ def zero0_states(rank: int, world: int, directory: str) -> None:
             train_step(own, rank, step)
         saved = gather_rows(moments(own))
         assert not torch.equal(saved[0], saved[1])
+        exported = torch.cat([tensor.reshape(-1) for tensor in own.hdet.full_state_dict().values()])
+        assert torch.equal(exported, full_fp32(own)), f"bf16={bf16}: the export is not the fp32 masters"
         save_dir = Path(directory) / f"bf16_{bf16}"
         own.hdet.save_checkpoint(save_dir, "tag")
         loaded = build(bf16, seed=7)

@@ -36,3 +36,20 @@ def test_window_average_by_hand():
         assert not swapped  # nothing averaged since the reset (e.g. an early sync)
     assert len(refreshed) == 2
     assert not WindowAverage(0.0, SYNC_INTERVAL).enabled
+
+
+def test_window_average_of_bf16_weights_is_kept_in_fp32():
+    """A bf16 model's weights (DDP, or FSDP2 without a parameter policy): a running mean kept in bf16 stopped
+    moving once ``(x - mean) / n`` fell below half of bf16's precision, and stayed near the window's first
+    iterate (1.2 here, against a mean of 1.3)."""
+    window = WindowAverage(0.5, 200)
+    tensor = torch.zeros(4, dtype=torch.bfloat16)
+    iterates = []
+    for since_sync in range(1, 201):
+        tensor.fill_(1.0 + 0.002 * since_sync)  # a steady drift along the valley
+        window.observe(since_sync, lambda: [tensor])
+        if since_sync > 100:
+            iterates.append(tensor.double())
+    with window.swapped_in([tensor], lambda: None):
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, torch.stack(iterates).mean(0).to(torch.bfloat16))
