@@ -255,9 +255,17 @@ def on_rank0(work: Callable[[], T], what: str) -> T | None:
 
 @torch.no_grad()
 def broadcast_from_rank0(module: torch.nn.Module) -> None:
-    """Overwrites every parameter and buffer of ``module`` with global rank 0's, so all replicas start alike."""
+    """Overwrites every parameter and buffer of ``module`` with global rank 0's, so all replicas start alike. A
+    model still on the CPU under NCCL (which carries GPU tensors only: DeepSpeed and FSDP2 move the model after
+    this) goes through the GPU one tensor at a time."""
+    device = collective_device()
     for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=0)
+        if tensor.device.type == "cpu" and device.type != "cpu":
+            staged = tensor.data.to(device)
+            dist.broadcast(staged, src=0)
+            tensor.data.copy_(staged)
+        else:
+            dist.broadcast(tensor.data, src=0)
 
 
 def start_gather_rows(row: Sequence[float], *, world_size: int) -> tuple[torch.Tensor, dist.Work | None]:
