@@ -55,3 +55,17 @@ def replace_folder_durably(staging: Path, target: Path) -> None:
     staging.rename(target)
     fsync_path(target.parent)
     shutil.rmtree(retired, ignore_errors=True)
+
+
+def recover_replaced_folder(target: Path) -> bool:
+    """Undoes what a kill between ``replace_folder_durably``'s two renames left: no ``target``, and ``target.old``
+    beside the complete ``target.tmp`` (the renames start only once it is complete) is put in its place, else
+    ``target.old``; a ``target.old`` left beside a ``target`` goes. A ``target.tmp`` alone is a write that did not
+    finish and is let be. Returns whether ``target`` is there. Call it before writing ``target.tmp`` anew."""
+    staging, retired = replacement_folders(target)
+    if retired.exists():
+        if not target.exists():
+            (staging if staging.exists() else retired).rename(target)
+            fsync_path(target.parent)
+        shutil.rmtree(retired, ignore_errors=True)
+    return target.exists()

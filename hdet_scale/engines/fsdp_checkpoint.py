@@ -6,7 +6,8 @@ identical shards) and consolidates into one unsharded model. Optimizer states ca
 ranks: saved under shared keys they would come back as a mix of replicas. Each replica's optimizer state is
 therefore saved under its own key. The HDET state is identical on every rank at a sync point; rank 0 writes it
 next to the shards. A checkpoint is written to ``PATH.tmp`` and renamed into place once complete, so a run
-killed mid-save leaves the previous checkpoint intact.
+killed mid-save leaves the previous checkpoint intact; killed between the two renames, it leaves no ``PATH``,
+and the next ``has_checkpoint``, ``load_checkpoint`` or ``save_checkpoint`` puts the newer checkpoint there.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hdet_scale.comm import on_rank0
-from hdet_scale.durable import fsync_path, replace_folder_durably, replacement_folders
+from hdet_scale.durable import fsync_path, recover_replaced_folder, replace_folder_durably, replacement_folders
 from hdet_scale.engines.fsdp import HDETFSDP
 
 HDET_STATE_FILE = "hdet_state.pt"
@@ -62,7 +63,12 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     hdet_state = ensemble.state_dict()
     final = Path(path)
     staging = replacement_folders(final)[0]
-    on_rank0(lambda: shutil.rmtree(staging, ignore_errors=True), f"clearing {staging}")
+
+    def clear() -> None:
+        recover_replaced_folder(final)  # a complete PATH.tmp a kill left is the newest checkpoint, not debris
+        shutil.rmtree(staging, ignore_errors=True)
+
+    on_rank0(clear, f"clearing {staging}")
     dcp.save(_sharded_state(model, optimizer, hdet.topology.replica_index), checkpoint_id=staging)
 
     def complete() -> None:
@@ -79,6 +85,15 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     on_rank0(complete, f"writing the checkpoint {final}")
 
 
+def has_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a checkpoint ``save_checkpoint`` wrote (collective: every rank calls it). Ask this,
+    not whether ``path`` exists: a run killed between the save's two renames left its newest checkpoint beside
+    ``path``, and this puts it in place."""
+    path = Path(path)
+    on_rank0(lambda: recover_replaced_folder(path), f"looking for a checkpoint at {path}")
+    return (path / HDET_STATE_FILE).is_file()
+
+
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                     hdet: HDETFSDP, *, saved_replicas: int | None = None) -> dict[str, Any]:
     """Restores a checkpoint written by ``save_checkpoint`` (collective); returns its ``extra_state``.
@@ -88,7 +103,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     saved HDET state's replica count)."""
     ensemble = hdet.ensemble
     path = Path(path)
-    if not (path / HDET_STATE_FILE).is_file():
+    if not has_checkpoint(path):
         raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")
     hdet_state = torch.load(path / HDET_STATE_FILE, weights_only=True)
     source = hdet.topology.replica_index % (saved_replicas or int(hdet_state["num_replicas"]))

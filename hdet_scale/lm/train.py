@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.comm import cpu_group, free_port, on_rank0, shut_down, shut_down_and_exit
-from hdet_scale.durable import fsync_tree, replace_folder_durably, replacement_folders
+from hdet_scale.durable import fsync_tree, recover_replaced_folder, replace_folder_durably, replacement_folders
 from hdet_scale.extras import MissingExtra
 from hdet_scale.lm import out_lock
 from hdet_scale.lm.agreement import RunFailed, agreed
@@ -501,7 +501,12 @@ class Run:
         from transformers.utils import logging as transformers_logging
 
         staging = replacement_folders(path)[0]
-        on_rank0(lambda: shutil.rmtree(staging, ignore_errors=True), f"clearing {staging}")
+
+        def clear() -> None:
+            recover_replaced_folder(path)  # a model a kill left complete beside it stays until this one replaces it
+            shutil.rmtree(staging, ignore_errors=True)
+
+        on_rank0(clear, f"clearing {staging}")
         shown = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()
         try:

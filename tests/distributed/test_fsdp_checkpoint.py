@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from hdet_scale.engines.fsdp_checkpoint import (
     EXTRA_STATE_FILE,
     HDET_STATE_FILE,
     full_state_dict,
+    has_checkpoint,
     load_checkpoint,
     save_checkpoint,
     save_pretrained,
@@ -57,6 +59,18 @@ def resume(rank: int, world: int, directory: str) -> None:
     save_checkpoint(path, *first)
     save_checkpoint(path, *first)  # overwriting an existing checkpoint keeps exactly one, complete
     assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]
+    # A kill between the save's two renames leaves no ckpt: the older checkpoint as ckpt.old and the newer, complete,
+    # as ckpt.tmp. Asked whether there is a checkpoint, the library said no (the run started afresh, and its first
+    # save deleted ckpt.tmp); the newer one is put in place.
+    torch.distributed.barrier()  # every rank has looked at the folder above
+    if rank == 0:
+        shutil.copytree(path, path.with_name("ckpt.old"))
+        path.rename(path.with_name("ckpt.tmp"))
+        (path.with_name("ckpt.tmp") / "newer").touch()
+    torch.distributed.barrier()
+    assert has_checkpoint(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]
+    assert (path / "newer").is_file()
 
     second = build(seed=123)
     load_checkpoint(path, *second)
