@@ -304,7 +304,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     Everything is checked before the process group and the engine are built: a bad HDET field, an
     ``"hdet"`` section with an unknown key, a replica size that does not divide the world, and DeepSpeed
-    settings HDET cannot support (offload, fp16, hpZ, pipeline or tensor parallelism).
+    settings HDET cannot support (offload, fp16, hpZ, qgZ, pipeline or tensor parallelism).
     """
     check_version(deepspeed.__version__)
     ds_config, args, hdet = checked_settings(args, model, config if config is not None else config_params,

@@ -39,7 +39,7 @@ def checked_settings(args: Any, model: nn.Module | None, config: str | Mapping[s
                          "nor mesh_param")
     ds_config, args = take_ds_config(args, config)
     hdet = hdet_settings(ds_config.pop("hdet", None), args, hdet_config)
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    stage = int(zero_section(ds_config).get("stage", 0))
     hdet = with_replica_size(hdet, auto="rank" if stage == 0 else "node")
     if total_steps is None:  # the run's length, if DeepSpeed's scheduler knows it
         total_steps = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
@@ -75,10 +75,21 @@ def check_supported(ds_config: Mapping[str, Any], model: nn.Module, *, world_siz
         raise HDETConfigError("pipeline parallelism (PipelineModule) is not supported with HDET")
 
 
+def zero_section(ds_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The DeepSpeed JSON's ``zero_optimization`` object ({} where there is none)."""
+    zero = ds_config.get("zero_optimization")
+    if zero is None:
+        return {}
+    if not isinstance(zero, Mapping):
+        raise HDETConfigError(f"zero_optimization must be an object such as {{\"stage\": 2}}, got {zero!r} "
+                              "(DeepSpeed's older true/false form is not supported with HDET)")
+    return zero
+
+
 def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None) -> None:
-    """Raises, naming the setting, for a DeepSpeed JSON HDET cannot run with (offload, fp16, hpZ) and, with
+    """Raises, naming the setting, for a DeepSpeed JSON HDET cannot run with (offload, fp16, hpZ, qgZ) and, with
     ``world_size``, for batch sizes that do not add up over all ranks: before any process group exists."""
-    zero = ds_config.get("zero_optimization", {}) or {}
+    zero = zero_section(ds_config)
     for section in ("offload_optimizer", "offload_param"):
         device = (zero.get(section) or {}).get("device", "none")
         if str(device).lower() != "none":
@@ -96,6 +107,10 @@ def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None)
     if int(zero.get("zero_hpz_partition_size", 1)) > 1:
         raise HDETConfigError("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ) is not supported with "
                               "HDET: a replica already shards inside its own group; remove the setting")
+    if zero.get("zero_quantized_gradients"):
+        raise HDETConfigError("zero_optimization.zero_quantized_gradients (ZeRO++ qgZ) is not supported with HDET: "
+                              "its all-to-all reduces the gradients over every rank, not inside the replica; remove "
+                              "the setting")
     if (ds_config.get("fp16") or {}).get("enabled", False):
         raise HDETConfigError("fp16.enabled: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
                               "use \"bf16\": {\"enabled\": true}")

@@ -32,7 +32,7 @@ Engines:
 - **Not supported**, each a clear error from ``add_hdet`` before training: Trainer's FSDP setting, a
   ``parallelism_config`` (HSDP, tensor, context or sequence parallelism), ``nn.DataParallel`` over several
   GPUs in one process, a model spread over devices, and the DeepSpeed settings HDET's adapter refuses
-  (offload, fp16, ZeRO++ hpZ, a model built under ``deepspeed.zero.Init``).
+  (offload, fp16, ZeRO++ hpZ and qgZ, a model built under ``deepspeed.zero.Init``).
 
 LR range test (``auto_lr.range_test``, by default): the run starts with it, on the Trainer's first batches. Its steps
 are not the run's: the Trainer's ``global_step`` stays 0 through them (no log, evaluation or checkpoint is taken

@@ -16,7 +16,7 @@ import torch
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import sync_interval_for_run
-from hdet_scale.engines.deepspeed_settings import check_ds_config
+from hdet_scale.engines.deepspeed_settings import check_ds_config, zero_section
 from hdet_scale.extras import require
 from hdet_scale.lm.checkpoints import (
     FINAL_MODEL,
@@ -189,7 +189,7 @@ def _read_json(path_text: str, argument: str) -> Any:
 
 
 def _zero_stage(ds_config: dict[str, Any] | None) -> int:
-    return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+    return int(zero_section(ds_config or {}).get("stage", 0))
 
 
 def _check_schedule_length(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:

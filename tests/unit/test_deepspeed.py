@@ -66,6 +66,9 @@ def launcher_env(monkeypatch):
      "zero_optimization.cpu_offload=True.*offload_optimizer.device=.cpu.*does not support offload"),
     (ds_config(3, zero_optimization={"stage": 3, "cpu_offload_param": True}), {},
      "zero_optimization.cpu_offload_param=True.*offload_param"),
+    (ds_config(3, zero_optimization={"stage": 3, "zero_quantized_gradients": True}), {}, "ZeRO\\+\\+ qgZ"),
+    (ds_config(2, zero_optimization=True), {},
+     r"zero_optimization must be an object such as \{\"stage\": 2\}, got True"),
     (ds_config(2, fp16={"enabled": True}), {}, "fp16.enabled: HDET supports fp32 and bf16"),
     (ds_config(2, train_batch_size=6), {"hdet_config": {"ranks_per_replica": 1}},
      "train_batch_size=6 does not match train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=2 x 4 ranks "
