@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,10 @@ class HDETDeepSpeed(HDETHandle):
         state["hdet"] = self.state_dict()
         state.setdefault("universal_checkpoint_info", {})
         tag = tag or f"global_step{self.engine.global_steps}"
+        # An earlier save into this tag by more replicas left files of replicas this run does not have, which a
+        # load would count as saved replicas.
+        replica_folder = os.path.join(str(save_dir), tag, REPLICA_FOLDER)
+        on_rank0(lambda: shutil.rmtree(replica_folder, ignore_errors=True), f"clearing {replica_folder}")
         failure = None
         try:  # DeepSpeed makes save_dir on rank 0 alone before its first barrier: made here, by every rank
             os.makedirs(os.path.join(str(save_dir), tag), exist_ok=True)

@@ -18,6 +18,7 @@ from settings import LR_HELD_AT_GIVEN
 from torch import nn
 
 from distributed import gather_rows, run_ranks
+from hdet_scale.engines.deepspeed import REPLICA_FOLDER, HDETDeepSpeed
 
 SYNC_INTERVAL = 2
 
@@ -63,7 +64,13 @@ def zero0_states(rank: int, world: int, directory: str) -> None:
         exported = torch.cat([tensor.reshape(-1) for tensor in own.hdet.full_state_dict().values()])
         assert torch.equal(exported, full_fp32(own)), f"bf16={bf16}: the export is not the fp32 masters"
         save_dir = Path(directory) / f"bf16_{bf16}"
+        stale = save_dir / "tag" / REPLICA_FOLDER / "replica2_model_states.pt"  # a 3-replica save's, in the tag
+        if rank == 0:
+            stale.parent.mkdir(parents=True)
+            stale.write_bytes(b"")
+        dist.barrier()
         own.hdet.save_checkpoint(save_dir, "tag")
+        assert not stale.exists() and HDETDeepSpeed._saved_replicas(save_dir / "tag") == 2
         loaded = build(bf16, seed=7)
         loaded.hdet.load_checkpoint(save_dir, "tag")
         assert torch.equal(gather_rows(moments(loaded)), saved), f"bf16={bf16}: a replica reloaded other moments"
