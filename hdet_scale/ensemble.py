@@ -451,11 +451,10 @@ class HDETEnsemble:
         same_layout = state["num_replicas"] == self.topology.num_replicas
         self._awaited_knobs = {name: (saved[name], same_layout) for name in awaited}
         for explored in self._explored:
-            explored.load_state_dict(saved[explored.name], same_layout=same_layout)
-            # A checkpoint is taken at a sync: no step of the interval it starts has run yet. Loading an
+            # Its applied_bases become the saved ones (the steps since the saved state's last sync): loading an
             # optimizer's state may run a step at LR 0 to create it (torch.distributed.checkpoint does), and
             # that is no step of the run.
-            explored.applied_bases = []
+            explored.load_state_dict(saved[explored.name], same_layout=same_layout)
         self._apply_knobs()
         self._step = int(state["step"])
         # States saved before this field existed were taken at regular sync points.

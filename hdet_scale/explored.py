@@ -121,12 +121,14 @@ class ExploredValue:
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {"permutation": list(self.permutation), "controller": self.state.state_dict(),
-                "stream": self.stream.state_dict()}
+                "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases)}
 
     def load_state_dict(self, state: dict[str, Any], *, same_layout: bool) -> None:
         """Restores ``state_dict()``; with another replica count (``same_layout`` False) the permutation is
-        drawn afresh from the restored stream."""
+        drawn afresh from the restored stream. The bases of the interval's steps taken so far come back too (a
+        state saved between syncs; none in one of an earlier version), so the next sync records every step's."""
         self.state = ControllerState.from_state_dict(state["controller"])
+        self.applied_bases = [float(base) for base in state.get("applied_bases", [])]
         self.stream.load_state_dict(state["stream"])
         if same_layout:
             self.permutation = list(state["permutation"])

@@ -184,3 +184,26 @@ def test_the_range_tests_steps_leave_no_base_of_another_value(tmp_path):
     sync = [json.loads(line) for line in metrics.read_text().splitlines() if "values" in json.loads(line)]
     assert [line["step"] for line in sync] == [3]
     assert sync[0]["values"]["weight_decay/0"]["applied_bases"] == [pytest.approx(0.05)] * 3
+
+
+def test_a_run_resumed_between_syncs_records_the_base_of_every_step_in_order(tmp_path):
+    """A state saved between syncs and loaded into a fresh run: the next sync's line holds the bases of the steps
+    before the save and after the resume, each at its own step (the export assigns them step by step)."""
+    config = HDETConfig(sync_interval=6, auto_lr=AutoLRConfig(range_test=0))
+
+    def fresh(state=None) -> tuple[torch.optim.Optimizer, HDETEnsemble]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+        return optimizer, HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process(),
+                                       state=state)
+
+    optimizer, hdet = fresh()
+    for step in range(1, 7):
+        optimizer.param_groups[0]["lr"] = 0.1 * step
+        optimizer.step()
+        report = hdet.step(1.0)
+        if step == 2:
+            state = hdet.state_dict()
+            hdet.close()
+            optimizer, hdet = fresh(state)
+    hdet.close()
+    assert report.values["lr/0"]["applied_bases"] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
