@@ -68,11 +68,15 @@ def add_warm_noise(adapter: EngineAdapter, topology: ReplicaTopology, *, nu: flo
         )
     std = noise_std(square_sum, count, nu)
     for index, shard in enumerate(shards):
-        local = shard.local.view(-1)
+        # A parameter in another memory format (channels_last) takes its noise in its logical element order.
+        contiguous = shard.local.contiguous()
+        local = contiguous.view(-1)
         for at, piece in noise_pieces(math.prod(shard.full_shape), shard.flat_offset,
                                       shard.flat_offset + local.numel(), seed=seed,
                                       replica_index=topology.replica_index, index=index):
             local[at: at + piece.numel()].add_(piece.to(device=local.device, dtype=local.dtype), alpha=std)
+        if contiguous is not shard.local:
+            shard.local.copy_(contiguous)
     adapter.after_average()
     return std
 

@@ -28,3 +28,26 @@ def test_a_range_of_noise_is_the_same_however_it_is_cut(monkeypatch):
     assert abs(torch.corrcoef(torch.stack([whole, other_replica]))[0, 1].item()) < 0.1
     with pytest.raises(ValueError, match="not within a parameter of 2500"):
         warm_init.replica_noise(numel, 2000, 2501, seed=SEED, replica_index=1, index=4)
+
+
+def test_a_channels_last_parameter_gets_the_noise_of_its_contiguous_twin():
+    """DDP hands its parameters over as they are: a conv weight in channels_last memory format takes the same
+    noise, element by element, as the same weight stored contiguously."""
+    from torch import nn
+
+    from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology, WarmInitConfig
+    from hdet_scale.config import AutoLRConfig
+    from hdet_scale.engines.ddp import DDPAdapter
+
+    config = HDETConfig(seed=SEED, warm_init=WarmInitConfig(enabled=True, nu=NU), auto_lr=AutoLRConfig(range_test=0))
+    weights = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        torch.manual_seed(0)
+        model = nn.Conv2d(3, 8, 3).to(memory_format=memory_format)
+        start = model.weight.detach().clone()
+        HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                     topology=ReplicaTopology.single_process()).close()
+        assert model.weight.is_contiguous(memory_format=memory_format)
+        assert not torch.equal(model.weight.detach(), start)
+        weights.append(model.weight.detach().clone())
+    assert torch.equal(weights[0], weights[1])
