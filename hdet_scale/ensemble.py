@@ -414,8 +414,9 @@ class HDETEnsemble:
         return self._lr_explored()[0].state.scale
 
     def current_lrs(self) -> list[float]:
-        """The LR each param group trains with on this replica at the next optimizer step."""
-        return [explored.value(self.topology.replica_index) for explored in self._lr_explored()]
+        """The LR each param group trains with on this replica at the next optimizer step (during the run's LR
+        range test, the test's)."""
+        return [self.value(explored.name) for explored in self._lr_explored()]
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -433,7 +433,7 @@ def test_a_run_without_a_controller_needs_no_run_length_even_with_a_stop():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     alone = ReplicaTopology.single_process()
     with pytest.warns(UserWarning, match="ONE replica"):
-        hdet = HDETEnsemble(HDETConfig.from_dict({"auto_lr": {"stop": 300}}), DDPAdapter(optimizer),
+        hdet = HDETEnsemble(HDETConfig.from_dict({"auto_lr": {"stop": 300, "range_test": 0}}), DDPAdapter(optimizer),
                             topology=alone)
     assert hdet.few_updates_warning is None and hdet.current_lrs() == [0.1]
     hdet.close()

@@ -41,6 +41,28 @@ def test_adam_starts_afresh_and_onecycle_holds_through_the_test():
     assert scheduler.hdet.value("lr/0") == pytest.approx(first_lr[0] * scale)
 
 
+def test_current_lrs_are_the_ramps_during_the_test():
+    """``current_lrs()`` is what the next ``optimizer.step()`` uses: during the test, the ramp's LR of each group
+    (the second group keeps its ratio to the first), not the schedule's."""
+    from hdet_scale.range_test import ramp_lr
+
+    params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))]
+    optimizer = torch.optim.SGD([{"params": [params[0]]}, {"params": [params[1]], "lr": 0.05}], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=15)), DDPAdapter(optimizer),
+                        topology=ReplicaTopology.single_process())
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, *_: seen.append([group["lr"] for group in opt.param_groups]))
+    for step in range(3):
+        expected = [ramp_lr(step, steps=15), ramp_lr(step, steps=15) / 2]
+        assert hdet.current_lrs() == pytest.approx(expected)
+        for param in params:
+            param.grad = torch.ones(2)
+        optimizer.step()
+        assert seen[-1] == pytest.approx(expected)
+        hdet.step(1.0)
+    hdet.close()
+
+
 def test_a_step_count_kept_as_an_int_starts_again_too():
     """DeepSpeed's FusedAdam and CPU Adam keep ``state['step']`` as a Python int, which sets their bias correction:
     left at the test's count, the first steps after it would be several times a fresh Adam's."""
