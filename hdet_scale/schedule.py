@@ -142,7 +142,9 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
                          cycle_momentum=cycle_momentum, base_momentum=base_momentum, max_momentum=max_momentum,
                          div_factor=div_factor, final_div_factor=final_div_factor, three_phase=three_phase,
                          last_epoch=last_epoch)
-        floors = [PaperDecay(total_steps=self.total_steps, floor=group["min_lr"]) for group in optimizer.param_groups]
+        # Only paper mode decays to the floor: in the others a group at max_lr 0 (a frozen one) has none to give.
+        floors = ([PaperDecay(total_steps=self.total_steps, floor=group["min_lr"]) for group in optimizer.param_groups]
+                  if config.auto_lr.mode == "paper" else None)
         self.hdet = HDETEnsemble(config.for_run(self.total_steps), DDPAdapter(optimizer, model), topology=topology,
                                  paper_decay=floors, state=None if state is None else state["hdet_state"])
         if state is not None:

@@ -61,6 +61,23 @@ def test_one_process_is_exactly_onecyclelr(kind, kwargs):
     assert torch.equal(rng_before, torch.random.get_rng_state())  # HDET never touches the global RNG
 
 
+def test_a_group_held_at_lr_0_is_onecyclelrs_outside_paper_mode():
+    """OneCycleLR takes a max_lr of 0 for a frozen group; only ``paper`` mode decays to the schedule's floor, so the
+    others build and train as OneCycleLR does."""
+    reference_opt, hdet_opt = two_group_optimizer("sgd"), two_group_optimizer("sgd")
+    reference = OneCycleLR(reference_opt, max_lr=[0.1, 0.0], total_steps=20)
+    scheduler = HDETOneCycleLR(hdet_opt, max_lr=[0.1, 0.0], total_steps=20, sync_interval=5,
+                               auto_lr={"range_test": 0})
+    for _ in range(19):
+        train_step(reference_opt)
+        loss = train_step(hdet_opt)
+        reference.step()
+        scheduler.step(loss)
+    assert scheduler.get_last_lr() == reference.get_last_lr()
+    for ref_group, group in zip(reference_opt.param_groups, hdet_opt.param_groups, strict=True):
+        assert all(torch.equal(ref, param) for ref, param in zip(ref_group["params"], group["params"], strict=True))
+
+
 def test_state_dict_resumes_onecycle_and_hdet():
     def run(steps, scheduler_state=None, optimizer_state=None):
         optimizer = two_group_optimizer("adam")
