@@ -57,9 +57,8 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
         if check is not None:
             check(rider)
         return 0
+    tensors = [_flat_view(tensor) for tensor in tensors]
     for tensor in tensors:
-        if not tensor.is_contiguous():
-            raise ValueError(f"cannot average a non-contiguous tensor of shape {tuple(tensor.shape)} in place")
         reduction_dtype(tensor.dtype)  # floating point only
     device = _bucket_device([t.device for t in tensors], group)
     flag = torch.as_tensor(contribute, dtype=torch.bool).to(device)
@@ -175,7 +174,7 @@ class _Averager:
             if first and rider is not None:
                 bucket.data[: bucket.fill].copy_(_encode(rider, dtype))
             for tensor in tensors:
-                flat, offset = tensor.view(-1), 0
+                flat, offset = tensor, 0
                 while offset < flat.numel():
                     room = bucket.data.numel() - bucket.fill - (1 if first else 0)
                     if room == 0:
@@ -302,3 +301,14 @@ def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: Rep
         logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",
                        step, found[0].excluded)
     return found[0], sent
+
+
+def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements in memory order as a 1-D view, written through in place: of a contiguous tensor, and
+    of one laid out densely in another memory format (a channels_last convolution weight). Every replica's tensor
+    has the same layout, so the elements meet their peers'."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if any(tensor.is_contiguous(memory_format=layout) for layout in (torch.channels_last, torch.channels_last_3d)):
+        return tensor.as_strided((tensor.numel(),), (1,))
+    raise ValueError(f"cannot average a non-contiguous tensor of shape {tuple(tensor.shape)} in place")

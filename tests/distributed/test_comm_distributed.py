@@ -24,14 +24,18 @@ SHAPES_AND_DTYPES = [
     ((4,), torch.float64),
     ((1000,), torch.float32),  # spans many buckets at the tiny bucket size below
     ((0, 3), torch.bfloat16),
+    ((2, 3, 2, 2), torch.float32),  # laid out channels_last (a convolution weight): dense, not contiguous
+    ((2, 3, 2, 2, 2), torch.bfloat16),  # channels_last_3d
 ]
+LAYOUTS = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 def rank_tensors(rank: int, position: int) -> list[torch.Tensor]:
     """Each rank's local shards: the same shapes at the same position in every replica, values by rank."""
     generator = torch.Generator().manual_seed(rank)
     shapes = SHAPES_AND_DTYPES if position == 0 else list(reversed(SHAPES_AND_DTYPES))
-    return [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for shape, dtype in shapes]
+    tensors = [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for shape, dtype in shapes]
+    return [t.to(memory_format=LAYOUTS[t.dim()]) if t.dim() in LAYOUTS else t for t in tensors]
 
 
 FP32_ELEMENTS = sum(torch.Size(shape).numel() for shape, dtype in SHAPES_AND_DTYPES if dtype != torch.float64)
