@@ -135,6 +135,18 @@ class HDETDeepSpeed(HDETHandle):
         engine.step = replica_step
         engine._take_model_step = hdet_model_step
 
+        def uninstall() -> None:
+            engine.backward, engine.step, engine._take_model_step = backward, step, take_model_step
+
+        self._uninstall = uninstall
+
+    def close(self) -> None:
+        """Removes HDET from the engine: its optimizer hooks and every explored value back at its base
+        (``HDETEnsemble.close``), and ``engine.backward`` / ``engine.step`` DeepSpeed's own again, so no step
+        syncs or averages gradients across replicas any more. The engine goes on training inside its replica."""
+        self._uninstall()
+        super().close()
+
     def _replica_file(self, shared: str) -> str:
         """This replica's optimizer-state file for replica 0's ``shared`` one: in a subfolder, so DeepSpeed's
         converters (``zero_to_fp32``, ``ds_to_universal``) see exactly one replica. When loading a checkpoint

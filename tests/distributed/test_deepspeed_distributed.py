@@ -319,12 +319,22 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
     assert indices.shape == (world, 64 // world)
     assert len(set(indices.reshape(-1).tolist())) == 64  # disjoint over all ranks, so over replicas too
     checked.append("data")
+
+    # Closed, HDET leaves the engine: its steps sync no more (they did: close() left the engine's step wrapped).
+    engine = build(ds_config(2, hdet=hdet), seed=rank)
+    train_step(engine, rank, 1)
+    engine.hdet.close()
+    counted, report = engine.hdet.global_step, engine.hdet.last_report
+    for step in range(2, 6):  # two sync intervals
+        train_step(engine, rank, step)
+    assert (engine.hdet.global_step, engine.hdet.last_report) == (counted, report)
+    checked.append("closed")
     return checked
 
 
 def test_multipliers_survive_schedulers_and_data_is_split_over_all_ranks():
     assert run_ranks(schedulers_and_data, WORLD) == [[*DS_SCHEDULERS, "LambdaLR", "plain engines alongside",
-                                                       "data"]] * WORLD
+                                                       "data", "closed"]] * WORLD
 
 
 # ------------------------------------------------------------------------------------------- LR range test
