@@ -24,7 +24,7 @@ def batch_probe(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Ba
 
     The batch is taken from global rank 0 once (collective: every rank calls this, each with a batch of the
     same structure, e.g. its own draw from the held-out data), so every replica scores the same samples.
-    During the probe the model is in eval mode (no dropout), then back in its previous mode.
+    During the probe the model is in eval mode (no dropout), then every submodule back in its previous mode.
 
     Args:
         model: the wrapped model (DDP, FSDP2 or a DeepSpeed engine); every rank of a replica runs it.
@@ -38,12 +38,14 @@ def batch_probe(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Ba
     shared = _to(shared, torch.device(device))
 
     def probe() -> torch.Tensor:
-        was_training = model.training
+        modes = [(module, module.training) for module in model.modules()]
         model.eval()
         try:
             return loss_fn(model, shared)
         finally:
-            model.train(was_training)
+            model.train(modes[0][1])
+            for module, training in modes:  # a submodule kept in eval mode (frozen BatchNorm) stays there
+                module.training = training
 
     return probe
 
