@@ -7,7 +7,7 @@ weights. One forward pass per rank per sync, before the replicas are averaged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 Batch = Any
-"""A tensor, or a (nested) tuple, list or dict of tensors and plain values."""
+"""A tensor, or a (nested) tuple, namedtuple, list, dict or other mapping of tensors and plain values."""
 
 
 def batch_probe(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], *,
@@ -71,6 +71,10 @@ def _to(batch: Batch, device: torch.device) -> Batch:
         return batch.to(device)
     if isinstance(batch, dict):
         return {key: _to(value, device) for key, value in batch.items()}
+    if isinstance(batch, Mapping):  # e.g. transformers' BatchEncoding, what its collators give
+        return type(batch)({key: _to(value, device) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
+        return type(batch)(*(_to(value, device) for value in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to(value, device) for value in batch)
     return batch

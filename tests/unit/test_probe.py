@@ -6,11 +6,19 @@ tests/distributed/test_probe_distributed.py.
 
 from __future__ import annotations
 
+from collections import UserDict
+from typing import NamedTuple
+
 import pytest
 import torch
 
 from hdet_scale import HDETConfig, HDETConfigError
 from hdet_scale.probe import batch_probe
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: int
 
 
 def test_probe_weight_is_validated():
@@ -36,3 +44,16 @@ def test_probe_keeps_each_submodule_in_its_own_mode():
     assert seen == [[False, False, False, False]]
     assert [m.training for m in model.modules()] == [True, True, False, True]
 
+
+def test_probe_moves_a_mapping_batch_that_is_not_a_dict():
+    """transformers' BatchEncoding (what its collators give the Trainer's eval loader) is a Mapping, not a dict:
+    its tensors go to the probe's device as a dict's do."""
+    seen = []
+
+    def loss_fn(module, batch):
+        seen.append((type(batch), batch["x"].device, batch["pair"].a.device))
+        return torch.zeros(())
+
+    batch = UserDict({"x": torch.ones(2), "pair": Pair(torch.ones(1), 3)})
+    batch_probe(torch.nn.Linear(2, 2), batch, loss_fn, device="meta")()
+    assert seen == [(UserDict, torch.device("meta"), torch.device("meta"))]
