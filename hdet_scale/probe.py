@@ -7,7 +7,7 @@ weights. One forward pass per rank per sync, before the replicas are averaged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 Batch = Any
-"""A tensor, or a (nested) tuple, list or dict of tensors and plain values."""
+"""A tensor, or a (nested) tuple, namedtuple, list, dict or other mapping of tensors and plain values."""
 
 
 def batch_probe(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor], *,
@@ -24,7 +24,7 @@ def batch_probe(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Ba
 
     The batch is taken from global rank 0 once (collective: every rank calls this, each with a batch of the
     same structure, e.g. its own draw from the held-out data), so every replica scores the same samples.
-    During the probe the model is in eval mode (no dropout), then back in its previous mode.
+    During the probe the model is in eval mode (no dropout), then every submodule back in its previous mode.
 
     Args:
         model: the wrapped model (DDP, FSDP2 or a DeepSpeed engine); every rank of a replica runs it.
@@ -38,12 +38,14 @@ def batch_probe(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Ba
     shared = _to(shared, torch.device(device))
 
     def probe() -> torch.Tensor:
-        was_training = model.training
+        modes = [(module, module.training) for module in model.modules()]
         model.eval()
         try:
             return loss_fn(model, shared)
         finally:
-            model.train(was_training)
+            model.train(modes[0][1])
+            for module, training in modes:  # a submodule kept in eval mode (frozen BatchNorm) stays there
+                module.training = training
 
     return probe
 
@@ -69,6 +71,10 @@ def _to(batch: Batch, device: torch.device) -> Batch:
         return batch.to(device)
     if isinstance(batch, dict):
         return {key: _to(value, device) for key, value in batch.items()}
+    if isinstance(batch, Mapping):  # e.g. transformers' BatchEncoding, what its collators give
+        return type(batch)({key: _to(value, device) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
+        return type(batch)(*(_to(value, device) for value in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to(value, device) for value in batch)
     return batch
