@@ -105,29 +105,30 @@ class EngineAdapter(ABC):
         """Starts this rank's optimizer state afresh (every tensor of it zeroed, and step counts kept as Python
         ints, as DeepSpeed's Adams keep them, set to 0: a new Adam's bias correction), keeping its entries, so a
         checkpoint saved after it holds every key a resumed run loads: on a replica left out of an average for
-        non-finite values, and after an LR range test. Where a new optimizer's state is not zeros (torch's NAdam,
-        Rprop, Adagrad and ASGD, SGD with dampening) the state is emptied instead, and the next step builds it as a
-        new optimizer's first would (a checkpoint taken before that step lacks those entries)."""
+        non-finite values, and after an LR range test. Where a new torch optimizer's state starts other than at
+        zeros (NAdam, Rprop, Adagrad, ASGD) those entries take its starting values; SGD with dampening is the one
+        left different: its first momentum is the damped gradient, not the gradient."""
         optimizer = self.optimizer
-        emptied = {id(param) for group in optimizer.param_groups if _fresh_state_is_not_zeros(optimizer, group)
-                   for param in group["params"]}
+        starts = {id(param): _starting_values(optimizer, group) for group in optimizer.param_groups
+                  for param in group["params"]}
         for param, state in optimizer.state.items():
-            if id(param) in emptied:
-                state.clear()
-                continue
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    value.zero_()
+                    value.fill_(starts.get(id(param), {}).get(key, 0))
                 elif isinstance(value, int) and not isinstance(value, bool):
                     state[key] = 0
 
 
-def _fresh_state_is_not_zeros(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    """Whether a new ``optimizer``'s state for ``group`` starts other than at zeros: NAdam's ``mu_product`` at 1,
-    Rprop's step sizes and ASGD's ``eta`` at the LR of its first step, Adagrad's sums at its
-    ``initial_accumulator_value``, SGD's momentum at the first gradient undamped."""
-    if isinstance(optimizer, (torch.optim.NAdam, torch.optim.Rprop, torch.optim.ASGD)):
-        return True
+def _starting_values(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, float]:
+    """The state entries a new ``optimizer`` starts other than at 0 for a parameter of ``group``, by key: NAdam's
+    ``mu_product`` at 1, Rprop's step sizes and ASGD's ``eta`` at the LR, ASGD's ``mu`` at 1, Adagrad's sums at its
+    ``initial_accumulator_value``."""
+    if isinstance(optimizer, torch.optim.NAdam):
+        return {"mu_product": 1.0}
+    if isinstance(optimizer, torch.optim.Rprop):
+        return {"step_size": float(group["lr"])}
+    if isinstance(optimizer, torch.optim.ASGD):
+        return {"eta": float(group["lr"]), "mu": 1.0}
     if isinstance(optimizer, torch.optim.Adagrad):
-        return group.get("initial_accumulator_value", 0) != 0
-    return isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0 and group.get("dampening", 0) != 0
+        return {"sum": float(group["initial_accumulator_value"])}
+    return {}
