@@ -87,6 +87,7 @@ class HDETDeepSpeed(HDETHandle):
         self._saving = False
         self._saved_replicas_given: int | None = None  # replicas of the checkpoint being loaded, when known
         self._synced_in_step = False
+        self._closed = False  # close(): the engine's steps are DeepSpeed's alone, inside the replica
         if topology.replica_index > 0:
             # DeepSpeed names checkpoint files by the rank inside the replica, so replicas would overwrite each
             # other. Optimizer state may differ (local mode): every other replica writes its own files next to
@@ -107,7 +108,8 @@ class HDETDeepSpeed(HDETHandle):
         backward, step, take_model_step = engine.backward, engine.step, engine._take_model_step
 
         def observing_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.ensemble.observe(loss)
+            if not self._closed:
+                self.ensemble.observe(loss)
             with replica_groups(engine.mpu):
                 return backward(loss, *args, **kwargs)
 
@@ -117,6 +119,8 @@ class HDETDeepSpeed(HDETHandle):
                 return step(*args, **kwargs)
 
         def hdet_model_step(*args: Any, **kwargs: Any) -> Any:
+            if self._closed:
+                return take_model_step(*args, **kwargs)
             if self.config.gradient_mode == "global":
                 self._average_gradients_across_replicas()
             scheduler = engine.lr_scheduler
@@ -135,16 +139,11 @@ class HDETDeepSpeed(HDETHandle):
         engine.step = replica_step
         engine._take_model_step = hdet_model_step
 
-        def uninstall() -> None:
-            engine.backward, engine.step, engine._take_model_step = backward, step, take_model_step
-
-        self._uninstall = uninstall
-
     def close(self) -> None:
         """Removes HDET from the engine: its optimizer hooks and every explored value back at its base
-        (``HDETEnsemble.close``), and ``engine.backward`` / ``engine.step`` DeepSpeed's own again, so no step
-        syncs or averages gradients across replicas any more. The engine goes on training inside its replica."""
-        self._uninstall()
+        (``HDETEnsemble.close``), and no step records a loss, syncs or averages gradients across replicas any
+        more. The engine goes on training inside its replica (its collectives stay in the replica's groups)."""
+        self._closed = True
         super().close()
 
     def _replica_file(self, shared: str) -> str:

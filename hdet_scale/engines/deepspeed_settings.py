@@ -78,11 +78,11 @@ def check_supported(ds_config: Mapping[str, Any], model: nn.Module, *, world_siz
 def zero_section(ds_config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The DeepSpeed JSON's ``zero_optimization`` object ({} where there is none)."""
     zero = ds_config.get("zero_optimization")
-    if zero is None:
+    if zero is None or zero is False:  # DeepSpeed reads false as stage 0
         return {}
     if not isinstance(zero, Mapping):
         raise HDETConfigError(f"zero_optimization must be an object such as {{\"stage\": 2}}, got {zero!r} "
-                              "(DeepSpeed's older true/false form is not supported with HDET)")
+                              "(DeepSpeed's older true form is not supported with HDET)")
     return zero
 
 

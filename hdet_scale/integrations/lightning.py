@@ -104,6 +104,7 @@ class HDETCallback(pl.Callback, HDETHandle):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._fitting = False  # also after a fit that raised (Lightning calls no teardown then): before any restore
         check_strategy(trainer.strategy)
         if not pl_module.automatic_optimization:
             raise HDETConfigError("HDETCallback needs automatic optimization (the callback steps HDET after "

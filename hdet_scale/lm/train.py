@@ -122,8 +122,8 @@ def _add_model_and_data(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--vocab_size", type=int, default=None, help="token files: the tokenizer's vocabulary")
     group.add_argument("--heldout_fraction", type=float, default=0.01, help="token files: share held out")
     group.add_argument("--max_data_mb", type=float, default=None,
-                       help="read at most this many MiB of the data (a token file: its first MiB, the held-out share "
-                       "cut from them)")
+                       help="read at most this many MiB of the data (of a token file, its first that many MiB; the "
+                       "held-out share is cut from them)")
     group.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
     group.add_argument("--seed", type=int, default=0, help="model and data seed")
 

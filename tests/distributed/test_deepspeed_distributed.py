@@ -320,14 +320,20 @@ def schedulers_and_data(rank: int, world: int) -> list[str]:
     assert len(set(indices.reshape(-1).tolist())) == 64  # disjoint over all ranks, so over replicas too
     checked.append("data")
 
-    # Closed, HDET leaves the engine: its steps sync no more (they did: close() left the engine's step wrapped).
+    # Closed at a sync, HDET leaves the engine: its steps sync no more (they did: close() left the engine's step
+    # wrapped), and each replica trains on inside its own groups, on its own data.
     engine = build(ds_config(2, hdet=hdet), seed=rank)
-    train_step(engine, rank, 1)
+    for step in (1, 2):
+        train_step(engine, rank, step)
     engine.hdet.close()
     counted, report = engine.hdet.global_step, engine.hdet.last_report
-    for step in range(2, 6):  # two sync intervals
+    assert gather_rows(full_fp32(engine)).unique(dim=0).shape[0] == 1  # one model at the sync
+    for step in range(3, 7):  # two sync intervals
         train_step(engine, rank, step)
     assert (engine.hdet.global_step, engine.hdet.last_report) == (counted, report)
+    replicas = gather_rows(full_fp32(engine))
+    assert torch.equal(replicas[0], replicas[1]) and torch.equal(replicas[2], replicas[3])  # ranks of a replica
+    assert not torch.equal(replicas[0], replicas[2])
     checked.append("closed")
     return checked
 

@@ -83,6 +83,14 @@ def test_bad_inputs_fail_before_any_process_group(launcher_env, config, kwargs, 
         hdet_deepspeed.initialize(model=tiny_model(0), optimizer=torch.optim.AdamW, config=config, **kwargs)
 
 
+def test_zero_optimization_false_is_stage_0_as_deepspeed_reads_it():
+    from hdet_scale.engines.deepspeed_settings import zero_section
+
+    assert zero_section({"zero_optimization": False}) == zero_section({}) == {}
+    with pytest.raises(HDETConfigError, match="got True"):
+        zero_section({"zero_optimization": True})
+
+
 def test_user_mpu_and_missing_config_are_refused(launcher_env):
     with pytest.raises(ValueError, match="HDET builds DeepSpeed's mpu itself"):
         hdet_deepspeed.initialize(model=tiny_model(0), config=ds_config(1), mpu=object())

@@ -140,6 +140,26 @@ def test_a_later_fit_that_resumes_continues_the_checkpoints_hdet_state(tmp_path)
 
 
 @pytest.mark.filterwarnings("ignore")
+def test_a_fit_that_resumes_after_one_that_raised_continues_the_checkpoints_hdet_state(tmp_path):
+    """Lightning calls no teardown after a fit that raised: the callback still took itself for that fit's, and a
+    resume with it loaded the checkpoint's HDET state into the failed fit's ensemble (HDET restarted at step 0)."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    one_device_fit(hdet, max_epochs=1).save_checkpoint(tmp_path / "epoch1.ckpt")
+    failing = regression()
+
+    def fail(batch, batch_idx):
+        raise RuntimeError("a node went down")
+
+    failing.training_step = fail
+    with pytest.raises(RuntimeError, match="a node went down"):
+        one_device_fit(hdet, failing, max_epochs=1)
+    resumed = one_device_fit(hdet, max_epochs=2, ckpt_path=tmp_path / "epoch1.ckpt")
+    assert resumed.global_step == hdet.global_step == 20
+
+
+@pytest.mark.filterwarnings("ignore")
 def test_a_later_fit_attaches_to_an_optimizer_an_earlier_fit_trained():
     """A module that keeps its optimizer returns the same one to every fit: the earlier fit's HDET lets go of it."""
     from hdet_scale.integrations.lightning import HDETCallback
