@@ -88,7 +88,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 def has_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` holds a checkpoint ``save_checkpoint`` wrote (collective: every rank calls it). Ask this,
     not whether ``path`` exists: a run killed between the save's two renames left its newest checkpoint beside
-    ``path``, and this puts it in place."""
+    ``path``, and this puts it in place. It may move folders: call it from the run that saves there, not from
+    another job reading its checkpoints while it trains."""
     path = Path(path)
     on_rank0(lambda: recover_replaced_folder(path), f"looking for a checkpoint at {path}")
     return (path / HDET_STATE_FILE).is_file()
