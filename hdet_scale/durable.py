@@ -69,3 +69,11 @@ def recover_replaced_folder(target: Path) -> bool:
             fsync_path(target.parent)
         shutil.rmtree(retired, ignore_errors=True)
     return target.exists()
+
+
+def start_replacement(target: Path) -> None:
+    """Readies ``target.tmp`` for the next version of the folder ``target``: a complete version a kill between
+    the two renames left is put in place first (``recover_replaced_folder``), then what an unfinished write left
+    at ``target.tmp`` goes."""
+    recover_replaced_folder(target)
+    shutil.rmtree(replacement_folders(target)[0], ignore_errors=True)

@@ -13,7 +13,6 @@ and the next ``has_checkpoint``, ``load_checkpoint`` or ``save_checkpoint`` puts
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hdet_scale.comm import on_rank0
-from hdet_scale.durable import fsync_path, recover_replaced_folder, replace_folder_durably, replacement_folders
+from hdet_scale.durable import (
+    fsync_path,
+    recover_replaced_folder,
+    replace_folder_durably,
+    replacement_folders,
+    start_replacement,
+)
 from hdet_scale.engines.fsdp import HDETFSDP
 
 HDET_STATE_FILE = "hdet_state.pt"
@@ -63,12 +68,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     hdet_state = ensemble.state_dict()
     final = Path(path)
     staging = replacement_folders(final)[0]
-
-    def clear() -> None:
-        recover_replaced_folder(final)  # a complete PATH.tmp a kill left is the newest checkpoint, not debris
-        shutil.rmtree(staging, ignore_errors=True)
-
-    on_rank0(clear, f"clearing {staging}")
+    on_rank0(lambda: start_replacement(final), f"clearing {staging}")
     dcp.save(_sharded_state(model, optimizer, hdet.topology.replica_index), checkpoint_id=staging)
 
     def complete() -> None:

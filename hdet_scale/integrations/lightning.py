@@ -119,7 +119,6 @@ class HDETCallback(pl.Callback, HDETHandle):
         if self._ensemble is not None:  # an earlier fit()'s: off its optimizer (a module may return it again)
             self._ensemble.close()
         steps = trainer.estimated_stepping_batches
-        sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
         self._stop_at = None  # not the length of an earlier fit()
         laid_out = _laid_out(self._given_config, trainer)  # not the length of an earlier fit()
         if math.isfinite(steps):
@@ -133,7 +132,7 @@ class HDETCallback(pl.Callback, HDETHandle):
                                                             "without max_steps): set max_steps")
             if error is not None:
                 raise error
-        if sharded:
+        if _sharded(trainer):
             if self._fsdp is None:
                 raise HDETConfigError("under ModelParallelStrategy, shard the model with "
                                       "hdet_scale.integrations.lightning.shard in configure_model: "
@@ -350,9 +349,13 @@ def _laid_out(config: HDETConfig, trainer: pl.Trainer) -> HDETConfig:
     """``config`` with its replica size a number: ``"node"`` is the Trainer's devices per node (Lightning's own
     launcher and srun set no LOCAL_WORLD_SIZE), ``"auto"`` a node's ranks under ModelParallelStrategy (FSDP2
     shards inside a replica) and one rank under DDP."""
-    sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
-    return with_replica_size(config, auto="node" if sharded else "rank", world_size=trainer.world_size,
+    return with_replica_size(config, auto="node" if _sharded(trainer) else "rank", world_size=trainer.world_size,
                              node_size=trainer.num_devices)
+
+
+def _sharded(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's strategy is ModelParallelStrategy, where FSDP2 shards each replica."""
+    return type(trainer.strategy).__name__ == "ModelParallelStrategy"
 
 
 def check_strategy(strategy: Any) -> None:

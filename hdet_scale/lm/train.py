@@ -36,7 +36,6 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 import argparse
 import os
-import shutil
 import time
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -45,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.comm import cpu_group, free_port, on_rank0, shut_down, shut_down_and_exit
-from hdet_scale.durable import fsync_tree, recover_replaced_folder, replace_folder_durably, replacement_folders
+from hdet_scale.durable import fsync_tree, replace_folder_durably, replacement_folders, start_replacement
 from hdet_scale.extras import MissingExtra
 from hdet_scale.lm import out_lock
 from hdet_scale.lm.agreement import RunFailed, agreed
@@ -501,12 +500,7 @@ class Run:
         from transformers.utils import logging as transformers_logging
 
         staging = replacement_folders(path)[0]
-
-        def clear() -> None:
-            recover_replaced_folder(path)  # a model a kill left complete beside it stays until this one replaces it
-            shutil.rmtree(staging, ignore_errors=True)
-
-        on_rank0(clear, f"clearing {staging}")
+        on_rank0(lambda: start_replacement(path), f"clearing {staging}")
         shown = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()
         try:
