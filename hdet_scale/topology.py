@@ -72,8 +72,9 @@ class ReplicaTopology:
                 )
             return cls.single_process()
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        check_world_size(config, world_size)
         per = config.ranks_per_replica
+        _check_same_replica_size(per, rank, world_size)
+        check_world_size(config, world_size)
         layout = cls(rank=rank, world_size=world_size, ranks_per_replica=per)
         cross = None
         if layout.num_replicas > 1:
@@ -82,6 +83,23 @@ class ReplicaTopology:
         intra, _ = dist.new_subgroups_by_enumeration([layout.replica_ranks(r) for r in range(layout.num_replicas)])
         return cls(rank=rank, world_size=world_size, ranks_per_replica=per,
                    cross_replica_group=cross, intra_replica_group=intra)
+
+
+def _check_same_replica_size(per_replica: int, rank: int, world_size: int) -> None:
+    """An HDETConfigError on every rank unless every rank has the same replica size (one small all-gather): ranks
+    that disagree (nodes with different numbers of ranks under ``"node"``, or different configs) would build
+    different groups and wait for each other forever."""
+    device = collective_device()
+    sizes = torch.zeros(world_size, dtype=torch.int64, device=device)
+    dist.all_gather_single(sizes, torch.tensor([per_replica], dtype=torch.int64, device=device))
+    sizes = sizes.tolist()
+    if len(set(sizes)) > 1:
+        other = next(r for r, size in enumerate(sizes) if size != sizes[0])
+        raise HDETConfigError(
+            f"the ranks disagree on ranks_per_replica: {sizes[0]} on rank 0 but {sizes[other]} on rank {other} "
+            f"(this is rank {rank}); with nodes of different numbers of ranks set ranks_per_replica to a number "
+            "that divides every node's ranks, the same in every rank's config"
+        )
 
 
 def with_replica_size(config: HDETConfig, *, auto: str = "rank", world_size: int | None = None,

@@ -1,0 +1,36 @@
+"""Replica groups on gloo ranks: ranks that disagree on the replica size are stopped before any group is built.
+
+The layout arithmetic without processes is in tests/unit/test_topology.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from distributed import run_ranks
+from hdet_scale import HDETConfig, HDETConfigError, ReplicaTopology
+
+
+def build_on_uneven_nodes(rank: int, world: int) -> str:
+    # rank 0 on a node of 2 ranks, rank 1 alone on another: each node's launcher gives its own count
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank == 0 else "1"
+    with pytest.raises(HDETConfigError) as caught:
+        ReplicaTopology.build(HDETConfig(ranks_per_replica="node"))
+    return str(caught.value)
+
+
+def test_nodes_with_different_rank_counts_are_refused_on_every_rank():
+    messages = run_ranks(build_on_uneven_nodes, 2, timeout=60)
+    for rank, message in enumerate(messages):
+        assert message.startswith("the ranks disagree on ranks_per_replica: 2 on rank 0 but 1 on rank 1")
+        assert f"(this is rank {rank})" in message
+
+
+def build_even(rank: int, world: int) -> tuple[int, int]:
+    topology = ReplicaTopology.build(HDETConfig(ranks_per_replica=2))
+    return topology.num_replicas, topology.position
+
+
+def test_ranks_that_agree_build_their_groups():
+    assert run_ranks(build_even, 4) == [(2, 0), (2, 1), (2, 0), (2, 1)]
