@@ -438,16 +438,24 @@ class HDETEnsemble:
             "explored": {explored.name: explored.state_dict() for explored in self._explored},
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores ``state_dict()``; with a different replica count the permutations are drawn afresh. A state
-        saved by an earlier version loads too: keys it holds for settings since removed (``start_probe_loss``, the
-        controller's ``updates``, ``log_scale_sum`` and ``scales_averaged``) are ignored."""
+    def check_state(self, state: Mapping[str, Any]) -> list[str]:
+        """A ValueError unless ``load_state_dict`` can continue ``state`` in this run (it explores the same values);
+        an engine asks before it loads a checkpoint's model. Returns the names of the saved ``add_knob`` values this
+        run has not added yet, which wait for their ``add_knob`` call."""
         saved = state["explored"]
         names = [explored.name for explored in self._explored]
         awaited = [name for name in saved if name not in names and not is_configured_name(name)]
         if sorted(set(saved) - set(awaited)) != sorted(names):
             raise ValueError(f"HDET state explores {sorted(saved)} but this run explores {sorted(names)}; "
                              "the optimizer's param groups and HDET's explore settings must match the checkpoint's")
+        return awaited
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict()``; with a different replica count the permutations are drawn afresh. A state
+        saved by an earlier version loads too: keys it holds for settings since removed (``start_probe_loss``, the
+        controller's ``updates``, ``log_scale_sum`` and ``scales_averaged``) are ignored."""
+        awaited = self.check_state(state)
+        saved = state["explored"]
         self._range_start = None  # a saved run is past its range test (none is saved during one)
         same_layout = state["num_replicas"] == self.topology.num_replicas
         self._awaited_knobs = {name: (saved[name], same_layout) for name in awaited}

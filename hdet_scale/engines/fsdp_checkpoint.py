@@ -107,6 +107,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if not has_checkpoint(path):
         raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")
     hdet_state = torch.load(path / HDET_STATE_FILE, weights_only=True)
+    ensemble.check_state(hdet_state)  # before the model is read: a run that cannot continue it stops at once
     source = hdet.topology.replica_index % (saved_replicas or int(hdet_state["num_replicas"]))
     state = _sharded_state(model, optimizer, source)
     dcp.load(state, checkpoint_id=path)

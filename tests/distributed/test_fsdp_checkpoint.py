@@ -169,3 +169,31 @@ def test_a_checkpoint_during_the_range_test_is_refused_before_anything_is_writte
     """HDET's state was asked for on rank 0 only after every rank had written its shards: the refusal came after a
     full save, on the other ranks as a PeerFailed, and left ckpt.tmp behind."""
     assert run_ranks(save_while_ramping, 2, str(tmp_path)) == [[], []]
+
+
+def load_into_another_exploration(rank: int, world: int, directory: str) -> bool:
+    path = Path(directory) / "ckpt"
+
+    def build_small(explore: dict, seed: int):
+        config = HDETConfig.from_dict({"spread": "linear", "alpha": 0.5, "sync_interval": 2, "ranks_per_replica": 1,
+                                       "auto_lr": {"range_test": 0}, "explore": explore})
+        torch.manual_seed(seed)
+        model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config,
+                             block_classes=[])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        handle.attach(optimizer, total_steps=100)
+        return model, optimizer, handle
+
+    saved = build_small({}, seed=0)
+    save_checkpoint(path, *saved)
+    other = build_small({"weight_decay": {"alpha": 0.5}}, seed=1)
+    before = full(other[0].parameters())
+    with pytest.raises(ValueError, match="explore settings must match the checkpoint's"):
+        load_checkpoint(path, *other)
+    return torch.equal(full(other[0].parameters()), before)
+
+
+def test_a_checkpoint_of_another_exploration_is_refused_before_the_model_is_read(tmp_path):
+    """The HDET state was checked after the model and optimizer were loaded: a refused load had overwritten them
+    (and read every shard first)."""
+    assert run_ranks(load_into_another_exploration, 2, str(tmp_path)) == [True, True]
