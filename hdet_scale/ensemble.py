@@ -266,9 +266,9 @@ class HDETEnsemble:
         if self._range_start is not None:
             self._range_test_step(loss)
             return None
+        steps_in_interval = self._steps_in_interval + 1
+        self._scorer.add_step(loss, steps_in_interval, self.adapter.averaged_tensors)  # first: it may refuse the loss
         self._step += 1
-        steps_in_interval = self._steps_in_interval
-        self._scorer.add_step(loss, steps_in_interval, self.adapter.averaged_tensors)
         for explored in self._explored:
             # Values set at syncs held their base for the whole step. A step-scoped value's base was recorded in
             # optimizer.step(), unless that step did not run (an AMP overflow skip): then its base as of now.

@@ -39,8 +39,13 @@ class IntervalLoss:
 
     def add_step(self, loss: LossLike | Sequence[LossLike] | None) -> None:
         """Ends a step: ``loss`` is its loss, a sequence of its micro-batch losses, or None (the micro-batch
-        losses ``observe``d, if any; else the step has no loss)."""
-        if loss is not None and not isinstance(loss, (list, tuple)) and not self._micro_count:
+        losses ``observe``d, if any; else the step has no loss). A loss given after ``observe`` is a ValueError:
+        it would count as one more micro-batch."""
+        if loss is not None and self._micro_count:
+            raise ValueError(f"step() was given a loss after observe() gave this step {self._micro_count} "
+                             "micro-batch loss(es): give a step's losses one way, either observe() each micro-batch "
+                             "and call step() without a loss, or pass them all to step()")
+        if loss is not None and not isinstance(loss, (list, tuple)):
             self._sum = _accumulate(self._sum, loss)  # the common case: one loss per step
             self.count += 1
             return

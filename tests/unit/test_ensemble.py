@@ -35,6 +35,17 @@ def test_micro_batch_losses_average_into_one_step(tmp_path):
     assert record["replica_losses"] == [pytest.approx(5.0)] and record["values"]["lr/0"]["base"] == 0.1
 
 
+def test_a_loss_given_after_observed_micro_batches_is_refused():
+    """It was taken as one more micro-batch: the step's loss became the mean of the micro-batches and itself."""
+    hdet = ensemble(sync_interval=1)
+    hdet.observe(torch.tensor(2.0))
+    with pytest.raises(ValueError, match=r"given a loss after observe\(\) gave this step 1 micro-batch"):
+        hdet.step(torch.tensor(2.0))
+    assert hdet.global_step == 0  # nothing of the refused step counted
+    hdet.observe(torch.tensor(6.0))
+    assert hdet.step().replica_losses == [pytest.approx(4.0)]  # the step's micro-batches: 2 and 6
+
+
 def test_steps_without_losses_report_none():
     hdet = ensemble(sync_interval=2)
     hdet.step()

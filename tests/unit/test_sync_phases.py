@@ -128,7 +128,10 @@ def test_interval_loss_averages_micro_batches_into_steps():
     interval.add_step(2.0)
     interval.add_step([1.0, 3.0, 5.0])  # a step of three micro-batches: 3
     interval.observe(torch.tensor(4.0))
-    interval.add_step(torch.tensor(8.0))  # the observed 4 and the given 8: 6
+    interval.observe(torch.tensor(8.0))
+    with pytest.raises(ValueError, match="give a step's losses one way"):  # a whole step's loss, or one more?
+        interval.add_step(torch.tensor(8.0))
+    interval.add_step(None)  # the observed 4 and 8: 6
     interval.add_step(None)  # no loss: not counted
     assert (interval.total(), interval.count) == (pytest.approx(11.0), 3)
     interval.observe(1.0)
