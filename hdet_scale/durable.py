@@ -7,7 +7,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 from pathlib import Path
+
+from hdet_scale.notices import warn
 
 
 def fsync_path(path: Path) -> None:
@@ -44,17 +47,29 @@ def replacement_folders(target: Path) -> tuple[Path, Path]:
     return target.with_name(target.name + ".tmp"), target.with_name(target.name + ".old")
 
 
+def clear_folder(folder: Path) -> None:
+    """Removes ``folder`` so that its name is free. Where the file system refuses to delete something in it (a
+    file another NFS client holds open, say), the folder moves aside to ``<name>.undeleted-<time>`` and a warning
+    says to remove it by hand: left at its name, it would stop every later save that needs the name."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    aside = folder.with_name(f"{folder.name}.undeleted-{time.time_ns()}")
+    folder.rename(aside)
+    warn(f"could not remove {folder}; moved it to {aside}, which no run uses: remove it by hand")
+
+
 def replace_folder_durably(staging: Path, target: Path) -> None:
     """Puts the complete folder ``staging`` (its files on the disk already) at ``target``, replacing the folder
     there: ``target`` moves to ``target.old``, ``staging`` to ``target``, then the old one goes. A kill at any
     moment leaves a complete folder: ``target``, or ``target.old`` with ``staging`` beside it."""
     retired = replacement_folders(target)[1]
-    shutil.rmtree(retired, ignore_errors=True)  # older than ``target``, which is complete
+    clear_folder(retired)  # older than ``target``, which is complete
     if target.exists():
         target.rename(retired)
     staging.rename(target)
     fsync_path(target.parent)
-    shutil.rmtree(retired, ignore_errors=True)
+    clear_folder(retired)
 
 
 def recover_replaced_folder(target: Path) -> bool:
@@ -67,7 +82,7 @@ def recover_replaced_folder(target: Path) -> bool:
         if not target.exists():
             (staging if staging.exists() else retired).rename(target)
             fsync_path(target.parent)
-        shutil.rmtree(retired, ignore_errors=True)
+        clear_folder(retired)
     return target.exists()
 
 
@@ -76,4 +91,4 @@ def start_replacement(target: Path) -> None:
     the two renames left is put in place first (``recover_replaced_folder``), then what an unfinished write left
     at ``target.tmp`` goes."""
     recover_replaced_folder(target)
-    shutil.rmtree(replacement_folders(target)[0], ignore_errors=True)
+    clear_folder(replacement_folders(target)[0])

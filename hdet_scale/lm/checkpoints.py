@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.durable import replace_durably, replacement_folders
+from hdet_scale.durable import clear_folder, replace_durably, replacement_folders
 
 MANIFEST = "run.json"
 CHECKPOINTS = "checkpoints"
@@ -343,7 +343,7 @@ def settle_interrupted_save(out: Path) -> list[str]:
     newest = checkpoint_dir(out)
     if newest is not None and newest.name in STAGING:
         if (root / "latest").exists():  # killed before the first rename: the save's own order, each step atomic
-            shutil.rmtree(root / STAGING[1], ignore_errors=True)  # older than latest
+            clear_folder(root / STAGING[1])  # older than latest
             (root / "latest").rename(root / STAGING[1])
         newest.rename(root / "latest")
         done.append(f"promoted {newest} (complete, step {complete_step(root / 'latest')}) to {root / 'latest'}, "

@@ -43,3 +43,42 @@ def test_a_kill_between_the_renames_leaves_the_newer_folder_in_place(tmp_path, l
         assert (tmp_path / "ckpt" / "which").read_text() == kept
     assert not (tmp_path / "ckpt.old").exists()
     assert (tmp_path / "ckpt.tmp").exists() == (left.get("ckpt.tmp") == "partial")
+
+
+def refuse_to_delete(monkeypatch, name: str) -> None:
+    """The file system refuses to delete the folder ``name`` (a file in it another NFS client holds open)."""
+    rmtree = durable.shutil.rmtree
+
+    def refusing(path, ignore_errors=False, **kwargs):
+        if os.path.basename(path) == name:
+            if ignore_errors:
+                return
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+        rmtree(path, ignore_errors=ignore_errors, **kwargs)
+
+    monkeypatch.setattr(durable.shutil, "rmtree", refusing)
+
+
+def test_a_retired_folder_that_cannot_be_deleted_moves_aside_and_the_save_goes_on(tmp_path, monkeypatch):
+    """A ckpt.old the file system would not delete stayed at its name: the next save's rename of ckpt onto it failed
+    (directory not empty), and so did every later save, and the resume's own tidying."""
+    for name, content in {"ckpt": "current", "ckpt.old": "stuck", "ckpt.tmp": "newer"}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "which").write_text(content)
+    refuse_to_delete(monkeypatch, "ckpt.old")
+    with pytest.warns(UserWarning, match=r"could not remove .*ckpt\.old; moved it to .*ckpt\.old\.undeleted-\d+"):
+        durable.replace_folder_durably(tmp_path / "ckpt.tmp", tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "which").read_text() == "newer"
+    aside = sorted(path.name for path in tmp_path.iterdir() if ".undeleted-" in path.name)
+    assert len(aside) == 2  # the stuck one, and then the checkpoint it replaced (the same refusal)
+    assert sorted({(tmp_path / name / "which").read_text() for name in aside}) == ["current", "stuck"]
+    assert not (tmp_path / "ckpt.old").exists() and not (tmp_path / "ckpt.tmp").exists()
+
+
+def test_a_staging_folder_that_cannot_be_deleted_moves_aside_before_a_save_writes_there(tmp_path, monkeypatch):
+    (tmp_path / "ckpt.tmp").mkdir()
+    (tmp_path / "ckpt.tmp" / "partial").write_text("x")
+    refuse_to_delete(monkeypatch, "ckpt.tmp")
+    with pytest.warns(UserWarning, match="could not remove"):
+        durable.start_replacement(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt.tmp").exists()  # a save writes its files into an empty staging folder
