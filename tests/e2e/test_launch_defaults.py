@@ -1,4 +1,5 @@
-"""The sbatch templates' defaults, read by bash as sbatch runs them (no cluster needed)."""
+"""The sbatch templates' defaults and the arguments they give train.py, read by bash as sbatch runs them (no cluster
+needed)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,32 @@ def test_two_jobs_of_one_name_never_share_an_output_folder_and_a_requeue_keeps_i
     first, second = out_dir(template, template, 101), out_dir(template, template, 102)
     assert first != second and first.startswith(f"runs/{template}")
     assert out_dir(template, template, 101) == first  # a requeued job keeps its id, so it resumes its own run
+
+
+def train_arguments(template: str, resume: str, restart: int, *args: str) -> subprocess.CompletedProcess:
+    """The arguments the template gives train.py (its lines from ``train_args=`` to the user's arguments)."""
+    lines = (LAUNCH / template).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("train_args=("))
+    end = next(i for i, line in enumerate(lines) if line.startswith('train_args+=("$@")'))
+    script = "set -euo pipefail\n" + "\n".join(lines[start:end + 1]) + '\nprintf "%s\\n" "${train_args[@]}"'
+    return subprocess.run(["bash", "-c", script, "sbatch", *args], capture_output=True, text=True,
+                          env={"OUT_DIR": "out", "HDET_CONFIG": "", "DS_CONFIG": "", "RESUME": resume,
+                               "SLURM_RESTART_COUNT": str(restart), "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
+def test_a_job_started_afresh_continues_its_own_run_once_requeued(template):
+    """With RESUME=0 a requeued job started train.py again without --resume, which refused the job's own output
+    (--out holds a run already): every requeue of such a job failed."""
+    def given(resume: str, restart: int, *args: str) -> list[str]:
+        done = train_arguments(template, resume, restart, *args)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert given("1", 0) == ["--out", "out", "--resume"]
+    assert given("0", 0, "--steps", "9") == ["--out", "out", "--steps", "9"]  # the first start: afresh
+    assert given("0", 2, "--steps", "9") == ["--out", "out", "--resume", "--steps", "9"]  # requeued: continues
+    # an --overwrite start: train.py itself continues the job's own checkpoint once requeued
+    assert given("0", 2, "--overwrite") == ["--out", "out", "--overwrite"]
+    refused = train_arguments(template, "yes", 0)
+    assert refused.returncode == 2 and "RESUME must be 1" in refused.stderr and "not 'yes'" in refused.stderr
