@@ -62,6 +62,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if engine == "deepspeed":
         require("deepspeed", "deepspeed", "hdet_scale.lm.train on DeepSpeed")
     ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
+    if ds_config is not None:
+        _refuse_trainer_auto(args, ds_config)
     if engine == "fsdp" and args.deepspeed_config:
         raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
     if args.replay_schedule:
@@ -132,6 +134,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.max_data_mb is not None and not (args.max_data_mb > 0 and math.isfinite(args.max_data_mb)):
         raise ValueError(f"--max_data_mb must be a positive number of MiB, got {args.max_data_mb} (leave it out to "
                          "read all the data)")
@@ -177,6 +181,24 @@ def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
     return _read_json(args.deepspeed_config, "--deepspeed_config")
 
 
+def _refuse_trainer_auto(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
+    """A DeepSpeed JSON written for transformers' Trainer (``"auto"`` values, which the Trainer fills in) is refused
+    in one line naming them: train.py passes the JSON to DeepSpeed as it is. Its "hdet" section is HDET's, where
+    ``"auto"`` is a value of its own."""
+    def autos(prefix: str, value: Any) -> list[str]:
+        if isinstance(value, dict):
+            return [name for key, item in value.items() if prefix or key != "hdet"
+                    for name in autos(f"{prefix}{key}.", item)]
+        return [prefix[:-1]] if value == "auto" else []
+
+    found = autos("", ds_config)
+    if found:
+        raise ValueError(f"--deepspeed_config {args.deepspeed_config}: {', '.join(found)} "
+                         f"{'is' if len(found) == 1 else 'are'} \"auto\", which transformers' Trainer fills in; "
+                         "train.py gives DeepSpeed the JSON as it is: write numbers there (ds_configs/zero2_bf16.json "
+                         "is one for train.py)")
+
+
 def _read_json(path_text: str, argument: str) -> Any:
     """The JSON file named by ``argument``; errors name the argument."""
     path = Path(path_text)
@@ -195,7 +217,7 @@ def _zero_stage(ds_config: dict[str, Any] | None) -> int:
 def _check_schedule_length(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
     """The DeepSpeed JSON's scheduler ends when the run does: it sets the LR (and the controller's window)."""
     total = ((ds_config.get("scheduler") or {}).get("params") or {}).get("total_num_steps")
-    if total is not None and total != "auto" and total != args.steps:
+    if total is not None and total != args.steps:
         raise ValueError(f"--steps is {args.steps} and the DeepSpeed JSON's scheduler.params.total_num_steps is "
                          f"{total}: the LR schedule must end when the run does; pass --steps {total}, or set "
                          f"total_num_steps (and warmup_num_steps) for a run of {args.steps} steps")
@@ -255,25 +277,33 @@ RESUMABLE_ARGUMENTS = ("steps", "warmup_steps", "min_lr_ratio", "seed", "data", 
                        "heldout_fraction", "seq_len", "micro_batch_size", "grad_accum", "grad_clip", "dropout",
                        "probe_batch", "replay_schedule")
 """The command-line settings a resumed run may change (each applies from the resumed step on)."""
-DEEPSPEED_WINS = {"micro_batch_size": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps",
-                  "grad_clip": "gradient_clipping", "warmup_steps": "scheduler", "min_lr_ratio": "scheduler"}
-"""Arguments a DeepSpeed JSON overrides where it sets the key named (its own value is recorded instead)."""
+DEEPSPEED_ONLY_IN_JSON = ("micro_batch_size", "grad_accum", "grad_clip", "dtype")
+"""Settings DeepSpeed takes from its JSON alone (train.py writes them into the JSON it builds without one): the
+JSON's keys are recorded instead."""
+DEEPSPEED_SCHEDULE = ("warmup_steps", "min_lr_ratio")
+"""Arguments a DeepSpeed JSON's "scheduler" replaces."""
 
 
 def resumable_settings(args: argparse.Namespace, config: HDETConfig, ds_config: dict[str, Any] | None,
                        dtype: str) -> dict[str, Any]:
-    """The settings in effect that a resume says it changed: ``RESUMABLE_ARGUMENTS`` (those a DeepSpeed JSON
-    overrides as ``deepspeed.<key>``, with the rest of the JSON), the precision, and every HDET setting
+    """The settings in effect that a resume says it changed: ``RESUMABLE_ARGUMENTS`` and the precision (under
+    DeepSpeed those it takes from its JSON alone, ``DEEPSPEED_ONLY_IN_JSON`` and ``DEEPSPEED_SCHEDULE`` where the
+    JSON has a scheduler, are left to the JSON, recorded whole as ``deepspeed.<key>``), and every HDET setting
     (``hdet.<field>``) but where the metrics go and the replica size (a requeued job may change it)."""
     def dotted(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
         return {key: value for name, item in values.items() for key, value in
                 (dotted(f"{prefix}{name}.", item) if isinstance(item, dict) else {f"{prefix}{name}": item}).items()}
 
-    overridden = {name for name, key in DEEPSPEED_WINS.items() if key in (ds_config or {})}
+    overridden = set()
+    if ds_config is not None:
+        overridden.update(DEEPSPEED_ONLY_IN_JSON)
+        if "scheduler" in ds_config:
+            overridden.update(DEEPSPEED_SCHEDULE)
     hdet = {name: value for name, value in config.to_dict().items()
             if name not in ("metrics_path", "ranks_per_replica")}
-    return {**{name: getattr(args, name) for name in RESUMABLE_ARGUMENTS if name not in overridden},
-            "dtype": dtype, **dotted("deepspeed.", ds_config or {}), **dotted("hdet.", hdet)}
+    given = {**{name: getattr(args, name) for name in RESUMABLE_ARGUMENTS}, "dtype": dtype}
+    return {**{name: value for name, value in given.items() if name not in overridden},
+            **dotted("deepspeed.", ds_config or {}), **dotted("hdet.", hdet)}
 
 
 def given_weight_decay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> float:

@@ -536,8 +536,9 @@ def _restore_rng(state: dict[str, torch.Tensor | None]) -> None:
 
 
 def _mix(seed: int, step: int, rank: int) -> int:
-    """A generator seed unique to (seed, step, rank)."""
-    return (seed * 1_000_003 + step) * 100_003 + rank + 2**40
+    """A generator seed unique to (seed, step, rank) for seeds up to about 9e7, and a generator's seed (below 2**63)
+    for any."""
+    return ((seed * 1_000_003 + step) * 100_003 + rank + 2**40) % 2**63
 
 
 if __name__ == "__main__":

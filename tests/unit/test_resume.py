@@ -270,6 +270,22 @@ def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrid
         "deepspeed.train_micro_batch_size_per_gpu 4 -> 2",)
 
 
+def test_flags_a_deepspeed_json_run_does_not_read_are_not_said_to_apply(tmp_path, single_process):
+    """A JSON without gradient_clipping, gradient_accumulation_steps or bf16 recorded --grad_clip, --grad_accum and
+    --dtype as the run's settings: a resume that changed them said they applied from its step on, and DeepSpeed
+    never read them."""
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
+    words = ["--engine", "deepspeed", "--deepspeed_config", str(ds_json), "--out", str(tmp_path / "out"),
+             "--max_data_mb", "1"]
+    saved = plan(parse_args(words)).run
+    assert not {"micro_batch_size", "grad_accum", "grad_clip", "dtype"} & saved["settings"].keys()
+    fake_checkpoint(tmp_path / "out", saved)
+    changed = ["--grad_clip", "0.5", "--grad_accum", "2", "--dtype", "fp32", "--micro_batch_size", "2"]
+    assert plan(parse_args([*words, "--resume", *changed])).resume.changed == ()
+    assert plan(parse_args([*words, "--resume", "--warmup_steps", "7"])).resume.changed == ("warmup_steps 30 -> 7",)
+
+
 def test_keys_a_deepspeed_json_gains_or_loses_are_said_too(tmp_path, single_process):
     """Only keys both runs recorded were compared: a JSON that gained a scheduler or lost its gradient_clipping
     resumed without a word."""

@@ -68,6 +68,12 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")  # 300 steps: T = 5
     check(["--steps", "1500", "--eval_interval", "30"], "--eval_interval=30 must be a multiple of sync_interval=25")
     check(["--steps", "0"], "--steps must be at least 1")
+    check(["--seed", str(2**63)], r"--seed must be in \[0, 2\*\*63\), got 9223372036854775808")
+    # a JSON written for transformers' Trainer: DeepSpeed would get its "auto" values as they are
+    trainer_json = str(Path(__file__).resolve().parents[2] / "ds_configs" / "trainer_zero2.json")
+    check(["--deepspeed_config", trainer_json],
+          r"trainer_zero2\.json: train_batch_size, train_micro_batch_size_per_gpu, .*, bf16\.enabled are "
+          r"\"auto\", which transformers' Trainer fills in")
     # train.py's warm-up (default 30 steps) longer than the run: the LR never reached its peak, and never decayed
     check(["--steps", "20"], r"--warmup_steps 30 is not below --steps 20: the LR would still be warming up when the "
                              r"run ends, and never decay; pass a --warmup_steps below 20")
@@ -339,6 +345,14 @@ def test_help_shows_every_default(capsys):
     for option, default in (("--steps", 300), ("--lr", 0.003), ("--out", "runs/train"), ("--probe_batch", 16),
                             ("--on_signal", "sync_now"), ("--preset", "tiny")):
         assert re.search(rf"{option} .*?\(default: {re.escape(str(default))}\)", shown), option
+
+
+def test_any_seed_train_py_takes_seeds_its_data_streams():
+    """--seed $(date +%s) was taken, then failed at the first batch, after the process group and the model: the
+    stream's seed overflowed a generator's."""
+    for seed in (1_764_300_000, 2**63 - 1):
+        torch.Generator().manual_seed(train._mix(seed, 5, 3))
+    assert train._mix(3, 5, 1) == (3 * 1_000_003 + 5) * 100_003 + 1 + 2**40  # the streams of every earlier run
 
 
 def test_the_peak_lr_the_found_lr_is_said_against():
