@@ -31,6 +31,7 @@ from hdet_scale.range_test import MEAN_LR_OVER_PICK, RangeTest, RangeTestStart
 from hdet_scale.resolve import (
     check_attachable,
     few_updates_warning,
+    late_start_warning,
     resolve,
     run_length_error,
     single_replica_warning,
@@ -113,6 +114,10 @@ class HDETEnsemble:
             warn(self.single_replica_warning)
         if self.topology.rank == 0 and self.few_updates_warning:
             warn(self.few_updates_warning)
+        late_start = late_start_warning(config, self.topology.num_replicas, total_steps,
+                                        explores_others=any(not explored.is_lr for explored in self._explored))
+        if self.topology.rank == 0 and late_start:
+            warn(late_start)
 
     @property
     def single_replica_warning(self) -> str | None:

@@ -136,6 +136,18 @@ def few_updates_warning(config: HDETConfig, num_replicas: int) -> str | None:
             f"sync_interval={interval} gives it {updates} update(s){reach}: {fix}")
 
 
+def late_start_warning(config: HDETConfig, num_replicas: int, total_steps: int | None, *,
+                       explores_others: bool) -> str | None:
+    """What a controller set to move a value does when it starts at or past the end of a run of ``total_steps``
+    (``for_run`` applied): nothing; else None."""
+    cfg = config.auto_lr
+    if total_steps is None or num_replicas == 1 or not cfg.moves_any(explores_others) or cfg.start < total_steps:
+        return None
+    return (f"the auto-LR controller starts at step {cfg.start} (auto_lr.start) and this run has {total_steps} "
+            "steps: it never moves a value, and the run trains at the values it was given; set auto_lr.start below "
+            f"{total_steps} (or as a share of the run, e.g. 0.02), or auto_lr.enabled to false")
+
+
 def check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: ReplicaTopology,
                       paper_decay: Sequence[PaperDecay] | None, *, fresh_start: bool) -> None:
     """Refuses, before an ensemble attaches (and changes any weight), a topology, optimizer or setting it cannot

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import typing
+import warnings
 
 import pytest
 import torch
@@ -358,6 +359,33 @@ def test_a_controller_window_too_short_to_climb_says_so(mode, sync_interval, upd
             "(auto_lr.start, stop), or narrow the climb (auto_lr.initial_scale, scale_max, "
             "max_log_step)")
     hdet.close()
+
+
+@pytest.mark.parametrize("auto_lr", [{"mode": "scale", "range_test": 0, "start": 5000},
+                                     {"mode": "paper", "range_test": 0, "start": 100_000}])
+def test_a_controller_that_starts_past_the_runs_end_says_it_never_moves(auto_lr):
+    """A start past the end turned the controller off without a word (the paper's start, 100,000 steps, on any
+    shorter run; a start in steps on a run shorter than that)."""
+    import torch
+
+    from hdet_scale import HDETEnsemble, PaperDecay
+    from hdet_scale.engines.ddp import DDPAdapter
+    from hdet_scale.topology import ReplicaTopology
+
+    config = HDETConfig.from_dict({"sync_interval": 10, "ranks_per_replica": 1, "auto_lr": auto_lr})
+    for steps, warned in ((3000, True), (200_000, False)):
+        optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=steps,
+                                paper_decay=[PaperDecay(steps, 0.01)] if auto_lr["mode"] == "paper" else None,
+                                topology=ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1))
+        said = [str(warning.message) for warning in caught if "never moves" in str(warning.message)]
+        assert said == ([f"the auto-LR controller starts at step {auto_lr['start']} (auto_lr.start) and this run has "
+                         f"{steps} steps: it never moves a value, and the run trains at the values it was given; set "
+                         f"auto_lr.start below {steps} (or as a share of the run, e.g. 0.02), or auto_lr.enabled to "
+                         "false"] if warned else [])
+        hdet.close()
 
 
 def test_a_controller_that_would_never_leave_its_low_start_is_refused():
