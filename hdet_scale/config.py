@@ -337,6 +337,9 @@ def _nest(config: Any, prefix: str) -> None:
         value = getattr(config, key)
         if isinstance(value, Mapping):
             object.__setattr__(config, key, _build(section, value, prefix=f"{prefix}{key}."))  # still being made
+        elif value is None and type(config) is HDETConfig:  # only a knob under explore may be null (not explored)
+            raise HDETConfigError(f"{prefix}{key} must be a mapping of settings, got null: leave it out for its "
+                                  "defaults")
         elif value is not None and not isinstance(value, section):
             raise HDETConfigError(f"{prefix}{key} must be a mapping of settings or an instance of {section.__name__}, "
                                   f"got {value!r}")

@@ -34,13 +34,16 @@ ConfigSource = HDETConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
 def resolve_config(source: ConfigSource, overrides: Mapping[str, Any]) -> HDETConfig:
-    """A validated config from ``source`` with keyword ``overrides`` (nested sections as dicts) on top."""
+    """A validated config from ``source`` with keyword ``overrides`` on top: a nested section given as a dict
+    changes the fields it names, one given as its dataclass (``AutoLRConfig(...)``) replaces the section."""
     config = load_config(source)
     if not overrides:
         return config
     merged = config.to_dict()
     for key, value in overrides.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            merged[key] = dataclasses.asdict(value)
+        elif isinstance(value, Mapping) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value

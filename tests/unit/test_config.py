@@ -218,6 +218,24 @@ def test_sections_given_as_mappings_are_built_and_checked():
     with pytest.raises(HDETConfigError,
                        match=r"auto_lr must be a mapping of settings or an instance of AutoLRConfig, got \[1\]"):
         HDETConfig(auto_lr=[1])
+    # a JSON's null section went on to fail inside validation with an AttributeError (a traceback from train.py)
+    for section in ("auto_lr", "warm_init", "explore"):
+        with pytest.raises(HDETConfigError, match=f"^{section} must be a mapping of settings, got null"):
+            HDETConfig.from_dict({section: None})
+    assert HDETConfig.from_dict({"explore": {"dropout": None}}).explore.dropout is None  # a knob's null: unexplored
+
+
+def test_keyword_sections_given_as_their_dataclass_replace_the_section():
+    """HDETScheduler(..., auto_lr=AutoLRConfig(range_test=0)) was refused ('must be a JSON object'), though
+    HDETConfig itself takes sections as their dataclasses."""
+    from hdet_scale.schedule import resolve_config
+
+    config = resolve_config({"auto_lr": {"mode": "scale", "sigma": 0.3}},
+                            {"auto_lr": AutoLRConfig(range_test=0), "warm_init": {"nu": 0.02}})
+    assert config.auto_lr == AutoLRConfig(range_test=0)  # the whole section: its mode and sigma unset again
+    assert config.warm_init.nu == 0.02
+    assert resolve_config({"auto_lr": {"mode": "scale", "sigma": 0.3}}, {"auto_lr": {"range_test": 0}}).auto_lr == \
+        AutoLRConfig(mode="scale", sigma=0.3, range_test=0)  # a dict changes the fields it names
 
 
 def test_an_unset_alpha_spreads_what_a_controller_moves_and_leaves_an_lr_the_range_test_picked_unspread():
