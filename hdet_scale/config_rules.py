@@ -115,13 +115,14 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
         section, _, name = path.rpartition(".")
         return getattr(sections[section], name)
 
-    _check_layout(config)
     for path in BOOLS:
         check_bool(path, value(path))
     for path, choices in CHOICES.items():
         check_choice(path, value(path), choices)
-    if config.metrics_path is not None and not isinstance(config.metrics_path, str):
-        raise HDETConfigError(f"metrics_path must be a file path string or null, got {config.metrics_path!r}")
+    _check_layout(config)  # after the choices: a misspelt spread is named as such, not as the alpha it would allow
+    if config.metrics_path is not None and not (isinstance(config.metrics_path, str) and config.metrics_path):
+        raise HDETConfigError(f"metrics_path must be a file path string or null (no metrics file), got "
+                              f"{config.metrics_path!r}")
     for name, options in (("start", {"high_open": True}), ("stop", {"low_open": True})):
         if getattr(given, name) is not None:
             check_step_or_share(f"auto_lr.{name}", getattr(given, name), **options)

@@ -27,13 +27,15 @@ def writable_directory(path: str | os.PathLike[str], argument: str) -> Path:
     return directory
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as its text ("nan", "inf"): JSON has no NaN or infinity, and strict
+    readers (jq, JavaScript) refuse the bare ``NaN`` Python's ``json`` would write."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep them readable instead of invalid
     if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
@@ -49,7 +51,7 @@ class MetricsWriter:
         if self.path is None:
             return
         with self.path.open("a") as handle:
-            handle.write(json.dumps(_json_safe(record)) + "\n")
+            handle.write(json.dumps(json_safe(record)) + "\n")
 
 
 @dataclass

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.metrics import writable_directory
+from hdet_scale.metrics import json_safe, writable_directory
 from hdet_scale.replay import ScheduleFileError, schedule_from_records, write_schedule
 from hdet_scale.tools.report_plots import figure_class, file_name, plot_losses, plot_schedules
 from hdet_scale.tools.report_runs import (
@@ -70,7 +70,7 @@ def report(paths: Sequence[str | Path], out: str | Path, labels: Sequence[str] |
             used.add(stem)
             files.append(plot_schedules(run, out / f"schedules_{stem}.png"))
     summary = {"runs": [summarize(run) for run in runs], "files": [str(path) for path in files]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     return summary
 
 

@@ -159,6 +159,9 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"lambda": 0.5}}, r"unknown HDET setting 'auto_lr.lambda'"),
         ({"auto_lr": 3}, r"auto_lr must be a JSON object"),
         ({"spread": "cubic"}, r"spread must be one of 'linear', 'log', got 'cubic'"),
+        # the alpha a log spread allows was refused first, as if the spread were linear
+        ({"spread": "Log", "alpha": 2.0}, r"spread must be one of 'linear', 'log', got 'Log'"),
+        ({"metrics_path": ""}, r"metrics_path must be a file path string or null \(no metrics file\), got ''"),
         ({"auto_lr": {"max_log_step": 0}}, r"auto_lr.max_log_step must be a number in \(0.0, inf\)"),
         ({"auto_lr": {"average_window": 1.0}}, r"auto_lr.average_window must be a number in \[0.0, 1.0\)"),
     ],

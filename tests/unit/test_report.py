@@ -154,6 +154,18 @@ def test_report_writes_plots_and_summary(tmp_path, capsys):
     assert runs["real"]["values"]["lr/0"]["base"] == pytest.approx(0.05)
 
 
+def test_a_run_that_ended_on_nan_gives_a_summary_strict_json_readers_take(tmp_path):
+    """summary.json held a bare NaN, which jq and JavaScript refuse (the metrics files write "nan")."""
+    path = write_lines(tmp_path / "diverged.jsonl", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": float("nan")}])
+    report.report([path], tmp_path / "plots")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    summary = json.loads((tmp_path / "plots" / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["runs"][0]["final_loss"] == "nan"
+
+
 def test_loss_of_a_sync_line():
     assert report_runs.train_loss({"step": 1, "replica_losses": [1.0, None, "nan", 2.0]}) == pytest.approx(1.5)
     assert math.isnan(report_runs.train_loss({"step": 1, "replica_losses": ["nan", None]}))
