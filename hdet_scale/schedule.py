@@ -179,7 +179,8 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
 
 class ReplaySchedule(LRScheduler):
     """Replays the schedule an HDET run discovered, without HDET: step k of this run uses, per param group, the
-    base LR (and weight decay, where it was explored) that step k of the HDET run used.
+    base LR (and weight decay, where it was explored) that step k of the HDET run used: the centre of its
+    replicas' spread (with an LR spread, each replica trained at the base times its multiplier).
 
     The file comes from ``python -m hdet_scale.tools.report RUN.jsonl --export-schedule schedule.json``. It is a torch
     LR scheduler: call ``step()`` after ``optimizer.step()``. Param groups are matched by name (their ``name``
