@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.durable import clear_folder, replace_durably, replacement_folders
+from hdet_scale.durable import clear_folder, fsync_path, replace_durably, replacement_folders
 
 MANIFEST = "run.json"
 CHECKPOINTS = "checkpoints"
@@ -373,6 +373,13 @@ def remove_unused(path: Path) -> str | None:
     except OSError as error:
         return f"could not remove {path} ({error.strerror or error}); the run does not use it: remove it by hand"
     return None
+
+
+def flush_metrics(metrics_path: str | None) -> None:
+    """Puts the metrics file on the disk before a checkpoint is taken (on the rank that writes it): the checkpoint
+    vouches for its step, and a node crash must not leave a resumed run with lines missing before it."""
+    if metrics_path and Path(metrics_path).is_file():
+        fsync_path(Path(metrics_path))
 
 
 def check_free_space(out: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from hdet_scale.durable import replace_durably
 from hdet_scale.lm.scalars import ScalarSinks
 from hdet_scale.metrics import MetricsWriter, SyncReport
 
@@ -145,7 +146,7 @@ class Progress:
                     self._heldout_recorded.add(record["step"])
         staging = path.with_name(path.name + ".tmp")
         staging.write_text("".join(line + "\n" for line in kept))
-        staging.replace(path)
+        replace_durably(staging, path)  # a node crash cannot bring back the lines dropped, nor lose those kept
         if unreadable:
             self.line(f"{path}: dropped {unreadable} unreadable line(s), left by an interrupted write")
 

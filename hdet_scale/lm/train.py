@@ -54,6 +54,7 @@ from hdet_scale.lm.checkpoints import (
     ResumePoint,
     check_free_space,
     checkpoint_dir,
+    flush_metrics,
     out_state,
     remove_previous_run,
     settle_interrupted_save,
@@ -451,7 +452,12 @@ class Run:
         """Saves once per step (a preemption may land on a checkpoint step); a failure on any rank stops all."""
         directory = self.out / "checkpoints"
         if self.saved_at != self.step:
-            agreed(f"saving a checkpoint in {directory}", lambda: check_free_space(self.out))
+            def before_saving() -> None:
+                check_free_space(self.out)
+                if self.rank == 0:
+                    flush_metrics(self.config.metrics_path)
+
+            agreed(f"saving a checkpoint in {directory}", before_saving)
             # every rank's random stream (--dropout draws from it), so that a resumed run draws what an
             # uninterrupted one would; the extra state is the same on every rank, so it holds all of them
             rng_states: list[Any] = [None] * dist.get_world_size()

@@ -262,6 +262,30 @@ def test_a_cut_short_metrics_line_is_dropped_and_the_rest_kept(tmp_path, capsys)
     assert not (tmp_path / "hdet_metrics.jsonl.tmp").exists()
 
 
+def test_the_metrics_lines_a_checkpoint_vouches_for_are_on_the_disk(tmp_path, monkeypatch):
+    """The metrics file stayed in the page cache when a checkpoint was taken, and the file a resume rewrote replaced
+    it before it was flushed: a node crash could leave the resumed run with lines missing before its step."""
+    import os
+
+    from hdet_scale.lm.checkpoints import flush_metrics
+    from hdet_scale.lm.progress import Progress
+
+    events: list[str] = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync " + os.path.basename(
+        os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda source, target: (events.append(
+        f"replace {os.path.basename(source)}"), replace(source, target))[1])
+    metrics = tmp_path / "hdet_metrics.jsonl"
+    metrics.write_text('{"step": 5, "loss": 1}\n')
+    flush_metrics(str(metrics))
+    assert events == ["fsync hdet_metrics.jsonl"]
+    events.clear()
+    metrics.write_text('{"step": 5, "loss": 1}\n{"step": 10, "loss": 2}\n')
+    Progress(tmp_path, enabled=True, bar=False, total=20, metrics_path=str(metrics)).truncate_metrics(str(metrics), 5)
+    assert events == ["fsync hdet_metrics.jsonl.tmp", "replace hdet_metrics.jsonl.tmp", f"fsync {tmp_path.name}"]
+
+
 @pytest.mark.usefixtures("single_process")
 def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(tmp_path):
     from hdet_scale.replay import SCHEDULE_FORMAT
