@@ -73,7 +73,7 @@ class ReplicaTopology:
             return cls.single_process()
         world_size, rank = dist.get_world_size(), dist.get_rank()
         per = config.ranks_per_replica
-        _check_same_replica_size(per, rank, world_size)
+        check_same_replica_size(per, rank, world_size)
         check_world_size(config, world_size)
         layout = cls(rank=rank, world_size=world_size, ranks_per_replica=per)
         cross = None
@@ -85,8 +85,9 @@ class ReplicaTopology:
                    cross_replica_group=cross, intra_replica_group=intra)
 
 
-def _check_same_replica_size(per_replica: int, rank: int, world_size: int) -> None:
-    """An HDETConfigError on every rank unless every rank has the same replica size (one small all-gather): ranks
+def check_same_replica_size(per_replica: int, rank: int, world_size: int) -> None:
+    """An HDETConfigError on every rank unless every rank has the same replica size (one small all-gather, a
+    collective: every rank calls it before it builds groups): ranks
     that disagree (nodes with different numbers of ranks under ``"node"``, or different configs) would build
     different groups and wait for each other forever."""
     device = collective_device()

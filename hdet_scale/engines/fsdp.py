@@ -35,7 +35,7 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
 from hdet_scale.param_groups import transformer_blocks
 from hdet_scale.resolve import resolve
-from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_size
+from hdet_scale.topology import ReplicaTopology, check_same_replica_size, check_world_size, with_replica_size
 
 
 def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh:
@@ -45,6 +45,7 @@ def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh
         raise RuntimeError("the FSDP2 adapter needs torch.distributed initialized (launch with torchrun)")
     world = dist.get_world_size()
     config = with_replica_size(config, auto="node", world_size=world)
+    check_same_replica_size(config.ranks_per_replica, dist.get_rank(), world)
     check_world_size(config, world)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = (world // config.ranks_per_replica, config.ranks_per_replica)

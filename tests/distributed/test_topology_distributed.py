@@ -12,16 +12,25 @@ from distributed import run_ranks
 from hdet_scale import HDETConfig, HDETConfigError, ReplicaTopology
 
 
-def build_on_uneven_nodes(rank: int, world: int) -> str:
+def build_on_uneven_nodes(rank: int, world: int, engine: str) -> str:
+    from torch import nn
+
+    from hdet_scale.engines.fsdp import wrap
+
     # rank 0 on a node of 2 ranks, rank 1 alone on another: each node's launcher gives its own count
     os.environ["LOCAL_WORLD_SIZE"] = "2" if rank == 0 else "1"
     with pytest.raises(HDETConfigError) as caught:
-        ReplicaTopology.build(HDETConfig(ranks_per_replica="node"))
+        if engine == "fsdp":  # FSDP2 builds its mesh from the replica size
+            wrap(nn.Linear(2, 2), HDETConfig(ranks_per_replica="node"), block_classes=[])
+        else:  # DDP and DeepSpeed build their groups from it
+            ReplicaTopology.build(HDETConfig(ranks_per_replica="node"))
     return str(caught.value)
 
 
-def test_nodes_with_different_rank_counts_are_refused_on_every_rank():
-    messages = run_ranks(build_on_uneven_nodes, 2, timeout=60)
+@pytest.mark.parametrize("engine", ["groups", "fsdp"])
+def test_nodes_with_different_rank_counts_are_refused_on_every_rank(engine):
+    """The ranks built different groups (or meshes) and waited for each other until the collectives' timeout."""
+    messages = run_ranks(build_on_uneven_nodes, 2, engine, timeout=60)
     for rank, message in enumerate(messages):
         assert message.startswith("the ranks disagree on ranks_per_replica: 2 on rank 0 but 1 on rank 1")
         assert f"(this is rank {rank})" in message
