@@ -90,9 +90,10 @@ def check_same_replica_size(per_replica: int, rank: int, world_size: int) -> Non
     collective: every rank calls it before it builds groups): ranks
     that disagree (nodes with different numbers of ranks under ``"node"``, or different configs) would build
     different groups and wait for each other forever."""
-    device = collective_device()
-    sizes = torch.zeros(world_size, dtype=torch.int64, device=device)
-    dist.all_gather_single(sizes, torch.tensor([per_replica], dtype=torch.int64, device=device))
+    # each rank's size in its own slot of a summed table: an all-reduce, which every backend and torch version has
+    sizes = torch.zeros(world_size, dtype=torch.int64, device=collective_device())
+    sizes[rank] = per_replica
+    dist.all_reduce(sizes)
     sizes = sizes.tolist()
     if len(set(sizes)) > 1:
         other = next(r for r, size in enumerate(sizes) if size != sizes[0])
