@@ -2,7 +2,7 @@
 host wait for the device between syncs. The same code runs on the CPU (``--device cpu``), so it cannot rot between
 GPU loans.
 
-    python benchmarks/gpu_check.py                            # on one GPU: presets small and 125m, bf16, ~4 min
+    PYTHONPATH=$PWD python benchmarks/gpu_check.py            # on one GPU: presets small and 125m, bf16, ~5 min
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check   # the dry run (benchmarks/tests)
 
 Two ranks share the device over gloo (NCCL refuses two ranks on one GPU), each rank a replica, global gradient
@@ -17,7 +17,8 @@ moving at every sync with a probe batch. For each engine (DDP, FSDP2) and preset
    time less one flat all-reduce of the same bytes over the same ranks (the transfer). The ratio at T = 10,
    100 and 1000 is (plain step + own work + sync / T) / plain step, and the same with the sync's own work only.
 2. **Host-device synchronization** between syncs (CUDA only): ``torch.cuda.set_sync_debug_mode("error")``
-   around ``optimizer.step()`` (HDET's LR hooks) and ``hdet.step`` in five steps after a sync, for plain and HDET,
+   around ``optimizer.step()`` (HDET's LR hooks) and ``hdet.step`` in the eight steps after a sync's first (the
+   averaged-weight window's among them), for plain and HDET,
    and around HDET's gradient average (the body of its DDP comm hook and FSDP2 all-reduce hook) on a bucket of
    25 MiB over a group of one rank under NCCL. Forward and backward are not checked as a whole: gloo's own CUDA
    path synchronizes inside every all-reduce, plain or HDET.
@@ -83,6 +84,7 @@ RANKS = 2
 SYNC_INTERVAL = 10
 AMORTIZED_AT = (10, 100, 1000)
 BUCKET_BYTES = 25 * MiB  # the library's default bucket_mb
+COPIES_PER_TIMING = 20  # device-to-device copies timed together for the copy baseline
 VOCAB = 256
 
 
@@ -470,7 +472,9 @@ def local_work(preset: str, settings: Settings, device: torch.device, group: dis
     flat, copy = torch.zeros(numel, device=device), torch.empty(numel, device=device)
     memory: list[torch.Tensor] = []
     times = {
-        "copy": median_seconds(device, lambda: copy.copy_(flat), settings.reps),
+        # several copies a timing: one small copy is a launch and a synchronization, not the copy's bandwidth
+        "copy": median_seconds(device, lambda: [copy.copy_(flat) for _ in range(COPIES_PER_TIMING)],
+                               settings.reps) / COPIES_PER_TIMING,
         "flat_all_reduce": median_seconds(device, lambda: dist.all_reduce(flat, group=group), settings.reps),
         "average_tensors": median_seconds(device, lambda: average_tensors(
             tensors, group, bucket_bytes=BUCKET_BYTES, skip_non_finite=True, memory=memory), settings.reps),
@@ -608,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     settings = Settings(device=args.device, presets=tuple(args.presets), engines=tuple(args.engines),
                         steps=args.steps, warmup=SYNC_INTERVAL + 2, batch=args.batch, seq_len=args.seq_len,
-                        reps=args.reps, debug_steps=5)
+                        reps=args.reps, debug_steps=SYNC_INTERVAL - 2)  # the steps between two syncs, window too
     partial = args.out.parent / f"{args.out.name}_partial.json"
     partial.parent.mkdir(parents=True, exist_ok=True)
     mp.spawn(run_rank, args=(settings, free_port(), str(partial)), nprocs=RANKS, join=True)

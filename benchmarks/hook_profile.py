@@ -39,6 +39,9 @@ def profile_hooks(names: Sequence[str], step: Callable[[int, int], None], device
                             "self_device_us": event.self_device_time_total / PROFILED_STEPS
                             if event.device_type != DeviceType.CPU and not event.is_user_annotation else 0.0}
                 for event in recorder.key_averages()}
+    # a device whose profiler records no kernel (CUPTI unavailable, with a warning) has no device times to show
+    profiles["device_times"] = device.type == "cuda" and any(
+        stats["self_device_us"] > 0 for hook in profiles["hooks"].values() for stats in hook.values())
     return profiles
 
 
