@@ -236,7 +236,7 @@ def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.d
     rank 0 has said why."""
     out = Path(args.out)
     try:
-        agreed(f"taking {out}", lambda: on_rank0(lambda: take_as_planned(out, checked), f"taking {out}"))
+        take_out(out, checked)
         try:
             Run(args, checked, device).train()
         finally:
@@ -248,6 +248,23 @@ def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.d
             print(f"train.py: error: {failure}", file=sys.stderr, flush=True)
         dist.barrier()  # no rank exits, and gets rank 0 stopped by the launcher, before rank 0 has said why
         raise SystemExit(1) from None
+
+
+def take_out(out: Path, checked: Plan) -> None:
+    """Takes ``out`` for this run (collective): every rank's plan found the same in it, and rank 0 holds its lock
+    and finds it unchanged (``take_as_planned``); else ``RunFailed`` on every rank, the lock released. The ranks
+    plan one after another: a run that ended between two of them left one rank resuming its checkpoint and another
+    starting afresh."""
+    def take() -> None:
+        planned: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(planned, checked.out_state)
+        if any(state != planned[0] for state in planned):
+            raise out_lock.OutInUse(f"--out {out} changed while this run was starting (its ranks found different "
+                                    "runs there: another run wrote there meanwhile); nothing was touched: start this "
+                                    "run again")
+        on_rank0(lambda: take_as_planned(out, checked), f"taking {out}")
+
+    agreed(f"taking {out}", take)
 
 
 def take_as_planned(out: Path, checked: Plan) -> None:
