@@ -160,13 +160,18 @@ def test_a_first_seeds_run_from_another_machine_is_not_compared_bit_for_bit(monk
             (2, 0.1, 5.0, 1.0), (2, 1.0, 5.0, None), (2, 10.0, 5.0, 1.0)]
 
 
-def test_a_first_seed_without_a_run_from_every_start_leaves_the_other_seeds_waiting(monkeypatch):
+def test_a_first_seed_without_a_run_from_every_start_leaves_the_other_seeds_waiting(monkeypatch, capsys):
     lr_finding = load_benchmark("lr_finding")
-    monkeypatch.setattr(lr_finding, "execute", lambda args, todo, source, record, save: None)  # launches fail
+    launched: list[list[tuple[int, float]]] = []
+    monkeypatch.setattr(lr_finding, "execute", lambda args, todo, source, record, save: launched.append(
+        [(run["seed"], run["lr"]) for run in todo]))  # every launch fails: nothing is recorded
     args = lr_finding.parse_args(["--seeds", "0", "1"])
     record = {"runs": []}
     lr_finding.one_run_for_every_start(args, record, None, lambda: None, "default", [0.1, 1.0])
+    # one launch: the first seed from every start, the other from the first start only; nothing after it
+    assert launched == [[(0, 0.1), (0, 1.0), (1, 0.1)]]
     assert record["runs"] == []
+    assert "default has no run of seed 0 from every start" in capsys.readouterr().err
 
 
 def test_a_baseline_whose_optimizer_is_not_installed_stops_before_any_run(monkeypatch, tmp_path):

@@ -85,9 +85,9 @@ def test_probe_losses_drive_the_controller(probe_weight):
 
 
 
-def fsdp2_training_losses(rank: int, world: int, probed: bool) -> list[float]:
+def fsdp2_training_losses(rank: int, world: int, probed: bool) -> tuple[list[float], list[float] | None]:
     """train.py's FSDP2 backend, 2 replicas x 2 shards of a tiny Llama, 6 steps synced every 2, the controller
-    held; with or without a probe."""
+    held; with or without a probe. Returns the training losses and the last sync's probe losses."""
     import argparse
 
     from hdet_scale.lm.backends import FSDPBackend
@@ -109,11 +109,14 @@ def fsdp2_training_losses(rank: int, world: int, probed: bool) -> list[float]:
         loss = backend.forward_backward((tokens[:, :-1], tokens[:, 1:]), index=0, of=1)
         backend.optimizer_step([loss])
         losses.append(float(loss))
-    return losses
+    return losses, backend.ensemble.last_report.probe_losses
 
 
 def test_a_probe_changes_nothing_in_fsdp2_training():
     """A probe only reads: with the controller held, training is the same with and without one. FSDP2 keeps the
     root module's parameters unsharded after a forward that no backward follows (the probe's), and the average
     edits the shards: the next forward must gather them again, not train on the replica's pre-average values."""
-    assert run_ranks(fsdp2_training_losses, 4, True) == run_ranks(fsdp2_training_losses, 4, False)
+    probed, plain = run_ranks(fsdp2_training_losses, 4, True), run_ranks(fsdp2_training_losses, 4, False)
+    assert all(scores is not None and len(scores) == 2 for _, scores in probed)  # the probe scored both replicas
+    assert all(scores is None for _, scores in plain)
+    assert [losses for losses, _ in probed] == [losses for losses, _ in plain]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from settings import LR_HELD_AT_GIVEN, lr_held_at_given
 
-from distributed import gather_rows, run_ranks
+from distributed import run_ranks
 
 
 # ------------------------------------------------------------------------------ more and fewer replicas, FSDP2
@@ -70,13 +70,16 @@ def fsdp_load(rank: int, world: int, directory: str, per_replica: int) -> None:
     loss.backward()
     optimizer.step()
     hdet.step(loss)
-    assert torch.isfinite(gather_rows(loaded["model"])).all()
+    trained = _fsdp_snapshot(model, optimizer)["model"]
+    assert torch.isfinite(trained).all() and not torch.equal(trained, loaded["model"])
 
 
 @pytest.fixture(scope="module")
 def fsdp_checkpoint(tmp_path_factory) -> str:
     directory = str(tmp_path_factory.mktemp("fsdp_layouts") / "ckpt")
-    run_ranks(fsdp_save, 4, directory)  # 2 replicas x 2 shards
+    run_ranks(fsdp_save, 4, directory)  # 2 replicas x 2 shards, local gradients: their moments differ
+    saved = [torch.load(Path(directory) / f"rank{rank}.pt")["moments"] for rank in (0, 2)]
+    assert not torch.equal(*saved)  # so a load that gave a replica the other's state would show
     return directory
 
 

@@ -20,8 +20,6 @@ from launcher import BIN, launch
 
 from distributed import free_port
 
-pytest.importorskip("lightning")
-
 JOB = Path(__file__).resolve().parents[1] / "lightning_job.py"
 RANGE_JOB = JOB.parent / "lightning_range_job.py"
 SYNC = 5

@@ -336,7 +336,7 @@ def test_the_rise_only_phase_is_checked():
     with pytest.raises(HDETConfigError, match=r"auto_lr.rise_only_after=0.2 is a share of the controller's window "
                                               r"up to its stop: give auto_lr.stop"):
         HDETConfig.from_dict({"auto_lr": {"mode": "scale", "rise_only_after": 0.2}})  # scale mode: no stop
-    assert HDETConfig.from_dict({"auto_lr": {"mode": "scale", "stop": 9, "rise_only_after": 0.2}})
+    assert HDETConfig.from_dict({"auto_lr": {"mode": "scale", "stop": 9, "rise_only_after": 0.2}}).auto_lr.stop == 9
 
 
 @pytest.mark.parametrize(("mode", "sync_interval", "updates"),
@@ -531,12 +531,13 @@ def test_alpha_zero_is_refused_where_the_controller_would_move_the_lr():
         HDETConfig.from_dict({"alpha": 0, "auto_lr": {"range_test": 0}})
     with pytest.raises(HDETConfigError, match=r"initial_scale=2 times the given LR"):
         HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0, "initial_scale": 2.0}})
-    assert HDETConfig.from_dict({"alpha": 0, "auto_lr": {"enabled": False}})  # plain data parallel
-    assert HDETConfig.from_dict({"alpha": 0})  # the range test picks the LR, which holds
-    assert HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "paper"}})  # eq. 8 decays it still
+    # accepted (a config is made only where it validates):
+    HDETConfig.from_dict({"alpha": 0, "auto_lr": {"enabled": False}})  # plain data parallel
+    HDETConfig.from_dict({"alpha": 0})  # the range test picks the LR, which holds
+    HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "paper"}})  # eq. 8 decays it still
     # the LR at the given one while dropout is explored
-    assert HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0},
-                                 "explore": {"dropout": {"alpha": 0.3}}})
+    HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0},
+                          "explore": {"dropout": {"alpha": 0.3}}})
     pinned = {"range_test": 0, "initial_scale": 0.5, "scale_min": 0.5, "scale_max": 0.5}  # held where it is given
     assert HDETConfig.from_dict({"alpha": 0, "auto_lr": pinned}).auto_lr.filled().initial_scale == 0.5
 

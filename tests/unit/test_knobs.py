@@ -128,7 +128,8 @@ def test_knob_guard_rails_and_clear_errors():
 def test_an_explored_value_needs_a_spread_the_spread_allows():
     """A knob's alpha follows the spread's own range (a log spread takes any alpha, a linear one below 1), and 0,
     given or taken from the top-level alpha, is refused: the value would never differ, nor move."""
-    assert HDETConfig.from_dict({"spread": "log", "explore": {"weight_decay": {"alpha": 1.5}}})
+    wide = HDETConfig.from_dict({"spread": "log", "explore": {"weight_decay": {"alpha": 1.5}}})
+    assert wide.explore.weight_decay.alpha == 1.5
     for settings, named in (({"explore": {"weight_decay": {"alpha": 0}}}, "explore.weight_decay.alpha"),
                             ({"alpha": 0, "explore": {"dropout": {}}}, "explore.dropout takes alpha=0"),
                             ({"spread": "linear", "explore": {"dropout": {"alpha": -0.1}}}, "explore.dropout.alpha")):

@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("lightning")
-
 
 def test_strategies_and_loops_it_cannot_serve_are_refused():
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
