@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from slurm_cluster import Job, SlurmCluster, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,6 +101,14 @@ def check_trained(job: Job, out: Path, engine: str, gradient_mode: str) -> str:
     return final.group(0)
 
 
+def final_model(out: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the model a run exported to ``out/final``."""
+    from safetensors.torch import load_file
+
+    return {name: tensor for path in sorted((out / "final").glob("*.safetensors"))
+            for name, tensor in load_file(path).items()}
+
+
 @pytest.fixture(scope="module")
 def fsdp_job(cluster, tmp_path_factory) -> tuple[Job, Path]:
     """The uninterrupted FSDP run, which the preempted one is compared with; in local gradient mode (train.py's
@@ -152,8 +161,11 @@ def test_fsdp_template_checkpoints_on_the_time_guards_signal_requeues_and_resume
     step = int(preempted.group(1))
     assert 0 < step < STEPS and step % SYNC_INTERVAL == 0
     assert re.search(rf"^resumed from \S+ at step {step}$", job.output, re.MULTILINE), job.output[-8000:]
-    # The same final model as the uninterrupted run.
+    # The same final model as the uninterrupted run: its loss line, and every exported tensor to the bit.
     assert check_trained(job, tmp_path / "out", "fsdp", "local") == check_trained(*fsdp_job, "fsdp", "local")
+    resumed, straight = final_model(tmp_path / "out"), final_model(fsdp_job[1])
+    assert resumed.keys() == straight.keys()
+    assert [name for name in resumed if not torch.equal(resumed[name], straight[name])] == []
 
 
 def test_deepspeed_template_trains_on_two_nodes_stops_past_the_launchers_checkpoints_requeues_and_resumes(
