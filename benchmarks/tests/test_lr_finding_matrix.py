@@ -47,9 +47,9 @@ def test_the_smoothed_loss_is_a_debiased_moving_average_and_stops_at_four_times_
 
 def test_the_pick_is_the_steepest_descent_after_the_first_ten_points_and_before_the_last():
     lrs = [10.0 ** (k / 4) for k in range(20)]
-    # flat for 10 points, then a descent that is steepest between points 13 and 14, then flat, then a jump at
-    # the end that the pick leaves out
-    smoothed = [5.0] * 10 + [5.0, 4.9, 4.7, 4.0, 3.9, 3.85, 3.85, 3.85, 3.85, 0.0]
+    # a steep drop among the first 10 points, which the pick leaves out, then flat; then a descent that is steepest
+    # between points 13 and 14, then flat, then a jump at the end that the pick leaves out too
+    smoothed = [9.0, 5.0] + [5.0] * 8 + [5.0, 4.9, 4.7, 4.0, 3.9, 3.85, 3.85, 3.85, 3.85, 0.0]
     # central slopes from point 10: 4.9-5.0 (one-sided) -0.1, (4.7-5.0)/2 -0.15, (4.0-4.9)/2 -0.45,
     # (3.9-4.7)/2 -0.4, ...: the most negative at point 12 (4.7)
     assert range_test.steepest_descent(lrs, smoothed) == lrs[12]
