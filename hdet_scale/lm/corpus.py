@@ -48,6 +48,11 @@ class Corpus:
                              f"{seq_len + 1}; {self.more_heldout}, or lower --seq_len")
 
 
+def reads_bytes(source: str) -> bool:
+    """Whether ``source`` is text, read as bytes (``"stdlib"`` or a directory): its vocabulary is ``BYTE_VOCAB``."""
+    return source == "stdlib" or Path(source).is_dir()
+
+
 def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | None = None,
                 heldout_fraction: float = 0.01, max_bytes: int | None = None) -> Corpus:
     """The corpus named by ``source``: ``"stdlib"``, a directory of text files, or a token file.

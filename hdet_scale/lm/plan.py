@@ -27,7 +27,7 @@ from hdet_scale.lm.checkpoints import (
     previous_run,
     written_before_this_requeue,
 )
-from hdet_scale.lm.corpus import Corpus, load_corpus
+from hdet_scale.lm.corpus import BYTE_VOCAB, Corpus, load_corpus, reads_bytes
 from hdet_scale.lm.model import PRESETS, check_preset
 from hdet_scale.metrics import writable_directory
 from hdet_scale.resolve import load_config, resolve, stuck_start_error
@@ -90,15 +90,23 @@ def plan(args: argparse.Namespace) -> Plan:
         if getattr(args, name) % config.sync_interval:
             raise ValueError(f"--{name}={getattr(args, name)} must be a multiple of sync_interval="
                              f"{config.sync_interval}: the replicas are one model only right after a sync")
-    corpus = load_corpus(args.data, token_dtype=args.token_dtype, vocab_size=args.vocab_size,
-                         heldout_fraction=args.heldout_fraction,
-                         max_bytes=None if args.max_data_mb is None else int(args.max_data_mb * 2**20))
     micro_batch = (ds_config or {}).get("train_micro_batch_size_per_gpu", args.micro_batch_size)
-    corpus.check_fits(seq_len=args.seq_len, micro_batch_size=int(micro_batch))
+
+    def read_corpus() -> Corpus:
+        corpus = load_corpus(args.data, token_dtype=args.token_dtype, vocab_size=args.vocab_size,
+                             heldout_fraction=args.heldout_fraction,
+                             max_bytes=None if args.max_data_mb is None else int(args.max_data_mb * 2**20))
+        corpus.check_fits(seq_len=args.seq_len, micro_batch_size=int(micro_batch))
+        return corpus
+
+    # Text is read whole into memory: only once the checkpoint to resume is known to fit (its vocabulary is the
+    # bytes'). A token file is memory-mapped, and opening it tells the vocabulary.
+    corpus = None if reads_bytes(args.data) else read_corpus()
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
     zero_stage = _zero_stage(ds_config) if engine == "deepspeed" else None
+    vocab_size = BYTE_VOCAB if corpus is None else corpus.vocab_size
     run = identity(engine=engine, zero_stage=zero_stage,
-                   model={"preset": args.preset, **PRESETS[args.preset], "vocab_size": corpus.vocab_size},
+                   model={"preset": args.preset, **PRESETS[args.preset], "vocab_size": vocab_size},
                    replicas=replicas, ranks_per_replica=config.ranks_per_replica,
                    explored=[name for name, knob in vars(config.explore).items() if knob is not None],
                    optimizer={"peak_lr": given_peak_lr(args, ds_config)[0],
@@ -115,7 +123,7 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--resume: {out} holds a finished run's model ({out / FINAL_MODEL}) and no checkpoint to "
                          "continue from: pass --overwrite instead of --resume to start afresh over it (RESUME=0 "
                          "with the Slurm templates), or choose another --out")
-    return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume,
+    return Plan(engine, config, corpus or read_corpus(), ds_config, world_size, dtype, run, resume,
                 out_state(out, config.metrics_path))
 
 

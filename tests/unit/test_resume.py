@@ -203,6 +203,24 @@ def test_another_engines_checkpoint_is_refused_before_any_process_group(tmp_path
     assert not dist.is_initialized()
 
 
+def test_a_checkpoint_that_cannot_continue_is_refused_before_the_text_is_read(tmp_path, single_process, monkeypatch):
+    """A text corpus (a directory, the stdlib) is read whole into memory: it was read, all of it on every rank,
+    before the checkpoint was found not to fit."""
+    from hdet_scale.lm import plan as planning
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("some text " * 200)
+    fake_checkpoint(tmp_path / "out", run(engine="fsdp", replicas=1, per_replica=1))
+    read = []
+    monkeypatch.setattr(planning, "load_corpus", lambda *args, **kwargs: read.append(args) or pytest.fail("read"))
+    args = parse_args(["--engine", "deepspeed", "--zero_stage", "1", "--out", str(tmp_path / "out"), "--resume",
+                       "--data", str(texts)])
+    with pytest.raises(ResumeError, match="written by fsdp, this run uses deepspeed ZeRO-1"):
+        plan(args)
+    assert read == []
+
+
 def test_other_settings_a_resume_may_change_are_said_in_one_line(tmp_path, single_process):
     words = ["--out", str(tmp_path), "--max_data_mb", "1"]
     fake_checkpoint(tmp_path, plan(parse_args(words)).run)
