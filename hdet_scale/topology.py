@@ -86,10 +86,9 @@ class ReplicaTopology:
 
 
 def check_same_replica_size(per_replica: int, rank: int, world_size: int) -> None:
-    """An HDETConfigError on every rank unless every rank has the same replica size (one small all-gather, a
-    collective: every rank calls it before it builds groups): ranks
-    that disagree (nodes with different numbers of ranks under ``"node"``, or different configs) would build
-    different groups and wait for each other forever."""
+    """An HDETConfigError on every rank unless every rank has the same replica size (one small all-reduce, a
+    collective: every rank calls it before it builds groups): ranks that disagree (nodes with different numbers of
+    ranks under ``"node"``, or different configs) would build different groups and wait for each other forever."""
     # each rank's size in its own slot of a summed table: an all-reduce, which every backend and torch version has
     sizes = torch.zeros(world_size, dtype=torch.int64, device=collective_device())
     sizes[rank] = per_replica

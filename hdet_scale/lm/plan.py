@@ -193,13 +193,8 @@ def _refuse_trainer_auto(args: argparse.Namespace, ds_config: dict[str, Any]) ->
     """A DeepSpeed JSON written for transformers' Trainer (``"auto"`` values, which the Trainer fills in) is refused
     in one line naming them: train.py passes the JSON to DeepSpeed as it is. Its "hdet" section is HDET's, where
     ``"auto"`` is a value of its own."""
-    def autos(prefix: str, value: Any) -> list[str]:
-        if isinstance(value, dict):
-            return [name for key, item in value.items() if prefix or key != "hdet"
-                    for name in autos(f"{prefix}{key}.", item)]
-        return [prefix[:-1]] if value == "auto" else []
-
-    found = autos("", ds_config)
+    deepspeed_own = {key: value for key, value in ds_config.items() if key != "hdet"}
+    found = [name for name, value in _dotted("", deepspeed_own).items() if value == "auto"]
     if found:
         raise ValueError(f"--deepspeed_config {args.deepspeed_config}: {', '.join(found)} "
                          f"{'is' if len(found) == 1 else 'are'} \"auto\", which transformers' Trainer fills in; "
@@ -298,10 +293,6 @@ def resumable_settings(args: argparse.Namespace, config: HDETConfig, ds_config: 
     DeepSpeed those it takes from its JSON alone, ``DEEPSPEED_ONLY_IN_JSON`` and ``DEEPSPEED_SCHEDULE`` where the
     JSON has a scheduler, are left to the JSON, recorded whole as ``deepspeed.<key>``), and every HDET setting
     (``hdet.<field>``) but where the metrics go and the replica size (a requeued job may change it)."""
-    def dotted(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
-        return {key: value for name, item in values.items() for key, value in
-                (dotted(f"{prefix}{name}.", item) if isinstance(item, dict) else {f"{prefix}{name}": item}).items()}
-
     overridden = set()
     if ds_config is not None:
         overridden.update(DEEPSPEED_ONLY_IN_JSON)
@@ -311,7 +302,13 @@ def resumable_settings(args: argparse.Namespace, config: HDETConfig, ds_config: 
             if name not in ("metrics_path", "ranks_per_replica")}
     given = {**{name: getattr(args, name) for name in RESUMABLE_ARGUMENTS}, "dtype": dtype}
     return {**{name: value for name, value in given.items() if name not in overridden},
-            **dotted("deepspeed.", ds_config or {}), **dotted("hdet.", hdet)}
+            **_dotted("deepspeed.", ds_config or {}), **_dotted("hdet.", hdet)}
+
+
+def _dotted(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The leaves of the nested ``values``, each under its path joined by dots after ``prefix``."""
+    return {key: value for name, item in values.items() for key, value in
+            (_dotted(f"{prefix}{name}.", item) if isinstance(item, dict) else {f"{prefix}{name}": item}).items()}
 
 
 def given_weight_decay(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> float:
