@@ -42,11 +42,12 @@ after the test, and ``for_run`` gets that length. The Trainer's first logged los
 (where the Trainer keeps their sum on itself, ``_tr_loss``, as transformers 5 does).
 
 Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_steps`` a multiple of
-``sync_interval``, checked) and carry HDET's state in ``hdet_state.pt`` (in ``local`` gradient mode also each
-other replica's optimizer state, which differs from rank 0's), which ``train(resume_from_checkpoint=...)``
-restores. Under DeepSpeed, set ``save_strategy="no"`` (Trainer's DeepSpeed checkpoints would bypass
-HDET's per-replica files, and a resume is refused); the final model is saved as usual after ``train()``. At the
-end of training the replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the
+``sync_interval``, checked; one another callback asks for between syncs gets a sync of its own first) and carry
+HDET's state in ``hdet_state.pt`` (in ``local`` gradient mode also each other replica's optimizer state, which
+differs from rank 0's), which ``train(resume_from_checkpoint=...)`` restores. Under DeepSpeed, set
+``save_strategy="no"`` (Trainer's DeepSpeed checkpoints would bypass HDET's per-replica files: one a callback asks
+for is refused before it is written, and so is a resume); the final model is saved as usual after ``train()``. At
+the end of training the replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the
 ensemble's model.
 """
 
@@ -189,9 +190,6 @@ class HDETCallback(TrainerCallback, HDETHandle):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
         ensemble = self.ensemble
-        if not self.at_sync_point:
-            raise RuntimeError(f"Trainer saved a checkpoint at step {state.global_step}, between HDET syncs, where "
-                               "replicas differ")
         # the Trainer's own folder rule: a hyperparameter search trial (its train() notes it) has a run folder
         run_folder = Path(self.trainer._get_output_dir(trial=getattr(self.trainer, "_trial", None)))
         folder = run_folder / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -204,6 +202,23 @@ class HDETCallback(TrainerCallback, HDETHandle):
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.adapter.optimizer.state_dict(),
                        folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
+
+    def _before_save(self) -> None:
+        """Before the Trainer writes a checkpoint, whichever callback asked for it (``control.should_save``, perhaps
+        after HDET's ``on_step_end``): a sync between the regular ones, so it holds the one model of the ensemble.
+        Refused, before anything is written, under DeepSpeed and during the LR range test."""
+        if self.engine == "deepspeed":
+            raise RuntimeError(
+                "a callback asked the Trainer for a checkpoint (control.should_save) under DeepSpeed, where Trainer's "
+                "checkpoints bypass HDET's per-replica files; checkpoint with hdet_scale.engines.deepspeed "
+                "(engine.hdet.save_checkpoint) in your own loop instead")
+        if self.ramping:
+            raise RuntimeError(
+                "a callback asked the Trainer for a checkpoint (control.should_save) during HDET's LR range test "
+                "(auto_lr.range_test), which a resumed run could not take up again: checkpoint once the test is "
+                "over (the callback's `ramping` is False)")
+        if not self.at_sync_point:
+            self.sync()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -369,6 +384,14 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
         return loss
 
     trainer.training_step = observing_training_step
+    save_checkpoint = trainer._save_checkpoint
+
+    @functools.wraps(save_checkpoint)
+    def save_checkpoint_of_one_model(*args: Any, **kwargs: Any) -> None:
+        callback._before_save()
+        save_checkpoint(*args, **kwargs)
+
+    trainer._save_checkpoint = save_checkpoint_of_one_model
     train = trainer.train
 
     @functools.wraps(train)

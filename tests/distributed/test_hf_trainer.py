@@ -90,12 +90,31 @@ def hdet_settings(out_dir: str, mode: str, per_replica: int, metrics: str = "met
 
 
 def error_of(build) -> str:
-    """The message of the HDETConfigError (or ValueError) ``build()`` raises, or '' if it raises none."""
+    """The message of the HDETConfigError (or other ValueError, or RuntimeError) ``build()`` raises, or '' if it
+    raises none."""
     try:
         build()
-    except ValueError as error:
+    except (ValueError, RuntimeError) as error:
         return f"{type(error).__name__}: {error}"
     return ""
+
+
+def asking_to_save_at(step: int):
+    """A callback, added after HDET's, that asks the Trainer for a checkpoint at ``step`` (as a preemption handler
+    would), and records on every rank the weights it saved with."""
+    from transformers import TrainerCallback
+
+    class AskToSave(TrainerCallback):
+        saved_weights = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                control.should_save = True
+
+        def on_save(self, args, state, control, **kwargs):
+            self.saved_weights = gathered(torch.cat([p.detach().reshape(-1) for p in kwargs["model"].parameters()]))
+
+    return AskToSave()
 
 
 def train_run(rank: int, out_dir: str, stage: int | None, mode: str, per_replica: int, *, probed: bool = False,
@@ -223,6 +242,12 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
         "replica size": error_of(lambda: added("size", hdet_settings(out_dir, "global", 3))),
         "bad field": error_of(lambda: added("field", {"alpha": 1.5, "spread": "linear"})),
     }
+    ramping_settings = hdet_settings(out_dir, "global", 1)
+    ramping_settings["auto_lr"]["range_test"] = RANGE_TEST
+    ramping = fresh_trainer(os.path.join(out_dir, "ramping"), seed=rank)
+    add_hdet(ramping, ramping_settings)
+    ramping.add_callback(asking_to_save_at(0))  # the Trainer's step stays 0 during the test
+    errors["save during the range test"] = error_of(ramping.train)
     twice = fresh_trainer(os.path.join(out_dir, "twice"))
     add_hdet(twice, hdet_settings(out_dir, "global", 1))
     errors["added twice"] = error_of(lambda: add_hdet(twice, hdet_settings(out_dir, "global", 1)))
@@ -240,14 +265,40 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
     local_resumed = fresh_trainer(os.path.join(out_dir, "local_resumed"), seed=rank)
     local_hdet = add_hdet(local_resumed, hdet_settings(out_dir, "local", 2, metrics="local_resumed.jsonl"))
     local_resumed.train(resume_from_checkpoint=os.path.join(local_dir, f"checkpoint-{2 * SYNC_INTERVAL}"))
+    # A checkpoint another callback asks for between syncs (a preemption handler's, say) gets a sync first.
+    asked_dir = os.path.join(out_dir, "asked")
+    asked = fresh_trainer(asked_dir, seed=rank)
+    add_hdet(asked, hdet_settings(asked_dir, "global", 1))
+    asker = asking_to_save_at(ASKED_SAVE)
+    asked.add_callback(asker)
+    asked.train()
+    saved_state = torch.load(os.path.join(asked_dir, f"checkpoint-{ASKED_SAVE}", "hdet_state.pt"))
     return {"errors": errors, "runs": runs, "resumed_final": final, "resumed_step": hdet.ensemble.global_step,
-            "local_resumed_final": gathered(master_vector(local_hdet)).numpy()}
+            "local_resumed_final": gathered(master_vector(local_hdet)).numpy(),
+            "asked": {"weights": asker.saved_weights.numpy(), "step": saved_state["step"],
+                      "last_sync_step": saved_state["last_sync_step"],
+                      "folders": sorted(path.name for path in Path(asked_dir).glob("checkpoint-*"))}}
+
+
+ASKED_SAVE = 4
+"""The step, between syncs, at which a callback asks the Trainer for a checkpoint."""
 
 
 def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
     results = run_ranks(ddp_worker, 4, str(tmp_path), timeout=600)
     errors = results[0]["errors"]
-    assert all(errors[name].startswith("HDETConfigError") for name in errors if name != "added twice"), errors
+    raised_in_training = ("added twice", "save during the range test")
+    assert all(errors[name].startswith("HDETConfigError") for name in errors if name not in raised_in_training), errors
+    # A checkpoint asked for during the range test is refused before anything is written.
+    assert errors["save during the range test"].startswith("RuntimeError") and \
+        "range test" in errors["save during the range test"]
+    assert not list((tmp_path / "ramping").glob("checkpoint-*"))
+    # One asked for between syncs holds the one model of the ensemble: every rank saved with the same weights (the
+    # Trainer writes rank 0's), and HDET's state records a sync at that step.
+    asked = results[0]["asked"]
+    assert asked["folders"] == [f"checkpoint-{ASKED_SAVE}"]
+    assert asked["step"] == asked["last_sync_step"] == ASKED_SAVE
+    assert (asked["weights"] == asked["weights"][0]).all()
     assert "fsdp" in errors["fsdp"] and "hdet_scale.engines.fsdp" in errors["fsdp"]
     assert "save_strategy='epoch'" in errors["epoch saves"]
     assert "torch_compile=True" in errors["compile"]
@@ -319,15 +370,22 @@ def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
         "zero.Init": error_of(lambda: add_hdet(zero3_initialized_trainer(os.path.join(out_dir, "init")),
                                                hdet_settings(out_dir, "global", 2))),
     }
+    asked = fresh_trainer(os.path.join(out_dir, "asked"), 2)
+    add_hdet(asked, hdet_settings(out_dir, "global", 2))
+    asked.add_callback(asking_to_save_at(1))
+    asked_save = error_of(asked.train)
     runs = {f"zero{stage}": train_run(rank, os.path.join(out_dir, f"zero{stage}"), stage, mode, per_replica,
                                       probed=stage == PROBED_STAGE)
             for stage, mode, per_replica in DEEPSPEED_RUNS}
-    return {"errors": errors, "runs": runs}
+    return {"errors": errors, "runs": runs, "asked_save": asked_save}
 
 
 def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
     results = run_ranks(deepspeed_worker, 4, str(tmp_path), timeout=600)
     errors = results[0]["errors"]
+    # A checkpoint a callback asks for is refused before the Trainer writes it.
+    assert results[0]["asked_save"].startswith("RuntimeError") and "under DeepSpeed" in results[0]["asked_save"]
+    assert not list((tmp_path / "asked").glob("checkpoint-*"))
     assert all(error.startswith("HDETConfigError") for error in errors.values()), errors
     assert "offload_optimizer" in errors["offload"]
     assert "fp16" in errors["fp16"]
