@@ -6,7 +6,8 @@ lightning_job.py's regression module and data (10 batches per rank per epoch, Ad
 step), HDET with ``auto_lr.range_test`` and every rank a replica. Rank 0 writes ``DIR/record.pt``: for every
 optimizer step on every rank, whether it was the test's, the LR it trained with and the scheduler's LR; Lightning's
 ``global_step`` after each; every rank's weights before training, before the test's last step and at the run's
-first step; and the step of each checkpoint saved. Checkpoints go to ``DIR/checkpoints``.
+first step; and the step of each checkpoint saved. Checkpoints go to ``DIR/checkpoints`` (``--ask_saves``: also
+``DIR/asked.ckpt``, with every rank's weights right after it).
 """
 
 from __future__ import annotations
@@ -69,6 +70,30 @@ class RangeRecorder(pl.Callback):
         self.saves.append((trainer.global_step, self.hdet.ramping))
 
 
+class AskToSave(pl.Callback):
+    """Listed after HDET's callback: calls ``trainer.save_checkpoint`` on the test's third batch and at the run's
+    step ``ASKED_STEP`` (between syncs), as Lightning's SLURM requeue handler would, and takes every rank's weights
+    right after the second."""
+
+    def __init__(self, hdet: HDETCallback, out: Path) -> None:
+        self.hdet, self.out = hdet, out
+        self.test_batches = 0
+        self.weights: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.hdet.ramping:
+            self.test_batches += 1
+            if self.test_batches == 3:
+                trainer.save_checkpoint(self.out / "asked_in_test.ckpt")
+        elif trainer.global_step == ASKED_STEP and self.weights is None:
+            trainer.save_checkpoint(self.out / "asked.ckpt")
+            self.weights = rows(pl_module)
+
+
+ASKED_STEP = 7
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -76,6 +101,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--max_steps", type=int, default=-1)
     parser.add_argument("--checkpoint_every", type=int, default=None, help="ModelCheckpoint every n train steps")
+    parser.add_argument("--ask_saves", action="store_true", help="ask for checkpoints in the test and between syncs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     world = int(os.environ["WORLD_SIZE"])
@@ -88,6 +114,9 @@ def main() -> None:
                                      "average_window": 0, "range_test": args.range_test}})
     recorder = RangeRecorder(hdet)
     callbacks: list[pl.Callback] = [hdet, recorder]
+    asker = AskToSave(hdet, args.out)
+    if args.ask_saves:
+        callbacks.append(asker)
     if args.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=args.checkpoint_every,
                                          save_top_k=-1))
@@ -103,7 +132,8 @@ def main() -> None:
         torch.save({"steps": steps, "global_steps": recorder.global_steps, "saves": recorder.saves,
                     "weights": recorder.weights, "run_start": recorder.run_start,
                     "hdet_step": hdet.ensemble.global_step, "trainer_step": trainer.global_step,
-                    "pick": hdet.ensemble.range_test_pick, "max_epochs": trainer.max_epochs}, args.out / "record.pt")
+                    "pick": hdet.ensemble.range_test_pick, "max_epochs": trainer.max_epochs,
+                    "asked_weights": asker.weights}, args.out / "record.pt")
     shut_down_and_exit()
 
 

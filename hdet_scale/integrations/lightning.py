@@ -22,9 +22,13 @@ Where it reaches Lightning:
   multiplied back here); after the batch that stepped the optimizer (``on_before_optimizer_step`` saw it), HDET
   steps, and syncs every ``sync_interval`` optimizer steps.
 - ``on_train_epoch_end`` and ``on_train_end``: the replicas are averaged, so the checkpoint that Lightning writes
-  after an epoch and the model after ``fit`` are one model. A checkpoint written between syncs (e.g.
-  ``ModelCheckpoint(every_n_train_steps=k)`` with ``k`` not a multiple of ``sync_interval``) holds rank 0's
-  replica only: the callback warns.
+  after an epoch and the model after ``fit`` are one model.
+- ``trainer.save_checkpoint``, which every Lightning checkpoint goes through (``ModelCheckpoint``'s, the SLURM
+  auto-requeue's on its signal, ``OnExceptionCheckpoint``'s, your own): one taken between syncs gets a sync of its
+  own first, so it holds the one model of the ensemble; during the LR range test none is written (a resumed run
+  could not take the test up again; a job requeued then starts over, having trained none of its steps), and rank 0
+  warns. ``ModelCheckpoint(every_n_train_steps=k)`` needs ``k`` a multiple of ``sync_interval`` (checked), so its
+  checkpoints add no syncs.
 
 LR range test (``auto_lr.range_test``): the run starts with it, on the first batches. Its steps are not the run's:
 ``trainer.global_step`` stays 0 through them (so ``ModelCheckpoint`` saves nothing there, and ``max_steps`` counts
@@ -34,7 +38,7 @@ a run given in epochs of finite data gets the epochs the test's batches take on 
 
 Refused with one line before training: manual optimization, several optimizers, ``FSDPStrategy`` (FSDP1, which
 needs a GPU), ``ModelParallelStrategy`` without ``shard`` and every other strategy (``DeepSpeedStrategy``: use
-``hdet_scale.engines.deepspeed``).
+``hdet_scale.engines.deepspeed``), checkpoints every ``k`` steps between syncs.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class HDETCallback(pl.Callback, HDETHandle):
             return
         self._fitting = False  # also after a fit that raised (Lightning calls no teardown then): before any restore
         check_strategy(trainer.strategy)
+        check_checkpoint_steps(trainer.checkpoint_callbacks, self._given_config.sync_interval)
         if not pl_module.automatic_optimization:
             raise HDETConfigError("HDETCallback needs automatic optimization (the callback steps HDET after "
                                   "Lightning's optimizer step); with manual optimization use "
@@ -132,6 +137,7 @@ class HDETCallback(pl.Callback, HDETHandle):
                                                             "without max_steps): set max_steps")
             if error is not None:
                 raise error
+        self._save_at_sync_points(trainer)
         if _sharded(trainer):
             if self._fsdp is None:
                 raise HDETConfigError("under ModelParallelStrategy, shard the model with "
@@ -217,13 +223,6 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._restored = self._replica_optimizers = None
         self._fitting = False
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
-        if self._ensemble is not None and not self._ensemble.at_sync_point and trainer.global_rank == 0:
-            warn(f"HDETCallback: checkpoint at step {trainer.global_step}, between syncs (every "
-                 f"{self.config.sync_interval} steps): the replicas differ and it holds rank 0's only; "
-                 "checkpoint every a multiple of sync_interval steps, or at epoch ends")
-
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """HDET's state (controller, permutations, step), saved in Lightning's checkpoint; under ``DDPStrategy`` in
@@ -280,6 +279,24 @@ class HDETCallback(pl.Callback, HDETHandle):
     def _sync_if_apart(self, trainer: pl.Trainer) -> None:
         if self._ensemble is not None and not self.ramping and not self._ensemble.at_sync_point:
             self._record(self._ensemble.sync(), trainer)
+
+    def _save_at_sync_points(self, trainer: pl.Trainer) -> None:
+        """Puts every checkpoint of ``trainer`` on a sync point: ``trainer.save_checkpoint`` (the class's, so a later
+        fit does not wrap it twice) syncs first between syncs, and writes nothing during the range test."""
+        save = type(trainer).save_checkpoint.__get__(trainer)
+
+        @functools.wraps(save)
+        def save_checkpoint(*args: Any, **kwargs: Any) -> None:
+            if self.ramping:
+                if trainer.global_rank == 0:
+                    warn("HDETCallback: no checkpoint is written during the LR range test (auto_lr.range_test), "
+                         "which a resumed run could not take up again; a run started again now starts over, having "
+                         "trained none of its own steps yet")
+                return
+            self._sync_if_apart(trainer)
+            save(*args, **kwargs)
+
+        trainer.save_checkpoint = save_checkpoint
 
     def _add_epochs_for_range_test(self, trainer: pl.Trainer, run_steps: int) -> None:
         """Gives a run bounded by epochs of finite data the epochs that the range test's batches take on top, and
@@ -356,6 +373,18 @@ def _laid_out(config: HDETConfig, trainer: pl.Trainer) -> HDETConfig:
 def _sharded(trainer: pl.Trainer) -> bool:
     """Whether the Trainer's strategy is ModelParallelStrategy, where FSDP2 shards each replica."""
     return type(trainer.strategy).__name__ == "ModelParallelStrategy"
+
+
+def check_checkpoint_steps(checkpoint_callbacks: list[Any], sync_interval: int) -> None:
+    """``ModelCheckpoint(every_n_train_steps=k)``: ``k`` a multiple of ``sync_interval``, else each of its
+    checkpoints would add a sync (see ``HDETCallback._save_at_sync_points``); raises HDETConfigError naming it."""
+    for callback in checkpoint_callbacks:
+        every = getattr(callback, "_every_n_train_steps", 0) or 0
+        if every % sync_interval:
+            raise HDETConfigError(
+                f"ModelCheckpoint(every_n_train_steps={every}) checkpoints between HDET syncs (every {sync_interval} "
+                "steps), where the replicas differ: each checkpoint would add a sync of its own; use a multiple of "
+                f"sync_interval={sync_interval}, or checkpoint at epoch ends")
 
 
 def check_strategy(strategy: Any) -> None:

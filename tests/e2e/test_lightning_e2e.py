@@ -186,16 +186,17 @@ RANGE_TEST, LR = 20, 0.02
 @pytest.fixture(scope="module")
 def range_runs(tmp_path_factory) -> dict:
     """Two ranks, two replicas: a run of 2 epochs (20 steps, the test's batches on top) checkpointed every 5 steps,
-    and a run of max_steps=12."""
+    and a run of max_steps=12 that asks for a checkpoint during the test and at step 7, between syncs."""
     root = tmp_path_factory.mktemp("lightning_range")
     return {"epochs": run_job(root / "epochs", "--epochs", "2", "--checkpoint_every", str(SYNC), nproc=2,
                               job=RANGE_JOB),
-            "max_steps": run_job(root / "max_steps", "--max_steps", "12", nproc=2, job=RANGE_JOB),
+            "max_steps": run_job(root / "max_steps", "--max_steps", "12", "--ask_saves", nproc=2, job=RANGE_JOB),
             "root": root}
 
 
-def check_range_test_run(record: dict, out: Path, run_steps: int) -> int:
-    """Checks a run of the range job that trains ``run_steps`` steps after its test; returns the test's steps."""
+def check_range_test_run(record: dict, out: Path, run_steps: int, extra_syncs: tuple[int, ...] = ()) -> int:
+    """Checks a run of the range job that trains ``run_steps`` steps after its test (and syncs at ``extra_syncs`` too);
+    returns the test's steps."""
     from hdet_scale import multipliers
     from hdet_scale.range_test import ramp_lr
 
@@ -203,7 +204,7 @@ def check_range_test_run(record: dict, out: Path, run_steps: int) -> int:
     test = lines[0]["range_test"]
     test_steps, pick, scale = len(test["lrs"]), test["picked_lr"], test["scale"]
     assert lines[0]["step"] == 0 and pick is not None and pick == record["pick"]
-    syncs = list(range(SYNC, run_steps + 1, SYNC)) + ([run_steps] if run_steps % SYNC else [])
+    syncs = sorted({*range(SYNC, run_steps + 1, SYNC), run_steps, *extra_syncs})
     assert [line["step"] for line in lines[1:]] == syncs
     # Every optimizer step: the test's (it may stop early, once the loss diverges), then all the run's, which
     # Lightning alone counts.
@@ -246,4 +247,17 @@ def test_a_fit_in_epochs_starts_with_an_lr_range_test_and_checkpoints_after_it(r
 
 @pytest.mark.e2e
 def test_a_fit_of_max_steps_starts_with_an_lr_range_test(range_runs):
-    check_range_test_run(range_runs["max_steps"], range_runs["root"] / "max_steps", 12)
+    """A run of max_steps=12 whose callback asks for a checkpoint on the test's third batch (none is written: a
+    resumed run could not take the test up again) and at step 7, between syncs (a sync of its own first: every rank
+    holds the weights it saved, and its HDET state is a sync's)."""
+    record, out = range_runs["max_steps"], range_runs["root"] / "max_steps"
+    check_range_test_run(record, out, 12, extra_syncs=(7,))
+    assert not (out / "asked_in_test.ckpt").exists()
+    assert "no checkpoint is written during the LR range test" in record["stdout"]
+    weights = record["asked_weights"]
+    assert all(torch.equal(row, weights[0]) for row in weights)
+    checkpoint = torch.load(out / "asked.ckpt", weights_only=False)
+    saved = torch.cat([tensor.reshape(-1) for tensor in checkpoint["state_dict"].values()])
+    torch.testing.assert_close(saved, weights[0], rtol=0, atol=0)
+    (state,) = [value for key, value in checkpoint["callbacks"].items() if key.startswith("HDETCallback")]
+    assert state["step"] == state["last_sync_step"] == 7

@@ -105,8 +105,9 @@ def one_device_fit(hdet, module: Any = None, **trainer_args) -> Any:
 
     inputs = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
     ckpt_path = trainer_args.pop("ckpt_path", None)
+    callbacks = [hdet, *trainer_args.pop("callbacks", [])]
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, callbacks=[hdet], **trainer_args)
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks, **trainer_args)
     trainer.fit(module or regression(), DataLoader(TensorDataset(inputs, inputs.sum(1)), batch_size=4),
                 ckpt_path=ckpt_path)
     return trainer
@@ -179,3 +180,69 @@ def test_a_replica_of_a_node_is_the_trainers_devices_without_a_torchrun_variable
     hdet = HDETCallback({"sync_interval": 5, "ranks_per_replica": "node", "auto_lr": {"range_test": 0}})
     assert one_device_fit(hdet, max_epochs=1).global_step == hdet.global_step == 10
     assert hdet.config.ranks_per_replica == 1
+
+
+def saving_when(path: Any, asks: Any) -> Any:
+    """A callback, listed after HDET's, that calls ``trainer.save_checkpoint(path)`` after the first batch where
+    ``asks(trainer)`` (as Lightning's SLURM requeue handler or OnExceptionCheckpoint would, at any step)."""
+    import lightning.pytorch as pl
+
+    class SaveWhenAsked(pl.Callback):
+        asked = False
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if not self.asked and asks(trainer):
+                self.asked = True
+                trainer.save_checkpoint(path)
+
+    return SaveWhenAsked()
+
+
+def hdet_state_in(checkpoint: Any) -> dict:
+    state = torch.load(checkpoint, weights_only=False)
+    (key,) = [key for key in state["callbacks"] if key.startswith("HDETCallback")]
+    return state["callbacks"][key]
+
+
+def test_a_checkpoint_between_syncs_gets_a_sync_first(tmp_path):
+    """trainer.save_checkpoint at step 7 of a run syncing every 5: the checkpoint holds the one model, right after a
+    sync of its own (it held rank 0's replica, with a warning)."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    asker = saving_when(tmp_path / "step7.ckpt", lambda trainer: trainer.global_step == 7)
+    one_device_fit(hdet, max_epochs=1, callbacks=[asker])
+    state = hdet_state_in(tmp_path / "step7.ckpt")
+    assert state["step"] == state["last_sync_step"] == 7
+
+
+def test_no_checkpoint_is_written_during_the_range_test(tmp_path):
+    """trainer.save_checkpoint during the LR range test (SLURM's requeue save, say) writes nothing and warns, and
+    the run goes on (the callback's state raised, so the requeue never happened)."""
+    from hdet_scale.integrations.lightning import HDETCallback
+    from hdet_scale.notices import HDETWarning
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 15, "start": 5, "stop": 100}})
+    asker = saving_when(tmp_path / "test.ckpt", lambda trainer: hdet.ramping)
+    with pytest.warns(HDETWarning, match="no checkpoint is written during the LR range test"):
+        trainer = one_device_fit(hdet, max_epochs=1, callbacks=[asker])
+    assert asker.asked and not (tmp_path / "test.ckpt").exists()
+    assert trainer.global_step == hdet.global_step == 10
+
+
+def test_checkpoints_every_k_steps_between_syncs_are_refused():
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from hdet_scale.config import HDETConfigError
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    def trainer_checkpointing_every(steps: int | None) -> Any:
+        return pl.Trainer(accelerator="cpu", devices=1, logger=False,
+                          callbacks=[ModelCheckpoint(every_n_train_steps=steps)])
+
+    HDETCallback(sync_interval=5).setup(trainer_checkpointing_every(10), regression(), "fit")
+    HDETCallback(sync_interval=5).setup(trainer_checkpointing_every(None), regression(), "fit")
+    with pytest.raises(HDETConfigError, match=r"^ModelCheckpoint\(every_n_train_steps=7\) checkpoints between HDET "
+                                              r"syncs \(every 5 steps\).*use a multiple of sync_interval=5"):
+        HDETCallback(sync_interval=5).setup(trainer_checkpointing_every(7), regression(), "fit")
