@@ -245,6 +245,7 @@ class HDETDeepSpeed(HDETHandle):
         (``ds_to_universal``, then ``"checkpoint": {"load_universal": true}``), which carries replica 0's
         optimizer state.
         """
+        on_rank0(lambda: self._check_saved_state(str(load_dir), tag), "checking the checkpoint's HDET state")
         self._saved_replicas_given = saved_replicas
         try:
             with replica_groups(self.engine.mpu):
@@ -254,11 +255,25 @@ class HDETDeepSpeed(HDETHandle):
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in '{load_dir}' (tag {tag!r})")
         client_state = dict(client_state or {})
-        if "hdet" not in client_state:
-            raise ValueError(f"the checkpoint at '{path}' has no HDET state; it was not saved by "
-                             "engine.hdet.save_checkpoint")
-        self.load_state_dict(client_state.pop("hdet"))
+        self.load_state_dict(_hdet_state(client_state, path))
+        del client_state["hdet"]
         return path, client_state
+
+    def _check_saved_state(self, load_dir: str, tag: str | None) -> None:
+        """Refuses, before DeepSpeed reads a byte of its shards, a checkpoint whose HDET state this run cannot
+        continue (``HDETEnsemble.check_state``). The state sits in replica 0's first model file, which is memory-mapped
+        here: only the state is read. Where that file is not found (a universal checkpoint; a tag DeepSpeed will
+        refuse itself) the state is checked after the load."""
+        if tag is None:
+            latest = Path(load_dir) / ("latest_universal" if self.engine.load_universal_checkpoint() else "latest")
+            if not latest.is_file():
+                return
+            tag = latest.read_text().strip()
+        path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
+        if not os.path.isfile(path):
+            return
+        self.ensemble.check_state(_hdet_state(torch.load(path, map_location="cpu", mmap=True, weights_only=False),
+                                              path))
 
     @staticmethod
     def _saved_replicas(checkpoint: Path) -> int:
@@ -296,6 +311,14 @@ class HDETDeepSpeed(HDETHandle):
             raise TypeError(f"{type(module).__name__} is not a transformers model; use full_state_dict() instead")
         state = self.full_state_dict()
         on_rank0(lambda: module.save_pretrained(path, state_dict=state), f"writing the model to {path}")
+
+
+def _hdet_state(saved: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """The HDET state in a checkpoint's client state, read from ``path``; a ValueError where it has none."""
+    if "hdet" not in saved:
+        raise ValueError(f"the checkpoint at '{path}' has no HDET state; it was not saved by "
+                         "engine.hdet.save_checkpoint")
+    return saved["hdet"]
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,

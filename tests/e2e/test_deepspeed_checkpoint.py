@@ -23,6 +23,8 @@ from torch import nn
 
 from distributed import gather_rows, run_ranks
 from hdet_scale import AutoLRConfig, HDETConfig
+from hdet_scale.comm import PeerFailed
+from hdet_scale.config import ExploreConfig, KnobConfig
 
 WORLD, PER_REPLICA = 4, 2
 SYNC_INTERVAL = 2
@@ -46,7 +48,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(stage: int, per_replica: int, *, seed: int = 0, universal: bool = False,
-          average_optimizer_state: bool = False) -> Any:
+          average_optimizer_state: bool = False, explore_weight_decay: bool = False) -> Any:
     from hdet_scale.engines.deepspeed import initialize
 
     zero = {"stage": stage} | ({"stage3_param_persistence_threshold": 0} if stage == 3 else {})
@@ -62,7 +64,8 @@ def build(stage: int, per_replica: int, *, seed: int = 0, universal: bool = Fals
     # start=0: the controller moves from the first sync, so its saved state is not the initial one.
     hdet = HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=per_replica,
                       gradient_mode="local", average_optimizer_state=average_optimizer_state,
-                      auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01, range_test=0))
+                      auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.01, range_test=0),
+                      explore=ExploreConfig(weight_decay=KnobConfig(alpha=0.5) if explore_weight_decay else None))
     model = tiny_mlp(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config, hdet_config=hdet)
@@ -275,6 +278,13 @@ def test_zero3_checkpoint_loads_into_an_unsharded_model(saved):
 
 def one_replica(rank: int, world: int, directory: str) -> None:
     before = record(directory, rank)[OWN_MOMENTS]["saved"]  # ranks 0 and 1 were replica 0, whose files hold it
+    # A run exploring another set of values is refused before DeepSpeed loads anything: rank 0 names the mismatch,
+    # the other ranks rank 0.
+    other = build(2, per_replica=world, seed=123, explore_weight_decay=True)
+    fresh = flat(full_params(other))
+    with pytest.raises(ValueError if rank == 0 else PeerFailed, match="explores"):
+        other.hdet.load_checkpoint(Path(directory) / OWN_MOMENTS, TAG)
+    assert torch.equal(flat(full_params(other)), fresh)
     engine = build(2, per_replica=world, seed=123)
     engine.hdet.load_checkpoint(Path(directory) / OWN_MOMENTS, TAG)
     loaded = snapshot(engine)
