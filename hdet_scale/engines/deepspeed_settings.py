@@ -87,8 +87,9 @@ def zero_section(ds_config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None) -> None:
-    """Raises, naming the setting, for a DeepSpeed JSON HDET cannot run with (offload, fp16, hpZ, qgZ) and, with
-    ``world_size``, for batch sizes that do not add up over all ranks: before any process group exists."""
+    """Raises, naming the setting, for a DeepSpeed JSON HDET cannot run with (offload, hpZ, qgZ, tensor or expert
+    parallelism, fp16) and, with ``world_size``, for batch sizes that do not add up over all ranks: before any
+    process group exists."""
     zero = zero_section(ds_config)
     for section in ("offload_optimizer", "offload_param"):
         device = (zero.get(section) or {}).get("device", "none")
@@ -111,6 +112,13 @@ def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None)
         raise HDETConfigError("zero_optimization.zero_quantized_gradients (ZeRO++ qgZ) is not supported with HDET: "
                               "its all-to-all reduces the gradients over every rank, not inside the replica; remove "
                               "the setting")
+    if int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0) > 1:
+        raise HDETConfigError("tensor_parallel.autotp_size > 1 is not supported with HDET: DeepSpeed's tensor "
+                              "parallelism replaces HDET's replica groups, so ZeRO would shard and reduce across "
+                              "replicas; remove it")
+    if (ds_config.get("expert_parallel") or {}).get("enabled", False):
+        raise HDETConfigError("expert_parallel.enabled is not supported with HDET: DeepSpeed's expert parallelism "
+                              "builds its own groups across the replicas; remove it")
     if (ds_config.get("fp16") or {}).get("enabled", False):
         raise HDETConfigError("fp16.enabled: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
                               "use \"bf16\": {\"enabled\": true}")

@@ -80,8 +80,6 @@ def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
     if "hdet" in ds_config:
         raise HDETConfigError("the DeepSpeed config has an 'hdet' section: with the Trainer, pass the HDET settings "
                               "to add_hdet only")
-    if int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0) > 1:
-        raise HDETConfigError("tensor_parallel.autotp_size > 1 is not supported with HDET; remove it")
     check_supported(ds_config, trainer.model, zero_init_fix=(
         "transformers builds a model so (from_pretrained, from_config) once a TrainingArguments with a ZeRO-3 config "
         "exists: load the model before creating the TrainingArguments, and HDET shards it inside each replica"))

@@ -70,6 +70,8 @@ def launcher_env(monkeypatch):
     (ds_config(2, zero_optimization=True), {},
      r"zero_optimization must be an object such as \{\"stage\": 2\}, got True"),
     (ds_config(2, fp16={"enabled": True}), {}, "fp16.enabled: HDET supports fp32 and bf16"),
+    (ds_config(1, tensor_parallel={"autotp_size": 2}), {}, "tensor_parallel.autotp_size > 1 is not supported"),
+    (ds_config(2, expert_parallel={"enabled": True}), {}, "expert_parallel.enabled is not supported"),
     (ds_config(2, train_batch_size=6), {"hdet_config": {"ranks_per_replica": 1}},
      "train_batch_size=6 does not match train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=2 x 4 ranks "
      "= 16"),
