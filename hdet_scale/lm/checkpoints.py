@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.durable import clear_folder, fsync_path, replace_durably, replacement_folders
+from hdet_scale.durable import clear_folder, fsync_path, replace_durably, replacement_folders, write_text_durably
 
 MANIFEST = "run.json"
 CHECKPOINTS = "checkpoints"
@@ -133,9 +133,7 @@ def latest_tag(root: Path) -> str | None:
 
 def point_latest(root: Path, tag: str) -> None:
     """Points DeepSpeed's ``latest`` file under ``root`` at ``tag``, on the disk when it returns."""
-    staging = root / "latest.tmp"
-    staging.write_text(tag)
-    replace_durably(staging, root / "latest")
+    write_text_durably(root / "latest", tag)
 
 
 def checkpoint_dir(out: Path) -> Path | None:

@@ -178,23 +178,28 @@ def test_a_write_failing_on_one_rank_stops_every_rank_at_once_and_keeps_the_chec
 
 # ----------------------------------------------------------------------------------------- on the disk
 DATA_WRITES = ("save", "create_stream", "write_text")
-PUBLISH = {"fsdp": "rename latest.tmp", "zero2": "replace latest.tmp"}
-"""The write that makes a save the checkpoint a resume finds (the older one goes right after it)."""
+PUBLISH = {"fsdp": "rename latest.tmp", "zero2": "replace latest.tmp", "zero2 engine.hdet": "replace latest.tmp"}
+"""The write that makes a save the checkpoint a resume finds (the older one goes right after it). ``zero2
+engine.hdet``: DeepSpeed's HDET handle's own ``save_checkpoint``, as a user's loop calls it, without train.py."""
 
 
 def writes_of_a_save(rank: int, world: int, directory: str, layout: str) -> list[str]:
     """Every write, flush and rename of this rank in a save over an existing checkpoint, in order."""
     out = Path(directory)
     root = out / "checkpoints"
-    backend = build(layout, out)
+    engine_layout, _, handle = layout.partition(" ")
+    backend = build(engine_layout, out)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
     injector = Injector(root)
     injector.install()
-    for _ in range(2):
+    for save in range(2):
         for _ in range(SYNC_INTERVAL):
             one_step(backend, (tokens[:, :-1], tokens[:, 1:]))
         injector.writes.clear()
-        backend.save(root, {}, run_identity(layout))
+        if handle:
+            backend.hdet.save_checkpoint(root, tag=f"save{save}")
+        else:
+            backend.save(root, {}, run_identity(layout))
     return injector.writes
 
 
