@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.durable import clear_folder, fsync_path, replace_durably, replacement_folders, write_text_durably
+from hdet_scale.durable import clear_folder, fsync_path, replacement_folders, write_text_durably
 
 MANIFEST = "run.json"
 CHECKPOINTS = "checkpoints"
@@ -99,11 +99,9 @@ def write_manifest(directory: Path, run: dict[str, Any], step: int) -> None:
     every file with its size; on the disk when it returns."""
     files = {str(path.relative_to(directory)): path.stat().st_size
              for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
-    staging = directory / (MANIFEST + ".tmp")
     written = {**run, "step": step, "hdet_scale": version(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
                "files": files}
-    staging.write_text(json.dumps(written, indent=1) + "\n")
-    replace_durably(staging, directory / MANIFEST)
+    write_text_durably(directory / MANIFEST, json.dumps(written, indent=1) + "\n")
 
 
 STAGING = tuple(folder.name for folder in replacement_folders(Path("latest")))

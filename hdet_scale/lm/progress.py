@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hdet_scale.durable import replace_durably
+from hdet_scale.durable import write_text_durably
 from hdet_scale.lm.scalars import ScalarSinks
 from hdet_scale.metrics import MetricsWriter, SyncReport
 
@@ -144,9 +144,8 @@ class Progress:
                 kept.append(line)
                 if "heldout_loss" in record:
                     self._heldout_recorded.add(record["step"])
-        staging = path.with_name(path.name + ".tmp")
-        staging.write_text("".join(line + "\n" for line in kept))
-        replace_durably(staging, path)  # a node crash cannot bring back the lines dropped, nor lose those kept
+        # a node crash cannot bring back the lines dropped, nor lose those kept
+        write_text_durably(path, "".join(line + "\n" for line in kept))
         if unreadable:
             self.line(f"{path}: dropped {unreadable} unreadable line(s), left by an interrupted write")
 
