@@ -301,6 +301,7 @@ class HDETDeepSpeed(HDETHandle):
         """The whole model in fp32 on CPU from the fp32 masters (gathered inside the replica; collective over
         every rank), keyed like ``engine.module.state_dict()``. Take it at a sync point, where it is the one
         model of the ensemble."""
+        from deepspeed.runtime.zero import GatheredParameters
         from deepspeed.utils import safe_get_full_fp32_param
 
         state = {}
@@ -308,6 +309,10 @@ class HDETDeepSpeed(HDETHandle):
         with replica_groups(self.engine.mpu):
             for name, param in self.engine.module.named_parameters():
                 full = safe_get_full_fp32_param(param)
+                if full is None and hasattr(param, "ds_id"):  # frozen under ZeRO-3: partitioned, no master
+                    with GatheredParameters([param]):
+                        state[name] = param.detach().to("cpu", torch.float32, copy=True)  # outlives the gather
+                    continue
                 if full is None:  # ZeRO-0's master (bf16: its fp32 copy), or a frozen parameter as it is
                     full = masters.get(id(param), param.detach())
                 state[name] = full.float().cpu().clone()
