@@ -234,12 +234,15 @@ def raise_together(error: BaseException | None, what: str) -> None:
     raise PeerFailed(what, *first)
 
 
-def on_rank0(work: Callable[[], T], what: str) -> T | None:
+def on_rank0(work: Callable[[], T], what: str, *, share_result: bool = False) -> T | None:
     """``work()`` on global rank 0 alone, ended by one collective on every rank that carries its outcome (it
     replaces the barrier such a section would end with). A failure on rank 0 is raised there as it is and on every
     other rank as ``PeerFailed``: all ranks stop together at once, none is left in a barrier that rank 0 never
-    reaches. Returns ``work()``'s result on rank 0, None elsewhere."""
-    result, outcome = None, [None]
+    reaches. Returns ``work()``'s result on rank 0, None elsewhere; with ``share_result`` on every rank (sent with
+    the outcome, so keep it small): one rank's reading of a shared file system that all then act on alike, where
+    each rank's own reading could differ (a stale network file system cache) and leave them in different
+    collectives."""
+    result, outcome = None, [None, None]
     if dist.get_rank() == 0:
         try:
             result = work()
@@ -247,10 +250,12 @@ def on_rank0(work: Callable[[], T], what: str) -> T | None:
             outcome[0] = one_line(error)
             dist.broadcast_object_list(outcome, src=0)
             raise
+        if share_result:
+            outcome[1] = result
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         raise PeerFailed(what, 0, outcome[0])
-    return result
+    return outcome[1] if share_result else result
 
 
 @torch.no_grad()

@@ -259,8 +259,9 @@ class HDETDeepSpeed(HDETHandle):
         (``ds_to_universal``, then ``"checkpoint": {"load_universal": true}``), which carries replica 0's
         optimizer state.
         """
-        on_rank0(lambda: self._check_saved_state(str(load_dir), tag), "checking the checkpoint's HDET state")
-        self._saved_replicas_given = saved_replicas
+        tag, found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag),
+                                       "checking the checkpoint's HDET state", share_result=True)
+        self._saved_replicas_given = saved_replicas or found_replicas
         try:
             with replica_groups(self.engine.mpu):
                 path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
@@ -273,21 +274,26 @@ class HDETDeepSpeed(HDETHandle):
         del client_state["hdet"]
         return path, client_state
 
-    def _check_saved_state(self, load_dir: str, tag: str | None) -> None:
-        """Refuses, before DeepSpeed reads a byte of its shards, a checkpoint whose HDET state this run cannot
-        continue (``HDETEnsemble.check_state``). The state sits in replica 0's first model file, which is memory-mapped
-        here: only the state is read. Where that file is not found (a universal checkpoint; a tag DeepSpeed will
-        refuse itself) the state is checked after the load."""
+    def _read_checkpoint(self, load_dir: str, tag: str | None) -> tuple[str | None, int | None]:
+        """Rank 0's reading of the checkpoint to load, which every rank then follows (ranks reading a network file
+        system each for itself could see different ``latest`` files or replica folders and load different
+        checkpoints, or hang): its tag (``latest``'s where none is given) and how many replicas wrote it, None
+        for what is not found (DeepSpeed then reports it). Refuses, before DeepSpeed reads a byte of its shards, a
+        checkpoint whose HDET state this run cannot continue (``HDETEnsemble.check_state``): the state sits in
+        replica 0's first model file, which is memory-mapped here, so only the state is read. Where that file is not
+        found (a universal checkpoint) the state is checked after the load."""
         if tag is None:
             latest = Path(load_dir) / ("latest_universal" if self.engine.load_universal_checkpoint() else "latest")
             if not latest.is_file():
-                return
+                return None, None
             tag = latest.read_text().strip()
+        if not os.path.isdir(os.path.join(load_dir, tag)):
+            return tag, None
         path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
-        if not os.path.isfile(path):
-            return
-        self.ensemble.check_state(_hdet_state(torch.load(path, map_location="cpu", mmap=True, weights_only=False),
-                                              path))
+        if os.path.isfile(path):
+            self.ensemble.check_state(_hdet_state(torch.load(path, map_location="cpu", mmap=True,
+                                                             weights_only=False), path))
+        return tag, self._saved_replicas(Path(load_dir) / tag)
 
     @staticmethod
     def _saved_replicas(checkpoint: Path) -> int:

@@ -91,8 +91,12 @@ def has_checkpoint(path: str | os.PathLike[str]) -> bool:
     ``path``, and this puts it in place. It may move folders: call it from the run that saves there, not from
     another job reading its checkpoints while it trains."""
     path = Path(path)
-    on_rank0(lambda: recover_replaced_folder(path), f"looking for a checkpoint at {path}")
-    return (path / HDET_STATE_FILE).is_file()
+
+    def found() -> bool:
+        recover_replaced_folder(path)
+        return (path / HDET_STATE_FILE).is_file()
+
+    return bool(on_rank0(found, f"looking for a checkpoint at {path}", share_result=True))
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -106,7 +110,14 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     path = Path(path)
     if not has_checkpoint(path):
         raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")
-    hdet_state = torch.load(path / HDET_STATE_FILE, weights_only=True)
+
+    def small_states() -> tuple[dict[str, Any], dict[str, Any]]:
+        extra = path / EXTRA_STATE_FILE
+        return (torch.load(path / HDET_STATE_FILE, weights_only=True),
+                torch.load(extra, weights_only=True) if extra.is_file() else {})
+
+    # Rank 0 reads, every rank follows: ranks reading a network file system each for itself could disagree.
+    hdet_state, extra_state = on_rank0(small_states, f"reading the HDET state in {path}", share_result=True)
     ensemble.check_state(hdet_state)  # before the model is read: a run that cannot continue it stops at once
     source = hdet.topology.replica_index % (saved_replicas or int(hdet_state["num_replicas"]))
     state = _sharded_state(model, optimizer, source)
@@ -114,8 +125,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state[f"optimizer_replica{source}"])
     ensemble.load_state_dict(hdet_state)
-    extra = path / EXTRA_STATE_FILE
-    return torch.load(extra, weights_only=True) if extra.is_file() else {}
+    return extra_state
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ from test_fsdp import PER_REPLICA, WORLD, full, loss_of, tiny_llama
 
 from distributed import gather_rows, run_ranks, train_steps
 from hdet_scale import AutoLRConfig, HDETConfig
+from hdet_scale.comm import PeerFailed
 from hdet_scale.engines.fsdp import wrap
 from hdet_scale.engines.fsdp_checkpoint import (
     EXTRA_STATE_FILE,
@@ -93,13 +95,15 @@ def resume(rank: int, world: int, directory: str) -> None:
         tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
         assert torch.allclose(exported(input_ids=tokens).logits, plain(input_ids=tokens).logits)
 
-    # A checkpoint from elsewhere cannot run code at load: a pickled callable in its HDET or extra state is refused.
+    # A checkpoint from elsewhere cannot run code at load: a pickled callable in its HDET or extra state is refused
+    # (both are read on rank 0, which the other ranks then follow).
     for name in (HDET_STATE_FILE, EXTRA_STATE_FILE):
         save_checkpoint(path, *second)
         if rank == 0:
             torch.save({"hook": print}, path / name)
         torch.distributed.barrier()
-        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        refused = PeerFailed if rank > 0 else pickle.UnpicklingError
+        with pytest.raises(refused, match="Weights only load failed"):
             load_checkpoint(path, *second)
 
 
@@ -197,3 +201,30 @@ def test_a_checkpoint_of_another_exploration_is_refused_before_the_model_is_read
     """The HDET state was checked after the model and optimizer were loaded: a refused load had overwritten them
     (and read every shard first)."""
     assert run_ranks(load_into_another_exploration, 2, str(tmp_path)) == [True, True]
+
+
+def load_where_ranks_see_different_files(rank: int, world: int, directory: str) -> tuple[bool, dict]:
+    """Rank 0 sees the checkpoint whole; rank 1 sees its shards but not the files rank 0 writes beside them, as a
+    rank of a network file system with a stale cache may."""
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=1, ranks_per_replica=1,
+                       auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
+    torch.manual_seed(0)
+    model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config, block_classes=[])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle.attach(optimizer)
+    views = [Path(directory) / "rank0_view", Path(directory) / "rank1_view"]
+    save_checkpoint(views[0] / "ckpt", model, optimizer, handle, extra_state={"epoch": 3})
+    if rank == 0:
+        shutil.copytree(views[0] / "ckpt", views[1] / "ckpt")
+        for name in (HDET_STATE_FILE, EXTRA_STATE_FILE):
+            (views[1] / "ckpt" / name).unlink()
+    torch.distributed.barrier()
+    os.chdir(views[rank])
+    found = has_checkpoint("ckpt")
+    return found, load_checkpoint("ckpt", model, optimizer, handle) if found else {}
+
+
+def test_every_rank_follows_rank_0s_reading_of_the_checkpoint(tmp_path):
+    """Each rank looked for the checkpoint and read its HDET and extra state for itself: where ranks see the file
+    system differently, one started afresh (or failed) while the others loaded, and the run hung in DCP's load."""
+    assert run_ranks(load_where_ranks_see_different_files, 2, str(tmp_path)) == [(True, {"epoch": 3})] * 2

@@ -209,3 +209,36 @@ def zero3_frozen_export(rank: int, world: int) -> None:
 
 def test_zero3_export_holds_frozen_parameters():
     run_ranks(zero3_frozen_export, 4)
+
+
+def save_two_replicas(rank: int, world: int, directory: str) -> list[float]:
+    from test_deepspeed_distributed import train_step
+
+    engine = build(False)
+    for step in range(1, SYNC_INTERVAL + 1):
+        train_step(engine, rank, step)
+    engine.hdet.save_checkpoint(Path(directory) / "rank0_view" / "ckpt", "tag")
+    return moments(engine).tolist()
+
+
+def load_where_ranks_see_different_files(rank: int, world: int, directory: str) -> list[float]:
+    """Rank 0 sees the checkpoint as written; ranks 1 and 2 see no ``latest`` and a third replica's file that is no
+    longer there, as ranks of a network file system with a stale cache may."""
+    engine = build(False, seed=7)
+    os.chdir(Path(directory) / ("rank0_view" if rank == 0 else "rank1_view"))
+    engine.hdet.load_checkpoint("ckpt")
+    return moments(engine).tolist()
+
+
+def test_every_rank_follows_rank_0s_reading_of_the_checkpoint(tmp_path):
+    """Each rank read ``latest`` and counted the saved replicas for itself: where ranks see the file system
+    differently they loaded different tags, or other replicas' optimizer state, or failed alone."""
+    import shutil
+
+    saved = run_ranks(save_two_replicas, 2, str(tmp_path))
+    stale = tmp_path / "rank1_view" / "ckpt"
+    shutil.copytree(tmp_path / "rank0_view" / "ckpt", stale)
+    (stale / "latest").unlink()
+    (stale / "tag" / REPLICA_FOLDER / "replica2_mp_rank_00_model_states.pt").write_bytes(b"")
+    assert saved[0] != saved[1]
+    assert run_ranks(load_where_ranks_see_different_files, 3, str(tmp_path)) == [saved[0], saved[1], saved[0]]
