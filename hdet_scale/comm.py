@@ -319,6 +319,33 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     return bool(all_finite_on(tensors, tensors[0].device if tensors else torch.device("cpu")))
 
 
+_BITS_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FINGERPRINT_CHUNK = 2**22  # elements: bounds the int64 temporaries (a few times 32 MiB)
+
+
+@torch.no_grad()
+def bits_fingerprint(tensors: Sequence[torch.Tensor]) -> int:
+    """A 64-bit fingerprint of the bits of ``tensors``, taken in order as one sequence: the sum of each element's
+    bits (read as a signed integer) times ``2 i + 1``, ``i`` its place in the sequence, in int64 arithmetic that
+    wraps around. Exact integer sums: the same tensors give the same fingerprint on every device and in any
+    reduction order. Changing one element always changes it (its weight is odd, so invertible modulo 2^64); changes
+    to several cancel only by coincidence. Returns the fingerprint as an unsigned int."""
+    total = 0
+    start = 0
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        bits = flat.view(_BITS_AS_INTEGERS[flat.element_size()])
+        for offset in range(0, bits.numel(), _FINGERPRINT_CHUNK):
+            chunk = bits[offset:offset + _FINGERPRINT_CHUNK].to(torch.int64)
+            weights = torch.arange(start + offset, start + offset + chunk.numel(), dtype=torch.int64,
+                                   device=chunk.device).mul_(2).add_(1)
+            total += int(chunk.mul_(weights).sum())
+        start += bits.numel()
+    return total % 2**64
+
+
 def shut_down() -> None:
     """Ends a process's distributed state in order, while the interpreter is whole, on every rank: for a process
     that goes on after it; a script's last call is ``shut_down_and_exit``, which begins with this.

@@ -19,6 +19,7 @@ import torch
 
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_healthy
+from hdet_scale.comm import bits_fingerprint, gather_rows
 from hdet_scale.config import HDETConfig
 from hdet_scale.config_rules import check_spread_alpha
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
@@ -232,10 +233,28 @@ class HDETEnsemble:
 
     @property
     def replicas_own_optimizer_state(self) -> bool:
-        """True where the replicas' optimizer states differ at a sync point (``local`` gradient mode, the state not
-        averaged, 2+ replicas): a checkpoint then needs each replica's, not one rank's."""
+        """True where the settings make the replicas' optimizer states differ at a sync point (``local`` gradient
+        mode, the state not averaged, 2+ replicas): a checkpoint then needs each replica's, not one rank's.
+        ``optimizer_states_differ`` also finds the states that differ in ``global`` mode."""
         return (self.config.gradient_mode == "local" and not self.config.average_optimizer_state
                 and self.topology.num_replicas > 1)
+
+    def optimizer_states_differ(self) -> bool:
+        """Whether some replica's optimizer state differs from replica 0's now, so that a checkpoint taken now needs
+        each replica's; where not, replica 0's alone serves every replica (collective in ``global`` gradient mode:
+        every rank calls it). They differ where ``replicas_own_optimizer_state`` says so, and are alike with one
+        replica or averaged at a sync point. In ``global`` mode every replica steps with the same gradients, so
+        their states are alike unless the optimizer adds the weights into them (weight decay added to the
+        gradient, as torch.optim.Adam and SGD do): there each rank fingerprints its state's bits and compares it with
+        the other replicas' at its position."""
+        if self.replicas_own_optimizer_state:
+            return True
+        if self.topology.num_replicas == 1 or self.config.average_optimizer_state:
+            return False
+        fingerprint = bits_fingerprint(self.adapter.optimizer_state_tensors())
+        table = gather_rows([fingerprint >> 32, fingerprint & 0xFFFFFFFF], world_size=self.topology.world_size)
+        return any(len({tuple(row) for row in table[self.topology.cross_replica_ranks(position)].tolist()}) > 1
+                   for position in range(self.topology.ranks_per_replica))
 
     @property
     def wants_probe(self) -> bool:

@@ -36,10 +36,11 @@ BATCHES_PER_EPOCH = 10
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, sharded: bool = False, probe: bool = False) -> None:
+    def __init__(self, sharded: bool = False, probe: bool = False, coupled_decay: bool = False) -> None:
         super().__init__()
         self.sharded = sharded
         self.probe = probe
+        self.coupled_decay = coupled_decay
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.losses: list[float] = []
@@ -71,7 +72,9 @@ class Regression(pl.LightningModule):
             self.net = shard(self, self.net, block_classes=[nn.Linear])
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=0.02)
+        # --coupled_decay: Adam adds the weight decay to the gradient, so each replica's moments are its own
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.02, weight_decay=0.1) if self.coupled_decay \
+            else torch.optim.AdamW(self.parameters(), lr=0.02)
         return {"optimizer": optimizer, "lr_scheduler": {
             "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.05 * s)),
             "interval": "step"}}
@@ -139,6 +142,7 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true", help="a probe set in the module's on_fit_start")
     parser.add_argument("--sync_interval", type=int, default=SYNC_INTERVAL)
     parser.add_argument("--validate", action="store_true", help="validate at every epoch end")
+    parser.add_argument("--coupled_decay", action="store_true", help="Adam with weight decay instead of AdamW")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     world = int(__import__("os").environ["WORLD_SIZE"])
@@ -159,7 +163,8 @@ def main() -> None:
                          accumulate_grad_batches=args.accumulate, callbacks=[hdet, recorder, checkpoints],
                          logger=CSVLogger(args.out, name="csv", version=0), enable_progress_bar=False,
                          enable_model_summary=False)
-    module = Regression(sharded=args.strategy == "model_parallel", probe=args.probe)
+    module = Regression(sharded=args.strategy == "model_parallel", probe=args.probe,
+                        coupled_decay=args.coupled_decay)
     validation = DataLoader(TensorDataset(*held_out_batch()), batch_size=4) if args.validate else None
     trainer.fit(module, DataLoader(data, batch_size=4), validation, ckpt_path=args.resume)
     losses = [None] * world

@@ -86,12 +86,12 @@ class HDETDeepSpeed(HDETHandle):
         """Payload bytes of gradients this rank all-reduced across replicas (``global`` mode, every step)."""
         self._gradient_buckets: list[torch.Tensor] = []  # the gradient average's buckets, reused every step
         self._saving = False
-        self._saved_replicas_given: int | None = None  # replicas of the checkpoint being loaded, when known
+        self._saved_replicas_given: int | None = None  # replicas whose files the checkpoint being loaded has
         self._synced_in_step = False
         self._closed = False  # close(): the engine's steps are DeepSpeed's alone, inside the replica
         if topology.replica_index > 0:
             # DeepSpeed names checkpoint files by the rank inside the replica, so replicas would overwrite each
-            # other. Optimizer state may differ (local mode): every other replica writes its own files next to
+            # other. Where optimizer states differ (local mode) every other replica writes its own files next to
             # replica 0's. ZeRO-1/2/3 keep it in their ZeRO files, and only replica 0 writes the model (identical
             # at syncs); ZeRO-0 keeps it in the model file itself, which every replica then writes.
             if engine.zero_optimization():
@@ -189,9 +189,10 @@ class HDETDeepSpeed(HDETHandle):
 
         Replicas are identical right after a sync: replica 0 writes the model and its optimizer state where
         DeepSpeed expects them (with ``universal_checkpoint_info``, so ``ds_to_universal`` converts ZeRO-1/2
-        checkpoints, and ``zero_to_fp32`` reads them); every other replica writes its own optimizer state
-        (which differs in local mode) to ``<tag>/hdet_replicas/`` (ZeRO-0: its model file, which holds it).
-        With ``save_latest``, ``latest`` names the tag once every rank's files are on the disk. Returns the tag.
+        checkpoints, and ``zero_to_fp32`` reads them); where the replicas' optimizer states differ
+        (``HDETEnsemble.optimizer_states_differ``: local gradient mode), every other replica writes its own to
+        ``<tag>/hdet_replicas/`` (ZeRO-0: its model file, which holds it). With ``save_latest``, ``latest`` names
+        the tag once every rank's files are on the disk. Returns the tag.
         """
         step = self.ensemble.global_step
         if not self.ensemble.at_sync_point:
@@ -206,6 +207,8 @@ class HDETDeepSpeed(HDETHandle):
         state["hdet"] = self.state_dict()
         state.setdefault("universal_checkpoint_info", {})
         tag = tag or f"global_step{self.engine.global_steps}"
+        states_differ = self.ensemble.optimizer_states_differ()  # collective: on every rank
+        writes_own_state = self.topology.replica_index > 0 and states_differ
         # An earlier save into this tag by more replicas left files of replicas this run does not have, which a
         # load would count as saved replicas.
         replica_folder = os.path.join(str(save_dir), tag, REPLICA_FOLDER)
@@ -213,7 +216,7 @@ class HDETDeepSpeed(HDETHandle):
         failure = None
         try:  # DeepSpeed makes save_dir on rank 0 alone before its first barrier: made here, by every rank
             os.makedirs(os.path.join(str(save_dir), tag), exist_ok=True)
-            if self.topology.replica_index > 0:
+            if writes_own_state:
                 # DeepSpeed creates the tag folder only from ranks whose rank inside the replica equals the global
                 # rank.
                 os.makedirs(os.path.join(str(save_dir), tag, REPLICA_FOLDER), exist_ok=True)
@@ -222,6 +225,10 @@ class HDETDeepSpeed(HDETHandle):
         raise_together(failure, f"preparing the checkpoint {tag}")
         self._saving = True
         epilogue = SaveEpilogue(self.engine)
+        own_file = "save_zero_checkpoint" if self.engine.zero_optimization() else "save_non_zero_checkpoint"
+        writes = getattr(self.engine, own_file)
+        if self.topology.replica_index > 0 and not writes_own_state:
+            setattr(self.engine, own_file, False)  # replica 0's optimizer state serves this replica too
         try:
             with replica_groups(self.engine.mpu), epilogue:
                 self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, save_latest=False, **kwargs)
@@ -234,6 +241,7 @@ class HDETDeepSpeed(HDETHandle):
             dist.barrier()
         finally:
             self._saving = False
+            setattr(self.engine, own_file, writes)
         raise_together(failure, f"saving the checkpoint {tag}")
         # DeepSpeed's rank 0 writes 'latest' before the other ranks' files are written, and its torch.save leaves
         # them in the page cache: each node flushes the checkpoint (one rank a node flushes what all its ranks
@@ -249,19 +257,19 @@ class HDETDeepSpeed(HDETHandle):
             on_rank0(lambda: write_text_durably(Path(save_dir) / "latest", tag), f"pointing 'latest' at {tag}")
         return tag
 
-    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,
-                        saved_replicas: int | None = None, **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
         """``engine.load_checkpoint`` and the HDET state; returns (path, the user's client_state).
 
         Every replica gets its own optimizer state back. Loads into any number of replicas of the saved size:
-        replica r takes saved replica ``r mod saved_replicas``'s optimizer state (default: as many saved replicas
-        as the checkpoint has files for). A different replica size needs DeepSpeed's universal checkpoint
+        replica r takes saved replica ``r mod n``'s optimizer state, ``n`` the number of replicas that wrote
+        theirs (1 where they were alike). A different replica size needs DeepSpeed's universal checkpoint
         (``ds_to_universal``, then ``"checkpoint": {"load_universal": true}``), which carries replica 0's
         optimizer state.
         """
         tag, found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag),
                                        "checking the checkpoint's HDET state", share_result=True)
-        self._saved_replicas_given = saved_replicas or found_replicas
+        self._saved_replicas_given = found_replicas
         try:
             with replica_groups(self.engine.mpu):
                 path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)

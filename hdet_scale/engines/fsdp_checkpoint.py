@@ -2,9 +2,10 @@
 
 At a sync point every replica holds the same parameters, so the model is saved once (DCP keeps one copy of
 identical shards) and consolidates into one unsharded model. Optimizer states can differ between replicas
-(local gradient mode, or weight decay folded into momentum), and DCP de-duplicates identical keys across
-ranks: saved under shared keys they would come back as a mix of replicas. Each replica's optimizer state is
-therefore saved under its own key. The HDET state is identical on every rank at a sync point; rank 0 writes it
+(local gradient mode, or weight decay added to the gradient), and DCP de-duplicates identical keys across
+ranks: saved under shared keys they would come back as a mix of replicas. Where they differ each replica's
+optimizer state is therefore saved under its own key; where they are alike, under replica 0's, which DCP writes
+once. The HDET state is identical on every rank at a sync point; rank 0 writes it
 next to the shards. A checkpoint is written to ``PATH.tmp`` and renamed into place once complete, so a run
 killed mid-save leaves the previous checkpoint intact; killed between the two renames, it leaves no ``PATH``,
 and the next ``has_checkpoint``, ``load_checkpoint`` or ``save_checkpoint`` puts the newer checkpoint there.
@@ -13,6 +14,7 @@ and the next ``has_checkpoint``, ``load_checkpoint`` or ``save_checkpoint`` puts
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -66,10 +68,11 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     # Taken on every rank before anything is written (the same there: no collective), so that a state HDET
     # refuses to give (during the LR range test) stops every rank before the shards are written for nothing.
     hdet_state = ensemble.state_dict()
+    saved_as = hdet.topology.replica_index if ensemble.optimizer_states_differ() else 0
     final = Path(path)
     staging = replacement_folders(final)[0]
     on_rank0(lambda: start_replacement(final), f"clearing {staging}")
-    dcp.save(_sharded_state(model, optimizer, hdet.topology.replica_index), checkpoint_id=staging)
+    dcp.save(_sharded_state(model, optimizer, saved_as), checkpoint_id=staging)
 
     def complete() -> None:
         # DCP wrote its files to the disk (fsync); these too, before anything vouches for them or the older
@@ -83,6 +86,12 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         replace_folder_durably(staging, final)
 
     on_rank0(complete, f"writing the checkpoint {final}")
+
+
+def _saved_optimizer_states(path: Path) -> int:
+    """How many optimizer states the checkpoint at ``path`` holds: one per replica where theirs differed, else 1."""
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return len({match.group(1) for key in keys if (match := re.match(r"optimizer_replica(\d+)\.", key))}) or 1
 
 
 def has_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -100,26 +109,27 @@ def has_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
-                    hdet: HDETFSDP, *, saved_replicas: int | None = None) -> dict[str, Any]:
+                    hdet: HDETFSDP) -> dict[str, Any]:
     """Restores a checkpoint written by ``save_checkpoint`` (collective); returns its ``extra_state``.
 
     The replica layout may differ from the saved one: DCP reshards the model for another number of ranks per
-    replica, and replica ``r`` takes saved replica ``r mod saved_replicas``'s optimizer state (default: the
-    saved HDET state's replica count)."""
+    replica, and replica ``r`` takes saved replica ``r mod n``'s optimizer state, ``n`` the number of optimizer
+    states saved (1 where the replicas' were alike)."""
     ensemble = hdet.ensemble
     path = Path(path)
     if not has_checkpoint(path):
         raise FileNotFoundError(f"no HDET checkpoint at '{path}' (expected {HDET_STATE_FILE} and DCP shards)")
 
-    def small_states() -> tuple[dict[str, Any], dict[str, Any]]:
+    def small_states() -> tuple[dict[str, Any], dict[str, Any], int]:
         extra = path / EXTRA_STATE_FILE
         return (torch.load(path / HDET_STATE_FILE, weights_only=True),
-                torch.load(extra, weights_only=True) if extra.is_file() else {})
+                torch.load(extra, weights_only=True) if extra.is_file() else {}, _saved_optimizer_states(path))
 
     # Rank 0 reads, every rank follows: ranks reading a network file system each for itself could disagree.
-    hdet_state, extra_state = on_rank0(small_states, f"reading the HDET state in {path}", share_result=True)
+    hdet_state, extra_state, saved_states = on_rank0(small_states, f"reading the HDET state in {path}",
+                                                     share_result=True)
     ensemble.check_state(hdet_state)  # before the model is read: a run that cannot continue it stops at once
-    source = hdet.topology.replica_index % (saved_replicas or int(hdet_state["num_replicas"]))
+    source = hdet.topology.replica_index % saved_states
     state = _sharded_state(model, optimizer, source)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],

@@ -197,8 +197,9 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if topology.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.state_dict(), folder / STATE_FILE)
-        if (ensemble.replicas_own_optimizer_state and topology.replica_index and not topology.position
-                and not args.save_only_model):  # the Trainer saves no optimizer state there either
+        # the Trainer saves no optimizer state with save_only_model either
+        if (not args.save_only_model and ensemble.optimizer_states_differ() and topology.replica_index
+                and not topology.position):
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.adapter.optimizer.state_dict(),
                        folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
@@ -303,19 +304,17 @@ class HDETCallback(TrainerCallback, HDETHandle):
 
     def _load_replica_optimizer(self) -> None:
         """Gives replica r >= 1 its own optimizer state back where the replicas' differ (the Trainer loaded rank 0's,
-        which is replica 0's, on every rank). A checkpoint without it (saved in ``global`` mode, with fewer
-        replicas or with ``average_optimizer_state``) leaves replica 0's, and says so; one without the Trainer's
-        (``save_only_model``) leaves every replica's fresh, as the Trainer does."""
+        which is replica 0's, on every rank). A checkpoint without it (saved where the replicas' states were alike,
+        or with fewer replicas) leaves replica 0's, and says so where this run's replicas own theirs; one without
+        the Trainer's (``save_only_model``) leaves every replica's fresh, as the Trainer does."""
         topology = self.ensemble.topology
-        if not (self.ensemble.replicas_own_optimizer_state and topology.replica_index):
-            return
-        if not (self._resume_folder / OPTIMIZER_NAME).is_file():
+        if not topology.replica_index or not (self._resume_folder / OPTIMIZER_NAME).is_file():
             return
         path = self._resume_folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index)
         if path.is_file():
             # on the CPU: the file's tensors name the device of the rank that saved it
             self.ensemble.adapter.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        elif not topology.position:
+        elif self.ensemble.replicas_own_optimizer_state and not topology.position:
             warn(f"'{self._resume_folder}' holds no optimizer state of replica {topology.replica_index} (saved in "
                  "global gradient mode, with fewer replicas or with average_optimizer_state): the replica goes on "
                  "from replica 0's, as the Trainer loaded it")

@@ -161,11 +161,10 @@ class HDETCallback(pl.Callback, HDETHandle):
         saved, self._replica_optimizers = self._replica_optimizers, None
         # Lightning restored rank 0's (replica 0's) optimizer state on every rank; under FSDP2 its distributed
         # checkpoint holds one state per shard, the replicas' mixed (docs/engines.md)
-        own_states = ensemble.replicas_own_optimizer_state and self._fsdp is None
-        if saved is not None and topology.replica_index and own_states:
+        if saved is not None and topology.replica_index and self._fsdp is None:
             if topology.replica_index in saved:
                 trainer.optimizers[0].load_state_dict(saved[topology.replica_index])
-            elif not topology.position:
+            elif ensemble.replicas_own_optimizer_state and not topology.position:
                 warn(f"HDETCallback: the checkpoint holds no optimizer state of replica {topology.replica_index} "
                      "(saved in global gradient mode, with fewer replicas or with average_optimizer_state): the "
                      "replica goes on from replica 0's, as Lightning restored it")
@@ -225,13 +224,14 @@ class HDETCallback(pl.Callback, HDETHandle):
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """HDET's state (controller, permutations, step), saved in Lightning's checkpoint; under ``DDPStrategy`` in
-        ``local`` gradient mode also every other replica's optimizer state, gathered to rank 0, which writes the
-        checkpoint (collective: Lightning calls it on every rank)."""
+        """HDET's state (controller, permutations, step), saved in Lightning's checkpoint; under ``DDPStrategy``,
+        where the replicas' optimizer states differ (``HDETEnsemble.optimizer_states_differ``: ``local`` gradient
+        mode), also every other replica's, gathered to rank 0, which writes the checkpoint (collective: Lightning
+        calls it on every rank)."""
         if self._ensemble is None:
             return dict(self._restored or {})
         state = self._ensemble.state_dict()
-        if self._fsdp is None and self._ensemble.replicas_own_optimizer_state:
+        if self._fsdp is None and self._ensemble.optimizer_states_differ():
             state[REPLICA_OPTIMIZERS] = self._gather_replica_optimizers()
         return state
 

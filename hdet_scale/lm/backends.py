@@ -112,9 +112,9 @@ class Backend(ABC):
         manifest, written once every file is complete; returns where it went."""
 
     @abstractmethod
-    def load(self, path: Path, saved_replicas: int) -> dict[str, Any]:
-        """Restores the checkpoint at ``path``, saved by ``saved_replicas`` replicas (replica r takes saved
-        replica r mod saved_replicas's optimizer state), and returns its ``extra``."""
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restores the checkpoint at ``path`` (replica r takes saved replica r mod n's optimizer state, n the
+        number of replicas that saved theirs) and returns its ``extra``."""
 
     @abstractmethod
     def checkpoint_path(self, directory: Path) -> Path:
@@ -205,10 +205,10 @@ class FSDPBackend(Backend):
                         finalize=lambda complete: write_manifest(complete, dict(run), step))
         return path
 
-    def load(self, path: Path, saved_replicas: int) -> dict[str, Any]:
+    def load(self, path: Path) -> dict[str, Any]:
         from hdet_scale.engines.fsdp_checkpoint import load_checkpoint
 
-        extra = load_checkpoint(path, self.model, self.optimizer, self.hdet, saved_replicas=saved_replicas)
+        extra = load_checkpoint(path, self.model, self.optimizer, self.hdet)
         self.scheduler.load_state_dict(extra.pop("scheduler"))
         return extra
 
@@ -307,8 +307,8 @@ class DeepSpeedBackend(Backend):
         on_rank0(complete, f"writing the checkpoint {directory / tag}")
         return directory / tag
 
-    def load(self, path: Path, saved_replicas: int) -> dict[str, Any]:
-        _, client_state = self.hdet.load_checkpoint(path.parent, tag=path.name, saved_replicas=saved_replicas)
+    def load(self, path: Path) -> dict[str, Any]:
+        _, client_state = self.hdet.load_checkpoint(path.parent, tag=path.name)
         return dict(client_state.get("train", {}))
 
     def checkpoint_path(self, directory: Path) -> Path:

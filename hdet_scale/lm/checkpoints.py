@@ -7,7 +7,7 @@ group exists and refuses, in one line, what cannot be continued (another engine,
 truncated files, other explored values, optimizer settings the saved state would ignore) without touching the
 output directory. A different number of replicas is fine: the
 model is one at a sync point, and each new replica takes a saved replica's optimizer state (replica ``r``
-takes saved replica ``r mod R_saved``).
+takes saved replica ``r mod R_saved``'s, or the one they shared where theirs were alike).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class ResumePoint:
     def layout_line(self) -> str:
         return (f"replica layout changed: the checkpoint has {self.saved_replicas} replica(s), this run "
                 f"{self.replicas}; replica r continues with saved replica r mod {self.saved_replicas}'s optimizer "
-                "state (the model is one at a sync point)")
+                "state where the replicas saved their own, else with the one they shared (the model is one at a sync "
+                "point)")
 
 
 def identity(*, engine: str, zero_stage: int | None, model: dict[str, Any], replicas: int, ranks_per_replica: int,

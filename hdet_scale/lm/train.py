@@ -430,7 +430,7 @@ class Run:
                 self.progress.line(point.layout_line())
             if point.changed:
                 self.progress.line(point.changed_line())
-            extra = agreed(f"resuming from {path}", lambda: self.backend.load(path, point.saved_replicas))
+            extra = agreed(f"resuming from {path}", lambda: self.backend.load(path))
             saved_streams = extra.get("rng_states")  # checkpoints of earlier versions have none
             if saved_streams is not None and len(saved_streams) == dist.get_world_size():
                 _restore_rng(saved_streams[self.rank])  # another world size cannot go on bit-identically anyway

@@ -228,3 +228,40 @@ def test_every_rank_follows_rank_0s_reading_of_the_checkpoint(tmp_path):
     """Each rank looked for the checkpoint and read its HDET and extra state for itself: where ranks see the file
     system differently, one started afresh (or failed) while the others loaded, and the run hung in DCP's load."""
     assert run_ranks(load_where_ranks_see_different_files, 2, str(tmp_path)) == [(True, {"epoch": 3})] * 2
+
+
+def optimizer_states_in_global_mode(rank: int, world: int, directory: str, coupled_decay: bool) -> tuple[bool, bool]:
+    """Global mode, 2 replicas x 2 shards, saved at the sync at step 2: whether the checkpoint holds replica 1's
+    optimizer state, and whether the replicas' states differed; each replica must get its own back either way."""
+    import torch.distributed.checkpoint as dcp
+    from settings import lr_held_at_given
+
+    path = Path(directory) / "ckpt"
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=PER_REPLICA,
+                        auto_lr=lr_held_at_given())
+
+    def build_global(seed: int):
+        model, hdet = wrap(tiny_llama(seed), config)
+        # Adam adds the weight decay to the gradient, so replicas training at other LRs get other moments
+        kind = torch.optim.Adam if coupled_decay else torch.optim.AdamW
+        optimizer = kind(model.parameters(), lr=1e-2, weight_decay=0.1)
+        hdet.attach(optimizer)
+        return model, optimizer, hdet
+
+    first = build_global(seed=0)
+    train(*first, rank, range(1, 3))
+    saved_moments = moments(first[1])
+    rows = gather_rows(saved_moments)
+    save_checkpoint(path, *first)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    second = build_global(seed=9)
+    load_checkpoint(path, *second)
+    assert torch.equal(moments(second[1]), saved_moments)
+    return any(key.startswith("optimizer_replica1.") for key in keys), not torch.equal(rows[0], rows[2])
+
+
+@pytest.mark.parametrize("coupled_decay", [False, True])
+def test_replicas_alike_save_one_optimizer_state_and_those_that_differ_each_their_own(tmp_path, coupled_decay):
+    """Every replica saved its optimizer state, R copies of it where they were alike (global mode, AdamW)."""
+    expected = (coupled_decay, coupled_decay)
+    assert run_ranks(optimizer_states_in_global_mode, WORLD, str(tmp_path), coupled_decay) == [expected] * WORLD

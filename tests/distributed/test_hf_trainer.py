@@ -435,6 +435,64 @@ def test_the_readmes_deepspeed_recipe_runs_as_written(tmp_path):
     assert (tmp_path / "model.safetensors").is_file()
 
 
+# ------------------------------------------------------------------------------ optimizer states in global mode
+def coupled_decay_worker(rank: int, world: int, out_dir: str) -> dict:
+    """Global mode, 2 replicas, saved at the sync at step 3, for Adam with weight decay added to the gradient and for
+    AdamW: what the checkpoint holds of replica 1, replica 1's optimizer state at the save, and (Adam) as a resumed
+    run starts from that checkpoint."""
+    import copy
+
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    def trained(kind, folder: str, resume_from: str | None = None) -> dict:
+        """The optimizer state at the start (after a resume's load) and at the checkpoint."""
+        AcceleratorState._reset_state(reset_partial_state=False)
+        model = tiny_llama(0)
+        optimizer = kind(model.parameters(), lr=3e-3, weight_decay=0.1)
+        trainer = Trainer(model=model, args=training_args(folder, save_strategy="steps", save_steps=SYNC_INTERVAL,
+                                                          max_steps=SYNC_INTERVAL + 1),
+                          train_dataset=token_dataset(), optimizers=(optimizer, None))
+        add_hdet(trainer, hdet_settings(folder, "global", 1))
+        states = {}
+
+        class Record(TrainerCallback):  # added after HDET's callback: sees what it loaded
+            def on_train_begin(self, args, state, control, **kwargs):
+                states["start"] = copy.deepcopy(optimizer.state_dict()["state"])
+
+            def on_save(self, args, state, control, **kwargs):
+                if state.global_step == SYNC_INTERVAL:  # the Trainer saves at the run's end too
+                    states["save"] = copy.deepcopy(optimizer.state_dict()["state"])
+
+        trainer.add_callback(Record())
+        trainer.train(resume_from_checkpoint=resume_from)
+        return states
+
+    seen = {}
+    for kind in (torch.optim.Adam, torch.optim.AdamW):
+        folder = os.path.join(out_dir, kind.__name__)
+        own = trained(kind, folder)["save"]
+        saved = Path(folder) / f"checkpoint-{SYNC_INTERVAL}" / "hdet_optimizer_replica1.pt"
+        seen[kind.__name__] = {"saved": torch.load(saved)["state"] if saved.is_file() else None, "own": own}
+    seen["Adam"]["resumed"] = trained(torch.optim.Adam, os.path.join(out_dir, "resumed"),
+                                      os.path.join(out_dir, "Adam", f"checkpoint-{SYNC_INTERVAL}"))["start"]
+    return seen
+
+
+def test_replicas_whose_optimizer_states_differ_in_global_mode_save_their_own(tmp_path):
+    """The Trainer's checkpoint holds rank 0's optimizer state; in global mode HDET added no other replica's, though
+    Adam's weight decay, added to the gradient, makes each replica's moments its own."""
+    replica1 = run_ranks(coupled_decay_worker, 2, str(tmp_path), timeout=600)[1]
+    own = replica1["Adam"]["own"]
+    for state in (replica1["Adam"]["saved"], replica1["Adam"]["resumed"]):  # saved, and given back at the resume
+        assert state is not None and state.keys() == own.keys()
+        for index, entry in own.items():
+            assert all(torch.equal(state[index][key], value) for key, value in entry.items())
+    assert replica1["AdamW"]["saved"] is None  # alike: rank 0's serves every replica
+
+
 # ---------------------------------------------------------------------------------------- warm init, resumed
 def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
     from transformers import TrainerCallback

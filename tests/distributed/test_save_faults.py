@@ -148,7 +148,7 @@ def faults(rank: int, world: int, directory: str, layout: str) -> list[tuple[int
             expected = now if point.step == backend.ensemble.global_step else saved
             dist.barrier()  # every rank has read the folder as the failed save left it
             on_rank0(lambda: settle_interrupted_save(out), "settling")
-            backend.load(checkpoint_dir(out), 2)
+            backend.load(checkpoint_dir(out))
             assert torch.equal(parameters(backend), expected), (victim, writes[victim][index])
             outcomes.append((victim, writes[victim][index], outcome, elapsed))
     return outcomes
@@ -261,7 +261,7 @@ def resumed_after_a_kill(rank: int, world: int, directory: str, layout: str) -> 
     dist.barrier()
     on_rank0(lambda: settle_interrupted_save(out), "settling")
     backend = build(layout, out / "fresh")
-    backend.load(checkpoint_dir(out), 2)
+    backend.load(checkpoint_dir(out))
     expected = torch.load(out / f"expected_{rank}_step{point.step}.pt")
     assert torch.equal(parameters(backend), expected)
     return point.step

@@ -242,3 +242,42 @@ def test_every_rank_follows_rank_0s_reading_of_the_checkpoint(tmp_path):
     (stale / "tag" / REPLICA_FOLDER / "replica2_mp_rank_00_model_states.pt").write_bytes(b"")
     assert saved[0] != saved[1]
     assert run_ranks(load_where_ranks_see_different_files, 3, str(tmp_path)) == [saved[0], saved[1], saved[0]]
+
+
+def optimizer_states_in_global_mode(rank: int, world: int, directory: str, stage: int,
+                                    coupled_decay: bool) -> tuple[bool, bool]:
+    """Global mode, 2 replicas, saved at the sync at step 2: whether the checkpoint has files of replica 1, and
+    whether the replicas' optimizer states differed; each replica must get its own back either way."""
+    from test_deepspeed import ds_config, tiny_model
+    from test_deepspeed_distributed import train_step
+
+    from hdet_scale.engines.deepspeed import initialize
+
+    hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": SYNC_INTERVAL, "auto_lr": LR_HELD_AT_GIVEN}
+
+    def build_global(seed: int):
+        model = tiny_model(seed)
+        # Adam adds the weight decay to the gradient, so replicas training at other LRs get other moments
+        kind = torch.optim.Adam if coupled_decay else torch.optim.AdamW
+        optimizer = kind(model.parameters(), lr=0.01, weight_decay=0.1)
+        return initialize(model=model, optimizer=optimizer, config=ds_config(stage, hdet=hdet))[0]
+
+    engine = build_global(0)
+    for step in range(1, SYNC_INTERVAL + 1):
+        train_step(engine, rank, step)
+    saved = moments(engine)
+    rows = gather_rows(saved)
+    engine.hdet.save_checkpoint(directory, "tag")
+    loaded = build_global(3)
+    loaded.hdet.load_checkpoint(directory, "tag")
+    assert torch.equal(moments(loaded), saved)
+    replica_files = Path(directory) / "tag" / REPLICA_FOLDER
+    return replica_files.is_dir() and any(replica_files.iterdir()), not torch.equal(rows[0], rows[1])
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("coupled_decay", [False, True])
+def test_replicas_alike_save_one_optimizer_state_and_those_that_differ_each_their_own(tmp_path, stage, coupled_decay):
+    """Every replica wrote its optimizer state (ZeRO-0: its whole model file), R copies where they were alike."""
+    expected = (coupled_decay, coupled_decay)
+    assert run_ranks(optimizer_states_in_global_mode, 2, str(tmp_path), stage, coupled_decay) == [expected] * 2

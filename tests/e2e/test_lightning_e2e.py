@@ -59,6 +59,9 @@ def runs(tmp_path_factory) -> dict:
             without_replica_optimizers(root / "local" / "checkpoints" / "epoch=0-step=5.ckpt", root / "bare.ckpt"))),
         "resumed": run_job(root / "resumed", "--epochs", "2", "--resume",
                            str(root / "global" / "checkpoints" / first_epoch)),
+        "coupled": run_job(root / "coupled", "--epochs", "2", "--coupled_decay"),
+        "coupled_resumed": run_job(root / "coupled_resumed", "--epochs", "2", "--coupled_decay", "--resume",
+                                   str(root / "coupled" / "checkpoints" / first_epoch)),
         "fsdp2": run_job(root / "fsdp2", *fsdp2, "--epochs", "2"),
         "fsdp2_resumed": run_job(root / "fsdp2_resumed", *fsdp2, "--epochs", "2", "--resume",
                                  str(root / "fsdp2" / "checkpoints" / first_epoch)),
@@ -135,6 +138,26 @@ def test_a_resumed_fit_continues_the_same_run(runs):
     torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=1e-6)
     lines = [json.loads(line) for line in (runs["root"] / "resumed" / "hdet.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [15, 20]
+
+
+def replica_optimizers_saved(checkpoint: Path) -> list[int]:
+    """The replicas whose optimizer states the callback's state in ``checkpoint`` carries."""
+    state = torch.load(checkpoint, weights_only=False)
+    (key,) = [key for key in state["callbacks"] if key.startswith("HDETCallback")]
+    return sorted(state["callbacks"][key].get("replica_optimizers") or {})
+
+
+@pytest.mark.e2e
+def test_a_resumed_global_mode_fit_gives_replicas_whose_states_differ_their_own(runs):
+    """In global mode every replica steps with the same gradients, but Adam adds the weight decay to them, so each
+    replica's moments are its own: the checkpoint carries them (with AdamW the replicas' are alike and it carries
+    none), and the resumed run ends where the straight one does."""
+    checkpoints = runs["root"] / "coupled" / "checkpoints", runs["root"] / "global" / "checkpoints"
+    assert replica_optimizers_saved(checkpoints[0] / "epoch=0-step=10.ckpt") == [1, 2, 3]
+    assert replica_optimizers_saved(checkpoints[1] / "epoch=0-step=10.ckpt") == []
+    resumed, straight = runs["coupled_resumed"], runs["coupled"]
+    assert resumed["hdet_step"] == 20
+    torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=1e-6)
 
 
 @pytest.mark.e2e

@@ -11,8 +11,9 @@ import math
 
 import torch
 
+from hdet_scale import comm
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import all_finite_on, pack_healthy, unpack_healthy_mean
+from hdet_scale.comm import all_finite_on, bits_fingerprint, pack_healthy, unpack_healthy_mean
 
 
 def test_one_replica_averages_nothing():
@@ -49,3 +50,27 @@ def test_all_finite_reads_every_tensor_of_every_precision():
                    torch.tensor([math.inf], dtype=torch.bfloat16), torch.tensor([math.nan], dtype=torch.float16)):
         assert not finite(*healthy, broken), broken  # found in the last tensor, whatever its precision
         assert not finite(broken, *healthy), broken
+
+
+def test_the_fingerprint_weighs_each_elements_bits_by_its_odd_place():
+    one, two, minus_one = 0x3F800000, 0x40000000, -0x40800000  # float32 1.0, 2.0, -1.0 as signed int32 bits
+    assert bits_fingerprint([torch.tensor([1.0])]) == one
+    assert bits_fingerprint([torch.tensor([1.0]), torch.tensor([2.0, -1.0])]) == (one + 3 * two + 5 * minus_one) % 2**64
+    assert bits_fingerprint([torch.tensor([-1.0])]) == 2**64 + minus_one  # unsigned
+    assert bits_fingerprint([torch.tensor([1.0], dtype=torch.bfloat16)]) == 0x3F80
+    assert bits_fingerprint([torch.tensor([1.0], dtype=torch.float64)]) == 0x3FF0000000000000
+    assert bits_fingerprint([]) == bits_fingerprint([torch.empty(0)]) == 0
+
+
+def test_the_fingerprint_sees_any_one_change_and_not_the_chunking(monkeypatch):
+    state = [torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), torch.randn(4)]
+    whole = bits_fingerprint(state)
+    monkeypatch.setattr(comm, "_FINGERPRINT_CHUNK", 4)
+    assert bits_fingerprint(state) == whole
+    assert bits_fingerprint([state[0].reshape(-1)[:7], state[0].reshape(-1)[7:], state[1]]) == whole
+    for index in range(state[0].numel()):
+        changed = state[0].clone()
+        changed.view(-1)[index] = torch.nextafter(changed.view(-1)[index], torch.tensor(math.inf))
+        assert bits_fingerprint([changed, state[1]]) != whole
+    assert bits_fingerprint([state[1], state[0]]) != whole  # the order counts
+    assert bits_fingerprint([torch.tensor([1 + 2j], dtype=torch.complex64)]) == 0x3F800000 + 3 * 0x40000000  # re, im
