@@ -102,6 +102,7 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._stop_at: int | None = None  # the run's length, where the range test lengthened the loop's epochs
         self._schedulers_held = False  # while the range test runs
         self._fsdp: HDETFSDP | None = None  # set by shard() under ModelParallelStrategy
+        self._mixed_states_told = False  # FSDP2: a checkpoint of replicas whose optimizer states differ, said once
         self._fitting = False  # from on_fit_start to teardown: _ensemble is this fit's, not an earlier fit's
 
     # ------------------------------------------------------------------------------------ checks
@@ -125,6 +126,7 @@ class HDETCallback(pl.Callback, HDETHandle):
             self._ensemble.close()
         steps = trainer.estimated_stepping_batches
         self._stop_at = None  # not the length of an earlier fit()
+        self._mixed_states_told = False
         laid_out = _laid_out(self._given_config, trainer)  # not the length of an earlier fit()
         if math.isfinite(steps):
             self.config = laid_out.for_run(int(steps))
@@ -227,12 +229,20 @@ class HDETCallback(pl.Callback, HDETHandle):
         """HDET's state (controller, permutations, step), saved in Lightning's checkpoint; under ``DDPStrategy``,
         where the replicas' optimizer states differ (``HDETEnsemble.optimizer_states_differ``: ``local`` gradient
         mode), also every other replica's, gathered to rank 0, which writes the checkpoint (collective: Lightning
-        calls it on every rank)."""
+        calls it on every rank). Under ``ModelParallelStrategy`` states that differ are said once a fit."""
         if self._ensemble is None:
             return dict(self._restored or {})
         state = self._ensemble.state_dict()
-        if self._fsdp is None and self._ensemble.optimizer_states_differ():
+        differ = self._ensemble.optimizer_states_differ()
+        if differ and self._fsdp is None:
             state[REPLICA_OPTIMIZERS] = self._gather_replica_optimizers()
+        elif differ and not self._mixed_states_told:
+            self._mixed_states_told = True
+            if self._ensemble.topology.rank == 0:
+                warn("HDETCallback: the replicas' optimizer states differ (local gradient mode, or weight decay added "
+                     "to the gradient) and Lightning's distributed checkpoint keeps one per shard, so a fit resumed "
+                     "from it gives every replica a mix of them; set average_optimizer_state: true, or checkpoint "
+                     "with hdet_scale.engines.fsdp_checkpoint in your own loop")
         return state
 
     def _gather_replica_optimizers(self) -> dict[int, dict[str, Any]] | None:

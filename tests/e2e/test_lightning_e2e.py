@@ -63,6 +63,7 @@ def runs(tmp_path_factory) -> dict:
         "coupled_resumed": run_job(root / "coupled_resumed", "--epochs", "2", "--coupled_decay", "--resume",
                                    str(root / "coupled" / "checkpoints" / first_epoch)),
         "fsdp2": run_job(root / "fsdp2", *fsdp2, "--epochs", "2"),
+        "fsdp2_local": run_job(root / "fsdp2_local", *fsdp2, "--mode", "local", "--epochs", "2"),
         "fsdp2_resumed": run_job(root / "fsdp2_resumed", *fsdp2, "--epochs", "2", "--resume",
                                  str(root / "fsdp2" / "checkpoints" / first_epoch)),
         # epochs of 10 steps at T = 3: each epoch's validation falls between syncs
@@ -180,6 +181,16 @@ def test_model_parallel_fsdp2_replicas_of_two_shards(runs):
     record = runs["fsdp2"]
     assert record["hdet_step"] == 20
     assert_syncs_average(record, [0, 0, 1, 1])
+
+
+@pytest.mark.e2e
+def test_a_model_parallel_checkpoint_of_replicas_whose_optimizer_states_differ_says_so(runs):
+    """Lightning's distributed checkpoint keeps one optimizer state per shard: in local mode (the replicas' states
+    differ) a resumed fit would give every replica a mix of them, which the callback says once per fit; in global mode
+    with AdamW they are alike and it says nothing."""
+    said = "HDETCallback: the replicas' optimizer states differ"
+    assert runs["fsdp2_local"]["stdout"].count(said) == 1  # two epochs' checkpoints and the last one
+    assert said not in runs["fsdp2"]["stdout"]
 
 
 @pytest.mark.e2e
