@@ -75,7 +75,7 @@ def measure(engine: str, mode: str, source: Path, work: Path) -> dict[str, Any]:
     out = work / f"{engine}_{mode}"
     hdet = work / f"hdet_{mode}.json"
     hdet.write_text(json.dumps({"ranks_per_replica": RANKS_PER_REPLICA, "sync_interval": SYNC_INTERVAL,
-                                "gradient_mode": mode, "auto_lr": {"range_test": 0}}))
+                                "gradient_mode": mode, "auto_lr": {"enabled": False}}))
     command = torchrun_command(RANKS, "-m", "hdet_scale.lm.train", "--engine", engine, *TRAIN_ARGS,
                                "--hdet_config", str(hdet), "--out", str(out))
     result = subprocess.run(command, cwd=source, capture_output=True, text=True,
