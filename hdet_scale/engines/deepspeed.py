@@ -192,7 +192,9 @@ class HDETDeepSpeed(HDETHandle):
         checkpoints, and ``zero_to_fp32`` reads them); where the replicas' optimizer states differ
         (``HDETEnsemble.optimizer_states_differ``: local gradient mode), every other replica writes its own to
         ``<tag>/hdet_replicas/`` (ZeRO-0: its model file, which holds it). With ``save_latest``, ``latest`` names
-        the tag once every rank's files are on the disk. Returns the tag.
+        the tag once every rank's files are on the disk. Returns the tag. Give each checkpoint a tag of its own (the
+        default does): DeepSpeed writes over a tag's files in place, so a failed save into an existing tag leaves
+        it a mix of two checkpoints.
         """
         step = self.ensemble.global_step
         if not self.ensemble.at_sync_point:
