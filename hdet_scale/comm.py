@@ -330,20 +330,22 @@ def bits_fingerprint(tensors: Sequence[torch.Tensor]) -> int:
     wraps around. Exact integer sums: the same tensors give the same fingerprint on every device and in any
     reduction order. Changing one element always changes it (its weight is odd, so invertible modulo 2^64); changes
     to several cancel only by coincidence. Returns the fingerprint as an unsigned int."""
-    total = 0
+    sums: dict[torch.device, torch.Tensor] = {}  # per device, read once at the end: no host wait per chunk
     start = 0
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
         bits = flat.view(_BITS_AS_INTEGERS[flat.element_size()])
+        total = sums.setdefault(bits.device, torch.zeros((), dtype=torch.int64, device=bits.device))
         for offset in range(0, bits.numel(), _FINGERPRINT_CHUNK):
-            chunk = bits[offset:offset + _FINGERPRINT_CHUNK].to(torch.int64)
+            # a copy even where the bits are int64 already (float64), which mul_ would otherwise write over
+            chunk = bits[offset:offset + _FINGERPRINT_CHUNK].to(torch.int64, copy=True)
             weights = torch.arange(start + offset, start + offset + chunk.numel(), dtype=torch.int64,
                                    device=chunk.device).mul_(2).add_(1)
-            total += int(chunk.mul_(weights).sum())
+            total.add_(chunk.mul_(weights).sum())
         start += bits.numel()
-    return total % 2**64
+    return sum(int(total) for total in sums.values()) % 2**64
 
 
 def shut_down() -> None:

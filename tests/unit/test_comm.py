@@ -74,3 +74,13 @@ def test_the_fingerprint_sees_any_one_change_and_not_the_chunking(monkeypatch):
         assert bits_fingerprint([changed, state[1]]) != whole
     assert bits_fingerprint([state[1], state[0]]) != whole  # the order counts
     assert bits_fingerprint([torch.tensor([1 + 2j], dtype=torch.complex64)]) == 0x3F800000 + 3 * 0x40000000  # re, im
+
+
+def test_the_fingerprint_wraps_around_exactly_past_64_bits(monkeypatch):
+    infinity, minus_infinity = 0x7FF0000000000000, 0xFFF0000000000000 - 2**64  # float64 bits as signed int64
+    state = [torch.tensor([math.inf, math.inf, -math.inf], dtype=torch.float64)]
+    expected = (infinity + 3 * infinity + 5 * minus_infinity) % 2**64  # past int64's range on the way
+    assert bits_fingerprint(state) == expected
+    monkeypatch.setattr(comm, "_FINGERPRINT_CHUNK", 1)  # the running sum wraps too
+    assert bits_fingerprint(state) == expected
+    assert state[0].tolist() == [math.inf, math.inf, -math.inf]  # read, never written (int64 bits are a view)
