@@ -281,3 +281,21 @@ def test_replicas_alike_save_one_optimizer_state_and_those_that_differ_each_thei
     """Every replica wrote its optimizer state (ZeRO-0: its whole model file), R copies where they were alike."""
     expected = (coupled_decay, coupled_decay)
     assert run_ranks(optimizer_states_in_global_mode, 2, str(tmp_path), stage, coupled_decay) == [expected] * 2
+
+
+def export_between_syncs(rank: int, world: int) -> bool:
+    from test_deepspeed_distributed import full_fp32, train_step
+
+    engine = build(False)
+    train_step(engine, rank, 1)  # syncs every SYNC_INTERVAL = 2 steps: between syncs, the replicas differ
+    assert not torch.equal(*gather_rows(full_fp32(engine)))
+    with pytest.raises(RuntimeError, match="step 1 is between syncs .* call engine.hdet.sync"):
+        engine.hdet.full_state_dict()
+    engine.hdet.sync()
+    exported = torch.cat([tensor.reshape(-1) for tensor in engine.hdet.full_state_dict().values()])
+    return torch.equal(exported, full_fp32(engine)) and torch.equal(*gather_rows(exported))
+
+
+def test_the_model_is_exported_at_sync_points_only():
+    """Between syncs the export was replica 0's model alone, silently (each rank exported its own replica's)."""
+    assert run_ranks(export_between_syncs, 2) == [True, True]
