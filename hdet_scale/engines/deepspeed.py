@@ -317,12 +317,8 @@ class HDETDeepSpeed(HDETHandle):
         """The whole model in fp32 on CPU from the fp32 masters (gathered inside the replica; collective over
         every rank), keyed like ``engine.module.state_dict()``. Taken at a sync point, where it is the one model of
         the ensemble: refused between syncs (it would be replica 0's alone), unless HDET was closed."""
-        ensemble = self.ensemble
-        if not (ensemble.at_sync_point or self._closed or self.topology.num_replicas == 1):
-            raise RuntimeError(
-                f"the model is exported at sync points, where the replicas are one model; step "
-                f"{ensemble.global_step} is between syncs (every {self.config.sync_interval} steps): call "
-                "engine.hdet.sync() first")
+        if not self._closed:
+            self.check_one_model("the model's export")
         from deepspeed.runtime.zero import GatheredParameters
         from deepspeed.utils import safe_get_full_fp32_param
 

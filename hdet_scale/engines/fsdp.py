@@ -16,6 +16,7 @@ all-reduce hook that averages the reduce-scattered gradient over the column (wha
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -170,6 +171,18 @@ class HDETFSDP(HDETHandle):
                                "model's parameters")
         return self._ensemble
 
+
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[HDETFSDP]] = weakref.WeakKeyDictionary()
+"""The handle ``wrap`` returned with each model it wrapped (weakly: neither keeps the other alive)."""
+
+
+def handle_of(model: nn.Module) -> HDETFSDP | None:
+    """The HDET handle ``wrap`` returned with ``model``, while it lives and once attached to an optimizer; else
+    None."""
+    found = _HANDLES.get(model)
+    handle = None if found is None else found()
+    return handle if handle is not None and handle._ensemble is not None else None
+
 def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolicy | None = None,
          reshard_after_forward: bool = True, offload_policy: OffloadPolicy | None = None,
          block_classes: Iterable[type[nn.Module]] | None = None, mesh: DeviceMesh | None = None,
@@ -209,6 +222,7 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
     # them unsharded after forward unless the caller asked for no resharding anywhere.
     fully_shard(model, **{**options, "reshard_after_forward": None if reshard_after_forward else False})
     hdet = HDETFSDP(model, config, topology, mesh)
+    _HANDLES[model] = weakref.ref(hdet)
     if config.gradient_mode == "global" and topology.cross_replica_group is not None:
         for module in model.modules():
             if isinstance(module, FSDPModule):

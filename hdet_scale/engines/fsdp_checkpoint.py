@@ -37,7 +37,7 @@ from hdet_scale.durable import (
     replacement_folders,
     start_replacement,
 )
-from hdet_scale.engines.fsdp import HDETFSDP
+from hdet_scale.engines.fsdp import HDETFSDP, handle_of
 
 HDET_STATE_FILE = "hdet_state.pt"
 EXTRA_STATE_FILE = "extra_state.pt"
@@ -139,8 +139,11 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded model on CPU (collective); complete on rank 0, empty elsewhere. Take it at a sync
-    point, where it is the one model of the ensemble."""
+    """The unsharded model on CPU (collective); complete on rank 0, empty elsewhere. Taken at a sync point, where
+    it is the one model of the ensemble: refused between syncs (it would be rank 0's replica alone)."""
+    handle = handle_of(model)
+    if handle is not None:
+        handle.check_one_model("the model's export")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
 

@@ -265,3 +265,28 @@ def test_replicas_alike_save_one_optimizer_state_and_those_that_differ_each_thei
     """Every replica saved its optimizer state, R copies of it where they were alike (global mode, AdamW)."""
     expected = (coupled_decay, coupled_decay)
     assert run_ranks(optimizer_states_in_global_mode, WORLD, str(tmp_path), coupled_decay) == [expected] * WORLD
+
+
+def export_between_syncs(rank: int, world: int) -> bool:
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=1,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
+    torch.manual_seed(0)
+    model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config, block_classes=[])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle.attach(optimizer)
+    optimizer.zero_grad()
+    loss = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    handle.step(loss)  # step 1 of 2: the replicas differ
+    assert not torch.equal(*gather_rows(full(model.parameters())))
+    with pytest.raises(RuntimeError, match=r"step 1 is between syncs .*\(hdet\.sync\(\)"):
+        full_state_dict(model)
+    handle.sync()
+    exported, synced = full_state_dict(model), full(model.parameters())  # the export: complete on rank 0
+    return rank > 0 or torch.equal(torch.cat([value.reshape(-1) for value in exported.values()]), synced)
+
+
+def test_the_model_is_exported_at_sync_points_only():
+    """Between syncs the export was rank 0's replica alone, silently."""
+    assert run_ranks(export_between_syncs, 2) == [True, True]

@@ -289,7 +289,7 @@ def export_between_syncs(rank: int, world: int) -> bool:
     engine = build(False)
     train_step(engine, rank, 1)  # syncs every SYNC_INTERVAL = 2 steps: between syncs, the replicas differ
     assert not torch.equal(*gather_rows(full_fp32(engine)))
-    with pytest.raises(RuntimeError, match="step 1 is between syncs .* call engine.hdet.sync"):
+    with pytest.raises(RuntimeError, match="step 1 is between syncs .* engine.hdet.sync()"):
         engine.hdet.full_state_dict()
     engine.hdet.sync()
     exported = torch.cat([tensor.reshape(-1) for tensor in engine.hdet.full_state_dict().values()])
