@@ -344,6 +344,12 @@ class HDETEnsemble:
         if self._range_start is not None:
             raise RuntimeError(f"the LR range test is running (step {len(self._range_start.test.lrs)} of "
                                f"{self._range_start.test.steps}): syncs start after it")
+        # Out of inference mode (Lightning's validation hooks run under it on an accelerator): memory the sync
+        # keeps for the next one must be normal tensors, which that sync writes into outside it.
+        with torch.inference_mode(False), torch.no_grad():
+            return self._sync()
+
+    def _sync(self) -> SyncReport:
         for hook in self._pre_sync_hooks:
             hook(self._step)
         started = time.perf_counter()

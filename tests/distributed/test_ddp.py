@@ -429,3 +429,24 @@ def test_a_ddp_model_not_built_for_the_runs_gradient_mode_is_refused():
     assert "gradient_mode 'local', ranks_per_replica=2, and this run" in errors["other size"]
     assert "built without HDET's gradient mean" in errors["one cycle"]
     assert "averages its gradients for gradient_mode 'global' already" in errors["rewrapped"]
+
+
+def sync_under_inference_mode(rank: int, world: int) -> bool:
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=1,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(), config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, config, topology=topology)
+    train_steps(model, optimizer, hdet, loss_of, rank, range(1, 2))
+    with torch.inference_mode():  # as Lightning's validation loop runs its hooks on an accelerator
+        hdet.sync()
+    train_steps(model, optimizer, hdet, loss_of, rank, range(2, 5))  # the regular syncs at steps 2 and 4
+    return hdet.last_report.step == 4 and bool(torch.equal(*gather_rows(flat_params(model))[:2]))
+
+
+def test_a_sync_under_inference_mode_leaves_nothing_the_next_sync_cannot_write():
+    """Lightning runs its validation hooks (where a sync ends an interval early) under torch.inference_mode on an
+    accelerator: the sync's bucket memory was allocated there, as inference tensors, and the next regular sync,
+    writing into it outside inference mode, failed."""
+    assert run_ranks(sync_under_inference_mode, 2) == [True, True]
