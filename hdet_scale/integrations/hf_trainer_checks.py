@@ -42,6 +42,12 @@ def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
     if getattr(trainer, "is_model_parallel", False):
         raise HDETConfigError("a model spread over several devices (device_map) is not supported with HDET: load "
                               "it on one device per process")
+    if (config.explore.label_smoothing is not None and type(trainer).compute_loss is Trainer.compute_loss
+            and getattr(trainer, "compute_loss_func", None) is None):
+        raise HDETConfigError("explore.label_smoothing is a value your loss reads (hdet.value('label_smoothing')), and "
+                              "this Trainer computes its loss itself, which would train every replica at one value: "
+                              "override compute_loss (or pass compute_loss_func) to read it, or remove "
+                              "explore.label_smoothing")
     engine = "deepspeed" if getattr(trainer, "is_deepspeed_enabled", False) else "ddp"
     if engine == "ddp" and getattr(args, "torch_compile", False) and args.world_size > 1:
         raise HDETConfigError("TrainingArguments(torch_compile=True) under DDP is not supported with HDET (accelerate "

@@ -242,6 +242,11 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
         "replica size": error_of(lambda: added("size", hdet_settings(out_dir, "global", 3))),
         "bad field": error_of(lambda: added("field", {"alpha": 1.5, "spread": "linear"})),
     }
+    smoothing = {**hdet_settings(out_dir, "global", 1), "explore": {"label_smoothing": {"base": 0.1, "alpha": 0.5}}}
+    errors["label smoothing"] = error_of(lambda: added("smoothing", smoothing))
+    reads_smoothing = fresh_trainer(os.path.join(out_dir, "smoothing_read"))
+    reads_smoothing.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss
+    errors["label smoothing read"] = error_of(lambda: add_hdet(reads_smoothing, smoothing))
     ramping_settings = hdet_settings(out_dir, "global", 1)
     ramping_settings["auto_lr"]["range_test"] = RANGE_TEST
     ramping = fresh_trainer(os.path.join(out_dir, "ramping"), seed=rank)
@@ -288,7 +293,9 @@ def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
     results = run_ranks(ddp_worker, 4, str(tmp_path), timeout=600)
     errors = results[0]["errors"]
     raised_in_training = ("added twice", "save during the range test")
-    assert all(errors[name].startswith("HDETConfigError") for name in errors if name not in raised_in_training), errors
+    accepted = ("label smoothing read",)
+    assert all(errors[name].startswith("HDETConfigError") for name in errors
+               if name not in raised_in_training + accepted), errors
     # A checkpoint asked for during the range test is refused before anything is written.
     assert errors["save during the range test"].startswith("RuntimeError") and \
         "range test" in errors["save during the range test"]
@@ -306,6 +313,9 @@ def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
     assert "ranks_per_replica" in errors["replica size"]
     assert errors["bad field"].startswith("HDETConfigError") and "alpha" in errors["bad field"]
     assert "already" in errors["added twice"]
+    # the Trainer's own loss would train every replica at one label smoothing: refused unless a loss of the user's
+    assert "explore.label_smoothing" in errors["label smoothing"] and "compute_loss" in errors["label smoothing"]
+    assert errors["label smoothing read"] == ""
     for name, (mode, per_replica) in {"global": ("global", 1), "local": ("local", 2)}.items():
         runs = [result["runs"][name] for result in results]
         assert {run["engine_class"] for run in runs} == {"DistributedDataParallel"}
