@@ -194,7 +194,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         run_folder = Path(self.trainer._get_output_dir(trial=getattr(self.trainer, "_trial", None)))
         folder = run_folder / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         topology = ensemble.topology
-        if topology.rank == 0:
+        if args.should_save:  # where the Trainer writes its own files: global rank 0, or each node's first rank
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.state_dict(), folder / STATE_FILE)
         # the Trainer saves no optimizer state with save_only_model either

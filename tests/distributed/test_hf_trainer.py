@@ -503,6 +503,31 @@ def test_replicas_whose_optimizer_states_differ_in_global_mode_save_their_own(tm
     assert replica1["AdamW"]["saved"] is None  # alike: rank 0's serves every replica
 
 
+# ------------------------------------------------------------------------------------ a disk per node
+def node_local_worker(rank: int, world: int, out_dir: str) -> list[str]:
+    """Each rank the first of a node of its own with its own disk (save_on_each_node): the files of the checkpoint
+    its run writes at its sync."""
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.chdir(Path(out_dir) / f"node{rank}")  # its own disk: the output_dir below is relative
+    trainer = fresh_trainer("run", save_strategy="steps", save_steps=SYNC_INTERVAL, max_steps=SYNC_INTERVAL,
+                            save_on_each_node=True)
+    add_hdet(trainer, hdet_settings("run", "global", 1))
+    trainer.train()
+    return sorted(path.name for path in Path("run", f"checkpoint-{SYNC_INTERVAL}").iterdir())
+
+
+def test_each_node_writes_hdet_state_into_its_own_checkpoint(tmp_path):
+    """With save_on_each_node every node's first rank writes the Trainer's checkpoint (its optimizer and trainer
+    state; transformers writes the model on global rank 0 alone), but HDET's state went to global rank 0's alone: a
+    resume on node-local disks failed on the other nodes while node 0 went on into the collectives."""
+    for node in range(2):
+        (tmp_path / f"node{node}").mkdir()
+    for files in run_ranks(node_local_worker, 2, str(tmp_path), timeout=600):
+        assert {"hdet_state.pt", "optimizer.pt", "trainer_state.json"} <= set(files)
+
+
 # ---------------------------------------------------------------------------------------- warm init, resumed
 def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
     from transformers import TrainerCallback
