@@ -89,6 +89,12 @@ def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
     check_supported(ds_config, trainer.model, zero_init_fix=(
         "transformers builds a model so (from_pretrained, from_config) once a TrainingArguments with a ZeRO-3 config "
         "exists: load the model before creating the TrainingArguments, and HDET shards it inside each replica"))
+    zero = ds_config.get("zero_optimization") or {}
+    if int(zero.get("stage", 0)) == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save"):
+        raise HDETConfigError(
+            "ZeRO-3 without zero_optimization.stage3_gather_16bit_weights_on_model_save: trainer.save_model() then "
+            "falls back to DeepSpeed's own checkpoint, which every replica writes into the same files; set it to "
+            "true, and the model is gathered and written once")
 
 
 def check_saving(args: TrainingArguments, config: HDETConfig, engine: str) -> None:

@@ -44,7 +44,8 @@ model's loss on this row, computed by hand in ``train_run``."""
 
 
 def zero_config(stage: int) -> dict:
-    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+    zero = {"stage": stage} | ({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
             "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": 1.0}
 
 
@@ -379,6 +380,8 @@ def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
                                                   hdet_settings(out_dir, "global", 3))),
         "zero.Init": error_of(lambda: add_hdet(zero3_initialized_trainer(os.path.join(out_dir, "init")),
                                                hdet_settings(out_dir, "global", 2))),
+        "model save": error_of(lambda: added("model save", 3, deepspeed={**zero_config(3),
+                                                                          "zero_optimization": {"stage": 3}})),
     }
     asked = fresh_trainer(os.path.join(out_dir, "asked"), 2)
     add_hdet(asked, hdet_settings(out_dir, "global", 2))
@@ -398,6 +401,7 @@ def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
     assert not list((tmp_path / "asked").glob("checkpoint-*"))
     assert all(error.startswith("HDETConfigError") for error in errors.values()), errors
     assert "offload_optimizer" in errors["offload"]
+    assert "stage3_gather_16bit_weights_on_model_save" in errors["model save"]
     assert "fp16" in errors["fp16"]
     assert "save_strategy='steps' under DeepSpeed" in errors["saves"]
     assert "resume_from_checkpoint=...) under DeepSpeed" in errors["resume"]
