@@ -150,13 +150,19 @@ def test_a_resumed_interval_records_only_its_own_steps(tmp_path):
         assert len(result["applied"]) == 3 and all(base > 0 for base in result["applied"])
 
 
+def small_run(config: HDETConfig, *, seed: int = 0, weight_decay: float = 0.01, total_steps: int | None = None):
+    """A two-layer model wrapped whole (no blocks), AdamW at 1e-2 and HDET attached: (model, optimizer, handle)."""
+    torch.manual_seed(seed)
+    model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config, block_classes=[])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
+    handle.attach(optimizer, total_steps=total_steps)
+    return model, optimizer, handle
+
+
 def save_while_ramping(rank: int, world: int, directory: str) -> list[str]:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=4, ranks_per_replica=1,
                         auto_lr=AutoLRConfig(mode="scale", start=0, range_test=13))
-    torch.manual_seed(0)
-    model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config, block_classes=[])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    handle.attach(optimizer)
+    model, optimizer, handle = small_run(config)
     for _ in range(2):
         optimizer.zero_grad()
         loss = model(torch.randn(3, 4)).pow(2).mean()
@@ -181,12 +187,7 @@ def load_into_another_exploration(rank: int, world: int, directory: str) -> bool
     def build_small(explore: dict, seed: int):
         config = HDETConfig.from_dict({"spread": "linear", "alpha": 0.5, "sync_interval": 2, "ranks_per_replica": 1,
                                        "auto_lr": {"range_test": 0}, "explore": explore})
-        torch.manual_seed(seed)
-        model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config,
-                             block_classes=[])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        handle.attach(optimizer, total_steps=100)
-        return model, optimizer, handle
+        return small_run(config, seed=seed, weight_decay=0.1, total_steps=100)
 
     saved = build_small({}, seed=0)
     save_checkpoint(path, *saved)
@@ -208,10 +209,7 @@ def load_where_ranks_see_different_files(rank: int, world: int, directory: str) 
     rank of a network file system with a stale cache may."""
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=1, ranks_per_replica=1,
                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
-    torch.manual_seed(0)
-    model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config, block_classes=[])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    handle.attach(optimizer)
+    model, optimizer, handle = small_run(config)
     views = [Path(directory) / "rank0_view", Path(directory) / "rank1_view"]
     save_checkpoint(views[0] / "ckpt", model, optimizer, handle, extra_state={"epoch": 3})
     if rank == 0:
@@ -270,10 +268,7 @@ def test_replicas_alike_save_one_optimizer_state_and_those_that_differ_each_thei
 def export_between_syncs(rank: int, world: int) -> bool:
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=1,
                         auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
-    torch.manual_seed(0)
-    model, handle = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), config, block_classes=[])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    handle.attach(optimizer)
+    model, optimizer, handle = small_run(config)
     optimizer.zero_grad()
     loss = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))).pow(2).mean()
     loss.backward()
