@@ -187,27 +187,11 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if (control.should_save or ending and self.sync_at_end) and not self.at_sync_point:
             self.sync()
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                **kwargs: Any) -> None:
-        ensemble = self.ensemble
-        # the Trainer's own folder rule: a hyperparameter search trial (its train() notes it) has a run folder
-        run_folder = Path(self.trainer._get_output_dir(trial=getattr(self.trainer, "_trial", None)))
-        folder = run_folder / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        topology = ensemble.topology
-        if args.should_save:  # where the Trainer writes its own files: global rank 0, or each node's first rank
-            folder.mkdir(parents=True, exist_ok=True)
-            torch.save(ensemble.state_dict(), folder / STATE_FILE)
-        # the Trainer saves no optimizer state with save_only_model either
-        if (not args.save_only_model and ensemble.optimizer_states_differ() and topology.replica_index
-                and not topology.position):
-            folder.mkdir(parents=True, exist_ok=True)
-            torch.save(ensemble.adapter.optimizer.state_dict(),
-                       folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
-
-    def _before_save(self) -> None:
-        """Before the Trainer writes a checkpoint, whichever callback asked for it (``control.should_save``, perhaps
-        after HDET's ``on_step_end``): a sync between the regular ones, so it holds the one model of the ensemble.
-        Refused, before anything is written, under DeepSpeed and during the LR range test."""
+    def _save_checkpoint(self, trial: Any) -> None:
+        """Writes HDET's files into the checkpoint the Trainer is about to take, before its own: the Trainer deletes
+        its older checkpoints (``save_total_limit``) at the end of the same call, so a kill after it must find them
+        in the newest. First a sync between the regular ones, so the checkpoint holds the one model of the
+        ensemble. Refused, before anything is written, under DeepSpeed and during the LR range test."""
         if self.engine == "deepspeed":
             raise RuntimeError(
                 "a callback asked the Trainer for a checkpoint (control.should_save) under DeepSpeed, where Trainer's "
@@ -220,6 +204,20 @@ class HDETCallback(TrainerCallback, HDETHandle):
                 "over (the callback's `ramping` is False)")
         if not self.at_sync_point:
             self.sync()
+        trainer, ensemble = self.trainer, self.ensemble
+        args = trainer.args
+        # the Trainer's own folder rule: a hyperparameter search trial has a run folder
+        folder = Path(trainer._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+        topology = ensemble.topology
+        if args.should_save:  # where the Trainer writes its own files: global rank 0, or each node's first rank
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(ensemble.state_dict(), folder / STATE_FILE)
+        # the Trainer saves no optimizer state with save_only_model either
+        if (not args.save_only_model and ensemble.optimizer_states_differ() and topology.replica_index
+                and not topology.position):
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(ensemble.adapter.optimizer.state_dict(),
+                       folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -386,11 +384,11 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
     save_checkpoint = trainer._save_checkpoint
 
     @functools.wraps(save_checkpoint)
-    def save_checkpoint_of_one_model(*args: Any, **kwargs: Any) -> None:
-        callback._before_save()
-        save_checkpoint(*args, **kwargs)
+    def save_checkpoint_with_hdet(model: Any, trial: Any = None) -> None:
+        callback._save_checkpoint(trial)
+        save_checkpoint(model, trial)
 
-    trainer._save_checkpoint = save_checkpoint_of_one_model
+    trainer._save_checkpoint = save_checkpoint_with_hdet
     train = trainer.train
 
     @functools.wraps(train)

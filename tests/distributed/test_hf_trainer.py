@@ -532,6 +532,43 @@ def test_each_node_writes_hdet_state_into_its_own_checkpoint(tmp_path):
         assert {"hdet_state.pt", "optimizer.pt", "trainer_state.json"} <= set(files)
 
 
+# --------------------------------------------------------------------------- a kill right after a checkpoint
+class Killed(Exception):
+    pass
+
+
+def killed_after_save_worker(rank: int, world: int, out_dir: str) -> dict:
+    """Checkpoints at each sync and keeps one (save_total_limit=1); killed right after the Trainer wrote its second
+    checkpoint and deleted the first, before any callback's on_save: what the run folder holds then."""
+    from transformers import TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    class KilledOnSecondSave(TrainerCallback):  # added before HDET's callback: its on_save runs first
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2 * SYNC_INTERVAL:
+                raise Killed
+
+    trainer = fresh_trainer(out_dir, save_strategy="steps", save_steps=SYNC_INTERVAL, max_steps=2 * SYNC_INTERVAL,
+                            save_total_limit=1)
+    trainer.add_callback(KilledOnSecondSave())
+    add_hdet(trainer, hdet_settings(out_dir, "global", 1))
+    with pytest.raises(Killed):
+        trainer.train()
+    folders = {path.name: sorted(file.name for file in path.iterdir()) for path in Path(out_dir).glob("checkpoint-*")}
+    state = Path(out_dir, f"checkpoint-{2 * SYNC_INTERVAL}", "hdet_state.pt")
+    return {"folders": folders, "step": torch.load(state)["step"] if state.is_file() else None}
+
+
+def test_a_kill_after_the_trainers_checkpoint_leaves_hdet_state_in_the_newest(tmp_path):
+    """The Trainer deletes its older checkpoints when it has written the newest, before the callbacks' on_save, where
+    HDET wrote its state: a kill there left no checkpoint that a resume could take."""
+    result = run_ranks(killed_after_save_worker, 2, str(tmp_path), timeout=600)[0]
+    assert list(result["folders"]) == [f"checkpoint-{2 * SYNC_INTERVAL}"]  # the first was deleted
+    assert {"hdet_state.pt", "trainer_state.json"} <= set(result["folders"][f"checkpoint-{2 * SYNC_INTERVAL}"])
+    assert result["step"] == 2 * SYNC_INTERVAL
+
+
 # ---------------------------------------------------------------------------------------- warm init, resumed
 def warm_resume_worker(rank: int, world: int, out_dir: str) -> dict:
     from transformers import TrainerCallback
