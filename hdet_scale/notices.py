@@ -18,3 +18,11 @@ class HDETWarning(UserWarning):
 def warn(message: str) -> None:
     """Warns ``message`` as an ``HDETWarning`` attributed to hdet_scale, with no source line."""
     warnings.warn_explicit(message, HDETWarning, filename="hdet_scale", lineno=0, module="hdet_scale")
+
+
+def no_replica_optimizer_warning(checkpoint: str, replica: int, restored_by: str) -> str:
+    """The warning for a replica that owns its optimizer state resumed from ``checkpoint`` without it: the
+    checkpoint was taken where the replicas' states were alike, or with fewer replicas."""
+    return (f"{checkpoint} holds no optimizer state of replica {replica} (taken where the replicas' optimizer states "
+            "were alike, as in global gradient mode or with average_optimizer_state, or with fewer replicas): the "
+            f"replica goes on from replica 0's, as {restored_by} restored it")

@@ -71,7 +71,7 @@ from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
 from hdet_scale.integrations.hf_trainer_checks import check_saving, check_trainer
 from hdet_scale.metrics import SyncReport
-from hdet_scale.notices import warn
+from hdet_scale.notices import no_replica_optimizer_warning, warn
 from hdet_scale.probe import batch_probe, no_probe_warning
 from hdet_scale.range_test import HeldScheduler, epochs_with_test
 from hdet_scale.resolve import load_config
@@ -313,9 +313,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
             # on the CPU: the file's tensors name the device of the rank that saved it
             self.ensemble.adapter.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         elif self.ensemble.replicas_own_optimizer_state and not topology.position:
-            warn(f"'{self._resume_folder}' holds no optimizer state of replica {topology.replica_index} (saved in "
-                 "global gradient mode, with fewer replicas or with average_optimizer_state): the replica goes on "
-                 "from replica 0's, as the Trainer loaded it")
+            warn(no_replica_optimizer_warning(f"'{self._resume_folder}'", topology.replica_index, "the Trainer"))
 
     def _resuming_from(self, resume_from_checkpoint: Any) -> None:
         """Notes the checkpoint folder a ``train(resume_from_checkpoint=...)`` resumes from (True: the Trainer's last

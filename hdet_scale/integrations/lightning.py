@@ -61,7 +61,7 @@ from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
-from hdet_scale.notices import warn
+from hdet_scale.notices import no_replica_optimizer_warning, warn
 from hdet_scale.probe import no_probe_warning
 from hdet_scale.range_test import HeldScheduler, epochs_with_test
 from hdet_scale.resolve import run_length_error
@@ -167,9 +167,7 @@ class HDETCallback(pl.Callback, HDETHandle):
             if topology.replica_index in saved:
                 trainer.optimizers[0].load_state_dict(saved[topology.replica_index])
             elif ensemble.replicas_own_optimizer_state and not topology.position:
-                warn(f"HDETCallback: the checkpoint holds no optimizer state of replica {topology.replica_index} "
-                     "(saved in global gradient mode, with fewer replicas or with average_optimizer_state): the "
-                     "replica goes on from replica 0's, as Lightning restored it")
+                warn(no_replica_optimizer_warning("HDETCallback: the checkpoint", topology.replica_index, "Lightning"))
         if ensemble.ramping:  # known only now: a checkpoint's state (loaded by now) ends the test before it starts
             self._hold_schedulers(trainer)
         if ensemble.wants_probe and trainer.global_rank == 0:
