@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hdet_scale.comm import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("munge", "sbatch", "srun", "scontrol", "scancel", "sinfo")
 FINAL_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -51,12 +53,6 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "the emulated Slurm cluster runs its slurmd daemons as root, and this is not root"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def parse_record(text: str) -> dict[str, str]:

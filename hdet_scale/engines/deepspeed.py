@@ -12,7 +12,7 @@ DeepSpeed's own::
         loss = engine(batch)
         engine.backward(loss)                       # HDET records the micro-batch loss here
         engine.step()                               # ... and fans out / syncs here, every T optimizer steps
-    engine.hdet.save_checkpoint("ckpt")             # at a sync point
+    engine.save_checkpoint("ckpt")                  # at a sync point, with HDET's state and each replica's files
 
 ``engine.get_lr()`` stays the base schedule; ``engine.hdet.current_lrs()`` is what this replica trains with.
 """
@@ -43,6 +43,7 @@ from hdet_scale.ensemble import HDETEnsemble
 from hdet_scale.extras import require
 from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
+from hdet_scale.notices import warn
 from hdet_scale.resolve import add_hdet_args
 from hdet_scale.topology import ReplicaTopology, check_world_size
 
@@ -107,6 +108,7 @@ class HDETDeepSpeed(HDETHandle):
 
     def _install(self, engine: Any) -> None:
         backward, step, take_model_step = engine.backward, engine.step, engine._take_model_step
+        self._deepspeed_save, self._deepspeed_load = engine.save_checkpoint, engine.load_checkpoint
 
         def observing_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if not self._closed:
@@ -136,22 +138,39 @@ class HDETDeepSpeed(HDETHandle):
                 self._synced_in_step = True
             return result
 
+        def hdet_save_checkpoint(save_dir: str | os.PathLike[str], tag: str | None = None,
+                                 client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                                 **kwargs: Any) -> Any:
+            if self._closed:
+                return self._deepspeed_save(save_dir, tag, client_state or {}, save_latest, **kwargs)
+            return self.save_checkpoint(save_dir, tag, client_state, save_latest, **kwargs)
+
+        def hdet_load_checkpoint(load_dir: str | os.PathLike[str], tag: str | None = None,
+                                 **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+            if self._closed:
+                return self._deepspeed_load(load_dir, tag, **kwargs)
+            return self._load(load_dir, tag, needs_hdet_state=False, **kwargs)
+
         engine.backward = observing_backward
         engine.step = replica_step
         engine._take_model_step = hdet_model_step
+        # A training script's own checkpoint calls save and load HDET's state and each replica's files too.
+        engine.save_checkpoint = hdet_save_checkpoint
+        engine.load_checkpoint = hdet_load_checkpoint
 
     def close(self) -> None:
         """Removes HDET from the engine: its optimizer hooks and every explored value back at its base
         (``HDETEnsemble.close``), and no step records a loss, syncs or averages gradients across replicas any
-        more. The engine goes on training inside its replica (its collectives stay in the replica's groups)."""
+        more; ``engine.save_checkpoint`` and ``load_checkpoint`` are DeepSpeed's alone. The engine goes on training
+        inside its replica (its collectives stay in the replica's groups)."""
         self._closed = True
         super().close()
 
     def _replica_file(self, shared: str) -> str:
         """This replica's optimizer-state file for replica 0's ``shared`` one: in a subfolder, so DeepSpeed's
         converters (``zero_to_fp32``, ``ds_to_universal``) see exactly one replica. When loading a checkpoint
-        saved by another number of replicas (also through DeepSpeed's own ``engine.load_checkpoint``), replica r
-        reads saved replica r mod that number's file."""
+        saved by another number of replicas, replica r reads saved replica r mod that number's file (counted by
+        rank 0 for the load; after ``close``, by each rank)."""
         replica = self.topology.replica_index
         if not self._saving:
             replica %= self._saved_replicas_given or self._saved_replicas(Path(os.path.dirname(shared)))
@@ -233,7 +252,7 @@ class HDETDeepSpeed(HDETHandle):
             setattr(self.engine, own_file, False)  # replica 0's optimizer state serves this replica too
         try:
             with replica_groups(self.engine.mpu), epilogue:
-                self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state, save_latest=False, **kwargs)
+                self._deepspeed_save(str(save_dir), tag=tag, client_state=state, save_latest=False, **kwargs)
         except Exception as error:
             # A write failed on this rank. DeepSpeed writes after its collectives but ZeRO-3's epilogue and the
             # barrier that ends the save, where the other ranks now wait: meet them there, then all stop together.
@@ -260,38 +279,53 @@ class HDETDeepSpeed(HDETHandle):
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
-                        **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
+                        **kwargs: Any) -> tuple[str, dict[str, Any]]:
         """``engine.load_checkpoint`` and the HDET state; returns (path, the user's client_state).
 
         Every replica gets its own optimizer state back. Loads into any number of replicas of the saved size:
         replica r takes saved replica ``r mod n``'s optimizer state, ``n`` the number of replicas that wrote
         theirs (1 where they were alike). A different replica size needs DeepSpeed's universal checkpoint
         (``ds_to_universal``, then ``"checkpoint": {"load_universal": true}``), which carries replica 0's
-        optimizer state.
+        optimizer state. A FileNotFoundError where there is no checkpoint (``engine.load_checkpoint`` returns
+        ``(None, None)`` there, as DeepSpeed's does, and takes a checkpoint saved without HDET as a fresh HDET start
+        from its weights).
         """
-        tag, found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag),
+        path, client_state = self._load(load_dir, tag, needs_hdet_state=True, **kwargs)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint found in '{load_dir}' (tag {tag!r})")
+        return path, client_state
+
+    def _load(self, load_dir: str | os.PathLike[str], tag: str | None, *, needs_hdet_state: bool,
+              **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+        tag, found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, needs_hdet_state),
                                        "checking the checkpoint's HDET state", share_result=True)
         self._saved_replicas_given = found_replicas
         try:
             with replica_groups(self.engine.mpu):
-                path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
+                path, client_state = self._deepspeed_load(str(load_dir), tag=tag, **kwargs)
         finally:
             self._saved_replicas_given = None
         if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint found in '{load_dir}' (tag {tag!r})")
+            return None, None
         client_state = dict(client_state or {})
-        self.load_state_dict(_hdet_state(client_state, path))
-        del client_state["hdet"]
+        if "hdet" in client_state or needs_hdet_state:
+            self.load_state_dict(_hdet_state(client_state, path))
+            del client_state["hdet"]
+        elif self.topology.rank == 0:
+            warn(f"the DeepSpeed checkpoint at '{path}' holds no HDET state (it was saved without HDET): HDET starts "
+                 "afresh from its weights")
         return path, client_state
 
-    def _read_checkpoint(self, load_dir: str, tag: str | None) -> tuple[str | None, int | None]:
+    def _read_checkpoint(self, load_dir: str, tag: str | None,
+                         needs_hdet_state: bool) -> tuple[str | None, int | None]:
         """Rank 0's reading of the checkpoint to load, which every rank then follows (ranks reading a network file
         system each for itself could see different ``latest`` files or replica folders and load different
         checkpoints, or hang): its tag (``latest``'s where none is given) and how many replicas wrote it, None
         for what is not found (DeepSpeed then reports it). Refuses, before DeepSpeed reads a byte of its shards, a
-        checkpoint whose HDET state this run cannot continue (``HDETEnsemble.check_state``): the state sits in
-        replica 0's first model file, which is memory-mapped here, so only the state is read. Where that file is not
-        found (a universal checkpoint) the state is checked after the load."""
+        checkpoint whose HDET state this run cannot continue (``HDETEnsemble.check_state``), or that has none where
+        ``needs_hdet_state``: the state sits in replica 0's first model file, which is memory-mapped here, so only
+        the state is read. Where that file is not found (a universal checkpoint) the state is checked after the
+        load."""
         if tag is None:
             latest = Path(load_dir) / ("latest_universal" if self.engine.load_universal_checkpoint() else "latest")
             if not latest.is_file():
@@ -301,8 +335,9 @@ class HDETDeepSpeed(HDETHandle):
             return tag, None
         path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
         if os.path.isfile(path):
-            self.ensemble.check_state(_hdet_state(torch.load(path, map_location="cpu", mmap=True,
-                                                             weights_only=False), path))
+            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            if "hdet" in saved or needs_hdet_state:
+                self.ensemble.check_state(_hdet_state(saved, path))
         return tag, self._saved_replicas(Path(load_dir) / tag)
 
     @staticmethod
@@ -353,8 +388,8 @@ class HDETDeepSpeed(HDETHandle):
 def _hdet_state(saved: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     """The HDET state in a checkpoint's client state, read from ``path``; a ValueError where it has none."""
     if "hdet" not in saved:
-        raise ValueError(f"the checkpoint at '{path}' has no HDET state; it was not saved by "
-                         "engine.hdet.save_checkpoint")
+        raise ValueError(f"the checkpoint at '{path}' has no HDET state; it was saved without HDET (load it with "
+                         "engine.load_checkpoint to start HDET afresh from its weights)")
     return saved["hdet"]
 
 

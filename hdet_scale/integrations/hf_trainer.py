@@ -43,10 +43,10 @@ after the test, and ``for_run`` gets that length. The Trainer's first logged los
 
 Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_steps`` a multiple of
 ``sync_interval``, checked; one another callback asks for between syncs gets a sync of its own first) and carry
-HDET's state in ``hdet_state.pt`` (in ``local`` gradient mode also each other replica's optimizer state, which
-differs from rank 0's), which ``train(resume_from_checkpoint=...)`` restores. Under DeepSpeed, set
-``save_strategy="no"`` (Trainer's DeepSpeed checkpoints would bypass HDET's per-replica files: one a callback asks
-for is refused before it is written, and so is a resume); the final model is saved as usual after ``train()``. At
+HDET's state in ``hdet_state.pt`` (where the replicas' optimizer states differ from rank 0's, as in ``local``
+gradient mode, also each other replica's), which ``train(resume_from_checkpoint=...)`` restores. Under DeepSpeed,
+set ``save_strategy="no"`` (HDET takes no Trainer checkpoint there: one a callback asks for is refused before it is
+written, and so is a resume); the final model is saved as usual after ``train()``. At
 the end of training the replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the
 ensemble's model.
 """
@@ -194,9 +194,9 @@ class HDETCallback(TrainerCallback, HDETHandle):
         ensemble. Refused, before anything is written, under DeepSpeed and during the LR range test."""
         if self.engine == "deepspeed":
             raise RuntimeError(
-                "a callback asked the Trainer for a checkpoint (control.should_save) under DeepSpeed, where Trainer's "
-                "checkpoints bypass HDET's per-replica files; checkpoint with hdet_scale.engines.deepspeed "
-                "(engine.hdet.save_checkpoint) in your own loop instead")
+                "a callback asked the Trainer for a checkpoint (control.should_save) under DeepSpeed, where HDET takes "
+                "no Trainer checkpoint; checkpoint with hdet_scale.engines.deepspeed (engine.save_checkpoint) in "
+                "your own loop instead")
         if self.ramping:
             raise RuntimeError(
                 "a callback asked the Trainer for a checkpoint (control.should_save) during HDET's LR range test "
@@ -399,7 +399,7 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
             raise HDETConfigError(
                 "train(resume_from_checkpoint=...) under DeepSpeed: HDET takes no Trainer checkpoint there "
                 "(save_strategy='no'), so none holds its state; checkpoint and resume with hdet_scale.engines."
-                "deepspeed (engine.hdet.save_checkpoint / load_checkpoint) in your own loop")
+                "deepspeed (engine.save_checkpoint / load_checkpoint) in your own loop")
         with _hdet_deepspeed_initialize(trainer, callback):
             return train(*args, **kwargs)
 

@@ -106,9 +106,9 @@ def check_saving(args: TrainingArguments, config: HDETConfig, engine: str) -> No
     fix = "set save_strategy='no'"
     if engine == "deepspeed":
         raise HDETConfigError(
-            f"save_strategy={strategy!r} under DeepSpeed: Trainer's DeepSpeed checkpoints bypass HDET's per-replica "
-            f"files; {fix} and call trainer.save_model() after train(), or checkpoint with hdet_scale.engines."
-            "deepspeed (engine.hdet.save_checkpoint) in your own loop"
+            f"save_strategy={strategy!r} under DeepSpeed, where HDET takes no Trainer checkpoint: {fix} and call "
+            "trainer.save_model() after train(), or checkpoint with hdet_scale.engines.deepspeed "
+            "(engine.save_checkpoint) in your own loop"
         )
     steps = args.save_steps
     if strategy != "steps" or not float(steps).is_integer() or steps < 1 or int(steps) % config.sync_interval:

@@ -299,3 +299,31 @@ def export_between_syncs(rank: int, world: int) -> bool:
 def test_the_model_is_exported_at_sync_points_only():
     """Between syncs the export was replica 0's model alone, silently (each rank exported its own replica's)."""
     assert run_ranks(export_between_syncs, 2) == [True, True]
+
+
+def scripts_own_checkpoint_calls(rank: int, world: int, directory: str) -> dict:
+    """A training script's own ``engine.save_checkpoint`` / ``engine.load_checkpoint``, as DeepSpeed's examples
+    write them."""
+    from test_deepspeed_distributed import train_step
+
+    engine = build(False)
+    train_step(engine, rank, 1)
+    with pytest.raises(RuntimeError, match="step 1 is between syncs"):
+        engine.save_checkpoint(directory)
+    train_step(engine, rank, 2)
+    engine.save_checkpoint(directory, client_state={"epoch": 3})
+    saved = gather_rows(moments(engine))
+    loaded = build(False, seed=7)
+    nothing = loaded.load_checkpoint(Path(directory) / "empty")  # no checkpoint yet: DeepSpeed's (None, None)
+    path, client_state = loaded.load_checkpoint(directory)
+    return {"nothing": nothing, "epoch": client_state.get("epoch"), "hdet_step": loaded.hdet.ensemble.global_step,
+            "moments_reloaded": torch.equal(gather_rows(moments(loaded)), saved),
+            "replicas_differed": not torch.equal(*saved)}
+
+
+def test_a_scripts_own_engine_checkpoint_calls_save_and_load_hdet_and_each_replica(tmp_path):
+    """``engine.save_checkpoint`` and ``engine.load_checkpoint`` were DeepSpeed's alone: the checkpoint lost HDET's
+    state (the resumed run's controller started over, silently) and the other replicas' optimizer state."""
+    for seen in run_ranks(scripts_own_checkpoint_calls, 2, str(tmp_path)):
+        assert seen == {"nothing": (None, None), "epoch": 3, "hdet_step": SYNC_INTERVAL, "moments_reloaded": True,
+                        "replicas_differed": True}
