@@ -8,9 +8,11 @@ Three modes (see ``AutoLRConfig.mode``):
 * ``scale``: values are ``schedule(t) * scale * rho``. The hypergradient is taken relative to the replicas'
   mean value, ``Delta_rel = (sum_r w_r rho_r - mean rho) / mean rho`` (eqs. 5-6 over eta bar); momentum smooths
   it; ``scale <- scale * (1 + lambda * v)`` clamped to [scale_min, scale_max]. The base schedule keeps its shape.
-* ``paper``: after the warm-up the controller owns the base value ``b``: ``Delta = b * Delta_rel`` (eqs. 5-6),
-  ``v <- beta v + (1 - beta) Delta`` and ``b <- b (1 - gamma) + lambda v`` (eq. 7), with gamma
-  chosen so that ``(1 - gamma)^K = floor / b`` over the K remaining syncs. Eq. 8 as printed,
+* ``paper``: after the warm-up the controller owns the base value ``b``: ``Delta = b * Delta_rel``,
+  ``v <- beta v + (1 - beta) Delta`` and ``b <- max(b (1 - gamma) + lambda v, floor)``, with gamma chosen so
+  that ``(1 - gamma)^K = floor / b`` over the K remaining syncs. This is eqs. 5-7 on the replicas' mean value
+  ``b * mean rho`` (eta bar), divided through by ``mean rho``: with a linear spread (mean rho = 1, the paper's)
+  ``b`` is eta bar itself. Eq. 8 as printed,
   ``1 - exp(-log(f_div / f_final) / K)``, is negative for OneCycleLR's defaults (it would grow the LR
   400x); this implements the stated intent, a geometric decay to OneCycleLR's floor.
 * ``log``: scale-free. Eq. 4's weights come from z-scored losses, ``w_r = softmax(-(L_r - mean) / (s
@@ -157,11 +159,11 @@ class Controller:
         return softmax_weights(losses, self.config.sigma)
 
     def update(self, state: ControllerState, *, weights: Sequence[float], replica_multipliers: Sequence[float],
-               scheduled_value: float, step: int, sync_interval: int,
+               trained_base: float, step: int, sync_interval: int,
                paper_decay: PaperDecay | None = None) -> ControllerState:
         """One sync's update from eq. 4's ``weights``. ``replica_multipliers[r]`` is rho_{pi(r)}, the multiplier
-        replica r trained with; ``scheduled_value`` is the base schedule's value now (``paper`` mode takes
-        over from it at its first update)."""
+        replica r trained with; ``trained_base`` is the base the interval's last step trained with (eq. 5's
+        eta at kT over the multipliers; ``paper`` mode takes over from it at its first update)."""
         cfg = self.config
         if cfg.mode == "log":
             delta_log = log_hypergradient(weights, replica_multipliers)
@@ -181,7 +183,7 @@ class Controller:
             )
         base, gamma = state.owned_base, state.gamma
         if base is None:
-            base = scheduled_value
+            base = trained_base
             remaining = max(1, (paper_decay.total_steps - step) // sync_interval)
             gamma = decay_to_floor(base, paper_decay.floor, remaining) if base > paper_decay.floor else 0.0
         delta = base * delta_rel

@@ -359,12 +359,12 @@ class HDETEnsemble:
                                        self.adapter, step=self._step, with_probe=self._scorer.probe is not None,
                                        bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets,
                                        with_optimizer_state=self.config.average_optimizer_state)
-        trained_with = {explored.name: explored.replica_values() for explored in self._explored}
+        trained_with = {explored.name: explored.trained_values() for explored in self._explored}
         applied = {explored.name: (explored.applied_bases, explored.replica_multipliers())
                    for explored in self._explored}
+        weights = self._update_values(scores)  # paper mode takes over from the interval's last base
         for explored in self._explored:
             explored.applied_bases = []
-        weights = self._update_values(scores)
         self._reassign()
         self._scorer.reset()
         self._last_sync_step = self._step

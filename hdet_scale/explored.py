@@ -91,11 +91,21 @@ class ExploredValue:
         """Every replica's value now, by replica."""
         return [self.value(replica) for replica in range(self.num_replicas)]
 
+    def last_base(self) -> float:
+        """The base the interval's last step trained with; the base now where no step has run since the last sync.
+        At a sync the schedule has already moved on to the next step's value."""
+        return self.applied_bases[-1] if self.applied_bases else self.base()
+
+    def trained_values(self) -> list[float]:
+        """Every replica's value at the interval's last step, by replica: what its losses were trained with."""
+        base = self.last_base()
+        return [self._on_base(base, replica) for replica in range(self.num_replicas)]
+
     # ------------------------------------------------------------------------------------ a sync
     def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int) -> None:
         """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended."""
         self.state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
-                                       scheduled_value=self.knob.scheduled(), step=step, sync_interval=sync_interval,
+                                       trained_base=self.last_base(), step=step, sync_interval=sync_interval,
                                        paper_decay=self.paper_decay)
 
     def redraw(self) -> None:

@@ -311,10 +311,10 @@ def test_paper_mode_takes_over_and_decays_to_the_floor(tmp_path):
     # Independent recomputation of eqs. 4-8 from the recorded losses and the values each replica used.
     reference = OneCycleLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01), max_lr=PAPER["max_lr"],
                            total_steps=PAPER["total_steps"])
-    for _ in range(PAPER["start"]):
+    for _ in range(PAPER["start"] - 1):
         reference.optimizer.step()
         reference.step()
-    base, velocity = reference.get_last_lr()[0], 0.0
+    base, velocity = reference.get_last_lr()[0], 0.0  # the LR of the takeover sync's step, eq. 5's eta at kT
     floor = PAPER["max_lr"] / 25 / 1e4
     syncs_left = (PAPER["total_steps"] - PAPER["start"]) // PAPER["sync_interval"]
     gamma = 1 - (floor / base) ** (1 / syncs_left)

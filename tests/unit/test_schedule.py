@@ -9,7 +9,11 @@ from torch import nn
 from torch.optim.lr_scheduler import ExponentialLR, OneCycleLR
 
 from hdet_scale import HDETConfig, HDETEnsemble, HDETOneCycleLR, HDETScheduler, ReplicaTopology
+from hdet_scale.config import AutoLRConfig
+from hdet_scale.controller import Controller, PaperDecay
 from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.explored import ExploredValue
+from hdet_scale.knobs import POSITIVE, Knob
 from hdet_scale.spread import multipliers
 
 
@@ -234,3 +238,45 @@ def test_the_papers_controller_takes_over_onecycle_at_the_end_of_its_warm_up():
     assert start(0.3) == 12 and start(0.25) == 10  # 0.3 x 40 and 0.25 x 40: OneCycleLR's peak
     assert start(0.3, start=5) == 5 and start(0.3, start=0.5) == 20  # as given
     assert start(1.0) == 2  # a warm-up over the whole run (OneCycleLR takes it): the mode's own default, 5%
+
+
+def test_a_syncs_report_holds_the_values_the_intervals_last_step_trained_with():
+    """At a sync the scheduler has already stepped to the next step's LR: the report gave that one as what the
+    replicas trained with, not the LR of the losses it reports."""
+    optimizer = two_group_optimizer("sgd")
+    scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=20, topology=ReplicaTopology.single_process(),
+                               sync_interval=5, auto_lr=LR_HELD_AT_GIVEN)
+    used: list[list[float]] = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append([g["lr"] for g in opt.param_groups]))
+    for step in range(1, 11):
+        train_step(optimizer)
+        report = scheduler.step(1.0)
+        if step % 5:
+            continue
+        for group in range(2):
+            values = report.values[f"lr/{group}"]
+            assert values["replica_values"] == [used[-1][group]]  # step 5's and step 10's LR, as the optimizer had it
+            assert values["next_replica_values"] == [optimizer.param_groups[group]["lr"]] != [used[-1][group]]
+
+
+class MovingKnob(Knob):
+    """A knob whose schedule the test moves by hand."""
+
+    def __init__(self) -> None:
+        super().__init__("lr/0", POSITIVE)
+        self.now = 1e-3
+
+    def scheduled(self) -> float:
+        return self.now
+
+
+def test_the_papers_controller_takes_over_from_the_base_the_intervals_last_step_trained_with():
+    """Eq. 7 moves eta at kT, the base of the sync's step; at the sync the schedule has moved on a step."""
+    knob = MovingKnob()
+    explored = ExploredValue.start(knob, seed=0, num_replicas=2, alpha=0.1, spread="linear",
+                                   paper_decay=PaperDecay(total_steps=1000, floor=1e-5))
+    explored.applied_value(0, None, 0)  # the interval's last step trains at 1e-3
+    knob.now = 2e-3  # then the scheduler steps
+    explored.update(Controller(AutoLRConfig(mode="paper")), weights=[0.5, 0.5], step=200, sync_interval=100)
+    gamma = 1 - (1e-5 / 1e-3) ** (1 / 8)  # 8 syncs left, from 1e-3 down to the floor
+    assert explored.state.owned_base == pytest.approx(1e-3 * (1 - gamma))
