@@ -291,7 +291,8 @@ class HDETEnsemble:
             self._range_test_step(loss)
             return None
         steps_in_interval = self._steps_in_interval + 1
-        self._scorer.add_step(loss, steps_in_interval, self.adapter.averaged_tensors)  # first: it may refuse the loss
+        steps_to_sync = -(self._step + 1) % self.config.sync_interval
+        self._scorer.add_step(loss, steps_to_sync, self.adapter.averaged_tensors)  # first: it may refuse the loss
         self._step += 1
         for explored in self._explored:
             # Values set at syncs held their base for the whole step. A step-scoped value's base was recorded in

@@ -34,8 +34,9 @@ class ReplicaScorer:
         self._window = WindowAverage(self._auto_lr.window(probe is not None), self._sync_interval)
 
     def add_step(self, loss: LossLike | Sequence[LossLike] | None,
-                 step_in_interval: int, tensors: Callable[[], list[torch.Tensor]]) -> None:
-        """One optimizer step's loss, and its weights into the interval's average where the probe scores one."""
+                 steps_to_sync: int, tensors: Callable[[], list[torch.Tensor]]) -> None:
+        """One optimizer step's loss, and its weights into the interval's average where the probe scores one
+        (``steps_to_sync``: the steps from this one to the next regular sync, 0 on the sync's own)."""
         self.interval.add_step(loss)
         if not self._window.enabled:
             return
@@ -45,7 +46,7 @@ class ReplicaScorer:
                      "losses drive the controller and no weights are averaged")
                 self._warned_no_probe = True
             return
-        self._window.observe(step_in_interval, tensors)
+        self._window.observe(steps_to_sync, tensors)
 
     def row(self, tensors: list[torch.Tensor], state: list[torch.Tensor], adapter: EngineAdapter) -> list[float]:
         """This rank's row of the sync's score table: its interval loss sum and step count, whether ``tensors``

@@ -25,7 +25,7 @@ import torch
 class WindowAverage:
     """The running mean of some tensors over the last ``ceil(fraction * sync_interval)`` steps of an interval.
 
-    Call ``observe`` after every optimizer step with the number of steps since the last sync; ``swapped_in``
+    Call ``observe`` after every optimizer step with the number of steps to the next regular sync; ``swapped_in
     puts the mean into the tensors for the duration of a block (e.g. the probe); ``reset`` at every sync.
     """
 
@@ -42,10 +42,11 @@ class WindowAverage:
         return self.window > 0
 
     @torch.no_grad()
-    def observe(self, steps_since_sync: int, tensors: Callable[[], Sequence[torch.Tensor]]) -> None:
-        """Adds the current iterate (``tensors()``) when step ``steps_since_sync`` of the interval is in the
-        window, the last ``window`` steps before the next regular sync."""
-        if not self.enabled or steps_since_sync <= self.sync_interval - self.window:
+    def observe(self, steps_to_sync: int, tensors: Callable[[], Sequence[torch.Tensor]]) -> None:
+        """Adds the current iterate (``tensors()``) when it is in the window, the last ``window`` steps before the
+        next regular sync: ``steps_to_sync`` more steps to it (0 on its own step). Counted to the regular sync, not
+        from the last one, so that an interval an extra sync cut short still averages its last steps."""
+        if not self.enabled or steps_to_sync >= self.window:
             return
         current = list(tensors())
         if self.count == 0:

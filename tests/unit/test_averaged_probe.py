@@ -10,7 +10,11 @@ tests/distributed/test_averaged_probe_distributed.py.
 from __future__ import annotations
 
 import torch
+from settings import LR_HELD_AT_GIVEN
+from torch import nn
 
+from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
+from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.weight_average import WindowAverage
 
 SYNC_INTERVAL, STEPS = 4, 12  # three syncs
@@ -23,7 +27,7 @@ def test_window_average_by_hand():
     refreshed = []
     for since_sync, value in enumerate([1.0, 2.0, 4.0, 8.0], start=1):
         tensor.fill_(value)
-        window.observe(since_sync, lambda: [tensor])
+        window.observe(SYNC_INTERVAL - since_sync, lambda: [tensor])
     assert window.count == 2  # steps 3 and 4 of the interval
     with window.swapped_in([tensor], lambda: refreshed.append(tensor.clone())) as swapped:
         assert swapped and torch.equal(tensor, torch.full((3,), 6.0))  # (4 + 8) / 2
@@ -47,9 +51,28 @@ def test_window_average_of_bf16_weights_is_kept_in_fp32():
     iterates = []
     for since_sync in range(1, 201):
         tensor.fill_(1.0 + 0.002 * since_sync)  # a steady drift along the valley
-        window.observe(since_sync, lambda: [tensor])
+        window.observe(200 - since_sync, lambda: [tensor])
         if since_sync > 100:
             iterates.append(tensor.double())
     with window.swapped_in([tensor], lambda: None):
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, torch.stack(iterates).mean(0).to(torch.bfloat16))
+
+
+def test_after_an_extra_sync_the_probe_scores_the_last_steps_before_the_regular_one():
+    """The window was counted from the last sync: after an extra sync (a preemption checkpoint's) no step of the
+    rest of the interval fell in it, and the probe at the regular sync scored the last iterate alone."""
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    config = HDETConfig(sync_interval=SYNC_INTERVAL, auto_lr={**LR_HELD_AT_GIVEN, "average_window": WINDOW})
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+    probed: list[float] = []
+    hdet.set_probe(lambda: probed.append(weight.item()) or 0.0)
+    for step in range(1, 2 * SYNC_INTERVAL + 1):
+        weight.grad = torch.full((1,), -1.0)  # the weight is the step count
+        optimizer.step()
+        hdet.step(0.0)
+        if step == SYNC_INTERVAL + 1:
+            hdet.sync()  # an extra sync, one step into the second interval
+    # the regular syncs at steps 4 and 8 score the mean of their last 2 steps; the extra one at 5, step 5 alone
+    assert probed == [3.5, 5.0, 7.5]
