@@ -339,8 +339,10 @@ class HDETEnsemble:
         """Averages the replicas, updates the controller and re-assigns the multipliers (collective).
 
         ``step`` calls it every ``sync_interval`` steps; call it directly to end on one model between those
-        (e.g. before a final export or a preemption checkpoint). The next regular sync stays at the next
-        multiple of ``sync_interval``.
+        (e.g. before a final export or a preemption checkpoint). Such an extra sync averages, scores and
+        re-assigns, and the interval starts over, but the controller moves at the regular syncs only (the
+        multiples of ``sync_interval``), so a run's controller makes the same number of updates however often it
+        is checkpointed; the next regular sync stays at the next multiple of ``sync_interval``.
         """
         if self._range_start is not None:
             raise RuntimeError(f"the LR range test is running (step {len(self._range_start.test.lrs)} of "
@@ -389,15 +391,17 @@ class HDETEnsemble:
         return tensors
 
     def _controller_moves_at(self, step: int) -> bool:
-        """Whether a sync at ``step`` updates the controller: it is on for some value (the LR without a range test,
-        or another), with 2+ replicas, past its start and not past its stop (the same on every rank)."""
+        """Whether a sync at ``step`` updates the controller: a regular sync (a multiple of ``sync_interval``), the
+        controller on for some value (the LR without a range test, or another), 2+ replicas, past its start and not
+        past its stop (the same on every rank)."""
         cfg = self.config.auto_lr
-        return (self.topology.num_replicas > 1 and self._controller_moves_any and step >= cfg.start
-                and (cfg.stop is None or step <= cfg.stop))
+        return (step % self.config.sync_interval == 0 and self.topology.num_replicas > 1
+                and self._controller_moves_any and step >= cfg.start and (cfg.stop is None or step <= cfg.stop))
 
     def _update_values(self, scores: ReplicaScores) -> list[float] | None:
         """Moves every explored value's controller by eq. 4's weights; returns the weights, or None when the
-        controller does not update at this sync (off, warming up, one replica, or a replica without loss)."""
+        controller does not update at this sync (an extra sync, off, warming up, one replica, or a replica without
+        loss)."""
         cfg = self.config.auto_lr
         if not self._controller_moves_at(self._step):
             return None

@@ -450,3 +450,28 @@ def test_a_sync_under_inference_mode_leaves_nothing_the_next_sync_cannot_write()
     accelerator: the sync's bucket memory was allocated there, as inference tensors, and the next regular sync,
     writing into it outside inference mode, failed."""
     assert run_ranks(sync_under_inference_mode, 2) == [True, True]
+
+
+def extra_sync_run(rank: int, world: int) -> list[tuple[int, bool, float]]:
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=1,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0, sigma=0.05, step_size=2.0))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(), config, topology)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    hdet = attach(model, optimizer, config, topology=topology)
+    reports = []
+    for step in range(1, 6):
+        train_steps(model, optimizer, hdet, loss_of, rank, range(step, step + 1))
+        if hdet.last_report is not None and hdet.last_report.step == step:
+            reports.append(hdet.last_report)
+        if step == 3:
+            reports.append(hdet.sync())  # as before a preemption checkpoint
+    return [(report.step, report.controller_updated, report.values["lr/0"]["scale"]) for report in reports]
+
+
+def test_an_extra_sync_averages_but_the_controller_moves_at_regular_syncs_only():
+    """An extra sync (a checkpoint's, an export's) also moved the controller, from the losses of part of an
+    interval: a run checkpointed more often made more controller updates (in paper mode, one more decay each)."""
+    (regular, extra, *after), _ = run_ranks(extra_sync_run, 2)
+    assert [entry[:2] for entry in (regular, extra, *after)] == [(2, True), (3, False), (4, True)]
+    assert extra[2] == regular[2] != 1.0  # the scale held at the extra sync
