@@ -32,6 +32,7 @@ from hdet_scale.range_test import MEAN_LR_OVER_PICK, RangeTest, RangeTestStart
 from hdet_scale.resolve import (
     check_attachable,
     few_updates_warning,
+    idle_controller_warning,
     late_start_warning,
     resolve,
     run_length_error,
@@ -116,7 +117,7 @@ class HDETEnsemble:
         if self.topology.rank == 0 and self.few_updates_warning:
             warn(self.few_updates_warning)
         late_start = late_start_warning(config, self.topology.num_replicas, total_steps,
-                                        explores_others=any(not explored.is_lr for explored in self._explored))
+                                        explores_others=self._explores_others)
         if self.topology.rank == 0 and late_start:
             warn(late_start)
 
@@ -303,9 +304,18 @@ class HDETEnsemble:
             return self.sync()
         return None
 
+    @property
+    def _explores_others(self) -> bool:
+        return any(not explored.is_lr for explored in self._explored)
+
     def _range_test_step(self, loss: LossLike | Sequence[LossLike] | None) -> None:
         """One step of the run's range test; at its end every replica back to its first weights and the LR's
         scale from the pick: the replicas' mean LR at ``MEAN_LR_OVER_PICK`` times it."""
+        if not self._range_start.test.lrs and self.topology.rank == 0:  # its first: every add_knob is in
+            idle = idle_controller_warning(self.config, self.topology.num_replicas,
+                                           explores_others=self._explores_others)
+            if idle:
+                warn(idle)
         if not self._range_start.add_step(self._scorer.interval, loss, self.topology.world_size):
             return
         start, self._range_start = self._range_start, None

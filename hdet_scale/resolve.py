@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hdet_scale.adapter import EngineAdapter
-from hdet_scale.config import WINDOW_FIELDS, HDETConfig
+from hdet_scale.config import MODE_DEFAULTS, WINDOW_FIELDS, HDETConfig
 from hdet_scale.config_checks import HDETConfigError
 from hdet_scale.controller import MIN_CONTROLLER_UPDATES, PaperDecay, controller_updates, updates_to_climb
 from hdet_scale.topology import ReplicaTopology, check_world_size, with_replica_size
@@ -146,6 +146,31 @@ def late_start_warning(config: HDETConfig, num_replicas: int, total_steps: int |
     return (f"the auto-LR controller starts at step {cfg.start} (auto_lr.start) and this run has {total_steps} "
             "steps: it never moves a value, and the run trains at the values it was given; set auto_lr.start below "
             f"{total_steps} (or as a share of the run, e.g. 0.02), or auto_lr.enabled to false")
+
+
+CONTROLLER_ONLY_FIELDS = ("mode", "beta", "sigma", "step_size", "rise_only_after", "scale_min", "scale_max",
+                          "max_log_step", "average_window", "probe_weight")
+"""The auto-LR fields that act on nothing but the controller's moves (``start`` and ``stop`` are left out: once a run
+places them, given and default look alike)."""
+
+
+def idle_controller_warning(config: HDETConfig, num_replicas: int, *, explores_others: bool) -> str | None:
+    """What the controller's own fields (``CONTROLLER_ONLY_FIELDS``) set away from their defaults do in a run whose LR
+    range test picks the LR, which then holds, with nothing else explored: nothing; else None. ``config`` has its
+    mode's defaults filled in (``for_run``), so a field that differs from them was given."""
+    cfg = config.auto_lr
+    if not (cfg.enabled and cfg.range_test) or explores_others or num_replicas == 1:
+        return None
+    mode_defaults = MODE_DEFAULTS[cfg.mode]
+    field_defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
+    given = [f"auto_lr.{name}" for name in CONTROLLER_ONLY_FIELDS
+             if getattr(cfg, name) != mode_defaults.get(name, field_defaults[name])]
+    if not given:
+        return None
+    return (f"{', '.join(given)} set for the auto-LR controller, which moves nothing in this run: the LR range test "
+            f"(auto_lr.range_test={cfg.range_test}; it runs unless set to 0) picks the LR, which then holds, and no "
+            "other value is explored (explore, add_knob). Set auto_lr.range_test to 0 for the controller to move the "
+            "LR, or remove them")
 
 
 def check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: ReplicaTopology,

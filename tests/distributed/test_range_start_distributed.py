@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import warnings
 
 import pytest
 import torch
@@ -148,3 +149,35 @@ def test_the_report_reads_a_run_that_started_with_a_range_test(two_replicas, tmp
     run = load_run(metrics)
     assert [record["step"] for record in sync_records(run)] == [4, 8, 12]
     assert main([str(metrics), "--out", str(tmp_path)]) == 0
+
+
+def controller_settings_under_a_range_test(rank: int, world: int) -> dict[str, list[str]]:
+    """The first step's warnings, by whether a value besides the LR is explored (``add_knob``)."""
+    seen = {}
+    for with_knob in (False, True):
+        config = HDETConfig(sync_interval=4, auto_lr=AutoLRConfig(mode="scale", sigma=0.05, step_size=2.0, start=1,
+                                                                  scale_max=4.0, range_test=TEST_STEPS))
+        weight = nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([weight], lr=WEIGHT_LR)
+        scheduler = HDETScheduler(LambdaLR(optimizer, lambda step: 1.0), hdet_config=config,
+                                  topology=ReplicaTopology.build(config))
+        if with_knob:
+            scheduler.hdet.add_knob("knob", lambda: 1.0, lambda value: None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            weight.sum().backward()
+            optimizer.step()
+            scheduler.step(1.0)
+        seen[str(with_knob)] = [str(warning.message) for warning in caught]
+        scheduler.hdet.close()
+    return seen
+
+
+def test_controller_settings_the_range_test_leaves_idle_are_told_once():
+    """With the range test (on unless set to 0) the LR holds at its pick: settings given for the controller moved
+    nothing, silently, unless another value is explored."""
+    told, quiet = run_ranks(controller_settings_under_a_range_test, 2)
+    assert len(told["False"]) == 1 and told["True"] == []
+    assert told["False"][0].startswith("auto_lr.mode, auto_lr.sigma, auto_lr.step_size, auto_lr.scale_max set for ")
+    assert "Set auto_lr.range_test to 0" in told["False"][0]
+    assert quiet == {"False": [], "True": []}  # rank 0 says it
