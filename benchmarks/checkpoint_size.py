@@ -42,7 +42,7 @@ ENGINES = ("fsdp", "deepspeed")
 MODES = ("global", "local")
 RANKS, RANKS_PER_REPLICA, STEPS, SYNC_INTERVAL = 4, 2, 10, 5
 TRAIN_ARGS = ["--preset", "tiny", "--steps", str(STEPS), "--seq_len", "32", "--micro_batch_size", "4",
-              "--max_data_mb", "1", "--warmup_steps", "2", "--no_progress", "--eval_batches", "1", "--zero_stage", "2"]
+              "--max_data_mb", "1", "--warmup_steps", "2", "--no_progress", "--eval_batches", "1"]
 MIB = 2**20
 
 
@@ -76,7 +76,8 @@ def measure(engine: str, mode: str, source: Path, work: Path) -> dict[str, Any]:
     hdet = work / f"hdet_{mode}.json"
     hdet.write_text(json.dumps({"ranks_per_replica": RANKS_PER_REPLICA, "sync_interval": SYNC_INTERVAL,
                                 "gradient_mode": mode, "auto_lr": {"enabled": False}}))
-    command = torchrun_command(RANKS, "-m", "hdet_scale.lm.train", "--engine", engine, *TRAIN_ARGS,
+    zero = ["--zero_stage", "2"] if engine == "deepspeed" else []
+    command = torchrun_command(RANKS, "-m", "hdet_scale.lm.train", "--engine", engine, *TRAIN_ARGS, *zero,
                                "--hdet_config", str(hdet), "--out", str(out))
     result = subprocess.run(command, cwd=source, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1"})

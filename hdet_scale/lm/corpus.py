@@ -1,4 +1,4 @@
-"""Training corpora: the embedded standard-library source, a directory of text files, or a token file.
+"""Training corpora: the embedded standard-library source, a text file or a directory of them, or a token file.
 
 Text is read as bytes (a 256-token vocabulary, no tokenizer to download). A pre-tokenized file is a flat
 array of uint16 or uint32 token ids (nanoGPT's ``.bin`` layout), read through a memory map so a corpus larger
@@ -19,8 +19,13 @@ from hdet_scale.lm.data import byte_tokens, stdlib_corpus
 BYTE_VOCAB = 256
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".xml", ".tex"}
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKEN_FILE_DEFAULTS = {"token_dtype": "uint16", "vocab_size": None, "heldout_fraction": 0.01}
+"""The settings of a token file alone (``load_corpus``'s arguments, train.py's flags) and their defaults."""
 HELDOUT_EVERY = 20  # text sources: every 20th file is held out whole
 VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary when a token file is opened
+TEXT_CHECK_BYTES = 4096
+"""The first bytes of a token file read to tell it from text."""
+PRINTABLE_BYTES = frozenset(b"\t\n\r" + bytes(range(32, 127)))
 
 
 @dataclass(frozen=True)
@@ -37,29 +42,38 @@ class Corpus:
     """How to get more held-out tokens out of this source."""
 
     def check_fits(self, *, seq_len: int, micro_batch_size: int) -> None:
-        """Raises when the corpus cannot fill one batch of ``micro_batch_size`` windows of ``seq_len + 1``."""
-        needed = micro_batch_size * (seq_len + 1)
+        """Raises when the corpus cannot fill one batch of ``micro_batch_size`` windows of ``seq_len + 1`` (and
+        ``batch`` draws a window's start from before the last ``seq_len + 1`` tokens: one more)."""
+        batch_tokens = micro_batch_size * (seq_len + 1)
+        needed = max(batch_tokens, seq_len + 2)
         if len(self.train) < needed:
+            at_least = "" if needed == batch_tokens else f" (at least {needed}: a window starts at random)"
             raise ValueError(f"{self.description}: {len(self.train)} training tokens are too few for one batch of "
-                             f"{micro_batch_size} x {seq_len + 1} tokens; {self.more_train}, or lower --seq_len / "
-                             "--micro_batch_size")
+                             f"{micro_batch_size} x {seq_len + 1} tokens{at_least}; {self.more_train}, or lower "
+                             "--seq_len / --micro_batch_size")
         if len(self.heldout) < seq_len + 2:
             raise ValueError(f"{self.description}: {len(self.heldout)} held-out tokens are too few for one window of "
                              f"{seq_len + 1}; {self.more_heldout}, or lower --seq_len")
 
 
 def reads_bytes(source: str) -> bool:
-    """Whether ``source`` is text, read as bytes (``"stdlib"`` or a directory): its vocabulary is ``BYTE_VOCAB``."""
-    return source == "stdlib" or Path(source).is_dir()
+    """Whether ``source`` is text, read as bytes (``"stdlib"``, a directory or a text file): its vocabulary is
+    ``BYTE_VOCAB``."""
+    return source == "stdlib" or Path(source).is_dir() or _is_text_file(Path(source))
 
 
-def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | None = None,
-                heldout_fraction: float = 0.01, max_bytes: int | None = None) -> Corpus:
-    """The corpus named by ``source``: ``"stdlib"``, a directory of text files, or a token file.
+def _is_text_file(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in TEXT_SUFFIXES
+
+
+def load_corpus(source: str, *, token_dtype: str = TOKEN_FILE_DEFAULTS["token_dtype"], vocab_size: int | None = None,
+                heldout_fraction: float = TOKEN_FILE_DEFAULTS["heldout_fraction"],
+                max_bytes: int | None = None) -> Corpus:
+    """The corpus named by ``source``: ``"stdlib"``, a text file or a directory of them, or a token file.
 
     Args:
-        source: ``"stdlib"`` (the embedded default), a directory (its text files, read as bytes), or a file of
-            ``token_dtype`` token ids.
+        source: ``"stdlib"`` (the embedded default), a text file (``TEXT_SUFFIXES``) or a directory (its text files),
+            read as bytes, or a file of ``token_dtype`` token ids.
         token_dtype: ``"uint16"`` or ``"uint32"``, for token files.
         vocab_size: the tokenizer's vocabulary, required for token files (ids must be below it).
         heldout_fraction: token files: the share at the end held out for the held-out loss.
@@ -72,10 +86,12 @@ def load_corpus(source: str, *, token_dtype: str = "uint16", vocab_size: int | N
         return Corpus(train, heldout, BYTE_VOCAB, "the standard library's source (embedded)", more, more)
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"--data {source}: no such file or directory (use 'stdlib', a directory of text "
-                                "files, or a uint16/uint32 token file)")
+        raise FileNotFoundError(f"--data {source}: no such file or directory (use 'stdlib', a text file or a "
+                                "directory of them, or a uint16/uint32 token file)")
     if path.is_dir():
         return _text_directory(path, max_bytes)
+    if _is_text_file(path):
+        return _text_files([path], path, max_bytes)
     return _token_file(path, token_dtype, vocab_size, heldout_fraction, max_bytes)
 
 
@@ -88,9 +104,14 @@ def _more_text(max_bytes: int | None, *, read: int, otherwise: str) -> str:
 
 
 def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    files = sorted(p for p in root.rglob("*") if _is_text_file(p))
     if not files:
         raise ValueError(f"--data {root}: no text files ({', '.join(sorted(TEXT_SUFFIXES))}) in the directory")
+    return _text_files(files, root, max_bytes)
+
+
+def _text_files(files: list[Path], root: Path, max_bytes: int | None) -> Corpus:
+    """``files`` read as bytes: every ``HELDOUT_EVERY``-th held out whole, or one file's last tenth."""
     if len(files) == 1:  # nothing can be held out whole: the file's last tenth is held out instead
         data = files[0].read_bytes()[:max_bytes]
         cut = len(data) - len(data) // 10
@@ -105,8 +126,12 @@ def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
             (heldout if index in held else train).append(data)
             total += len(data)
         read = len(train) + len(heldout)
-    description = f"{len(files)} text files in {root}" if read == len(files) else (
-        f"the first {read} of {len(files)} text files in {root}")  # --max_data_mb stopped the reading
+    if root.is_file():
+        description = f"the text file {root}"
+    elif read == len(files):
+        description = f"{len(files)} text files in {root}"
+    else:  # --max_data_mb stopped the reading
+        description = f"the first {read} of {len(files)} text files in {root}"
     more = _more_text(max_bytes, read=sum(map(len, train)) + sum(map(len, heldout)), otherwise="give more text files")
     return Corpus(byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout)), BYTE_VOCAB, description, more, more)
 
@@ -123,6 +148,12 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
     size = path.stat().st_size
     if size == 0:
         raise ValueError(f"--data {path}: the token file is empty")
+    with path.open("rb") as file:
+        start = file.read(TEXT_CHECK_BYTES)
+    if all(byte in PRINTABLE_BYTES for byte in start):  # token ids would hold bytes outside printable text
+        raise ValueError(f"--data {path} reads as text, not as token ids: name it with a text suffix "
+                         f"({', '.join(sorted(TEXT_SUFFIXES))}) or put it in a directory to train on it as bytes, or "
+                         "give the token file")
     if size % dtype.itemsize:
         raise ValueError(f"--data {path}: {size} bytes is not a whole number of {token_dtype} tokens: the file is "
                          f"truncated or corrupt, or its token type is not {token_dtype} (--token_dtype)")

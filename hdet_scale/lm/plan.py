@@ -27,10 +27,13 @@ from hdet_scale.lm.checkpoints import (
     previous_run,
     written_before_this_requeue,
 )
-from hdet_scale.lm.corpus import BYTE_VOCAB, Corpus, load_corpus, reads_bytes
+from hdet_scale.lm.corpus import BYTE_VOCAB, TOKEN_FILE_DEFAULTS, Corpus, load_corpus, reads_bytes
 from hdet_scale.lm.model import PRESETS, check_preset
 from hdet_scale.metrics import writable_directory
 from hdet_scale.resolve import load_config, resolve, stuck_start_error
+
+DEFAULT_ZERO_STAGE = 2
+"""The ZeRO stage of the DeepSpeed config train.py builds when it is given none (``--zero_stage``)."""
 
 
 @dataclass
@@ -57,15 +60,22 @@ def plan(args: argparse.Namespace) -> Plan:
     _check_numbers(args)
     engine = args.engine
     if engine == "auto":
-        engine = "deepspeed" if args.deepspeed_config or args.local_rank >= 0 else "fsdp"
+        engine = "deepspeed" if args.deepspeed or args.deepspeed_config or args.local_rank >= 0 else "fsdp"
     require("transformers", "train", "hdet_scale.lm.train (its Llama model)")
     if engine == "deepspeed":
         require("deepspeed", "deepspeed", "hdet_scale.lm.train on DeepSpeed")
     ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
     if ds_config is not None:
         _refuse_trainer_auto(args, ds_config)
-    if engine == "fsdp" and args.deepspeed_config:
-        raise ValueError("--deepspeed_config was given with --engine fsdp; drop one of them")
+    if engine == "fsdp":
+        given = [name for name in ("deepspeed", "deepspeed_config", "zero_stage") if getattr(args, name)
+                 not in (None, False)]
+        if given:
+            raise ValueError(f"--{given[0]} is DeepSpeed's and the engine is FSDP2 (--engine {args.engine}): pass "
+                             "--engine deepspeed (or launch with deepspeed), or drop it")
+    if args.zero_stage is not None and args.deepspeed_config:
+        raise ValueError("--zero_stage and --deepspeed_config both set the ZeRO stage: set it in the JSON's "
+                         "zero_optimization.stage, and drop --zero_stage")
     if args.replay_schedule:
         _check_replay(args, ds_config)
     _check_warmup(args, ds_config)
@@ -101,7 +111,12 @@ def plan(args: argparse.Namespace) -> Plan:
 
     # Text is read whole into memory: only once the checkpoint to resume is known to fit (its vocabulary is the
     # bytes'). A token file is memory-mapped, and opening it tells the vocabulary.
-    corpus = None if reads_bytes(args.data) else read_corpus()
+    text = reads_bytes(args.data)
+    token_file_flags = [f"--{name}" for name, default in TOKEN_FILE_DEFAULTS.items() if getattr(args, name) != default]
+    if text and token_file_flags:
+        raise ValueError(f"{', '.join(token_file_flags)} set the reading of a token file, and --data {args.data} is "
+                         f"text, read as bytes (a vocabulary of {BYTE_VOCAB}): drop them, or give a token file")
+    corpus = None if text else read_corpus()
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
     zero_stage = _zero_stage(ds_config) if engine == "deepspeed" else None
     vocab_size = BYTE_VOCAB if corpus is None else corpus.vocab_size
@@ -144,6 +159,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    for name in ("weight_decay", "grad_clip"):
+        if not (getattr(args, name) >= 0 and math.isfinite(getattr(args, name))):
+            raise ValueError(f"--{name} must be a number >= 0, got {getattr(args, name)}")
     if args.max_data_mb is not None and not (args.max_data_mb > 0 and math.isfinite(args.max_data_mb)):
         raise ValueError(f"--max_data_mb must be a positive number of MiB, got {args.max_data_mb} (leave it out to "
                          "read all the data)")
@@ -184,7 +202,8 @@ def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
         bf16 = args.dtype == "bf16" or args.dtype == "auto" and torch.cuda.is_available()
         return {"train_micro_batch_size_per_gpu": args.micro_batch_size,
                 "gradient_accumulation_steps": args.grad_accum, "gradient_clipping": args.grad_clip,
-                "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": bf16},
+                "zero_optimization": {"stage": DEFAULT_ZERO_STAGE if args.zero_stage is None else args.zero_stage},
+                "bf16": {"enabled": bf16},
                 "steps_per_print": 10**9}
     return _read_json(args.deepspeed_config, "--deepspeed_config")
 
@@ -265,15 +284,13 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
         return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
                 "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)),
                 "auto_lr": {"enabled": False, "range_test": 0}}
-    if args.hdet_config:
-        values = _read_json(args.hdet_config, "--hdet_config")
-    else:
-        # without settings: the library's defaults at a sync interval that gives the controller the updates it
-        # was measured with, whatever the run's length (the library's T = 1000 suits long runs only)
-        values = section if section is not None else {"sync_interval": sync_interval_for_run(args.steps)}
+    values = _read_json(args.hdet_config, "--hdet_config") if args.hdet_config else section or {}
     if not isinstance(values, dict):
         raise ValueError(f"the HDET settings must be a JSON object, got {type(values).__name__}")
-    return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), **values}
+    # settings without a sync interval: one that gives the controller the updates it was measured with, whatever
+    # the run's length (the library's T = 1000 suits long runs only)
+    return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"),
+            "sync_interval": sync_interval_for_run(args.steps), **values}
 
 
 RESUMABLE_ARGUMENTS = ("steps", "warmup_steps", "min_lr_ratio", "seed", "data", "token_dtype", "max_data_mb",

@@ -60,9 +60,9 @@ from hdet_scale.lm.checkpoints import (
     settle_interrupted_save,
     start_without_checkpoint,
 )
-from hdet_scale.lm.corpus import batch
+from hdet_scale.lm.corpus import TOKEN_FILE_DEFAULTS, batch
 from hdet_scale.lm.model import PRESETS, build_model
-from hdet_scale.lm.plan import Plan, given_peak_lr, plan
+from hdet_scale.lm.plan import DEFAULT_ZERO_STAGE, Plan, given_peak_lr, plan
 from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
 from hdet_scale.metrics import SyncReport
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # What the deepspeed launcher and DeepSpeed users pass, declared here so that an FSDP2 run never imports
     # DeepSpeed (which prints its accelerator on import, once per rank).
     launcher = parser.add_argument_group("DeepSpeed")
-    launcher.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed's conventions")
+    launcher.add_argument("--deepspeed", action="store_true", help="the engine: deepspeed (as --engine deepspeed)")
     launcher.add_argument("--deepspeed_config", default=None, metavar="PATH", help="DeepSpeed JSON (the engine: "
                           "deepspeed)")
     launcher.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -116,11 +116,14 @@ def _add_model_and_data(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
     group.add_argument("--dropout", type=float, default=0.0,
                        help="the model's attention dropout (the presets have none; explore.dropout needs some)")
-    group.add_argument("--data", default="stdlib", help="'stdlib' (embedded), a directory of text files, or a "
-                       "token file")
-    group.add_argument("--token_dtype", default="uint16", help="token files: uint16 or uint32")
-    group.add_argument("--vocab_size", type=int, default=None, help="token files: the tokenizer's vocabulary")
-    group.add_argument("--heldout_fraction", type=float, default=0.01, help="token files: share held out")
+    group.add_argument("--data", default="stdlib", help="'stdlib' (embedded), a text file or a directory of them "
+                       "(read as bytes), or a token file")
+    group.add_argument("--token_dtype", default=TOKEN_FILE_DEFAULTS["token_dtype"],
+                       help="token files: uint16 or uint32")
+    group.add_argument("--vocab_size", type=int, default=TOKEN_FILE_DEFAULTS["vocab_size"],
+                       help="token files: the tokenizer's vocabulary")
+    group.add_argument("--heldout_fraction", type=float, default=TOKEN_FILE_DEFAULTS["heldout_fraction"],
+                       help="token files: share held out")
     group.add_argument("--max_data_mb", type=float, default=None,
                        help="read at most this many MiB of the data (of a token file, its first that many MiB; the "
                        "held-out share is cut from them)")
@@ -150,8 +153,9 @@ def _add_optimization(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                        help="FSDP parameters in forward/backward (auto: bf16 on GPUs, fp32 on CPU); DeepSpeed "
                        "without a JSON: its bf16 setting")
-    group.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=2,
-                       help="DeepSpeed without --deepspeed_config: the ZeRO stage of the built-in config")
+    group.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=None,
+                       help=f"DeepSpeed without --deepspeed_config: the ZeRO stage of the built-in config (unset: "
+                       f"{DEFAULT_ZERO_STAGE})")
     group.add_argument("--probe_batch", type=int, default=16,
                        help="held-out sequences every replica is scored on at each sync, the same for all, where "
                        "the controller moves a value (the controller's signal, with the replica's weights averaged "

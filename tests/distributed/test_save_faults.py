@@ -79,8 +79,9 @@ def build(layout: str, directory: Path) -> Any:
     from hdet_scale.lm.train import parse_args
 
     engine, stage = LAYOUTS[layout]
-    args = parse_args(["--steps", "200", "--micro_batch_size", "2", "--seq_len", "16", "--engine", engine,
-                       "--zero_stage", str(stage or 0), "--out", str(directory), "--dtype", "fp32"])
+    zero = [] if engine == "fsdp" else ["--zero_stage", str(stage)]
+    args = parse_args(["--steps", "200", "--micro_batch_size", "2", "--seq_len", "16", "--engine", engine, *zero,
+                       "--out", str(directory), "--dtype", "fp32"])
     config = HDETConfig(alpha=0.5, sync_interval=SYNC_INTERVAL, ranks_per_replica=2,
                         auto_lr={"enabled": False, "range_test": 0})
     torch.manual_seed(0)

@@ -391,3 +391,56 @@ def test_the_peak_lr_the_found_lr_is_said_against():
     assert given_peak_lr(args, {"optimizer": {"params": {"lr": 3e-4}},
                                 "scheduler": {"params": {"warmup_max_lr": 1e-3}}}) == (
         1e-3, "the DeepSpeed JSON's warmup_max_lr")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_text_is_read_as_bytes_and_token_file_flags_only_with_a_token_file(tmp_path):
+    """A text file given as --data was read as uint16 token ids (once --vocab_size was given, as the error asked,
+    silently), and --vocab_size, --token_dtype and --heldout_fraction with text did nothing."""
+    prose = tmp_path / "prose.txt"
+    prose.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    corpus = plan(parse_args(["--data", str(prose)])).corpus
+    data = prose.read_bytes()
+    cut = len(data) - len(data) // 10  # as a one-file directory: its last tenth held out
+    assert (corpus.vocab_size, corpus.description) == (256, f"the text file {prose}")
+    assert corpus.train.tolist() == list(data[:cut]) and corpus.heldout.tolist() == list(data[cut:])
+    check(["--data", str(prose), "--vocab_size", "32000"],
+          "--vocab_size set the reading of a token file, and --data .*prose.txt is text, read as bytes")
+    check(["--token_dtype", "uint32", "--heldout_fraction", "0.1"],
+          "--token_dtype, --heldout_fraction set the reading of a token file, and --data stdlib is text")
+    renamed = tmp_path / "prose.bin"
+    renamed.write_bytes(data)
+    check(["--data", str(renamed), "--vocab_size", "32000"], "prose.bin reads as text, not as token ids")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_training_split_of_one_window_is_refused_before_any_process_group(tmp_path):
+    """seq_len + 1 training tokens passed the check and failed drawing a window's start, after the process group."""
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(np.arange(19, dtype=np.uint16).tobytes())  # 10 held out, 9 to train on
+    check(["--data", str(tokens), "--vocab_size", "64", "--heldout_fraction", "0.55", "--seq_len", "8",
+           "--micro_batch_size", "1"],
+          r"9 training tokens are too few for one batch of 1 x 9 tokens \(at least 10: a window starts at random\)")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_deepspeed_flags_on_fsdp2_and_numbers_out_of_range_are_refused(tmp_path):
+    """--zero_stage and --deepspeed did nothing on FSDP2 (the engine under torchrun or without a launcher), and a
+    negative or NaN --weight_decay or --grad_clip failed in AdamW after the process group (or made every weight NaN)."""
+    check(["--zero_stage", "3"], r"--zero_stage is DeepSpeed's and the engine is FSDP2 \(--engine auto\)")
+    check(["--engine", "fsdp", "--deepspeed"], r"--deepspeed is DeepSpeed's and the engine is FSDP2 \(--engine fsdp\)")
+    for name in ("weight_decay", "grad_clip"):
+        for bad in ("-1", "nan"):
+            check([f"--{name}", bad], rf"--{name} must be a number >= 0, got {bad}")
+    assert plan(parse_args(["--deepspeed"])).engine == "deepspeed"
+
+
+@pytest.mark.usefixtures("single_process")
+def test_hdet_settings_without_a_sync_interval_take_one_for_the_runs_length(tmp_path):
+    """An --hdet_config without sync_interval got the library's T = 1000 whatever --steps was: a 300-step run never
+    synced before its end."""
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"alpha": 0.5}))
+    assert plan(parse_args(["--hdet_config", str(hdet)])).config.sync_interval == 5  # 300 steps, as without a JSON
+    hdet.write_text(json.dumps({"alpha": 0.5, "sync_interval": 20}))
+    assert plan(parse_args(["--hdet_config", str(hdet)])).config.sync_interval == 20
