@@ -37,6 +37,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import argparse
 import os
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -66,6 +67,7 @@ from hdet_scale.lm.plan import DEFAULT_ZERO_STAGE, Plan, given_peak_lr, plan
 from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
 from hdet_scale.metrics import SyncReport
+from hdet_scale.notices import HDETWarning
 from hdet_scale.probe import batch_probe
 from hdet_scale.range_test import MEAN_LR_OVER_PICK
 from hdet_scale.resolve import add_hdet_args
@@ -328,9 +330,11 @@ class Run:
         self.parameters = sum(p.numel() for p in model.parameters())  # whole: ZeRO-3 partitions them below
         self.saved_at: int | None = None
         args.dtype = checked.dtype
-        self.backend: Backend = (
-            FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
-            else DeepSpeedBackend(model, checked.config, args, checked.ds_config or {}, device))
+        with warnings.catch_warnings():  # the header says it, after the run's own line (_train)
+            warnings.filterwarnings("ignore", message="HDET has ONE replica", category=HDETWarning)
+            self.backend: Backend = (
+                FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
+                else DeepSpeedBackend(model, checked.config, args, checked.ds_config or {}, device))
         self.config = self.backend.ensemble.config
         if args.probe_batch and self.backend.ensemble.wants_probe:
             self._set_probe()

@@ -23,3 +23,4 @@ def test_train_header_warns_of_one_replica(tmp_path):
     header = result.stdout.split("HDET train:")[1].splitlines()
     assert "replicas=1 ranks_per_replica=2" in header[0]
     assert header[1].startswith("WARNING: HDET has ONE replica (2 rank(s), ranks_per_replica=2)")
+    assert result.stdout.count("HDET has ONE replica") == 1  # not also as a Python warning before the header
