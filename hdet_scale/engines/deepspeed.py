@@ -288,7 +288,7 @@ class HDETDeepSpeed(HDETHandle):
         (``ds_to_universal``, then ``"checkpoint": {"load_universal": true}``), which carries replica 0's
         optimizer state. A FileNotFoundError where there is no checkpoint (``engine.load_checkpoint`` returns
         ``(None, None)`` there, as DeepSpeed's does, and takes a checkpoint saved without HDET as a fresh HDET start
-        from its weights).
+        from its weights). With ``load_module_only=True`` the weights alone are loaded, and HDET starts afresh.
         """
         path, client_state = self._load(load_dir, tag, needs_hdet_state=True, **kwargs)
         if path is None:
@@ -297,7 +297,11 @@ class HDETDeepSpeed(HDETHandle):
 
     def _load(self, load_dir: str | os.PathLike[str], tag: str | None, *, needs_hdet_state: bool,
               **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
-        tag, found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, needs_hdet_state),
+        # DeepSpeed's load_module_only takes the weights alone, for a fresh start from them: HDET's too
+        reads_state = not kwargs.get("load_module_only", False)
+        needs_hdet_state = needs_hdet_state and reads_state
+        tag, found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, reads_state,
+                                                                     needs_hdet_state),
                                        "checking the checkpoint's HDET state", share_result=True)
         self._saved_replicas_given = found_replicas
         try:
@@ -308,7 +312,9 @@ class HDETDeepSpeed(HDETHandle):
         if path is None:
             return None, None
         client_state = dict(client_state or {})
-        if "hdet" in client_state or needs_hdet_state:
+        if not reads_state:
+            client_state.pop("hdet", None)
+        elif "hdet" in client_state or needs_hdet_state:
             self.load_state_dict(_hdet_state(client_state, path))
             del client_state["hdet"]
         elif self.topology.rank == 0:
@@ -316,16 +322,16 @@ class HDETDeepSpeed(HDETHandle):
                  "afresh from its weights")
         return path, client_state
 
-    def _read_checkpoint(self, load_dir: str, tag: str | None,
+    def _read_checkpoint(self, load_dir: str, tag: str | None, reads_state: bool,
                          needs_hdet_state: bool) -> tuple[str | None, int | None]:
         """Rank 0's reading of the checkpoint to load, which every rank then follows (ranks reading a network file
         system each for itself could see different ``latest`` files or replica folders and load different
         checkpoints, or hang): its tag (``latest``'s where none is given) and how many replicas wrote it, None
         for what is not found (DeepSpeed then reports it). Refuses, before DeepSpeed reads a byte of its shards, a
-        checkpoint whose HDET state this run cannot continue (``HDETEnsemble.check_state``), or that has none where
-        ``needs_hdet_state``: the state sits in replica 0's first model file, which is memory-mapped here, so only
-        the state is read. Where that file is not found (a universal checkpoint) the state is checked after the
-        load."""
+        checkpoint whose HDET state this run cannot continue (``HDETEnsemble.check_state``; where ``reads_state``),
+        or that has none where ``needs_hdet_state``: the state sits in replica 0's first model file, which is
+        memory-mapped here, so only the state is read. Where that file is not found (a universal checkpoint) the state
+        is checked after the load."""
         if tag is None:
             latest = Path(load_dir) / ("latest_universal" if self.engine.load_universal_checkpoint() else "latest")
             if not latest.is_file():
@@ -334,7 +340,7 @@ class HDETDeepSpeed(HDETHandle):
         if not os.path.isdir(os.path.join(load_dir, tag)):
             return tag, None
         path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
-        if os.path.isfile(path):
+        if reads_state and os.path.isfile(path):
             saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
             if "hdet" in saved or needs_hdet_state:
                 self.ensemble.check_state(_hdet_state(saved, path))

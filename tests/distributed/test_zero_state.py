@@ -316,9 +316,12 @@ def scripts_own_checkpoint_calls(rank: int, world: int, directory: str) -> dict:
     loaded = build(False, seed=7)
     nothing = loaded.load_checkpoint(Path(directory) / "empty")  # no checkpoint yet: DeepSpeed's (None, None)
     path, client_state = loaded.load_checkpoint(directory)
+    weights_only = build(False, seed=7)
+    weights_only.load_checkpoint(directory, load_module_only=True)  # a fresh start from the weights: HDET's too
     return {"nothing": nothing, "epoch": client_state.get("epoch"), "hdet_step": loaded.hdet.ensemble.global_step,
             "moments_reloaded": torch.equal(gather_rows(moments(loaded)), saved),
-            "replicas_differed": not torch.equal(*saved)}
+            "replicas_differed": not torch.equal(*saved),
+            "weights_only_hdet_step": weights_only.hdet.ensemble.global_step}
 
 
 def test_a_scripts_own_engine_checkpoint_calls_save_and_load_hdet_and_each_replica(tmp_path):
@@ -326,4 +329,4 @@ def test_a_scripts_own_engine_checkpoint_calls_save_and_load_hdet_and_each_repli
     state (the resumed run's controller started over, silently) and the other replicas' optimizer state."""
     for seen in run_ranks(scripts_own_checkpoint_calls, 2, str(tmp_path)):
         assert seen == {"nothing": (None, None), "epoch": 3, "hdet_step": SYNC_INTERVAL, "moments_reloaded": True,
-                        "replicas_differed": True}
+                        "replicas_differed": True, "weights_only_hdet_step": 0}
