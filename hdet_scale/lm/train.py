@@ -531,11 +531,12 @@ class Run:
         from transformers.utils import logging as transformers_logging
 
         staging = replacement_folders(path)[0]
-        on_rank0(lambda: start_replacement(path), f"clearing {staging}")
+        action = f"writing the model to {path}"  # each part agreed: a failure on one rank stops all in one line
+        agreed(action, lambda: on_rank0(lambda: start_replacement(path), f"clearing {staging}"))
         shown = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()
         try:
-            self.backend.export(staging)
+            agreed(action, lambda: self.backend.export(staging))
         finally:
             if shown:
                 transformers_logging.enable_progress_bar()
@@ -544,7 +545,7 @@ class Run:
             fsync_tree(staging)
             replace_folder_durably(staging, path)
 
-        on_rank0(put_in_place, f"writing the model to {path}")
+        agreed(action, lambda: on_rank0(put_in_place, action))
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,8 @@ The launches themselves are in tests/e2e/test_train_e2e.py."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,3 +47,41 @@ def test_ranks_whose_plans_found_different_runs_in_out_do_not_take_it(tmp_path):
         assert said.startswith(f"taking {tmp_path / 'run'}: OutInUse: --out {tmp_path / 'run'} changed while this "
                                "run was starting (its ranks found different runs there")
         assert not locked
+
+
+def export_failing_on_rank_0(rank: int, world: int, directory: str) -> dict:
+    """train.py's run to its end, where rank 0's write of the final model fails (a full disk)."""
+    import torch
+
+    from hdet_scale.lm.backends import FSDPBackend
+    from hdet_scale.lm.train import parse_args, plan, train_on_every_rank
+
+    export = FSDPBackend.export
+
+    def export_on_a_full_disk(self, path):
+        export(self, path)
+        if rank == 0:
+            raise OSError(28, "No space left on device")
+
+    FSDPBackend.export = export_on_a_full_disk
+    out = Path(directory) / "run"
+    args = parse_args(["--preset", "tiny", "--steps", "10", "--seq_len", "16", "--micro_batch_size", "2",
+                       "--max_data_mb", "1", "--warmup_steps", "2", "--no_progress", "--eval_batches", "1",
+                       "--out", str(out)])
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            train_on_every_rank(args, plan(args), torch.device("cpu"))
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    return {"code": code, "checkpoint": (out / "checkpoints" / "latest").is_dir(), "said": said.getvalue()}
+
+
+def test_a_final_model_that_fails_to_write_stops_every_rank_in_one_line(tmp_path):
+    """The final export was outside train.py's agreement: a write failing on rank 0 ended it in a traceback, while
+    the other ranks went on into the next collective and waited there for the timeout."""
+    first, second = run_ranks(export_failing_on_rank_0, 2, str(tmp_path), timeout=180)
+    assert (first["code"], first["checkpoint"], second["code"], second["said"]) == (1, True, 1, "")
+    assert first["said"] == (f"train.py: error: writing the model to {tmp_path / 'run' / 'final'}: OSError: [Errno 28] "
+                             "No space left on device (rank 0)\n")
