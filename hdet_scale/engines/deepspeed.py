@@ -8,10 +8,13 @@ DeepSpeed's own::
     args = parser.parse_args()                      # --deepspeed_config ds.json --hdet_config hdet.json
     engine, optimizer, loader, scheduler = hdet_scale.engines.deepspeed.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
-    for batch in loader:
-        loss = engine(batch)
-        engine.backward(loss)                       # HDET records the micro-batch loss here
-        engine.step()                               # ... and fans out / syncs here, every T optimizer steps
+    while engine.hdet.global_step < total_steps:    # the LR range test's steps come first, not counted
+        for batch in loader:
+            loss = engine(batch)
+            engine.backward(loss)                   # HDET records the micro-batch loss here
+            engine.step()                           # ... and fans out / syncs here, every T optimizer steps
+            if engine.hdet.global_step == total_steps:
+                break
     engine.save_checkpoint("ckpt")                  # at a sync point, with HDET's state and each replica's files
 
 ``engine.get_lr()`` stays the base schedule; ``engine.hdet.current_lrs()`` is what this replica trains with.

@@ -5,10 +5,10 @@
         --hdet_config ds_configs/hdet_zero.json --preset 1b --data tokens.bin --vocab_size 32000 \\
         --steps 300000
 
-The engine is FSDP2 under torchrun and DeepSpeed under the deepspeed launcher or with --deepspeed_config
-(--engine picks one explicitly). Data: the embedded standard-library source (default, bytes), a directory of
-text files (bytes), or a flat uint16/uint32 token file (memory-mapped). Every input is checked before any
-process group starts.
+The engine is FSDP2 under torchrun and DeepSpeed under the deepspeed launcher or with --deepspeed or
+--deepspeed_config (--engine picks one explicitly). Data: the embedded standard-library source (default, bytes), a
+text file or a directory of them (bytes), or a flat uint16/uint32 token file (memory-mapped). Every input is
+checked before any process group starts.
 
 Rank 0 shows a progress bar (on a terminal) and prints one line per sync; metrics go to
 OUT/hdet_metrics.jsonl (and OUT/tensorboard when TensorBoard is installed), checkpoints to OUT/checkpoints
@@ -135,7 +135,8 @@ def _add_model_and_data(group: argparse._ArgumentGroup) -> None:
 
 def _add_optimization(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--engine", choices=("auto", "fsdp", "deepspeed"), default="auto",
-                       help="auto: deepspeed under the deepspeed launcher or with --deepspeed_config, else fsdp")
+                       help="auto: deepspeed under the deepspeed launcher or with --deepspeed or "
+                       "--deepspeed_config, else fsdp")
     group.add_argument("--steps", type=int, default=300, help="optimizer steps")
     group.add_argument("--micro_batch_size", type=int, default=8, help="sequences per rank per micro-batch "
                        "(DeepSpeed: its JSON's train_micro_batch_size_per_gpu wins)")
