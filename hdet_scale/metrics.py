@@ -75,7 +75,7 @@ class SyncReport:
     def scalars(self) -> dict[str, float]:
         """This sync as named scalars for loggers (TensorBoard, W&B, Lightning's): the replicas' mean loss and
         each replica's, and per explored value (``lr/0``, ``weight_decay/0``, ...) its base, the controller's
-        scale and each replica's value in the interval."""
+        scale after the sync, and each replica's value at the interval's last step."""
         losses = [loss for loss in self.replica_losses if loss is not None and math.isfinite(loss)]
         scalars = {"train/loss": sum(losses) / len(losses) if losses else math.nan}
         for replica, loss in enumerate(self.replica_losses):
