@@ -285,11 +285,14 @@ def take_as_planned(out: Path, checked: Plan) -> None:
                                 "meanwhile); nothing was touched: start this run again")
 
 
-def tidy_out(out: Path, metrics_path: str | None, *, overwrite: bool, resume: ResumePoint | None) -> list[str]:
+def tidy_out(out: Path, metrics_path: str | None, *, overwrite: bool, resume: ResumePoint | None,
+             resume_asked: bool = False) -> list[str]:
     """Readies ``out`` for the run, once it holds ``out``: ``--overwrite`` removes the earlier run, except where
     the plan continues this requeued Slurm job's own checkpoint; a run that starts at step 0 without it keeps what an
-    earlier attempt left (``--resume`` without a checkpoint: the plan refuses such an ``out`` otherwise); what an
-    interrupted save left is settled. Returns one line per change. Rank 0 only."""
+    earlier attempt left (``--resume`` without a checkpoint: the plan refuses such an ``out`` otherwise), and says
+    that a ``--resume`` (``resume_asked``) found nothing to continue, unless it is a Slurm job's (the templates pass
+    it to every job, whose first start finds nothing); what an interrupted save left is settled. Returns one line
+    per change or finding. Rank 0 only."""
     if resume is not None:
         said = [f"--overwrite: this Slurm job was requeued after its checkpoint at step {resume.step}; it continues "
                 "from it instead of erasing it"] if overwrite else []
@@ -297,6 +300,8 @@ def tidy_out(out: Path, metrics_path: str | None, *, overwrite: bool, resume: Re
         said = [f"--overwrite: removed {path}" for path in remove_previous_run(out, metrics_path)]
     else:
         said = start_without_checkpoint(out, metrics_path)
+        if resume_asked and not said and "SLURM_JOB_ID" not in os.environ:
+            said = [f"--resume: no checkpoint in {out / 'checkpoints'}: this run starts at step 0"]
     return said + settle_interrupted_save(out)
 
 
@@ -428,7 +433,8 @@ class Run:
 
     def _start_or_resume(self) -> None:
         def tidy() -> list[str]:
-            return tidy_out(self.out, self.config.metrics_path, overwrite=self.args.overwrite, resume=self.plan.resume)
+            return tidy_out(self.out, self.config.metrics_path, overwrite=self.args.overwrite, resume=self.plan.resume,
+                            resume_asked=self.args.resume)
 
         for line in agreed(f"tidying {self.out}", lambda: on_rank0(tidy, f"tidying {self.out}")) or []:
             self.progress.line(line)

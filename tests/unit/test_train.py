@@ -155,14 +155,22 @@ def test_resume_over_a_finished_run_without_its_checkpoint_is_refused(tmp_path):
     assert plan(parse_args(["--out", str(out), "--resume"])).resume is None
 
 
-def test_a_start_without_checkpoint_is_quiet_in_an_empty_out_and_keeps_every_earlier_attempts_metrics(tmp_path):
-    """The Slurm templates' first start (--resume, nothing in --out) says nothing; each attempt that left metrics
-    but no checkpoint has them kept under a name of its own (train.py's e2e test runs one)."""
+def test_a_start_without_checkpoint_is_quiet_in_an_empty_out_and_keeps_every_earlier_attempts_metrics(tmp_path,
+                                                                                                     monkeypatch):
+    """The Slurm templates' first start (--resume, nothing in --out) says nothing, a --resume outside Slurm says it
+    found no checkpoint; each attempt that left metrics but no checkpoint has them kept under a name of its own
+    (train.py's e2e test runs one)."""
     from hdet_scale.lm.checkpoints import previous_run
     from hdet_scale.lm.train import tidy_out
 
     out, metrics = tmp_path / "run", tmp_path / "run" / "hdet_metrics.jsonl"
     assert tidy_out(out, str(metrics), overwrite=False, resume=None) == []
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert tidy_out(out, str(metrics), overwrite=False, resume=None, resume_asked=True) == []
+    monkeypatch.delenv("SLURM_JOB_ID")
+    # a --resume typed by hand (a mistyped --out, another working directory) says it found nothing to continue
+    assert tidy_out(out, str(metrics), overwrite=False, resume=None, resume_asked=True) == [
+        f"--resume: no checkpoint in {out / 'checkpoints'}: this run starts at step 0"]
     out.mkdir()
     metrics.write_text("")  # an empty metrics file is no attempt: removed, so that the run's lines start it
     assert tidy_out(out, str(metrics), overwrite=False, resume=None) == []
