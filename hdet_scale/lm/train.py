@@ -336,11 +336,12 @@ class Run:
         self.parameters = sum(p.numel() for p in model.parameters())  # whole: ZeRO-3 partitions them below
         self.saved_at: int | None = None
         args.dtype = checked.dtype
-        with warnings.catch_warnings():  # the header says it, after the run's own line (_train)
-            warnings.filterwarnings("ignore", message="HDET has ONE replica", category=HDETWarning)
-            self.backend: Backend = (
-                FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
-                else DeepSpeedBackend(model, checked.config, args, checked.ds_config or {}, device))
+        # the header says it, after the run's own line (_train); not in a catch_warnings block, which would also
+        # drop the filters the backend sets up for the whole run
+        warnings.filterwarnings("ignore", message="HDET has ONE replica", category=HDETWarning)
+        self.backend: Backend = (
+            FSDPBackend(model, checked.config, args, device) if checked.engine == "fsdp"
+            else DeepSpeedBackend(model, checked.config, args, checked.ds_config or {}, device))
         self.config = self.backend.ensemble.config
         if args.probe_batch and self.backend.ensemble.wants_probe:
             self._set_probe()
