@@ -345,8 +345,10 @@ class HDETEnsemble:
         self._scorer.set_probe(probe)
 
     # ------------------------------------------------------------------------------------ a sync
-    def sync(self) -> SyncReport:
-        """Averages the replicas, updates the controller and re-assigns the multipliers (collective).
+    def sync(self) -> SyncReport | None:
+        """Averages the replicas, updates the controller and re-assigns the multipliers (collective); returns its
+        report, or None where the replicas are one model already (``at_sync_point``: no step since the last sync),
+        where it does nothing and writes no metrics line.
 
         ``step`` calls it every ``sync_interval`` steps; call it directly to end on one model between those
         (e.g. before a final export or a preemption checkpoint). Such an extra sync averages, scores and
@@ -357,6 +359,8 @@ class HDETEnsemble:
         if self._range_start is not None:
             raise RuntimeError(f"the LR range test is running (step {len(self._range_start.test.lrs)} of "
                                f"{self._range_start.test.steps}): syncs start after it")
+        if self.at_sync_point:
+            return None
         # Out of inference mode (Lightning's validation hooks run under it on an accelerator): memory the sync
         # keeps for the next one must be normal tensors, which that sync writes into outside it.
         with torch.inference_mode(False), torch.no_grad():

@@ -56,8 +56,9 @@ class HDETHandle(ABC):
         """This replica's multiplier on param group ``group_index`` for the current interval."""
         return self._attached().lr_multiplier(group_index)
 
-    def sync(self) -> SyncReport:
-        """A sync now, between the regular ones (collective: every rank calls it), e.g. before an export."""
+    def sync(self) -> SyncReport | None:
+        """A sync now, between the regular ones (collective: every rank calls it), e.g. before an export; None
+        where the replicas are one model already (right after a sync)."""
         return self._attached().sync()
 
     def check_one_model(self, what: str) -> None:

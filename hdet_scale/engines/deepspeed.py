@@ -196,10 +196,10 @@ class HDETDeepSpeed(HDETHandle):
         checkpoint. ``global_step % sync_interval == 0`` stays true for all the micro-batches that follow."""
         return self._synced_in_step
 
-    def sync(self) -> SyncReport:
+    def sync(self) -> SyncReport | None:
         """An HDET sync now, between the regular ones (collective): e.g. to end on one model before a
-        preemption checkpoint or an export. The next regular sync stays at the next multiple of
-        ``sync_interval``."""
+        preemption checkpoint or an export; None where the replicas are one model already (right after a sync).
+        The next regular sync stays at the next multiple of ``sync_interval``."""
         with replica_groups(self.engine.mpu):
             return self.ensemble.sync()
 

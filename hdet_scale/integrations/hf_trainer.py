@@ -125,8 +125,9 @@ class HDETCallback(TrainerCallback, HDETHandle):
             raise RuntimeError("HDET attaches when trainer.train() starts; call this during or after training")
         return self._ensemble
 
-    def sync(self) -> SyncReport:
-        """A sync now, between the regular ones (collective: every rank calls it)."""
+    def sync(self) -> SyncReport | None:
+        """A sync now, between the regular ones (collective: every rank calls it); None where the replicas are one
+        model already (right after a sync)."""
         with self._replica_groups():
             return self.ensemble.sync()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from settings import LR_HELD_AT_GIVEN, lr_held_at_given
@@ -280,3 +282,21 @@ def test_the_papers_controller_takes_over_from_the_base_the_intervals_last_step_
     explored.update(Controller(AutoLRConfig(mode="paper")), weights=[0.5, 0.5], step=200, sync_interval=100)
     gamma = 1 - (1e-5 / 1e-3) ** (1 / 8)  # 8 syncs left, from 1e-3 down to the floor
     assert explored.state.owned_base == pytest.approx(1e-3 * (1 - gamma))
+
+
+def test_a_sync_where_the_replicas_are_one_model_already_does_nothing(tmp_path):
+    """A sync() right after a regular one wrote a second line for the same step, without losses or bases, which the
+    report then took for that interval's (and a schedule export said the interval's bases were missing)."""
+    metrics = tmp_path / "metrics.jsonl"
+    optimizer = two_group_optimizer("sgd")
+    scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=20, topology=ReplicaTopology.single_process(),
+                               sync_interval=4, auto_lr=LR_HELD_AT_GIVEN, metrics_path=str(metrics))
+    assert scheduler.hdet.sync() is None  # at the start
+    for _ in range(8):
+        train_step(optimizer)
+        scheduler.step(1.0)
+    assert scheduler.hdet.sync() is None  # right after the sync at step 8
+    train_step(optimizer)
+    scheduler.step(1.0)
+    assert scheduler.hdet.sync().step == 9  # one step later the replicas may differ: a sync
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [4, 8, 9]
