@@ -244,7 +244,8 @@ def non_finite_replicas(rank: int, world: int) -> None:
             assert report.excluded_replicas == [] and report.weights[0] == 0.0
             mean = torch.stack([pre[0], pre[2]]).double().mean(0)
             assert torch.allclose(post.double(), mean.expand(world, -1), rtol=1e-6, atol=1e-7)
-    # Training went on finite everywhere; now every replica diverges: a clear error, nothing written.
+    # Training went on finite everywhere; one step later every replica diverges: a clear error, nothing written.
+    train_steps(model, optimizer, hdet, loss_of, rank, range(13, 14))
     with torch.no_grad():
         first_param[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="every replica has non-finite parameters or optimizer state"):
