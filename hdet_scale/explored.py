@@ -7,6 +7,7 @@ bounds. The ensemble owns one ``ExploredValue`` per explored hyperparameter and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,14 @@ class ExploredValue:
         """Every replica's value now, by replica."""
         return [self.value(replica) for replica in range(self.num_replicas)]
 
+    def scale_on_schedule(self) -> float:
+        """The base over the schedule's value now: the controller's scale, or in ``paper`` mode, once it owns the
+        base, that base over what the schedule would give (NaN where the schedule gives 0)."""
+        if self.state.owned_base is None:
+            return self.state.scale
+        scheduled = self.knob.scheduled()
+        return self.base() / scheduled if scheduled else math.nan
+
     def last_base(self) -> float:
         """The base the interval's last step trained with; the base now where no step has run since the last sync.
         At a sync the schedule has already moved on to the next step's value."""
@@ -122,7 +131,7 @@ class ExploredValue:
             "applied_bases": applied_bases,
             "replica_multipliers": trained_multipliers,
             "base": self.base(),
-            "scale": self.state.scale,
+            "scale": self.scale_on_schedule(),
             "delta": self.state.last_delta,
             "velocity": self.state.velocity,
             "next_replica_values": self.replica_values(),

@@ -282,6 +282,8 @@ def test_the_papers_controller_takes_over_from_the_base_the_intervals_last_step_
     explored.update(Controller(AutoLRConfig(mode="paper")), weights=[0.5, 0.5], step=200, sync_interval=100)
     gamma = 1 - (1e-5 / 1e-3) ** (1 / 8)  # 8 syncs left, from 1e-3 down to the floor
     assert explored.state.owned_base == pytest.approx(1e-3 * (1 - gamma))
+    # the report's scale is the owned base over the schedule's value now (the controller's own scale stays 1)
+    assert explored.report([], [], [])["scale"] == pytest.approx(1e-3 * (1 - gamma) / 2e-3)
 
 
 def test_a_sync_where_the_replicas_are_one_model_already_does_nothing(tmp_path):
