@@ -22,7 +22,9 @@ The format, one JSON object per line:
   a ``loss`` field, where present, takes precedence.
 
 Non-finite numbers may appear as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (how HDET writes them, since
-JSON has no NaN). Other fields are ignored. Lines are sorted by step (stable), blank lines are skipped.
+JSON has no NaN). Other fields are ignored. Lines are sorted by step (stable), blank lines are skipped. A sync line
+at or before the step of the last one starts the lines of a run resumed from a checkpoint: the interrupted run's
+lines from that step on are dropped. A last line cut short (a run stopped while writing it) is skipped.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hdet_scale.notices import warn
+
 LOSS_FIELDS = ("loss", "replica_losses", "heldout_loss")
 PLOTS_EXTRA_HINT = "pip install 'hdet_scale[plots]'"  # quoted: shells such as zsh glob the brackets
 
@@ -74,7 +76,10 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
 
 
 def load_run(path: str | Path, label: str | None = None) -> Run:
-    """Reads and checks one metrics file; errors name the file and line."""
+    """Reads and checks one metrics file; errors name the file and line. A run that resumed from a checkpoint and
+    appended to the file writes a sync line at or before the step of the last one: what the interrupted run wrote
+    from that step on is dropped, as the resumed run replaced it. A last line cut short (a run killed while
+    writing it, or writing it now) is skipped, with a warning."""
     path = Path(path)
     if not path.is_file():
         raise ReportError(f"{path}: no such file")
@@ -82,20 +87,34 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         raise ReportError(f"{path}: not a text file (expected JSON lines)") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    records: list[dict[str, Any]] = []
+    for number, line in numbered:
         where = f"{path}, line {number}"
         try:
-            record = json.loads(line)
+            record = _check_record(json.loads(line), where)
         except json.JSONDecodeError as error:
-            raise ReportError(f"{where}: not valid JSON ({error.msg})") from None
-        records.append(_check_record(record, where))
+            if number != numbered[-1][0]:
+                raise ReportError(f"{where}: not valid JSON ({error.msg})") from None
+            warn(f"{where}: not valid JSON, skipped (a line cut short: the run was stopped while writing it, or is "
+                 "writing it now)")
+            continue
+        if records and _resumes_at(record, records):
+            records = [kept for kept in records if kept["step"] < record["step"]]
+        records.append(record)
     if not records:
         raise ReportError(f"{path}: no metrics lines (the file is empty)")
     records.sort(key=lambda record: record["step"])
     return Run(label=label or path.stem, path=path, records=records)
+
+
+def _resumes_at(record: dict[str, Any], before: list[dict[str, Any]]) -> bool:
+    """Whether ``record``, read after ``before``, starts a resumed run's lines: an HDET sync line at or before the
+    step of the last sync line (a run writes them in step order, one a step; other lines may come in any order)."""
+    if "replica_losses" not in record:
+        return False
+    last_sync = next((earlier["step"] for earlier in reversed(before) if "replica_losses" in earlier), None)
+    return last_sync is not None and record["step"] <= last_sync
 
 
 def default_labels(paths: Sequence[Path]) -> list[str]:

@@ -183,7 +183,7 @@ def test_default_labels_tell_same_named_files_apart(tmp_path):
     (None, "no such file"),
     ("", "no metrics lines"),
     ("\n  \n", "no metrics lines"),
-    ('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": \n', "line 3: not valid JSON"),
+    ('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \n{"step": 3, "loss": 1.5}\n', "line 2: not valid JSON"),
     ('{"step": 1, "loss": 2.0}\n[1, 2]\n', "line 2: expected a JSON object"),
     ('{"loss": 2.0}\n', "line 1: needs an integer 'step'"),
     ('{"step": 1, "lr": 2.0}\n', "line 1: has none of loss, replica_losses, heldout_loss"),
@@ -288,3 +288,28 @@ def test_a_real_runs_lines_give_every_step_from_the_first(tmp_path):
     series = report_runs.applied_series(run, "lr/0")
     assert series["steps"] == list(range(1, report_runs.sync_records(run)[-1]["step"] + 1))
     assert not series["excluded"]
+
+
+def test_a_resumed_runs_lines_replace_what_the_interrupted_run_wrote_past_its_checkpoint(tmp_path):
+    """A run resumed from its checkpoint at step 8 (the Trainer, Lightning, DeepSpeed, HDETScheduler) appends to the
+    file the interrupted run wrote on to step 16: both copies of steps 12 and 16 were drawn, the line running back."""
+    def sync(step: int, loss: float) -> dict:
+        return {"step": step, "replica_losses": [loss, loss]}
+
+    path = write_lines(tmp_path / "run.jsonl", [sync(4, 3.0), sync(8, 2.5), sync(12, 9.0), {"step": 12,
+                       "heldout_loss": 9.5}, sync(16, 9.0), sync(12, 2.0), sync(16, 1.5)])
+    run = report_runs.load_run(path)
+    assert report_runs.loss_curve(run) == ([4, 8, 12, 16], [3.0, 2.5, 2.0, 1.5])
+    assert report_runs.heldout_curve(run) == ([], [])  # the interrupted run's evaluation at 12
+    # resumed at its last line's step: a sync line repeats it
+    repeated = write_lines(tmp_path / "repeated.jsonl", [sync(4, 3.0), sync(8, 9.0), sync(8, 2.5)])
+    assert report_runs.loss_curve(report_runs.load_run(repeated)) == ([4, 8], [3.0, 2.5])
+
+
+def test_a_last_line_cut_short_is_skipped_with_a_warning(tmp_path):
+    """A run killed while writing a line (or writing it now) made its whole file unreadable."""
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    with pytest.warns(UserWarning, match=r"run\.jsonl, line 3: not valid JSON, skipped \(a line cut short"):
+        run = report_runs.load_run(path)
+    assert report_runs.loss_curve(run) == ([1, 2], [2.0, 1.5])
