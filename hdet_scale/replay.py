@@ -68,6 +68,7 @@ def optimizer_entry(name: str) -> tuple[str, str] | None:
 def write_schedule(schedule: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Writes ``schedule`` as JSON (atomically: a reader never sees half a file)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(schedule) + "\n", encoding="utf-8")
     partial.replace(path)

@@ -218,7 +218,9 @@ class ReplaySchedule(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def _at(self, bases: list[float]) -> float:
-        if self.last_epoch >= self.steps and not self._warned_past_end:
+        # last_epoch == steps after the run's last step too, whose scheduler.step() asks for a value no step uses:
+        # one past it, a step did
+        if self.last_epoch > self.steps and not self._warned_past_end:
             self._warned_past_end = True
             warn(f"ReplaySchedule: past the replayed schedule's {self.steps} steps; its last values hold")
         return bases[min(self.last_epoch, self.steps - 1)]

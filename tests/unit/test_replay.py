@@ -7,6 +7,7 @@ tests/distributed/test_replay_distributed.py.
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -63,6 +64,7 @@ def test_the_command_line_writes_the_schedule_and_says_what_it_needs(tmp_path, c
     assert main([str(metrics), "--export-schedule", str(tmp_path / "schedule.json")]) == 0
     assert "lr/0, weight_decay/0 over 2 steps" in capsys.readouterr().out
     assert json.loads((tmp_path / "schedule.json").read_text())["values"]["lr/0"] == [0.1, 0.2]
+    assert main([str(metrics), "--export-schedule", str(tmp_path / "new" / "folder" / "schedule.json")]) == 0
     for argv, message in (([str(metrics)], "give --out DIR"),
                           ([str(metrics), str(metrics), "--export-schedule", "x.json"], "reads one run's")):
         with pytest.raises(SystemExit):
@@ -99,9 +101,12 @@ def test_replay_applies_the_recorded_values_at_every_step_then_holds_the_last(tm
     optimizer = named_optimizer()
     scheduler = ReplaySchedule(optimizer, path)
     assert scheduler.value("label_smoothing") == 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the last step's scheduler.step() asks past the end, and no step uses it
+        assert applied_per_step(optimizer, scheduler, 3) == [[0.1, 1.0, 0.01], [0.2, 2.0, 0.02], [0.3, 3.0, 0.03]]
     with pytest.warns(UserWarning, match="past the replayed schedule's 3 steps"):
-        seen = applied_per_step(optimizer, scheduler, 5)
-    assert seen == [[0.1, 1.0, 0.01], [0.2, 2.0, 0.02], [0.3, 3.0, 0.03], [0.3, 3.0, 0.03], [0.3, 3.0, 0.03]]
+        seen = applied_per_step(optimizer, scheduler, 2)
+    assert seen == [[0.3, 3.0, 0.03], [0.3, 3.0, 0.03]]
     assert optimizer.param_groups[0]["weight_decay"] == 0.5  # not in the schedule: left alone
 
 
