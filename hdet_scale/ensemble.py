@@ -176,10 +176,19 @@ class HDETEnsemble:
         """This replica's current value of the explored hyperparameter ``name`` (e.g. ``"label_smoothing"``,
         ``"lr/0"``: for optimizer knobs, the value the next ``optimizer.step()`` uses, during the run's LR range
         test that test's LR)."""
+        explored = self._explored_named(name)
+        ramp = self._range_test_lr(explored)
+        return explored.value(self.topology.replica_index) if ramp is None else ramp
+
+    def base(self, name: str) -> float:
+        """The base every replica's value of ``name`` is a multiple of now: the schedule's value times the
+        controller's scale (``paper`` mode: the base it owns); for optimizer knobs, that of the next step."""
+        return self._explored_named(name).base()
+
+    def _explored_named(self, name: str) -> ExploredValue:
         for explored in self._explored:
             if explored.name == name:
-                ramp = self._range_test_lr(explored)
-                return explored.value(self.topology.replica_index) if ramp is None else ramp
+                return explored
         raise KeyError(f"'{name}' is not explored; explored: {[explored.name for explored in self._explored]}")
 
     def _step_value(self, explored: ExploredValue, scheduled: float) -> float:

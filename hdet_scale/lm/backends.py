@@ -94,10 +94,6 @@ class Backend(ABC):
         """The loss of ``batch`` without gradients (collective under sharding: every rank calls it)."""
 
     @abstractmethod
-    def scheduled_lr(self) -> float:
-        """The base schedule's LR of the first param group (before HDET's scale and multiplier)."""
-
-    @abstractmethod
     def train(self, mode: bool) -> None:
         """Training or evaluation mode."""
 
@@ -184,9 +180,6 @@ class FSDPBackend(Backend):
     @torch.no_grad()
     def loss(self, batch: Batch) -> torch.Tensor:
         return next_token_loss(self.model, batch[0].to(self.device), batch[1].to(self.device))
-
-    def scheduled_lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
 
     def train(self, mode: bool) -> None:
         self.model.train(mode)
@@ -278,9 +271,6 @@ class DeepSpeedBackend(Backend):
     @torch.no_grad()
     def loss(self, batch: Batch) -> torch.Tensor:
         return next_token_loss(self.engine, batch[0].to(self.device), batch[1].to(self.device))
-
-    def scheduled_lr(self) -> float:
-        return float(self.engine.get_lr()[0])
 
     def train(self, mode: bool) -> None:
         self.engine.train(mode)

@@ -43,7 +43,6 @@ class Progress:
         self._started = time.perf_counter()
         self._first_step = 0
         self._tokens_per_step = 0
-        self._scale = 1.0
         self._heldout_recorded: set[int] = set()  # steps whose held-out loss this run or the one it resumes recorded
         if not enabled:
             return
@@ -79,8 +78,9 @@ class Progress:
         else:
             print(text, flush=True)
 
-    def step(self, step: int, loss: torch.Tensor, scheduled_lr: float, report: SyncReport | None) -> None:
-        """After optimizer step ``step``: the bar, and the sync line when HDET synced."""
+    def step(self, step: int, loss: torch.Tensor, lr: float, report: SyncReport | None) -> None:
+        """After optimizer step ``step``: the bar (with ``lr``, the replicas' shared LR now), and the sync line when
+        HDET synced."""
         if not self.enabled:
             return
         if report is not None:
@@ -88,20 +88,20 @@ class Progress:
         if self._bar is not None and not self._bar.disable:
             self._bar.update(step - self._bar.n)
             if step % BAR_REFRESH_STEPS == 0:
-                self._bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{scheduled_lr * self._scale:.2e}",
+                self._bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}",
                                       tok_s=f"{self.tokens_per_second(step):.0f}")
 
     def sync(self, report: SyncReport) -> None:
         if not self.enabled:
             return
         lr = report.values.get("lr/0", {})
-        self._scale = lr.get("scale", 1.0)
+        scale = lr.get("scale", 1.0)
         scalars = report.scalars()
         mean = scalars["train/loss"]
         if self._sync_lines:
             self.line(f"sync step {report.step}  loss {mean:.4f}  replica losses "
                       f"[{', '.join('nan' if loss is None else f'{loss:.4f}' for loss in report.replica_losses)}]  "
-                      f"lr {lr.get('base', float('nan')):.3e} ({self._scale:.3g} x schedule)  "
+                      f"lr {lr.get('base', float('nan')):.3e} ({scale:.3g} x schedule)  "
                       f"{self.tokens_per_second(report.step):.0f} tok/s  sync {report.sync_seconds * 1000:.0f} ms")
         if self._sinks is not None:
             self._sinks.log({**scalars, "train/tokens_per_second": self.tokens_per_second(report.step)}, report.step)

@@ -390,7 +390,7 @@ class Run:
         while self.step < args.steps:
             loss, report = self._train_step(self._batches(self.step))
             self.step += 1
-            self.progress.step(self.step, loss, self.backend.scheduled_lr(), report)
+            self.progress.step(self.step, loss, self.backend.ensemble.base("lr/0"), report)
             if args.eval_interval and self.step % args.eval_interval == 0 and self.step < args.steps:
                 self.progress.heldout(self.step, self._evaluate(self.corpus.heldout))
             if args.checkpoint_interval and self.step % args.checkpoint_interval == 0 and self.step < args.steps:

@@ -157,3 +157,18 @@ def test_the_found_lr_factor_is_the_controllers_scale_where_one_moves_it():
     assert factor({"auto_lr": no_test}, topology=ReplicaTopology(world_size=1, rank=0, ranks_per_replica=1)) is None
     assert factor({"alpha": 0.1, "spread": "linear", "auto_lr": {"mode": "paper"}},
                   paper_decay=[PaperDecay(300, 0.01)]) is None
+
+
+def test_base_is_the_schedules_value_times_the_controllers_scale():
+    """What train.py's progress bar shows: it multiplied the schedule's LR by the scale of the last sync's report,
+    1 until the first sync (after the range test, or a resume), where the LR was another."""
+    state = ensemble().state_dict()
+    state["explored"]["lr/0"]["controller"]["scale"] = 0.4  # where a resumed run's controller had moved it
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig.from_dict({"auto_lr": {"range_test": 0}}), DDPAdapter(optimizer),
+                        topology=ReplicaTopology.single_process(), state=state)
+    assert hdet.base("lr/0") == pytest.approx(0.4 * 0.1) == hdet.value("lr/0")  # one replica: multiplier 1
+    optimizer.param_groups[0]["lr"] = 0.05  # a scheduler's step
+    assert hdet.base("lr/0") == pytest.approx(0.4 * 0.05)
+    with pytest.raises(KeyError, match="'dropout' is not explored"):
+        hdet.base("dropout")
