@@ -62,7 +62,8 @@ class IntervalLoss:
         return float(self._sum)
 
     def reset(self) -> None:
-        """Starts a new interval."""
+        """Starts a new interval. The micro-batch losses of a step in progress (a sync between its micro-batches)
+        stay: that step ends in the new interval."""
         self._sum.zero_()
         self.count = 0
 
