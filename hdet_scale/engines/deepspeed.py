@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,14 @@ from hdet_scale.averaging import average_tensors
 from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
-from hdet_scale.durable import fsync_tree, write_text_durably
+from hdet_scale.durable import (
+    fsync_tree,
+    recover_replaced_folder,
+    replace_folder_durably,
+    replacement_folders,
+    start_replacement,
+    write_text_durably,
+)
 from hdet_scale.engines.deepspeed_settings import check_version, checked_settings, per_replica_batch
 from hdet_scale.engines.zero import ReplicaMPU, SaveEpilogue, ZeroAdapter
 from hdet_scale.ensemble import HDETEnsemble
@@ -214,9 +220,10 @@ class HDETDeepSpeed(HDETHandle):
         checkpoints, and ``zero_to_fp32`` reads them); where the replicas' optimizer states differ
         (``HDETEnsemble.optimizer_states_differ``: local gradient mode), every other replica writes its own to
         ``<tag>/hdet_replicas/`` (ZeRO-0: its model file, which holds it). With ``save_latest``, ``latest`` names
-        the tag once every rank's files are on the disk. Returns the tag. Give each checkpoint a tag of its own (the
-        default does): DeepSpeed writes over a tag's files in place, so a failed save into an existing tag leaves
-        it a mix of two checkpoints.
+        the tag once every rank's files are on the disk. Returns the tag. A save into a tag that exists already (a
+        tag reused for each save, ``"last"``) writes beside it (``<tag>.tmp``) and puts the new checkpoint in its
+        place once every rank's files are on the disk: a save that fails, or a kill, leaves the one before whole
+        (a load puts back what a kill between the two renames left).
         """
         step = self.ensemble.global_step
         if not self.ensemble.at_sync_point:
@@ -233,17 +240,17 @@ class HDETDeepSpeed(HDETHandle):
         tag = tag or f"global_step{self.engine.global_steps}"
         states_differ = self.ensemble.optimizer_states_differ()  # collective: on every rank
         writes_own_state = self.topology.replica_index > 0 and states_differ
-        # An earlier save into this tag by more replicas left files of replicas this run does not have, which a
-        # load would count as saved replicas.
-        replica_folder = os.path.join(str(save_dir), tag, REPLICA_FOLDER)
-        on_rank0(lambda: shutil.rmtree(replica_folder, ignore_errors=True), f"clearing {replica_folder}")
+        target = Path(save_dir) / tag
+        self._on_storage_owner(lambda: start_replacement(target), f"preparing the checkpoint {tag}")
+        replacing = on_rank0(target.exists, f"looking for the checkpoint {tag}", share_result=True)
+        written = replacement_folders(target)[0] if replacing else target
         failure = None
         try:  # DeepSpeed makes save_dir on rank 0 alone before its first barrier: made here, by every rank
-            os.makedirs(os.path.join(str(save_dir), tag), exist_ok=True)
+            os.makedirs(written, exist_ok=True)
             if writes_own_state:
                 # DeepSpeed creates the tag folder only from ranks whose rank inside the replica equals the global
                 # rank.
-                os.makedirs(os.path.join(str(save_dir), tag, REPLICA_FOLDER), exist_ok=True)
+                os.makedirs(written / REPLICA_FOLDER, exist_ok=True)
         except OSError as error:
             failure = error
         raise_together(failure, f"preparing the checkpoint {tag}")
@@ -255,7 +262,8 @@ class HDETDeepSpeed(HDETHandle):
             setattr(self.engine, own_file, False)  # replica 0's optimizer state serves this replica too
         try:
             with replica_groups(self.engine.mpu), epilogue:
-                self._deepspeed_save(str(save_dir), tag=tag, client_state=state, save_latest=False, **kwargs)
+                self._deepspeed_save(str(save_dir), tag=written.name, client_state=state, save_latest=False,
+                                     **kwargs)
         except Exception as error:
             # A write failed on this rank. DeepSpeed writes after its collectives but ZeRO-3's epilogue and the
             # barrier that ends the save, where the other ranks now wait: meet them there, then all stop together.
@@ -273,13 +281,28 @@ class HDETDeepSpeed(HDETHandle):
         # missing or truncated files.
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             try:
-                fsync_tree(Path(save_dir) / tag)
+                fsync_tree(written)
             except OSError as error:
                 failure = error
         raise_together(failure, f"flushing the checkpoint {tag} to the disk")
+        if replacing:
+            self._on_storage_owner(lambda: replace_folder_durably(written, target),
+                                   f"putting the checkpoint {tag} in place")
         if save_latest:
             on_rank0(lambda: write_text_durably(Path(save_dir) / "latest", tag), f"pointing 'latest' at {tag}")
         return tag
+
+    def _on_storage_owner(self, work: Callable[[], Any], what: str) -> None:
+        """``work()`` where the checkpoint folders are: on global rank 0, or on each node's first rank where
+        DeepSpeed keeps checkpoints on node-local storage; every rank learns whether it failed (collective)."""
+        local = self.engine.use_node_local_storage()
+        failure = None
+        if (int(os.environ.get("LOCAL_RANK", 0)) if local else self.topology.rank) == 0:
+            try:
+                work()
+            except OSError as error:
+                failure = error
+        raise_together(failure, what)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         **kwargs: Any) -> tuple[str, dict[str, Any]]:
@@ -303,9 +326,15 @@ class HDETDeepSpeed(HDETHandle):
         # DeepSpeed's load_module_only takes the weights alone, for a fresh start from them: HDET's too
         reads_state = not kwargs.get("load_module_only", False)
         needs_hdet_state = needs_hdet_state and reads_state
-        tag, found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, reads_state,
-                                                                     needs_hdet_state),
-                                       "checking the checkpoint's HDET state", share_result=True)
+        # Rank 0 reads the checkpoint and every rank follows: ranks reading a network file system each for itself
+        # could see different 'latest' files or replica folders and load different checkpoints, or hang.
+        tag = on_rank0(lambda: self._tag_to_load(str(load_dir), tag), "reading the checkpoint's tag",
+                       share_result=True)
+        if tag is not None:  # a kill between the two renames of a save into this tag: the complete one in place
+            self._on_storage_owner(lambda: recover_replaced_folder(Path(load_dir) / tag),
+                                   f"recovering the checkpoint {tag}")
+        found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, reads_state, needs_hdet_state),
+                                  "checking the checkpoint's HDET state", share_result=True)
         self._saved_replicas_given = found_replicas
         try:
             with replica_groups(self.engine.mpu):
@@ -326,28 +355,28 @@ class HDETDeepSpeed(HDETHandle):
         return path, client_state
 
     def _read_checkpoint(self, load_dir: str, tag: str | None, reads_state: bool,
-                         needs_hdet_state: bool) -> tuple[str | None, int | None]:
-        """Rank 0's reading of the checkpoint to load, which every rank then follows (ranks reading a network file
-        system each for itself could see different ``latest`` files or replica folders and load different
-        checkpoints, or hang): its tag (``latest``'s where none is given) and how many replicas wrote it, None
-        for what is not found (DeepSpeed then reports it). Refuses, before DeepSpeed reads a byte of its shards, a
+                         needs_hdet_state: bool) -> int | None:
+        """Rank 0's reading of the checkpoint ``tag`` to load: how many replicas wrote it, None where it is not found
+        (DeepSpeed then reports it). Refuses, before DeepSpeed reads a byte of its shards, a
         checkpoint whose HDET state this run cannot continue (``HDETEnsemble.check_state``; where ``reads_state``),
         or that has none where ``needs_hdet_state``: the state sits in replica 0's first model file, which is
         memory-mapped here, so only the state is read. Where that file is not found (a universal checkpoint) the state
         is checked after the load."""
-        if tag is None:
-            latest = Path(load_dir) / ("latest_universal" if self.engine.load_universal_checkpoint() else "latest")
-            if not latest.is_file():
-                return None, None
-            tag = latest.read_text().strip()
-        if not os.path.isdir(os.path.join(load_dir, tag)):
-            return tag, None
+        if tag is None or not os.path.isdir(os.path.join(load_dir, tag)):
+            return None
         path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
         if reads_state and os.path.isfile(path):
             saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
             if "hdet" in saved or needs_hdet_state:
                 self.ensemble.check_state(_hdet_state(saved, path))
-        return tag, self._saved_replicas(Path(load_dir) / tag)
+        return self._saved_replicas(Path(load_dir) / tag)
+
+    def _tag_to_load(self, load_dir: str, tag: str | None) -> str | None:
+        """``tag``, or where none is given the one ``latest`` names (None without it)."""
+        if tag is not None:
+            return tag
+        latest = Path(load_dir) / ("latest_universal" if self.engine.load_universal_checkpoint() else "latest")
+        return latest.read_text().strip() if latest.is_file() else None
 
     @staticmethod
     def _saved_replicas(checkpoint: Path) -> int:

@@ -330,3 +330,66 @@ def test_a_scripts_own_engine_checkpoint_calls_save_and_load_hdet_and_each_repli
     for seen in run_ranks(scripts_own_checkpoint_calls, 2, str(tmp_path)):
         assert seen == {"nothing": (None, None), "epoch": 3, "hdet_step": SYNC_INTERVAL, "moments_reloaded": True,
                         "replicas_differed": True, "weights_only_hdet_step": 0}
+
+
+def saves_into_one_tag(rank: int, world: int, directory: str) -> dict:
+    """Every save into the tag "last", as a script that keeps one checkpoint writes them: one that fails on rank 1,
+    then one that succeeds, then a kill between the two renames that put a save in place."""
+    import shutil
+
+    from test_deepspeed_distributed import train_step
+
+    engine = build(False)
+    step = 0
+
+    def trained() -> torch.Tensor:
+        nonlocal step
+        for _ in range(SYNC_INTERVAL):
+            step += 1
+            train_step(engine, rank, step)
+        return gather_rows(moments(engine))
+
+    def loaded() -> torch.Tensor:
+        fresh = build(False, seed=7)
+        fresh.load_checkpoint(directory)  # the tag 'latest' names: "last"
+        return gather_rows(moments(fresh))
+
+    first = trained()
+    engine.save_checkpoint(directory, "last")
+    second = trained()
+    save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):  # replica 1's own optimizer file, as a full disk fails it
+        if rank == 1 and REPLICA_FOLDER in str(path):
+            raise OSError(28, "No space left on device")
+        return save(obj, path, *args, **kwargs)
+
+    torch.save = full_disk
+    try:
+        engine.save_checkpoint(directory, "last")
+        failed = ""
+    except Exception as error:
+        failed = str(error)
+    finally:
+        torch.save = save
+    after_failure = loaded()
+    engine.save_checkpoint(directory, "last")
+    after_success = loaded()
+    last = Path(directory) / "last"
+    if rank == 0:  # killed between the renames: the older checkpoint aside, the new one complete beside it
+        shutil.copytree(last, last.with_name("last.tmp"))
+        last.rename(last.with_name("last.old"))
+    dist.barrier()
+    after_kill = loaded()
+    return {"failed": failed, "kept": torch.equal(after_failure, first), "replaced": torch.equal(after_success, second),
+            "recovered": torch.equal(after_kill, second) and sorted(p.name for p in Path(directory).iterdir()),
+            "states_differ": not torch.equal(*first)}
+
+
+def test_a_save_into_an_existing_tag_that_fails_leaves_the_one_before_whole(tmp_path):
+    """DeepSpeed wrote over the tag's files in place: a save that failed on one rank left the only checkpoint a mix
+    of two (here rank 1's optimizer state of the failed save beside rank 0's of the one before)."""
+    for seen in run_ranks(saves_into_one_tag, 2, str(tmp_path), timeout=300):
+        assert "No space left on device" in seen["failed"]
+        assert seen == {"failed": seen["failed"], "kept": True, "replaced": True,
+                        "recovered": ["last", "latest"], "states_differ": True}
