@@ -53,5 +53,44 @@ def test_a_job_started_afresh_continues_its_own_run_once_requeued(template):
     assert given("0", 2, "--steps", "9") == ["--out", "out", "--resume", "--steps", "9"]  # requeued: continues
     # an --overwrite start: train.py itself continues the job's own checkpoint once requeued
     assert given("0", 2, "--overwrite") == ["--out", "out", "--overwrite"]
+    assert given("0", 2, "--overw") == ["--out", "out", "--overw"]  # argparse's abbreviation of it
     refused = train_arguments(template, "yes", 0)
     assert refused.returncode == 2 and "RESUME must be 1" in refused.stderr and "not 'yes'" in refused.stderr
+
+
+def stand_in_slurm(bin_dir: Path, step_status: int) -> None:
+    """Slurm's commands as the batch script calls them, on one node: ``squeue`` gives 5 s left (a time guard 1 s
+    before the limit), ``scancel --signal`` signals the stand-in step, which ends with ``step_status`` once
+    signalled (its checkpoint failed: 1), and ``scontrol requeue`` is recorded."""
+    bin_dir.mkdir()
+    scripts = {
+        "squeue": "echo 0:05",
+        "scancel": 'kill "-${1#--signal=}" "$(cat "$STEP_PID")"',
+        "scontrol": 'case "$1" in show) echo "node1 NodeAddr=127.0.0.1";; requeue) echo "requeue $2" >> "$REQUEUED";; '
+                    "esac",
+        "srun": f'echo $$ > "$STEP_PID"; trap "exit {step_status}" TERM USR1; for _ in $(seq 100); do sleep 0.1; done',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
+def test_a_step_that_fails_after_the_time_guard_is_not_requeued(template, tmp_path):
+    """The guard's signal set the requeue whatever the step's status: a checkpoint that failed every time (a full
+    disk) requeued the job at every start, without end."""
+    requeued = {}
+    for status in (0, 1):
+        stand_in_slurm(tmp_path / f"bin{status}", status)
+        record = tmp_path / f"requeued{status}"
+        done = subprocess.run(["bash", str(LAUNCH / template)], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path, env={"PATH": f"{tmp_path / f'bin{status}'}:/usr/bin:/bin",
+                                                 "HDET_VENV": "", "SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": "job",
+                                                 "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
+                                                 "SLURM_CPUS_ON_NODE": "1", "STEP_PID": str(tmp_path / "step.pid"),
+                                                 "REQUEUED": str(record)})
+        assert done.returncode == status, done.stderr
+        requeued[status] = record.read_text() if record.exists() else ""
+        if status:
+            assert "training step failed with status 1 after the time guard; the job is not requeued" in done.stderr
+    assert requeued == {0: "requeue 12345\n", 1: ""}
