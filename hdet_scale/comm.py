@@ -234,6 +234,18 @@ def raise_together(error: BaseException | None, what: str) -> None:
     raise PeerFailed(what, *first)
 
 
+def file_work_together(work: Callable[[], object], what: str, *, here: bool = True) -> None:
+    """``work()``, file-system work whose failure is an OSError, on the ranks where ``here``; then every rank learns
+    whether any failed and all raise together (``raise_together``, collective)."""
+    failure = None
+    if here:
+        try:
+            work()
+        except OSError as error:
+            failure = error
+    raise_together(failure, what)
+
+
 def on_rank0(work: Callable[[], T], what: str, *, share_result: bool = False) -> T | None:
     """``work()`` on global rank 0 alone, ended by one collective on every rank that carries its outcome (it
     replaces the barrier such a section would end with). A failure on rank 0 is raised there as it is and on every

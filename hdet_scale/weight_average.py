@@ -30,7 +30,6 @@ class WindowAverage:
     """
 
     def __init__(self, fraction: float, sync_interval: int) -> None:
-        self.sync_interval = sync_interval
         self.window = math.ceil(fraction * sync_interval) if fraction > 0 else 0
         """The steps averaged: the last ``window`` before each regular sync (0: none)."""
         self._mean: list[torch.Tensor] = []

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import broadcast_from_rank0, on_rank0, raise_together
+from hdet_scale.comm import broadcast_from_rank0, file_work_together, on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.durable import (
@@ -244,16 +244,16 @@ class HDETDeepSpeed(HDETHandle):
         self._on_storage_owner(lambda: start_replacement(target), f"preparing the checkpoint {tag}")
         replacing = on_rank0(target.exists, f"looking for the checkpoint {tag}", share_result=True)
         written = replacement_folders(target)[0] if replacing else target
-        failure = None
-        try:  # DeepSpeed makes save_dir on rank 0 alone before its first barrier: made here, by every rank
+
+        def make_folders() -> None:  # DeepSpeed makes save_dir on rank 0 alone before its first barrier: every rank
             os.makedirs(written, exist_ok=True)
             if writes_own_state:
                 # DeepSpeed creates the tag folder only from ranks whose rank inside the replica equals the global
                 # rank.
                 os.makedirs(written / REPLICA_FOLDER, exist_ok=True)
-        except OSError as error:
-            failure = error
-        raise_together(failure, f"preparing the checkpoint {tag}")
+
+        file_work_together(make_folders, f"preparing the checkpoint {tag}")
+        failure = None  # this rank's failure to write its files
         self._saving = True
         epilogue = SaveEpilogue(self.engine)
         own_file = "save_zero_checkpoint" if self.engine.zero_optimization() else "save_non_zero_checkpoint"
@@ -279,12 +279,8 @@ class HDETDeepSpeed(HDETHandle):
         # them in the page cache: each node flushes the checkpoint (one rank a node flushes what all its ranks
         # wrote), and only then does 'latest' name it, so that a kill or a node crash cannot leave it naming
         # missing or truncated files.
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            try:
-                fsync_tree(written)
-            except OSError as error:
-                failure = error
-        raise_together(failure, f"flushing the checkpoint {tag} to the disk")
+        file_work_together(lambda: fsync_tree(written), f"flushing the checkpoint {tag} to the disk",
+                           here=int(os.environ.get("LOCAL_RANK", 0)) == 0)
         if replacing:
             self._on_storage_owner(lambda: replace_folder_durably(written, target),
                                    f"putting the checkpoint {tag} in place")
@@ -295,14 +291,8 @@ class HDETDeepSpeed(HDETHandle):
     def _on_storage_owner(self, work: Callable[[], Any], what: str) -> None:
         """``work()`` where the checkpoint folders are: on global rank 0, or on each node's first rank where
         DeepSpeed keeps checkpoints on node-local storage; every rank learns whether it failed (collective)."""
-        local = self.engine.use_node_local_storage()
-        failure = None
-        if (int(os.environ.get("LOCAL_RANK", 0)) if local else self.topology.rank) == 0:
-            try:
-                work()
-            except OSError as error:
-                failure = error
-        raise_together(failure, what)
+        owner = int(os.environ.get("LOCAL_RANK", 0)) if self.engine.use_node_local_storage() else self.topology.rank
+        file_work_together(work, what, here=owner == 0)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         **kwargs: Any) -> tuple[str, dict[str, Any]]:
