@@ -1,6 +1,6 @@
-"""SIGTERM (Slurm preemption, the time limit, ``scancel``), SIGUSR1 (the DeepSpeed Slurm template's time guard,
-which DeepSpeed's launchers are made to ignore, so that they do not kill the ranks 30 s after it) or Ctrl-C turned
-into a clean stop that every rank agrees on.
+"""SIGTERM (Slurm preemption, the time limit, ``scancel``), SIGUSR1 (the Slurm templates' time guard, which
+torchrun and DeepSpeed's launchers are made to ignore, so that they do not kill the ranks 30 s after it) or Ctrl-C
+turned into a clean stop that every rank agrees on.
 
 The signal reaches ranks at different moments (the deepspeed launcher signals its children one by one), so
 a rank cannot act on its own flag: every step each rank starts a non-blocking MAX all-reduce of its flag on a

@@ -16,9 +16,10 @@ OUT/hdet_metrics.jsonl (and OUT/tensorboard when TensorBoard is installed), chec
 file has one line per sync and one {"step", "heldout_loss"} line per evaluation; `python -m hdet_scale.tools.report
 OUT/hdet_metrics.jsonl --out plots` draws them.
 
-On SIGTERM (Slurm preemption or time limit) the ranks agree to stop, average the replicas (--on_signal
-sync_now, the default: one step later) or train on to the next regular sync (--on_signal next_sync: the
-resumed run is then bit-identical to an uninterrupted one), checkpoint, and exit with code 0; rerun with
+On SIGTERM (Slurm preemption or time limit) or SIGUSR1 (the Slurm templates' time guard) the ranks agree to stop,
+average the replicas (--on_signal sync_now, the default: one step later) or train on to the next regular sync
+(--on_signal next_sync: the resumed run is then bit-identical to an uninterrupted one), checkpoint, and exit with
+code 0; rerun with
 --resume (a requeued job can always pass it: without a checkpoint the run starts at step 0, saying so where an
 earlier attempt left output, whose metrics it keeps aside). Without --checkpoint_interval the only checkpoints are
 the one at the end and the one a signal asks for: a long job that can die without a signal (a lost node) needs one.
@@ -181,7 +182,7 @@ def _add_run(group: argparse._ArgumentGroup) -> None:
                        "metrics and TensorBoard events (without it, such an --out is refused unless --resume "
                        "continues it)")
     group.add_argument("--on_signal", choices=("sync_now", "next_sync"), default="sync_now",
-                       help="on SIGTERM: average early and stop one step later, or train on to the next "
+                       help="on SIGTERM or SIGUSR1: average early and stop one step later, or train on to the next "
                        "regular sync (bit-identical resume; needs up to sync_interval steps of grace)")
     group.add_argument("--no_progress", action="store_true", help="no progress bar")
     group.add_argument("--wandb", metavar="PROJECT", default=None,

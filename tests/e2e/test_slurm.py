@@ -157,7 +157,8 @@ def test_fsdp_template_checkpoints_on_the_time_guards_signal_requeues_and_resume
     assert job.restarts == 1
     preempted = re.search(r"^preempted at step (\d+); checkpoint: (\S+); rerun with --resume$", job.output,
                           re.MULTILINE)
-    assert preempted, job.output[-8000:]
+    # SIGUSR1, which torchrun ignores on every version (torch < 2.9 kills the ranks 30 s after a SIGTERM)
+    assert preempted and "received SIGUSR1" in job.output, job.output[-8000:]
     step = int(preempted.group(1))
     assert 0 < step < STEPS and step % SYNC_INTERVAL == 0
     assert re.search(rf"^resumed from \S+ at step {step}$", job.output, re.MULTILINE), job.output[-8000:]

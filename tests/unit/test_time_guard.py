@@ -25,18 +25,19 @@ def test_both_templates_share_one_guard():
 
 
 def signal_handling(template: str) -> str:
-    """The template's shell from its signal handlers to its end, with the signal that stops its ranks (SIGTERM for
-    torchrun's, SIGUSR1 for DeepSpeed's) named RANK_SIGNAL."""
+    """The template's shell from its signal handlers to its end."""
     text = (LAUNCH / template).read_text()
     start, end = text.index("requeue=0\n"), text.index("# No --kill-on-bad-exit")
-    rest = text[text.index("wait \"$srun_pid\" || status=$?"):]
-    return (text[start:end] + rest).replace("--signal=TERM", "--signal=RANK_SIGNAL").replace(
-        "--signal=USR1", "--signal=RANK_SIGNAL")
+    return text[start:end] + text[text.index("wait \"$srun_pid\" || status=$?"):]
 
 
 def test_both_templates_stop_and_requeue_alike():
     """test_slurm.py runs scancel against the FSDP template only; the DeepSpeed template's handling is the same
-    shell but for the signal its ranks get."""
+    shell. Both stop the ranks with SIGUSR1, which their launchers are started ignoring: torchrun before 2.9 and
+    DeepSpeed's launcher kill the ranks 30 s after a SIGTERM, mid-checkpoint."""
     fsdp = signal_handling("fsdp.sbatch")
     assert "trap on_time_guard USR2" in fsdp and "scontrol requeue" in fsdp
+    assert "--signal=USR1" in fsdp and "--signal=TERM" not in fsdp
     assert fsdp == signal_handling("deepspeed.sbatch")
+    for template in ("fsdp.sbatch", "deepspeed.sbatch"):
+        assert """trap "" TERM USR1\n""" in (LAUNCH / template).read_text(), template
