@@ -416,8 +416,9 @@ class HDETDeepSpeed(HDETHandle):
 def _hdet_state(saved: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     """The HDET state in a checkpoint's client state, read from ``path``; a ValueError where it has none."""
     if "hdet" not in saved:
-        raise ValueError(f"the checkpoint at '{path}' has no HDET state; it was saved without HDET (load it with "
-                         "engine.load_checkpoint to start HDET afresh from its weights)")
+        raise ValueError(f"the checkpoint at '{path}' has no HDET state: it was saved without HDET. Resume from a "
+                         "checkpoint HDET saved (or, in your own loop, load this one with engine.load_checkpoint: HDET "
+                         "then starts afresh from its weights)")
     return saved["hdet"]
 
 

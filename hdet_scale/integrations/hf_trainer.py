@@ -43,10 +43,10 @@ after the test, and ``for_run`` gets that length. The Trainer's first logged los
 
 Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_steps`` a multiple of
 ``sync_interval``, checked; one another callback asks for between syncs gets a sync of its own first) and carry
-HDET's state in ``hdet_state.pt`` (where the replicas' optimizer states differ from rank 0's, as in ``local``
-gradient mode, also each other replica's), which ``train(resume_from_checkpoint=...)`` restores. Under DeepSpeed,
-set ``save_strategy="no"`` (HDET takes no Trainer checkpoint there: one a callback asks for is refused before it is
-written, and so is a resume); the final model is saved as usual after ``train()``. At
+HDET's state (under DDP in ``hdet_state.pt``, and where the replicas' optimizer states differ from rank 0's, as in
+``local`` gradient mode, also each other replica's; under DeepSpeed in the engine's checkpoint, which
+``hdet_scale.engines.deepspeed`` writes with each replica's files), which ``train(resume_from_checkpoint=...)``
+restores; a checkpoint without it is refused. At
 the end of training the replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the
 ensemble's model.
 """
@@ -139,7 +139,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
     # ------------------------------------------------------------------------------------- events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        check_saving(args, self._given_config, self.engine)  # a hyperparameter_search trial may set save_steps
+        check_saving(args, self._given_config)  # a hyperparameter_search trial may set save_steps
         if self.engine == "deepspeed":
             if self.deepspeed is None:
                 raise RuntimeError("the DeepSpeed engine was built without HDET: call trainer.train() on the "
@@ -192,12 +192,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
         """Writes HDET's files into the checkpoint the Trainer is about to take, before its own: the Trainer deletes
         its older checkpoints (``save_total_limit``) at the end of the same call, so a kill after it must find them
         in the newest. First a sync between the regular ones, so the checkpoint holds the one model of the
-        ensemble. Refused, before anything is written, under DeepSpeed and during the LR range test."""
-        if self.engine == "deepspeed":
-            raise RuntimeError(
-                "a callback asked the Trainer for a checkpoint (control.should_save) under DeepSpeed, where HDET takes "
-                "no Trainer checkpoint; checkpoint with hdet_scale.engines.deepspeed (engine.save_checkpoint) in "
-                "your own loop instead")
+        ensemble. Under DeepSpeed the engine's checkpoint, which the Trainer takes, holds HDET's state and each
+        replica's files. Refused, before anything is written, during the LR range test."""
         if self.ramping:
             raise RuntimeError(
                 "a callback asked the Trainer for a checkpoint (control.should_save) during HDET's LR range test "
@@ -205,6 +201,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
                 "over (the callback's `ramping` is False)")
         if not self.at_sync_point:
             self.sync()
+        if self.engine == "deepspeed":
+            return
         trainer, ensemble = self.trainer, self.ensemble
         args = trainer.args
         # the Trainer's own folder rule: a hyperparameter search trial has a run folder
@@ -273,6 +271,9 @@ class HDETCallback(TrainerCallback, HDETHandle):
 
     def _attach_deepspeed(self, engine: Any) -> None:
         self.deepspeed = engine.hdet
+        # The Trainer resumes (and loads its best model) through engine.load_checkpoint: a checkpoint without
+        # HDET's state is refused before DeepSpeed reads it, as under DDP.
+        engine.load_checkpoint = engine.hdet.load_checkpoint
         ensemble = engine.hdet.ensemble
         observe = ensemble.observe
 
@@ -396,11 +397,6 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
         callback._resuming_from(resume)
         if engine != "deepspeed":
             return train(*args, **kwargs)
-        if resume not in (None, False):  # refused before DeepSpeed builds its engine and loads the checkpoint
-            raise HDETConfigError(
-                "train(resume_from_checkpoint=...) under DeepSpeed: HDET takes no Trainer checkpoint there "
-                "(save_strategy='no'), so none holds its state; checkpoint and resume with hdet_scale.engines."
-                "deepspeed (engine.save_checkpoint / load_checkpoint) in your own loop")
         with _hdet_deepspeed_initialize(trainer, callback):
             return train(*args, **kwargs)
 

@@ -57,7 +57,7 @@ def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
     if engine == "deepspeed":
         _check_deepspeed(trainer, config)
     check_world_size(config, world, auto=_auto_replica_size(trainer, engine))
-    check_saving(args, config, engine)
+    check_saving(args, config)
     return engine
 
 
@@ -97,24 +97,17 @@ def _check_deepspeed(trainer: Trainer, config: HDETConfig) -> None:
             "true, and the model is gathered and written once")
 
 
-def check_saving(args: TrainingArguments, config: HDETConfig, engine: str) -> None:
+def check_saving(args: TrainingArguments, config: HDETConfig) -> None:
     """Checkpoints must fall on sync points, where every replica holds the same model; raises HDETConfigError
     naming the saving setting and the fix."""
     strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
     if strategy == "no":
         return
-    fix = "set save_strategy='no'"
-    if engine == "deepspeed":
-        raise HDETConfigError(
-            f"save_strategy={strategy!r} under DeepSpeed, where HDET takes no Trainer checkpoint: {fix} and call "
-            "trainer.save_model() after train(), or checkpoint with hdet_scale.engines.deepspeed "
-            "(engine.save_checkpoint) in your own loop"
-        )
     steps = args.save_steps
     if strategy != "steps" or not float(steps).is_integer() or steps < 1 or int(steps) % config.sync_interval:
         raise HDETConfigError(
             f"save_strategy={strategy!r} with save_steps={steps!r}: HDET checkpoints are taken at sync points, "
             f"where the replicas are identical; use save_strategy='steps' with save_steps a multiple of "
-            f"sync_interval={config.sync_interval}, or {fix}"
+            f"sync_interval={config.sync_interval}, or set save_strategy='no'"
         )
 

@@ -364,18 +364,11 @@ def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
     def added(name: str, stage: int = 2, **overrides) -> None:
         add_hdet(fresh_trainer(os.path.join(out_dir, name), stage, **overrides), hdet_settings(out_dir, "global", 2))
 
-    def resumed() -> None:
-        folder = os.path.join(out_dir, "resume")
-        trainer = fresh_trainer(folder, 2)
-        add_hdet(trainer, hdet_settings(out_dir, "global", 2))
-        trainer.train(resume_from_checkpoint=folder)
-
     offload = {**zero_config(2), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     errors = {
-        "resume": error_of(resumed),
         "offload": error_of(lambda: added("offload", deepspeed=offload)),
         "fp16": error_of(lambda: added("fp16", deepspeed={**zero_config(2), "fp16": {"enabled": True}})),
-        "saves": error_of(lambda: added("saves", save_strategy="steps", save_steps=SYNC_INTERVAL)),
+        "saves between syncs": error_of(lambda: added("saves", save_strategy="steps", save_steps=4)),
         "replica size": error_of(lambda: add_hdet(fresh_trainer(os.path.join(out_dir, "size"), 2),
                                                   hdet_settings(out_dir, "global", 3))),
         "zero.Init": error_of(lambda: add_hdet(zero3_initialized_trainer(os.path.join(out_dir, "init")),
@@ -385,26 +378,28 @@ def deepspeed_worker(rank: int, world: int, out_dir: str) -> dict:
     }
     asked = fresh_trainer(os.path.join(out_dir, "asked"), 2)
     add_hdet(asked, hdet_settings(out_dir, "global", 2))
-    asked.add_callback(asking_to_save_at(1))
+    asker = asking_to_save_at(1)
+    asked.add_callback(asker)
     asked_save = error_of(asked.train)
     runs = {f"zero{stage}": train_run(rank, os.path.join(out_dir, f"zero{stage}"), stage, mode, per_replica,
                                       probed=stage == PROBED_STAGE)
             for stage, mode, per_replica in DEEPSPEED_RUNS}
-    return {"errors": errors, "runs": runs, "asked_save": asked_save}
+    asked_weights = None if asker.saved_weights is None else asker.saved_weights.numpy()
+    return {"errors": errors, "runs": runs, "asked_save": asked_save, "asked_weights": asked_weights}
 
 
 def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
     results = run_ranks(deepspeed_worker, 4, str(tmp_path), timeout=600)
     errors = results[0]["errors"]
-    # A checkpoint a callback asks for is refused before the Trainer writes it.
-    assert results[0]["asked_save"].startswith("RuntimeError") and "under DeepSpeed" in results[0]["asked_save"]
-    assert not list((tmp_path / "asked").glob("checkpoint-*"))
+    # A checkpoint a callback asks for between syncs gets a sync first: every rank saved with the same weights.
+    assert results[0]["asked_save"] == ""
+    assert (tmp_path / "asked" / "checkpoint-1" / "latest").read_text() == "global_step1"
+    assert (results[0]["asked_weights"] == results[0]["asked_weights"][0]).all()
     assert all(error.startswith("HDETConfigError") for error in errors.values()), errors
     assert "offload_optimizer" in errors["offload"]
     assert "stage3_gather_16bit_weights_on_model_save" in errors["model save"]
     assert "fp16" in errors["fp16"]
-    assert "save_strategy='steps' under DeepSpeed" in errors["saves"]
-    assert "resume_from_checkpoint=...) under DeepSpeed" in errors["resume"]
+    assert "save_steps=4" in errors["saves between syncs"] and "multiple of" in errors["saves between syncs"]
     assert "ranks_per_replica" in errors["replica size"]
     assert "zero.Init" in errors["zero.Init"] and "before creating the TrainingArguments" in errors["zero.Init"]
     for stage, mode, per_replica in DEEPSPEED_RUNS:
@@ -412,6 +407,51 @@ def test_deepspeed_zero_0_to_3_and_bad_settings(tmp_path):
         assert {run["engine"] for run in runs} == {"deepspeed"}
         assert {run["engine_class"] for run in runs} == {"DeepSpeedEngine"}
         check_run(runs, str(tmp_path / f"zero{stage}"), 4, per_replica, mode)
+
+
+def deepspeed_checkpoint_worker(rank: int, world: int, out_dir: str, stage: int, mode: str) -> dict:
+    """A run with a Trainer checkpoint at every sync, then one resumed from the checkpoint at step 6; then a resume
+    from the checkpoint of a run without HDET."""
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    saving = {"save_strategy": "steps", "save_steps": SYNC_INTERVAL}
+    run_dir = os.path.join(out_dir, "run")
+    uninterrupted = train_run(rank, run_dir, stage, mode, 2, **saving)
+    resumed = fresh_trainer(run_dir, stage, seed=rank, **saving)
+    hdet = add_hdet(resumed, hdet_settings(run_dir, mode, 2, metrics="resumed.jsonl"))
+    resumed.train(resume_from_checkpoint=os.path.join(run_dir, f"checkpoint-{2 * SYNC_INTERVAL}"))
+    plain_dir = os.path.join(out_dir, "plain")
+    fresh_trainer(plain_dir, 2, max_steps=SYNC_INTERVAL, **saving).train()
+    from_plain = fresh_trainer(plain_dir, 2)
+    add_hdet(from_plain, hdet_settings(plain_dir, "local", 2))
+    return {"uninterrupted": uninterrupted["after_step"].get(MAX_STEPS),
+            "resumed": gathered(master_vector(hdet)).numpy(), "resumed_step": hdet.ensemble.global_step,
+            "from_plain": error_of(lambda: from_plain.train(resume_from_checkpoint=f"{plain_dir}/checkpoint-3"))}
+
+
+@pytest.mark.parametrize("stage, mode", [(2, "local"), (3, "global")])
+def test_deepspeed_trainer_checkpoints_hold_hdet_and_each_replica_and_resume_where_the_run_was(tmp_path, stage, mode):
+    """ZeRO-2 in local mode (each replica's Adam moments its own: replica 1 writes its files beside replica 0's)
+    and ZeRO-3 in global mode (alike: replica 0's serve both)."""
+    results = run_ranks(deepspeed_checkpoint_worker, 4, str(tmp_path), stage, mode, timeout=600)
+    run_dir = tmp_path / "run"
+    checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    assert [path.name for path in checkpoints] == [f"checkpoint-{step}" for step in (3, 6, MAX_STEPS)]
+    for checkpoint in checkpoints:  # DeepSpeed's checkpoint in the Trainer's folder, HDET's state in it
+        tag = (checkpoint / "latest").read_text()
+        model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+        saved = torch.load(checkpoint / tag / model_file, weights_only=False)
+        assert saved["hdet"]["step"] == int(checkpoint.name.split("-")[1])
+        replica_files = list((checkpoint / tag / "hdet_replicas").glob("replica1_*optim_states.pt"))
+        assert len(replica_files) == (2 if mode == "local" else 0)
+    # The resumed run ends where the uninterrupted one did, and writes the sync lines after its checkpoint.
+    assert results[0]["resumed_step"] == MAX_STEPS
+    torch.testing.assert_close(torch.from_numpy(results[0]["resumed"]),
+                               torch.from_numpy(results[0]["uninterrupted"]), rtol=1e-5, atol=1e-6)
+    assert [json.loads(line)["step"] for line in open(run_dir / "resumed.jsonl")] == [MAX_STEPS]
+    # A checkpoint without HDET's state is refused before DeepSpeed loads it, as under DDP.
+    assert "has no HDET state" in results[0]["from_plain"] and "Resume from a checkpoint HDET saved" in \
+        results[0]["from_plain"], results[0]["from_plain"]
 
 
 # ------------------------------------------------------------------------------ the README's DeepSpeed recipe
