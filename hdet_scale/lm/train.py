@@ -245,9 +245,13 @@ def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.d
     out = Path(args.out)
     try:
         take_out(out, checked)
+        # Caught from here on: a signal while the model is built, wrapped and resumed (minutes for a large one)
+        # stops the run at its first steps, with a checkpoint, where it was lost.
+        stop = StopSignal(cpu_group())
         try:
-            Run(args, checked, device).train()
+            Run(args, checked, device, stop).train()
         finally:
+            stop.close()  # no signal all-reduce left in flight
             if dist.get_rank() == 0:
                 out_lock.release(out)
         dist.barrier()  # every rank is past its last collective before any tears the groups down
@@ -323,9 +327,9 @@ def refuse_bad_input(error: Exception) -> NoReturn:
 
 
 class Run:
-    """One training run on an initialized process group."""
+    """One training run on an initialized process group; ``stop`` answers whether the ranks were signalled to stop."""
 
-    def __init__(self, args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
+    def __init__(self, args: argparse.Namespace, checked: Plan, device: torch.device, stop: StopSignal) -> None:
         self.args = args
         self.plan = checked
         self.corpus = checked.corpus
@@ -347,8 +351,8 @@ class Run:
         if args.probe_batch and self.backend.ensemble.wants_probe:
             self._set_probe()
         self.step = 0
-        self.cpu_group = cpu_group()  # the signal's votes and the checkpoints' random streams, off the GPU
-        self.stop = StopSignal(self.cpu_group)
+        self.stop = stop
+        self.cpu_group = stop.group  # the signal's votes and the checkpoints' random streams, off the GPU
         self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
                                  metrics_path=self.config.metrics_path, wandb_project=args.wandb,
                                  resumed=checked.resume is not None, sync_lines=not args.replay_schedule,
@@ -366,8 +370,7 @@ class Run:
     def train(self) -> None:
         try:
             self._train()
-        finally:  # on every way out: no signal all-reduce left in flight, no bar or writer thread left open
-            self.stop.close()
+        finally:  # on every way out: no bar or writer thread left open
             self.progress.close()
 
     def _train(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,3 +86,44 @@ def test_a_final_model_that_fails_to_write_stops_every_rank_in_one_line(tmp_path
     assert (first["code"], first["checkpoint"], second["code"], second["said"]) == (1, True, 1, "")
     assert first["said"] == (f"train.py: error: writing the model to {tmp_path / 'run' / 'final'}: OSError: [Errno 28] "
                              "No space left on device (rank 0)\n")
+
+
+def signalled_while_building(rank: int, world: int, directory: str) -> dict:
+    """train.py's run, where rank 1 gets a SIGTERM (the cluster preempting the job) while the model is wrapped."""
+    import os
+    import signal
+
+    import torch
+
+    from hdet_scale.lm.backends import FSDPBackend
+    from hdet_scale.lm.train import parse_args, plan, train_on_every_rank
+
+    wrap = FSDPBackend.__init__
+
+    def wrap_and_get_signalled(self, *args, **kwargs):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        wrap(self, *args, **kwargs)
+
+    FSDPBackend.__init__ = wrap_and_get_signalled
+    out = Path(directory) / "run"
+    hdet_config = Path(directory) / f"hdet{rank}.json"  # no LR range test: a stop during it saves nothing
+    hdet_config.write_text('{"alpha": 0.5, "sync_interval": 2, "auto_lr": {"range_test": 0}}')
+    args = parse_args(["--preset", "tiny", "--steps", "40", "--seq_len", "16", "--micro_batch_size", "2",
+                       "--max_data_mb", "1", "--warmup_steps", "2", "--no_progress", "--eval_batches", "1",
+                       "--out", str(out), "--hdet_config", str(hdet_config)])
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        train_on_every_rank(args, plan(args), torch.device("cpu"))
+    return {"said": said.getvalue(), "final": (out / "final").exists()}
+
+
+def test_a_signal_while_the_model_is_built_stops_the_run_at_its_first_steps_with_a_checkpoint(tmp_path):
+    """The ranks caught the signals only once the model was built and wrapped (minutes for a large one): a SIGTERM
+    before then killed the rank (or, ignored as the Slurm templates start them, was lost, and the run trained on
+    until Slurm's SIGKILL)."""
+    first, _ = run_ranks(signalled_while_building, 2, str(tmp_path), timeout=180)
+    stopped = re.search(r"^preempted at step (\d+); checkpoint: (\S+); rerun with --resume$", first["said"],
+                        re.MULTILINE)
+    assert stopped and int(stopped.group(1)) <= 2, first["said"]
+    assert Path(stopped.group(2)).is_dir() and not first["final"]
