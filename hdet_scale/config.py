@@ -308,7 +308,9 @@ class HDETConfig:
 
 def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     if not isinstance(values, Mapping):
-        raise HDETConfigError(f"{prefix.rstrip('.') or 'hdet config'} must be a JSON object, got {values!r}")
+        section = prefix.rstrip(".") or "hdet config"
+        example = ' ({}: its defaults; or e.g. {"alpha": 0.5})' if cls is KnobConfig else ""
+        raise HDETConfigError(f"{section} must be a JSON object{example}, got {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
@@ -320,14 +322,28 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
             raise HDETConfigError(f"HDET setting '{prefix}{key}' was removed (it measured no better than the default "
                                   "controller, see benchmarks/README.md): delete it from the config")
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            suggestion = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise HDETConfigError(
-                f"unknown HDET setting '{prefix}{key}'{suggestion} Known settings: {', '.join(sorted(fields))}"
-            )
+            raise HDETConfigError(_unknown_setting(cls, key, prefix, sorted(fields)))
         nested = _NESTED.get(cls, {}).get(key)
         kwargs[key] = _build(nested, value, prefix=f"{prefix}{key}.") if nested and value is not None else value
     return cls(**kwargs)
+
+
+def _unknown_setting(cls: type, key: str, prefix: str, known: list[str]) -> str:
+    """The error for ``key``, not a setting of ``cls``: where it belongs when it is a section's setting written flat
+    (``"auto_lr.range_test"``, or ``"range_test"`` at the top), else the closest known name."""
+    sections = _NESTED.get(cls, {})
+    head, _, rest = key.partition(".")
+    owner = next((name for name, section in sections.items() if dataclasses.is_dataclass(section)
+                  and key in {field.name for field in dataclasses.fields(section)}), None)
+    if rest and head in sections:
+        hint = f": settings of '{prefix}{head}' go inside it, {{\"{head}\": {{\"{rest}\": ...}}}}"
+    elif owner is not None:
+        hint = f": it is a setting of '{prefix}{owner}', written {{\"{owner}\": {{\"{key}\": ...}}}}"
+    else:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+    where = f" of '{prefix.rstrip('.')}'" if prefix else ""
+    return f"unknown HDET setting '{prefix}{key}'{hint}. Known settings{where}: {', '.join(known)}"
 
 
 def _nest(config: Any, prefix: str) -> None:

@@ -33,7 +33,8 @@ def check_step_or_share(name: str, value: Any, *, low_open: bool = False, high_o
         check_number(name, value, low=0.0, high=1.0, low_open=low_open, high_open=high_open,
                      hint="a float is a share of the run; give a step as an int")
     else:
-        check_int(name, value, low=0, also=" (a step) or a float in [0, 1] (a share of the run)")
+        shares = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+        check_int(name, value, low=0, also=f" (a step) or a float in {shares} (a share of the run)")
 
 
 def check_window_order(start: Any, stop: Any, *, given: tuple[Any, Any] | None = None) -> None:

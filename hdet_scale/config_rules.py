@@ -70,7 +70,9 @@ def _paper_or_off(lr: Any) -> bool:
 
 def _default_of(given: Any, lr: Any) -> str:
     """Where the initial scale comes from when the user did not give it."""
-    return "" if given.initial_scale is not None else f" (the '{lr.mode}' mode's default)"
+    if given.initial_scale is not None:
+        return ""
+    return " (the LR range test's pick)" if lr.range_test else f" (the '{lr.mode}' mode's default)"
 
 
 AUTO_LR_CONFLICTS: tuple[Conflict, ...] = (
@@ -99,8 +101,8 @@ AUTO_LR_CONFLICTS: tuple[Conflict, ...] = (
                                "up to its stop: give auto_lr.stop, or set it to 1 (off)"),
     Conflict(lambda given, lr: not lr.scale_min <= lr.initial_scale <= lr.scale_max,
              lambda given, lr: f"auto_lr.scale_min={lr.scale_min} and auto_lr.scale_max={lr.scale_max} must bracket "
-                               f"auto_lr.initial_scale={lr.initial_scale:g}{_default_of(given, lr)} (where the "
-                               "controller starts; 1: the base schedule)"),
+                               f"auto_lr.initial_scale={lr.initial_scale:g}{_default_of(given, lr)}, where the "
+                               "controller starts (1: the base schedule): lower scale_min or raise scale_max"),
 )
 """Checked in this order, after the types and ranges of the fields they read."""
 
@@ -129,7 +131,7 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
     if isinstance(filled_auto_lr.start, float) and filled_auto_lr.moves_any(config.explore.any_given):
         check_window_order(filled_auto_lr.start, filled_auto_lr.stop)  # steps are checked for the run (for_run)
     if given.range_test is not None:
-        check_int("auto_lr.range_test", given.range_test, low=0)
+        check_int("auto_lr.range_test", given.range_test, low=0, also=" (its steps, 100 is usual; 0: no test)")
     for path, allowed in NUMBER_RANGES.items():
         check_number(path, value(path), **allowed._asdict())
     for path, allowed in OPTIONAL_NUMBER_RANGES.items():

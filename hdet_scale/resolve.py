@@ -61,8 +61,10 @@ def run_length_error(config: HDETConfig, num_replicas: int, fix: str, *,
     moves = lr.moves_any(explores_others or config.explore.any_given)
     for name in WINDOW_FIELDS:
         if moves and num_replicas > 1 and isinstance(getattr(lr, name), float):
-            return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} is a share of the run and needs its "
-                                   f"length: {fix}, or give auto_lr.{name} as a step (an int)")
+            what = "the LR" if lr.moves_lr else "the explored values"
+            return HDETConfigError(f"auto_lr.{name}={getattr(lr, name)} is a share of the run, and the "
+                                   f"controller moving {what} needs the run's length for it: {fix}, or give "
+                                   f"auto_lr.{name} as a step (an int)")
     return None
 
 

@@ -117,7 +117,7 @@ def with_replica_size(config: HDETConfig, *, auto: str = "rank", world_size: int
             raise ValueError(f"auto must be 'rank' or 'node', got {auto!r}")
         value = 1 if auto == "rank" else _node_but_two_replicas(world_size, node_size)
     if value == "node":
-        value = node_size or ranks_per_node()
+        value = node_size or ranks_per_node(config.ranks_per_replica)
     return config if value == config.ranks_per_replica else dataclasses.replace(config, ranks_per_replica=value)
 
 
@@ -134,14 +134,25 @@ def check_world_size(config: HDETConfig, world_size: int, *, auto: str = "rank")
     return world_size // per_replica
 
 
-def ranks_per_node() -> int:
-    """The launcher's ranks on this node: LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (deepspeed launcher)."""
+def launcher_ranks_per_node() -> int | None:
+    """The launcher's ranks on this node: LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (deepspeed launcher); None where
+    neither is set."""
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         if os.environ.get(name, "").isdigit() and int(os.environ[name]) >= 1:
             return int(os.environ[name])
+    return None
+
+
+def ranks_per_node(given: str = "node") -> int:
+    """``launcher_ranks_per_node``, or an HDETConfigError naming ``given`` (the ranks_per_replica that asked for
+    them) where the launcher set neither."""
+    ranks = launcher_ranks_per_node()
+    if ranks is not None:
+        return ranks
+    meaning = " (on a sharded engine: a node)" if given == "auto" else ""
     raise HDETConfigError(
-        "ranks_per_replica='node' needs the ranks per node from the launcher (LOCAL_WORLD_SIZE under torchrun, "
-        "LOCAL_SIZE under the deepspeed launcher), and neither is set; set ranks_per_replica to a number"
+        f"ranks_per_replica='{given}'{meaning} needs the ranks per node from the launcher (LOCAL_WORLD_SIZE under "
+        "torchrun, LOCAL_SIZE under the deepspeed launcher), and neither is set; set ranks_per_replica to a number"
     )
 
 
@@ -149,7 +160,7 @@ def _node_but_two_replicas(world_size: int | None, node_size: int | None) -> int
     """A node's ranks (``node_size``, else the launcher's), or where the whole world is one node, the largest
     divisor of the world size that leaves two replicas or more (the world size over its smallest prime factor; 1
     for one rank)."""
-    per_node = node_size or ranks_per_node()
+    per_node = node_size or ranks_per_node("auto")
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     if world_size is None or world_size // per_node >= 2 or world_size % per_node:

@@ -80,7 +80,8 @@ def plan(args: argparse.Namespace) -> Plan:
         _check_replay(args, ds_config)
     _check_warmup(args, ds_config)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    config = resolve(load_config(_hdet_values(args, ds_config), world_size=None), world_size=world_size,
+    values, picked_interval = _hdet_values(args, ds_config)
+    config = resolve(load_config(values, world_size=None), world_size=world_size,
                      auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
                      total_steps=args.steps)
     replicas = world_size // config.ranks_per_replica
@@ -96,10 +97,11 @@ def plan(args: argparse.Namespace) -> Plan:
         check_ds_config(ds_config, world_size)
         _check_schedule_length(args, ds_config)
     out = _check_out(args, config.metrics_path)
+    picked = f" (picked for --steps {args.steps}: the HDET settings leave it out)" if picked_interval else ""
     for name in ("checkpoint_interval", "eval_interval"):
         if getattr(args, name) % config.sync_interval:
             raise ValueError(f"--{name}={getattr(args, name)} must be a multiple of sync_interval="
-                             f"{config.sync_interval}: the replicas are one model only right after a sync")
+                             f"{config.sync_interval}{picked}: the replicas are one model only right after a sync")
     micro_batch = (ds_config or {}).get("train_micro_batch_size_per_gpu", args.micro_batch_size)
 
     def read_corpus() -> Corpus:
@@ -266,10 +268,10 @@ def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) ->
         raise ValueError("--replay_schedule and the DeepSpeed JSON's \"scheduler\" both set the LR: remove one")
 
 
-def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> dict[str, Any]:
+def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
     """The HDET settings (from --hdet_config, the DeepSpeed JSON's "hdet" section, or train.py's defaults)
-    with the metrics going to OUT unless they say otherwise. A replay turns HDET's spread, range test and controller
-    off."""
+    with the metrics going to OUT unless they say otherwise, and whether their sync interval is the one picked for
+    --steps (they left it out). A replay turns HDET's spread, range test and controller off."""
     section = (ds_config or {}).pop("hdet", None)
     if section is not None and args.hdet_config:
         raise ValueError("HDET settings given twice: --hdet_config and the DeepSpeed JSON's \"hdet\" section; "
@@ -283,14 +285,14 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
         every = math.gcd(args.checkpoint_interval, args.eval_interval) or args.steps
         return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
                 "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)),
-                "auto_lr": {"enabled": False, "range_test": 0}}
+                "auto_lr": {"enabled": False, "range_test": 0}}, False
     values = _read_json(args.hdet_config, "--hdet_config") if args.hdet_config else section or {}
     if not isinstance(values, dict):
         raise ValueError(f"the HDET settings must be a JSON object, got {type(values).__name__}")
     # settings without a sync interval: one that gives the controller the updates it was measured with, whatever
     # the run's length (the library's T = 1000 suits long runs only)
-    return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"),
-            "sync_interval": sync_interval_for_run(args.steps), **values}
+    return ({"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"),
+             "sync_interval": sync_interval_for_run(args.steps), **values}, "sync_interval" not in values)
 
 
 RESUMABLE_ARGUMENTS = ("steps", "warmup_steps", "min_lr_ratio", "seed", "data", "token_dtype", "max_data_mb",

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.comm import cpu_group, free_port, on_rank0, shut_down, shut_down_and_exit
+from hdet_scale.config_checks import HDETConfigError
 from hdet_scale.durable import fsync_tree, replace_folder_durably, replacement_folders, start_replacement
 from hdet_scale.extras import MissingExtra
 from hdet_scale.lm import out_lock
@@ -72,6 +73,7 @@ from hdet_scale.notices import HDETWarning
 from hdet_scale.probe import batch_probe
 from hdet_scale.range_test import MEAN_LR_OVER_PICK
 from hdet_scale.resolve import add_hdet_args
+from hdet_scale.topology import check_same_replica_size, launcher_ranks_per_node
 
 PROBE_SEED = 777
 """Where --probe_batch draws its held-out windows (fixed: the same probe whatever the training seed)."""
@@ -200,10 +202,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         os.environ.update(SINGLE_PROCESS)
     try:
         checked = plan(args)
+        device = rank_device()
     except (ValueError, FileNotFoundError, MissingExtra) as error:
         refuse_bad_input(error)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     start_process_group(checked.engine, cuda, own_world=own_world)
@@ -213,6 +215,18 @@ def main(argv: list[str] | None = None) -> NoReturn:
         shut_down()
         raise
     shut_down_and_exit(0)
+
+
+def rank_device() -> torch.device:
+    """This rank's GPU, one a rank by LOCAL_RANK; the CPU on a machine without one. A ValueError where the node has
+    more ranks than GPUs."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    ranks, gpus = launcher_ranks_per_node() or 1, torch.cuda.device_count()
+    if ranks > gpus:
+        raise ValueError(f"{ranks} ranks on this node and {gpus} GPU(s): one rank a GPU, so start at most {gpus} "
+                         f"(--nproc_per_node {gpus}), or train on the CPU (CUDA_VISIBLE_DEVICES= before the command)")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def start_process_group(engine: str, cuda: bool, *, own_world: bool) -> None:
@@ -241,7 +255,14 @@ def start_process_group(engine: str, cuda: bool, *, own_world: bool) -> None:
 
 def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
     """The run, holding ``--out`` for itself; a ``RunFailed`` on any rank exits every rank with status 1 after
-    rank 0 has said why."""
+    rank 0 has said why, as ranks that disagree on the replica size exit with status 2 (bad input)."""
+    try:  # each node's launcher counts its own ranks: only the ranks together can tell
+        check_same_replica_size(checked.config.ranks_per_replica, dist.get_rank(), dist.get_world_size())
+    except HDETConfigError as error:  # on every rank
+        if dist.get_rank() == 0:
+            print(f"train.py: error: {error}", file=sys.stderr, flush=True)
+        dist.barrier()
+        raise SystemExit(2) from None
     out = Path(args.out)
     try:
         take_out(out, checked)

@@ -127,3 +127,33 @@ def test_a_signal_while_the_model_is_built_stops_the_run_at_its_first_steps_with
                         re.MULTILINE)
     assert stopped and int(stopped.group(1)) <= 2, first["said"]
     assert Path(stopped.group(2)).is_dir() and not first["final"]
+
+
+def replica_sizes_that_differ(rank: int, world: int, directory: str) -> tuple[int, str]:
+    """train.py's run, where the ranks were given different replica sizes (nodes of different sizes under "node")."""
+    import torch
+
+    from hdet_scale.lm.train import parse_args, plan, train_on_every_rank
+
+    hdet_config = Path(directory) / f"hdet{rank}.json"
+    hdet_config.write_text(f'{{"ranks_per_replica": {rank + 1}}}')
+    args = parse_args(["--preset", "tiny", "--steps", "10", "--warmup_steps", "2", "--max_data_mb", "1",
+                       "--no_progress", "--out", str(Path(directory) / "run"), "--hdet_config", str(hdet_config)])
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            train_on_every_rank(args, plan(args), torch.device("cpu"))
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    return code, said.getvalue()
+
+
+def test_ranks_that_disagree_on_the_replica_size_stop_with_one_line(tmp_path):
+    """The check ran inside the FSDP2 wrap, whose HDETConfigError ended every rank in a traceback."""
+    (first_code, first_said), (second_code, second_said) = run_ranks(replica_sizes_that_differ, 2, str(tmp_path),
+                                                                     timeout=120)
+    assert (first_code, second_code, second_said) == (2, 2, "")
+    assert first_said.startswith("train.py: error: the ranks disagree on ranks_per_replica: 1 on rank 0 but 2 on "
+                                 "rank 1") and first_said.count("\n") == 1
+    assert not (tmp_path / "run").exists()

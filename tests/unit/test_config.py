@@ -63,9 +63,29 @@ def test_overrides_merge_onto_the_given_fields_not_the_filled_ones():
 
 
 def test_a_scale_range_that_leaves_out_the_default_start_names_it():
-    with pytest.raises(HDETConfigError, match=r"must bracket auto_lr.initial_scale=0.1 \(the 'log' mode's "
-                                              r"default\)"):
+    with pytest.raises(HDETConfigError, match=r"must bracket auto_lr.initial_scale=0.1 \(the 'log' mode's default\), "
+                                              r"where the controller starts .*: lower scale_min or raise scale_max"):
         HDETConfig.from_dict({"auto_lr": {"range_test": 0, "scale_min": 0.5}})
+    # with the range test (the default) the scale starts at its pick, 1, whatever the mode's default
+    with pytest.raises(HDETConfigError, match=r"initial_scale=1 \(the LR range test's pick\), where "):
+        HDETConfig.from_dict({"auto_lr": {"scale_min": 2.0}})
+
+
+@pytest.mark.parametrize("values, said", [
+    ({"auto_lr.range_test": 0}, """settings of 'auto_lr' go inside it, {"auto_lr": {"range_test": ...}}"""),
+    ({"range_test": 0}, """it is a setting of 'auto_lr', written {"auto_lr": {"range_test": ...}}"""),
+    ({"nu": 0.1}, """it is a setting of 'warm_init', written {"warm_init": {"nu": ...}}"""),
+    ({"auto_lr": {"rangetest": 0}}, "(did you mean 'auto_lr.range_test'?). Known settings of 'auto_lr': "),
+    ({"explore": {"weight_decay": True}}, """explore.weight_decay must be a JSON object ({}: its defaults; or e.g. """),
+    ({"auto_lr": {"range_test": True}}, "(its steps, 100 is usual; 0: no test), got True"),
+    ({"auto_lr": {"start": -1}}, "or a float in [0, 1) (a share of the run), got -1"),
+])
+def test_a_setting_written_in_the_wrong_place_or_shape_is_told_where_it_goes(values, said):
+    """The docs write settings as auto_lr.range_test; written so in the JSON (or flat) the error listed the top
+    level's settings alone."""
+    with pytest.raises(HDETConfigError) as raised:
+        HDETConfig.from_dict(values)
+    assert said in str(raised.value)
 
 
 def test_only_the_lr_follows_the_paper_mode_and_the_rise_only_phase():
@@ -145,7 +165,8 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"beta": -0.5}}, r"auto_lr.beta must be a number in \[0.0, 1.0\)"),
         ({"auto_lr": {"mode": "magic"}}, r"auto_lr.mode must be one of 'scale', 'paper'"),
         ({"auto_lr": {"start": -1}}, r"auto_lr.start must be an integer >= 0"),
-        ({"auto_lr": {"scale_min": 2.0, "mode": "scale"}}, r"must bracket auto_lr.initial_scale=1 \(the 'scale'"),
+        ({"auto_lr": {"scale_min": 2.0, "mode": "scale"}},
+         r"must bracket auto_lr.initial_scale=1 \(the LR range test's pick\)"),
         ({"auto_lr": {"initial_scale": 0.05, "range_test": 0}},
          r"scale_min=0.1 and auto_lr.scale_max=10.0 must bracket auto_lr.initial_scale=0.05"),
         ({"auto_lr": {"initial_scale": 0}}, r"auto_lr.initial_scale must be a number in \(0.0, inf\)"),
@@ -155,7 +176,7 @@ def test_argparse_helper_and_load_config(tmp_path, monkeypatch):
         ({"auto_lr": {"enabled": "yes"}}, r"auto_lr.enabled must be true or false"),
         ({"warm_init": {"nu": -0.01}}, r"warm_init.nu must be a number in \[0.0, inf\)"),
         ({"average_optimizer_state": 1}, r"average_optimizer_state must be true or false"),
-        ({"alpah": 0.1}, r"unknown HDET setting 'alpah'; did you mean 'alpha'\?"),
+        ({"alpah": 0.1}, r"unknown HDET setting 'alpah' \(did you mean 'alpha'\?\)"),
         ({"auto_lr": {"lambda": 0.5}}, r"unknown HDET setting 'auto_lr.lambda'"),
         ({"auto_lr": 3}, r"auto_lr must be a JSON object"),
         ({"spread": "cubic"}, r"spread must be one of 'linear', 'log', got 'cubic'"),
@@ -192,7 +213,9 @@ def test_replica_size_by_name(monkeypatch):
         resolve(HDETConfig(ranks_per_replica="node"), world_size=6)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("LOCAL_SIZE")
-    with pytest.raises(HDETConfigError, match="ranks_per_replica='node' needs the ranks per node"):
+    # the value the user gave ("auto", the default) is named, not the "node" it stands for on a sharded engine
+    with pytest.raises(HDETConfigError, match=r"ranks_per_replica='auto' \(on a sharded engine: a node\) needs the "
+                                              "ranks per node"):
         with_replica_size(HDETConfig(), auto="node")
 
 
@@ -214,9 +237,9 @@ def test_sections_given_as_mappings_are_built_and_checked():
     config = HDETConfig(auto_lr={"mode": "scale"}, explore={"weight_decay": {"alpha": 0.3}}, warm_init={"nu": 0.02})
     assert config == HDETConfig.from_dict({"auto_lr": {"mode": "scale"}, "explore": {"weight_decay": {"alpha": 0.3}},
                                            "warm_init": {"nu": 0.02}})
-    with pytest.raises(HDETConfigError, match="unknown HDET setting 'auto_lr.mdoe'; did you mean 'auto_lr.mode'"):
+    with pytest.raises(HDETConfigError, match=r"unknown HDET setting 'auto_lr.mdoe' \(did you mean 'auto_lr.mode'"):
         HDETConfig(auto_lr={"mdoe": "scale"})
-    with pytest.raises(HDETConfigError, match="explore.dropout must be a JSON object, got 0.1"):
+    with pytest.raises(HDETConfigError, match="explore.dropout must be a JSON object .*, got 0.1"):
         HDETConfig(explore={"dropout": 0.1})
     with pytest.raises(HDETConfigError,
                        match=r"auto_lr must be a mapping of settings or an instance of AutoLRConfig, got \[1\]"):
@@ -296,11 +319,14 @@ def test_a_start_as_a_share_without_the_runs_length_is_refused():
     two_replicas = ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1)
     # after a range test the LR holds at its pick: with no other value explored no controller needs the length
     HDETEnsemble(HDETConfig(ranks_per_replica=1), DDPAdapter(optimizer), topology=two_replicas).close()
-    with pytest.raises(HDETConfigError, match=r"auto_lr.start=0.02 is a share of the run and needs its length"):
+    # why the controller runs, where the user gave nothing of it
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start=0.02 is a share of the run, and the controller moving "
+                                              r"the explored values needs the run's length for it"):
         HDETEnsemble(HDETConfig.from_dict({"ranks_per_replica": 1, "explore": {"weight_decay": {}}}),
                      DDPAdapter(optimizer), topology=two_replicas)
-    with pytest.raises(HDETConfigError, match=r"auto_lr.start=0.02 is a share of the run and needs its length: "
-                                              r"pass total_steps= when attaching"):
+    with pytest.raises(HDETConfigError, match=r"auto_lr.start=0.02 is a share of the run, and the controller moving "
+                                              r"the LR needs the run's length for it: pass total_steps= when "
+                                              r"attaching"):
         HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=two_replicas, total_steps=100)
     assert (hdet.config.auto_lr.start, hdet.config.auto_lr.stop) == (2, 25)

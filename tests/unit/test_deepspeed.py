@@ -52,7 +52,8 @@ def launcher_env(monkeypatch):
 
 @pytest.mark.parametrize(("config", "kwargs", "message"), [
     (ds_config(2, hdet={"ranks_per_replica": 3}), {}, "ranks_per_replica=3 does not divide the world size 4"),
-    (ds_config(2, hdet={"sync_intreval": 3}), {}, "unknown HDET setting 'sync_intreval'; did you mean 'sync_interval'"),
+    (ds_config(2, hdet={"sync_intreval": 3}), {},
+     r"unknown HDET setting 'sync_intreval' \(did you mean 'sync_interval'"),
     (ds_config(2, hdet={"alpha": 1.5, "spread": "linear"}), {}, r"alpha must be a number in \[0.0, 1.0\)"),
     (ds_config(2, hdet=[1]), {}, "the 'hdet' section of the DeepSpeed config must be a JSON object"),
     (ds_config(2, hdet={}), {"hdet_config": {"alpha": 0.2, "spread": "linear"}}, "HDET settings given more than once"),

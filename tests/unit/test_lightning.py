@@ -52,8 +52,9 @@ def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
                               num_devices=2, strategy=DDPStrategy())
     callback = HDETCallback(auto_lr={"range_test": 0})
     callback.config = callback.config.for_run(1000)  # what an earlier fit() of 1000 steps resolved
-    with pytest.raises(HDETConfigError, match=r"^auto_lr.start=0.02 is a share of the run and needs its "
-                                              r"length: this Trainer's length is unknown .*: set max_steps, or "
+    with pytest.raises(HDETConfigError, match=r"^auto_lr.start=0.02 is a share of the run, and the controller "
+                                              r"moving the LR needs the run's length for it: this Trainer's length "
+                                              r"is unknown .*: set max_steps, or "
                                               r"give auto_lr.start as a step \(an int\)$"):
         callback.on_fit_start(trainer, None)
 

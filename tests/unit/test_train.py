@@ -65,8 +65,12 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--hdet_config", str(bad_hdet)], "sync_intervall")
     bad_hdet.write_text(json.dumps({"alpha": -0.5}))
     check(["--hdet_config", str(bad_hdet)], "alpha")
-    check(["--eval_interval", "7"], "--eval_interval=7 must be a multiple of sync_interval=5")  # 300 steps: T = 5
+    check(["--eval_interval", "7"], r"--eval_interval=7 must be a multiple of sync_interval=5 \(picked for "
+          r"--steps 300: the HDET settings leave it out\)")
     check(["--steps", "1500", "--eval_interval", "30"], "--eval_interval=30 must be a multiple of sync_interval=25")
+    bad_hdet.write_text(json.dumps({"sync_interval": 4}))  # given: said as it is
+    check(["--hdet_config", str(bad_hdet), "--eval_interval", "6"],
+          "--eval_interval=6 must be a multiple of sync_interval=4: the replicas")
     check(["--steps", "0"], "--steps must be at least 1")
     check(["--seed", str(2**63)], r"--seed must be in \[0, 2\*\*63\), got 9223372036854775808")
     # a JSON written for transformers' Trainer: DeepSpeed would get its "auto" values as they are
@@ -452,3 +456,21 @@ def test_hdet_settings_without_a_sync_interval_take_one_for_the_runs_length(tmp_
     assert plan(parse_args(["--hdet_config", str(hdet)])).config.sync_interval == 5  # 300 steps, as without a JSON
     hdet.write_text(json.dumps({"alpha": 0.5, "sync_interval": 20}))
     assert plan(parse_args(["--hdet_config", str(hdet)])).config.sync_interval == 20
+
+
+def test_more_ranks_on_a_node_than_gpus_is_refused_before_any_process_group(monkeypatch):
+    """torch.cuda.set_device failed on the ranks past the last GPU with an invalid device ordinal in a traceback."""
+    from hdet_scale.lm.train import rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(ValueError, match=r"^4 ranks on this node and 2 GPU\(s\): one rank a GPU, so start at most 2 "
+                                         r"\(--nproc_per_node 2\), or train on the CPU \(CUDA_VISIBLE_DEVICES= "):
+        rank_device()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device() == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_device() == torch.device("cpu")
