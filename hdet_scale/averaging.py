@@ -45,8 +45,9 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
 
     ``contribute``: whether this member contributes (a bool, or a 0-dim bool tensor decided on the device);
     one that does not sends zeros and receives the others' mean. ``skip_non_finite``: a member whose tensors
-    hold a non-finite element does not contribute either. If nobody contributes every tensor becomes zeros
-    (a ``check`` can refuse that first). ``rider``: a float64 tensor summed over ``group`` with the first
+    hold a non-finite element does not contribute either. If nobody contributes every tensor becomes zeros, or NaN
+    with ``skip_non_finite`` (no member finite: what a plain mean would give, so the failure shows; a ``check`` can
+    refuse either first). ``rider``: a float64 tensor summed over ``group`` with the first
     bucket, in place. ``check(rider)``: called after the first bucket, before any tensor is written; raising
     there stops the average with every tensor unchanged. With ``group`` None (one replica) nothing is sent and
     ``check`` sees the rider as it is. ``memory``: a list the caller keeps between calls, holding the buckets
@@ -65,7 +66,8 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     if skip_non_finite:
         flag = flag & all_finite_on(tensors, device)
     known = contribute if isinstance(contribute, bool) and not skip_non_finite else None
-    return _Averager(group, device, bucket_bytes, flag, known, memory).run(tensors, rider, check)
+    return _Averager(group, device, bucket_bytes, flag, known, memory, nan_if_none=skip_non_finite).run(
+        tensors, rider, check)
 
 
 def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> torch.device:
@@ -106,13 +108,14 @@ class _Averager:
     most two buckets alive (one in flight while the next is packed) and their memory reused."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, bucket_bytes: int, flag: torch.Tensor,
-                 known: bool | None, memory: list[torch.Tensor] | None) -> None:
+                 known: bool | None, memory: list[torch.Tensor] | None, *, nan_if_none: bool) -> None:
         self.group = group
         self.device = device
         self.bucket_bytes = bucket_bytes
         self.flag = flag
         self.known = known  # the flag, where the host knows it: then contributors need no masking pass
-        self.count: torch.Tensor | None = None  # contributors, from the first bucket (clamped to >= 1)
+        self.count: torch.Tensor | None = None  # contributors, from the first bucket (clamped to >= 1 unless NaN)
+        self.nan_if_none = nan_if_none  # nobody contributed: zeros divided by a count of 0
         self.sent = 0
         self.in_flight: list[_Bucket] = []
         self.in_place_works: list[tuple[torch.Tensor, dist.Work]] = []
@@ -143,7 +146,8 @@ class _Averager:
         bucket = self.in_flight[0]
         bucket.work.wait()
         if bucket.has_count:  # the first bucket: read it before anything is written
-            self.count = bucket.data[bucket.fill - 1].clamp(min=1)
+            count = bucket.data[bucket.fill - 1]  # a copy below: the bucket it sits in is divided by it
+            self.count = count.clone() if self.nan_if_none else count.clamp(min=1)
             if rider is not None:
                 size = _encoded_size(rider, bucket.data.dtype)
                 rider.copy_(_decode(bucket.data[:size], bucket.data.dtype, rider))

@@ -94,9 +94,11 @@ def packing_buffer(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def unpack_healthy_mean(packed: torch.Tensor, out: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Writes the contributors' mean of an all-reduced ``pack_healthy`` buffer into ``out`` (zeros when
-    nobody contributed); returns ``out``."""
-    rescale = float(group_size) / packed[-1].clamp(min=1)  # exactly 1 when every member contributed
+    """Writes the contributors' mean of an all-reduced ``pack_healthy`` buffer into ``out``; returns ``out``. Where
+    nobody contributed it is NaN, as DDP's own mean would be: a loss scaler (``GradScaler``, fp16) then skips the
+    step and lowers its scale, and without one the failure shows instead of a step on zeros."""
+    # exactly 1 when every member contributed; 1/0 = inf where none did, and their zeros times it NaN
+    rescale = float(group_size) / packed[-1]
     torch.mul(packed[:-1], rescale, out=out.view(-1))  # a 0-dim factor: a 1-element one is slow on the CPU
     return out
 
@@ -174,7 +176,8 @@ class HealthyMean:
 
 def healthy_mean_hook(state: HealthyMean, bucket: dist.GradBucket) -> torch.futures.Future:
     """A DDP communication hook, ``ddp.register_comm_hook(HealthyMean(group), healthy_mean_hook)``: each
-    gradient bucket becomes the mean over the ranks of the group whose bucket is all finite."""
+    gradient bucket becomes the mean over the ranks of the group whose bucket is all finite (NaN where none is:
+    ``unpack_healthy_mean``)."""
     buffer = bucket.buffer()
     pool = state.pool  # the callback holds the pool only, never the group (see PackingPool)
     packed = pool.packed(buffer)

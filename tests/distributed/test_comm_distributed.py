@@ -77,6 +77,15 @@ def averaging_with(rank: int, world: int, topology: ReplicaTopology, bucket_byte
                         skip_non_finite=how == "non-finite", bucket_bytes=bucket_bytes)
         for got, want in zip(survivors, reference, strict=True):
             assert torch.equal(got, want), how
+    # No member finite: NaN, what a plain mean gives (zeros hid it: a step on zeros, as if all were well); no member
+    # contributing by choice: zeros.
+    broken = rank_tensors(rank, topology.position)
+    broken[-1][(0,) * broken[-1].dim()] = float("inf")
+    average_tensors(broken, topology.cross_replica_group, skip_non_finite=True, bucket_bytes=bucket_bytes)
+    assert all(tensor.isnan().all() for tensor in broken)
+    idle = rank_tensors(rank, topology.position)
+    average_tensors(idle, topology.cross_replica_group, contribute=False, bucket_bytes=bucket_bytes)
+    assert all(tensor.eq(0).all() for tensor in idle)
 
     # The score table rides in the first bucket: each rank's row, summed exactly; a check that refuses leaves
     # every tensor as it was.
@@ -162,7 +171,7 @@ def healthy_means(rank: int, world: int) -> None:
         assert sent == 7 * tensor.element_size()  # the values and the count, in their own dtype
     everyone = torch.full((3,), float("inf"))
     HealthyMean(dist.group.WORLD)(everyone)
-    assert torch.equal(everyone, torch.zeros(3))  # nobody contributed: zeros, not a division by zero
+    assert everyone.isnan().all()  # nobody finite: NaN, as a plain mean (a GradScaler then skips the step)
 
 
 def test_gradient_mean_leaves_out_non_finite_members():

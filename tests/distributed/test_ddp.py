@@ -476,3 +476,39 @@ def test_an_extra_sync_averages_but_the_controller_moves_at_regular_syncs_only()
     (regular, extra, *after), _ = run_ranks(extra_sync_run, 2)
     assert [entry[:2] for entry in (regular, extra, *after)] == [(2, True), (3, False), (4, True)]
     assert extra[2] == regular[2] != 1.0  # the scale held at the extra sync
+
+
+# ------------------------------------------------------------------------------------------ a loss scaler
+def scaled_steps(rank: int, world: int) -> dict:
+    """DDP with HDET's gradient mean (global mode) and a GradScaler, as with fp16: a step where every rank's
+    gradients overflow, then one where rank 0's alone do."""
+    config = HDETConfig(alpha=0.5, sync_interval=100, ranks_per_replica=1, auto_lr=AutoLRConfig(range_test=0,
+                                                                                               enabled=False))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(make_model(), config, topology)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hdet = attach(model, optimizer, config, topology=topology)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    seen = []
+    for step, overflowing in enumerate(([0, 1], [0])):
+        before = flat_params(model)
+        loss = loss_of(model, rank, step) * (1e39 if rank in overflowing else 1.0)  # past fp32: inf gradients
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        grads = flat_grads(model)
+        scaler.step(optimizer)
+        scaler.update()
+        hdet.step(loss)
+        seen.append({"stepped": not torch.equal(before, flat_params(model)), "scale": scaler.get_scale(),
+                     "grads_finite": bool(grads.isfinite().all())})
+    shut_down()
+    return {"seen": seen}
+
+
+def test_a_loss_scaler_sees_an_overflow_on_every_rank_and_steps_past_one_on_some():
+    """Where every rank's gradients overflowed, HDET's mean (which leaves a non-finite rank out) wrote zeros: the
+    scaler found them finite, stepped on zeros and kept its scale, so the overflow came back at every step."""
+    for result in run_ranks(scaled_steps, 2):
+        every_rank, rank_0_only = result["seen"]
+        assert every_rank == {"stepped": False, "scale": 2.0**15, "grads_finite": False}  # skipped, scale halved
+        assert rank_0_only == {"stepped": True, "scale": 2.0**15, "grads_finite": True}  # rank 1's gradient

@@ -31,6 +31,10 @@ def test_packing_counts_exactly_in_low_precision():
     out = torch.empty(2, dtype=torch.bfloat16)
     summed = torch.tensor([1.5, 3.0, 3.0])  # three of four members contributed
     assert unpack_healthy_mean(summed, out, 4).tolist() == [2.0, 4.0]
+    # nobody contributed: NaN, as DDP's own mean would be, so that a GradScaler skips the step and lowers its scale
+    # (zeros hid every rank's overflow from it: it stepped on zeros at the same scale, step after step)
+    assert unpack_healthy_mean(torch.zeros(3), torch.empty(2), 4).isnan().all()
+    assert unpack_healthy_mean(torch.zeros(3, dtype=torch.bfloat16), out, 4).isnan().all()
 
 
 def test_all_finite_reads_every_tensor_of_every_precision():
