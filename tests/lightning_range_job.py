@@ -41,6 +41,10 @@ class RangeRecorder(pl.Callback):
         self.saves: list[tuple[int, bool]] = []
         self.weights: dict[str, torch.Tensor] = {}
         self.run_start: dict[str, Any] = {}
+        self.max_epochs_in_fit: int | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.max_epochs_in_fit = trainer.max_epochs
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         config = trainer.lr_scheduler_configs[0]
@@ -132,7 +136,8 @@ def main() -> None:
         torch.save({"steps": steps, "global_steps": recorder.global_steps, "saves": recorder.saves,
                     "weights": recorder.weights, "run_start": recorder.run_start,
                     "hdet_step": hdet.ensemble.global_step, "trainer_step": trainer.global_step,
-                    "pick": hdet.ensemble.range_test_pick, "max_epochs": trainer.max_epochs,
+                    "pick": hdet.ensemble.range_test_pick, "max_epochs": recorder.max_epochs_in_fit,
+                    "max_epochs_after": trainer.max_epochs,
                     "asked_weights": asker.weights}, args.out / "record.pt")
     shut_down_and_exit()
 

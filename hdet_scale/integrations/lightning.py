@@ -23,9 +23,10 @@ Where it reaches Lightning:
   steps, and syncs every ``sync_interval`` optimizer steps.
 - ``on_train_epoch_end`` and ``on_train_end``: the replicas are averaged, so the checkpoint that Lightning writes
   after an epoch and the model after ``fit`` are one model.
-- ``trainer.save_checkpoint``, which every Lightning checkpoint goes through (``ModelCheckpoint``'s, the SLURM
-  auto-requeue's on its signal, ``OnExceptionCheckpoint``'s, your own): one taken between syncs gets a sync of its
-  own first, so it holds the one model of the ensemble; during the LR range test none is written (a resumed run
+- ``trainer.save_checkpoint``, which every Lightning checkpoint goes through (``ModelCheckpoint``'s,
+  ``OnExceptionCheckpoint``'s, your own): one taken between syncs gets a sync of its own first, so it holds the one
+  model of the ensemble (the SLURM auto-requeue's, from inside its signal handler, would sync wherever each rank is:
+  turn it off, ``SLURMEnvironment(auto_requeue=False)``); during the LR range test none is written (a resumed run
   could not take the test up again; a job requeued then starts over, having trained none of its steps), and rank 0
   warns. ``ModelCheckpoint(every_n_train_steps=k)`` needs ``k`` a multiple of ``sync_interval`` (checked), so its
   checkpoints add no syncs.
@@ -37,8 +38,10 @@ a run given in epochs of finite data gets the epochs the test's batches take on 
 ``trainer.estimated_stepping_batches`` steps, the length ``for_run`` gets).
 
 Refused with one line before training: manual optimization, several optimizers, ``FSDPStrategy`` (FSDP1, which
-needs a GPU), ``ModelParallelStrategy`` without ``shard`` and every other strategy (``DeepSpeedStrategy``: use
-``hdet_scale.engines.deepspeed``), checkpoints every ``k`` steps between syncs.
+needs a GPU), ``ModelParallelStrategy`` without ``shard`` or splitting the data fewer ways than the world, a
+``DDPStrategy`` with a communication hook of its own, every other strategy (``DeepSpeedStrategy``: use
+``hdet_scale.engines.deepspeed``), checkpoints every ``k`` steps between syncs, and a resume from a checkpoint
+without HDET's state.
 """
 
 from __future__ import annotations
@@ -104,13 +107,19 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._fsdp: HDETFSDP | None = None  # set by shard() under ModelParallelStrategy
         self._mixed_states_told = False  # FSDP2: a checkpoint of replicas whose optimizer states differ, said once
         self._fitting = False  # from on_fit_start to teardown: _ensemble is this fit's, not an earlier fit's
+        self._resumed = False  # a checkpoint's HDET state restored for the current fit
+        self._given_max_epochs: int | None = None  # the Trainer's, where the range test lengthened them
 
     # ------------------------------------------------------------------------------------ checks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._fitting = False  # also after a fit that raised (Lightning calls no teardown then): before any restore
+        self._stepped = False  # nor an optimizer step that fit saw and HDET did not
+        self._resumed = False  # a checkpoint's HDET state restored for this fit
         check_strategy(trainer.strategy)
+        if _sharded(trainer):  # its device mesh exists by now
+            check_data_parallel(trainer.strategy, trainer.world_size)
         check_checkpoint_steps(trainer.checkpoint_callbacks, self._given_config.sync_interval)
         if not pl_module.automatic_optimization:
             raise HDETConfigError("HDETCallback needs automatic optimization (the callback steps HDET after "
@@ -168,6 +177,12 @@ class HDETCallback(pl.Callback, HDETHandle):
                 trainer.optimizers[0].load_state_dict(saved[topology.replica_index])
             elif ensemble.replicas_own_optimizer_state and not topology.position:
                 warn(no_replica_optimizer_warning("HDETCallback: the checkpoint", topology.replica_index, "Lightning"))
+        if trainer.ckpt_path is not None and not self._resumed:
+            raise HDETConfigError(
+                f"fit(ckpt_path='{trainer.ckpt_path}') resumes a checkpoint without HDET's state (saved without "
+                "HDETCallback): HDET would start over on its trained weights (new warm-init noise, a new LR range "
+                "test that resets the optimizer); resume from a checkpoint taken with HDETCallback, or load the "
+                "weights into the module and fit without ckpt_path")
         if ensemble.ramping:  # known only now: a checkpoint's state (loaded by now) ends the test before it starts
             self._hold_schedulers(trainer)
         if ensemble.wants_probe and trainer.global_rank == 0:
@@ -193,9 +208,18 @@ class HDETCallback(pl.Callback, HDETHandle):
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
             ensemble.observe(loss.detach() * trainer.accumulate_grad_batches)
+        self._take_pending_step(trainer)
+        if ensemble.ramping:  # the test's steps are not the run's: no validation on its ramping replicas
+            trainer.fit_loop.epoch_loop._skip_next_val = True
+
+    def _take_pending_step(self, trainer: pl.Trainer) -> None:
+        """HDET's step for the optimizer step Lightning took (``on_before_optimizer_step`` saw it), once: at the end
+        of its batch, or earlier where a checkpoint comes first (a callback listed before this one saving in its
+        ``on_train_batch_end``; the batch's loss then counts in the next step's)."""
         if not self._stepped:
             return
         self._stepped = False
+        ensemble = self._attached()
         if ensemble.ramping:
             ensemble.step()
             _uncount_optimizer_step(trainer)
@@ -221,6 +245,8 @@ class HDETCallback(pl.Callback, HDETHandle):
         # of its own unless it resumes (a fit consumes what it restored by its first batch)
         self._restored = self._replica_optimizers = None
         self._fitting = False
+        if self._given_max_epochs is not None:  # the range test's epochs were this fit's only
+            trainer.fit_loop.max_epochs, self._given_max_epochs = self._given_max_epochs, None
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -267,6 +293,7 @@ class HDETCallback(pl.Callback, HDETHandle):
         """Continues a checkpoint's HDET state (kept until ``fit`` attaches HDET, when it is restored first; an
         earlier fit's ensemble is not the one it continues)."""
         state_dict = dict(state_dict)
+        self._resumed = True
         self._replica_optimizers = state_dict.pop(REPLICA_OPTIMIZERS, None) or {}  # {}: a resume without them
         if self._ensemble is not None and self._fitting:  # ModelParallelStrategy restores after on_fit_start
             self._ensemble.load_state_dict(state_dict)
@@ -295,6 +322,7 @@ class HDETCallback(pl.Callback, HDETHandle):
 
         @functools.wraps(save)
         def save_checkpoint(*args: Any, **kwargs: Any) -> None:
+            self._take_pending_step(trainer)  # the checkpoint holds the steps Lightning counts
             if self.ramping:
                 if trainer.global_rank == 0:
                     warn("HDETCallback: no checkpoint is written during the LR range test (auto_lr.range_test), "
@@ -314,6 +342,7 @@ class HDETCallback(pl.Callback, HDETHandle):
         if trainer.max_epochs in (None, -1) or not math.isfinite(batches):
             return  # Lightning goes over the data until max_steps: the run's steps alone are counted
         steps_per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+        self._given_max_epochs = trainer.max_epochs
         trainer.fit_loop.max_epochs = epochs_with_test(trainer.max_epochs, run_steps, self.config.auto_lr.range_test,
                                                        steps_per_epoch)
         self._stop_at = run_steps
@@ -343,10 +372,14 @@ def _uncount_optimizer_step(trainer: pl.Trainer) -> None:
     """Takes the optimizer step just taken out of ``trainer.global_step`` (Lightning's count of completed optimizer
     steps): a step of the range test is not one of the run, so ``max_steps`` and ``ModelCheckpoint`` count the run's
     steps only."""
-    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
     for tracker in (progress.total, progress.current):
         tracker.ready -= 1
         tracker.completed -= 1
+    # the step loggers write at (LearningRateMonitor, self.log), counted up once this batch ends: HDET's sync
+    # scalars, logged at global_step, stay in line with them
+    epoch_loop._batches_that_stepped -= 1
 
 
 def shard(pl_module: pl.LightningModule, model: nn.Module, **fsdp_options: Any) -> nn.Module:
@@ -395,6 +428,18 @@ def check_checkpoint_steps(checkpoint_callbacks: list[Any], sync_interval: int) 
                 f"sync_interval={sync_interval}, or checkpoint at epoch ends")
 
 
+def check_data_parallel(strategy: Any, world_size: int) -> None:
+    """Under ``ModelParallelStrategy`` Lightning splits the data over its ``data_parallel`` mesh dimension: every
+    rank needs batches of its own (FSDP2 shards a replica's model, not its batch), so that dimension must span
+    the world; raises HDETConfigError naming the fix."""
+    size = strategy.device_mesh["data_parallel"].size()
+    if size != world_size:
+        raise HDETConfigError(
+            f"ModelParallelStrategy splits the data {size} ways (data_parallel_size) over {world_size} ranks, so "
+            f"ranks would train on the same batches; HDET's replicas shard the model with FSDP2 and every rank needs "
+            f"its own: pass ModelParallelStrategy(data_parallel_size={world_size}, tensor_parallel_size=1)")
+
+
 def check_strategy(strategy: Any) -> None:
     """DDP (several processes), FSDP2 replicas (``ModelParallelStrategy``) or one device; anything else is refused
     in one line."""
@@ -407,6 +452,10 @@ def check_strategy(strategy: Any) -> None:
     if name == "DeepSpeedStrategy":
         raise HDETConfigError("HDETCallback does not support DeepSpeedStrategy: use hdet_scale.engines.deepspeed "
                               "(deepspeed.initialize with HDET's replica groups) in your own loop")
+    if isinstance(strategy, DDPStrategy) and (strategy._ddp_comm_hook or strategy._ddp_comm_wrapper):
+        raise HDETConfigError("DDPStrategy(ddp_comm_hook=...) under HDETCallback: HDET sets DDP's gradient average "
+                              "itself (gradient_mode), and DDP takes one communication hook; remove ddp_comm_hook "
+                              "and ddp_comm_wrapper")
     if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):  # DeepSpeedStrategy is a DDPStrategy too
         return
     raise HDETConfigError(f"HDETCallback supports DDPStrategy (strategy='ddp'), not {name}")

@@ -274,6 +274,7 @@ def test_a_fit_in_epochs_starts_with_an_lr_range_test_and_checkpoints_after_it(r
     out = range_runs["root"] / "epochs"
     test_steps = check_range_test_run(record, out, 20)
     assert record["max_epochs"] == 4  # (20 run steps + up to 20 test steps) / 10 batches per epoch
+    assert record["max_epochs_after"] == 2  # as given, for a later fit
     assert record["saves"] == [(step, False) for step in (5, 10, 15, 20)]
     assert sorted(path.name for path in (out / "checkpoints").iterdir()) == sorted(
         f"epoch={(test_steps + step - 1) // 10}-step={step}.ckpt" for step in (5, 10, 15, 20))

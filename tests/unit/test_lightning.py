@@ -100,13 +100,13 @@ def regression(*, keeps_its_optimizer: bool = False) -> Any:
 
 def one_device_fit(hdet, module: Any = None, **trainer_args) -> Any:
     """A fit of ``module`` (default: a new ``regression()``) in this process on one CPU device (one replica), 10
-    batches an epoch; returns the Trainer."""
+    batches an epoch (``callbacks_before``: listed before ``hdet``); returns the Trainer."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     inputs = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
     ckpt_path = trainer_args.pop("ckpt_path", None)
-    callbacks = [hdet, *trainer_args.pop("callbacks", [])]
+    callbacks = [*trainer_args.pop("callbacks_before", []), hdet, *trainer_args.pop("callbacks", [])]
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks, **trainer_args)
     trainer.fit(module or regression(), DataLoader(TensorDataset(inputs, inputs.sum(1)), batch_size=4),
@@ -247,3 +247,80 @@ def test_checkpoints_every_k_steps_between_syncs_are_refused():
     with pytest.raises(HDETConfigError, match=r"^ModelCheckpoint\(every_n_train_steps=7\) checkpoints between HDET "
                                               r"syncs \(every 5 steps\).*use a multiple of sync_interval=5"):
         HDETCallback(sync_interval=5).setup(trainer_checkpointing_every(7), regression(), "fit")
+
+
+def test_a_checkpoint_a_callback_before_hdets_takes_holds_the_step_lightning_counts(tmp_path):
+    """A callback listed before HDET's that saves in its on_train_batch_end saw Lightning's optimizer step taken
+    and HDET's not yet: the checkpoint held HDET one step behind Lightning, and a resumed run stayed so (each later
+    sync one step late)."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    asker = saving_when(tmp_path / "step7.ckpt", lambda trainer: trainer.global_step == 7)
+    trainer = one_device_fit(hdet, max_epochs=1, callbacks_before=[asker])
+    state = hdet_state_in(tmp_path / "step7.ckpt")
+    assert state["step"] == state["last_sync_step"] == 7
+    assert trainer.global_step == hdet.global_step == 10  # no step taken twice
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_resume_from_a_checkpoint_without_hdets_state_is_refused(tmp_path):
+    """Lightning restores nothing into a callback whose state the checkpoint lacks: HDET started over on the trained
+    weights (warm-init noise, a new range test resetting the optimizer) at Lightning's step N."""
+    import lightning.pytorch as pl
+
+    from hdet_scale.config import HDETConfigError
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    one_device_fit(pl.Callback(), max_epochs=1).save_checkpoint(tmp_path / "plain.ckpt")
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    with pytest.raises(HDETConfigError, match=r"resumes a checkpoint without HDET's state .*; resume from a "
+                                              r"checkpoint taken with HDETCallback"):
+        one_device_fit(hdet, max_epochs=2, ckpt_path=tmp_path / "plain.ckpt")
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_range_test_runs_no_validation_leaves_the_log_steps_in_line_and_the_epochs_as_given():
+    """During the range test Lightning validated the ramping replicas (EarlyStopping read those scores), its loggers
+    wrote at a step the test's batches had moved past HDET's, and the epochs added for the test stayed on the
+    Trainer after fit."""
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 15, "start": 5, "stop": 100}})
+    module = regression()
+    validated_while = []
+
+    def validation_step(batch, batch_idx):
+        validated_while.append(hdet.ramping)
+
+    module.validation_step = validation_step
+    from torch.utils.data import DataLoader, TensorDataset
+
+    module.val_dataloader = lambda: DataLoader(TensorDataset(torch.randn(4, 4), torch.randn(4)), batch_size=4)
+    trainer = one_device_fit(hdet, module, max_epochs=2, val_check_interval=5, num_sanity_val_steps=0)
+    assert trainer.global_step == hdet.global_step == 20
+    assert validated_while and not any(validated_while)  # validations after the test only
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == trainer.global_step
+    assert trainer.max_epochs == 2
+
+
+def test_a_ddp_communication_hook_of_the_users_and_a_data_split_short_of_the_world_are_refused():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from hdet_scale.config import HDETConfigError
+    from hdet_scale.integrations.lightning import check_data_parallel, check_strategy
+
+    with pytest.raises(HDETConfigError, match=r"DDPStrategy\(ddp_comm_hook=...\) under HDETCallback: HDET sets"):
+        check_strategy(DDPStrategy(ddp_comm_hook=allreduce_hook))
+    check_strategy(DDPStrategy())
+
+    def strategy_splitting_data(ways: int) -> Any:  # ModelParallelStrategy's mesh, as its setup made it
+        return SimpleNamespace(device_mesh={"data_parallel": SimpleNamespace(size=lambda: ways)})
+
+    check_data_parallel(strategy_splitting_data(4), 4)
+    with pytest.raises(HDETConfigError, match=r"splits the data 1 ways .* over 4 ranks.*pass "
+                                              r"ModelParallelStrategy\(data_parallel_size=4, tensor_parallel_size=1\)"):
+        check_data_parallel(strategy_splitting_data(1), 4)
