@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -147,6 +148,9 @@ class HDETDeepSpeed(HDETHandle):
                 self._synced_in_step = True
             return result
 
+        # DeepSpeed's signatures stay readable (inspect.signature follows __wrapped__): the Trainer passes
+        # exclude_frozen_parameters only where engine.save_checkpoint declares it
+        @functools.wraps(self._deepspeed_save)
         def hdet_save_checkpoint(save_dir: str | os.PathLike[str], tag: str | None = None,
                                  client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
                                  **kwargs: Any) -> Any:
@@ -154,6 +158,7 @@ class HDETDeepSpeed(HDETHandle):
                 return self._deepspeed_save(save_dir, tag, client_state or {}, save_latest, **kwargs)
             return self.save_checkpoint(save_dir, tag, client_state, save_latest, **kwargs)
 
+        @functools.wraps(self._deepspeed_load)
         def hdet_load_checkpoint(load_dir: str | os.PathLike[str], tag: str | None = None,
                                  **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
             if self._closed:

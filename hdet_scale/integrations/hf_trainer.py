@@ -118,6 +118,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         self._ensemble: HDETEnsemble | None = None
         self.deepspeed: Any = None
         self._step_in_range_test = False  # the Trainer's current optimizer step is one of the LR range test's
+        self._counts_before_test: tuple[int, float] = (0, 0.0)  # the Trainer's tokens and flos before the test
 
     # ------------------------------------------------------------------------------------ reporting
     def _attached(self) -> HDETEnsemble:
@@ -157,11 +158,17 @@ class HDETCallback(TrainerCallback, HDETHandle):
             self._set_probe(self._ensemble)
         if self._ensemble.ramping:
             self.trainer.lr_scheduler = HeldScheduler(self.trainer.lr_scheduler)
+            self._counts_before_test = (state.num_input_tokens_seen, self.trainer.current_flos)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         # Read before the step: under DeepSpeed HDET steps inside it, so the test's last step ends the test there.
         self._step_in_range_test = self.ramping
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self.ramping:  # an epoch of the range test's batches: its end is none of the run's
+            control.should_log = control.should_evaluate = control.should_save = False
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           **kwargs: Any) -> None:
@@ -238,9 +245,11 @@ class HDETCallback(TrainerCallback, HDETHandle):
     # ------------------------------------------------------------------------------------ internals
     def _end_range_test(self) -> None:
         """After the range test's last step: the scheduler steps again, and the loss the Trainer logs first is the
-        run's (transformers 5 keeps the sum of the losses since the last log on the Trainer)."""
+        run's (transformers 5 keeps the sum of the losses since the last log on the Trainer), as are the input
+        tokens and floating-point operations it counts."""
         trainer = self.trainer
         trainer.lr_scheduler = trainer.lr_scheduler.scheduler
+        trainer.state.num_input_tokens_seen, trainer.current_flos = self._counts_before_test
         logged_loss = getattr(trainer, "_tr_loss", None)
         if isinstance(logged_loss, torch.Tensor):
             logged_loss.zero_()
@@ -258,8 +267,13 @@ class HDETCallback(TrainerCallback, HDETHandle):
                                       "scores its first batch), or pass probe=False to add_hdet"))
             return
         loader = trainer.get_eval_dataloader(next(iter(dataset)) if isinstance(dataset, dict) else None)
-        ensemble.set_probe(batch_probe(trainer.model_wrapped, next(iter(loader)),
-                                       lambda model, inputs: trainer.compute_loss(model, inputs),
+
+        def probe_loss(model: Any, inputs: Any) -> torch.Tensor:
+            # prepared anew at every sync, as the Trainer prepares each batch: compute_loss takes the labels out of
+            # the dict it gets (a label smoother, compute_loss_func), and DeepSpeed's bf16 needs float inputs cast
+            return trainer.compute_loss(model, trainer._prepare_inputs(inputs))
+
+        ensemble.set_probe(batch_probe(trainer.model_wrapped, next(iter(loader)), probe_loss,
                                        device=trainer.args.device))
 
     def _attach_ddp(self, optimizer: Any, state: dict[str, Any] | None) -> HDETEnsemble:

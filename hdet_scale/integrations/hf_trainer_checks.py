@@ -36,6 +36,10 @@ def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
                 "replicas are the data-parallel ranks (DDP) or groups of ZeRO ranks (ranks_per_replica); remove "
                 "parallelism_config"
             )
+    if getattr(args, "auto_find_batch_size", False):
+        raise HDETConfigError("TrainingArguments(auto_find_batch_size=True) is not supported with HDET: each retry "
+                              "after an out-of-memory error starts training again on the weights the last one "
+                              "left (noised, or moved by the LR range test); set the batch size yourself")
     if args.n_gpu > 1:
         raise HDETConfigError(f"{args.n_gpu} GPUs in one process (nn.DataParallel) is not supported with HDET: "
                               "launch one process per GPU (torchrun, accelerate launch or deepspeed)")

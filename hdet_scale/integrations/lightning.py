@@ -144,8 +144,8 @@ class HDETCallback(pl.Callback, HDETHandle):
         else:
             self.config = laid_out
             replicas = check_world_size(self.config, trainer.world_size)
-            error = run_length_error(self.config, replicas, "this Trainer's length is unknown (an iterable dataset "
-                                                            "without max_steps): set max_steps")
+            error = run_length_error(self.config, replicas, "this Trainer's length is unknown (an iterable dataset, "
+                                                            "or max_time alone, without max_steps): set max_steps")
             if error is not None:
                 raise error
         self._save_at_sync_points(trainer)

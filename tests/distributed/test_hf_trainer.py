@@ -239,6 +239,7 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
         "fsdp": error_of(lambda: added("fsdp", fsdp=True)),
         "epoch saves": error_of(lambda: added("epoch", save_strategy="epoch")),
         "compile": error_of(lambda: added("compile", torch_compile=True)),
+        "auto batch size": error_of(lambda: added("auto batch size", auto_find_batch_size=True)),
         "saves between syncs": error_of(lambda: added("steps", save_strategy="steps", save_steps=4)),
         "replica size": error_of(lambda: added("size", hdet_settings(out_dir, "global", 3))),
         "bad field": error_of(lambda: added("field", {"alpha": 1.5, "spread": "linear"})),
@@ -310,6 +311,7 @@ def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
     assert "fsdp" in errors["fsdp"] and "hdet_scale.engines.fsdp" in errors["fsdp"]
     assert "save_strategy='epoch'" in errors["epoch saves"]
     assert "torch_compile=True" in errors["compile"]
+    assert "auto_find_batch_size=True" in errors["auto batch size"]
     assert "save_steps=4" in errors["saves between syncs"] and "multiple of" in errors["saves between syncs"]
     assert "ranks_per_replica" in errors["replica size"]
     assert errors["bad field"].startswith("HDETConfigError") and "alpha" in errors["bad field"]
@@ -424,7 +426,11 @@ def deepspeed_checkpoint_worker(rank: int, world: int, out_dir: str, stage: int,
     fresh_trainer(plain_dir, 2, max_steps=SYNC_INTERVAL, **saving).train()
     from_plain = fresh_trainer(plain_dir, 2)
     add_hdet(from_plain, hdet_settings(plain_dir, "local", 2))
-    return {"uninterrupted": uninterrupted["after_step"].get(MAX_STEPS),
+    import inspect
+
+    return {"declares_exclude_frozen": "exclude_frozen_parameters" in inspect.signature(
+                resumed.model_wrapped.save_checkpoint).parameters,
+            "uninterrupted": uninterrupted["after_step"].get(MAX_STEPS),
             "resumed": gathered(master_vector(hdet)).numpy(), "resumed_step": hdet.ensemble.global_step,
             "from_plain": error_of(lambda: from_plain.train(resume_from_checkpoint=f"{plain_dir}/checkpoint-3"))}
 
@@ -449,9 +455,30 @@ def test_deepspeed_trainer_checkpoints_hold_hdet_and_each_replica_and_resume_whe
     torch.testing.assert_close(torch.from_numpy(results[0]["resumed"]),
                                torch.from_numpy(results[0]["uninterrupted"]), rtol=1e-5, atol=1e-6)
     assert [json.loads(line)["step"] for line in open(run_dir / "resumed.jsonl")] == [MAX_STEPS]
+    # DeepSpeed's signature shows through HDET's save: the Trainer leaves a PEFT model's frozen weights out only
+    # where it declares exclude_frozen_parameters
+    assert results[0]["declares_exclude_frozen"]
     # A checkpoint without HDET's state is refused before DeepSpeed loads it, as under DDP.
     assert "has no HDET state" in results[0]["from_plain"] and "Resume from a checkpoint HDET saved" in \
         results[0]["from_plain"], results[0]["from_plain"]
+
+
+def label_smoothed_probe_worker(rank: int, world: int, out_dir: str) -> list:
+    """Two replicas scored on a probe batch at every sync, by a Trainer whose loss smooths the labels."""
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    trainer = fresh_trainer(out_dir, seed=rank, label_smoothing_factor=0.1,
+                            eval_dataset=[{"input_ids": PROBE_ROW, "labels": PROBE_ROW}] * 8)
+    add_hdet(trainer, hdet_settings(out_dir, "global", 1))
+    trainer.train()
+    return [json.loads(line)["probe_losses"] for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def test_the_probe_scores_every_sync_with_a_loss_that_takes_the_labels_out_of_its_batch(tmp_path):
+    """Trainer.compute_loss pops the labels from the dict it gets (with a label smoother, or compute_loss_func): the
+    probe handed it the same dict at every sync, so the second sync's probe had no labels and every rank crashed."""
+    probes = run_ranks(label_smoothed_probe_worker, 2, str(tmp_path), timeout=600)[0]
+    assert len(probes) == 3 and all(len(losses) == 2 and all(math.isfinite(x) for x in losses) for losses in probes)
 
 
 # ------------------------------------------------------------------------------ the README's DeepSpeed recipe
@@ -755,11 +782,12 @@ def range_test_worker(rank: int, world: int, out_dir: str, stage: int | None) ->
 
     settings = hdet_settings(out_dir, "global", 1)
     settings["auto_lr"]["range_test"] = RANGE_TEST
-    saves = {"save_strategy": "steps", "save_steps": SYNC_INTERVAL} if stage is None else {"save_strategy": "no"}
-    trainer = fresh_trainer(out_dir, stage, seed=rank, lr_scheduler_type="linear", **saves)
+    trainer = fresh_trainer(out_dir, stage, seed=rank, lr_scheduler_type="linear", save_strategy="steps",
+                            save_steps=SYNC_INTERVAL, eval_strategy="epoch", include_num_input_tokens_seen="all",
+                            eval_dataset=[{"input_ids": PROBE_ROW, "labels": PROBE_ROW}] * 2)
     trainer.train_dataset = token_dataset(RANGE_ROWS)
     hdet = add_hdet(trainer, settings)
-    record: dict = {"steps": [], "global_steps": [], "saves": [], "begun": 0}
+    record: dict = {"steps": [], "global_steps": [], "saves": [], "evaluations": [], "begun": 0}
 
     def optimizer_state_is_fresh(optimizer) -> bool:
         return all(not torch.is_tensor(value) or not value.any() for state in optimizer.state.values()
@@ -791,6 +819,9 @@ def range_test_worker(rank: int, world: int, out_dir: str, stage: int | None) ->
         def on_save(self, args, state, control, **kwargs):
             record["saves"].append((state.global_step, hdet.ramping))
 
+        def on_evaluate(self, args, state, control, **kwargs):
+            record["evaluations"].append((state.global_step, hdet.ramping))
+
     trainer.add_callback(Recorder())
     trainer.train()
     for key in ("first_weights", "test_weights"):
@@ -798,7 +829,8 @@ def range_test_worker(rank: int, world: int, out_dir: str, stage: int | None) ->
     record["run_start"]["weights"] = record["run_start"]["weights"].numpy()
     return {"record": record, "hdet_step": hdet.ensemble.global_step,
             "trainer_step": trainer.state.global_step, "pick": hdet.ensemble.range_test_pick,
-            "lr": trainer.args.learning_rate, "logged": [log for log in trainer.state.log_history if "loss" in log]}
+            "lr": trainer.args.learning_rate, "logged": [log for log in trainer.state.log_history if "loss" in log],
+            "tokens_seen": trainer.state.num_input_tokens_seen}
 
 
 @pytest.mark.parametrize("stage", [None, 2], ids=["ddp", "zero2"])
@@ -806,7 +838,8 @@ def test_a_run_starts_with_an_lr_range_test(tmp_path, stage):
     """auto_lr.range_test under DDP and DeepSpeed (where HDET steps inside the engine's step, and the engine holds
     the scheduler): the test's steps are not counted by the Trainer, its scheduler holds through them, every replica
     starts the run again from its first weights at the picked LR, and the run trains all its max_steps (from data
-    that one epoch would not hold) with checkpoints after the test only (DDP; the DeepSpeed Trainer saves none)."""
+    that one epoch would not hold) with checkpoints after the test only, and evaluations and counted input tokens of
+    the run's steps only (the test's batches end epochs of their own)."""
     from hdet_scale.range_test import ramp_lr
 
     results = run_ranks(range_test_worker, 2, str(tmp_path), stage, timeout=600)
@@ -834,16 +867,19 @@ def test_a_run_starts_with_an_lr_range_test(tmp_path, stage):
         assert not torch.equal(torch.from_numpy(record["test_weights"]), torch.from_numpy(record["first_weights"]))
         assert torch.equal(torch.from_numpy(record["run_start"]["weights"]), torch.from_numpy(record["first_weights"]))
         assert record["run_start"]["fresh_optimizer"]
-        # Checkpoints at the run's sync points only, after the test.
-        assert record["saves"] == ([] if stage else [(SYNC_INTERVAL, False), (2 * SYNC_INTERVAL, False),
-                                                     (MAX_STEPS, False)])
+        # Checkpoints at the run's sync points only, after the test; evaluations at the run's epoch end only.
+        assert record["saves"] == [(SYNC_INTERVAL, False), (2 * SYNC_INTERVAL, False), (MAX_STEPS, False)]
+        # (the test's steps end epochs of their own: nothing is evaluated there)
+        assert record["evaluations"][-1] == (MAX_STEPS, False)
+        assert all(step > 0 and not ramping for step, ramping in record["evaluations"]), record["evaluations"]
+        assert result["tokens_seen"] == MAX_STEPS * 2 * 2 * ACCUMULATION * SEQ  # the run's: 2 ranks, 2 rows
     # The first run step trains each replica at the scale set from the pick times its multiplier: the replicas'
     # mean at 0.7 times the pick.
     first_lrs = sorted(result["record"]["steps"][test_steps][1] for result in results)
     assert first_lrs == pytest.approx([lr * scale * rho for rho in sorted(multipliers(2, ALPHA))], rel=1e-6)
     assert sum(first_lrs) / len(first_lrs) == pytest.approx(0.7 * pick, rel=1e-6)
-    assert sorted(path.parent.name for path in tmp_path.glob("checkpoint-*/hdet_state.pt")) == ([] if stage else [
-        f"checkpoint-{step}" for step in (SYNC_INTERVAL, 2 * SYNC_INTERVAL, MAX_STEPS)])
+    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == [
+        f"checkpoint-{step}" for step in (SYNC_INTERVAL, 2 * SYNC_INTERVAL, MAX_STEPS)]
     # The Trainer logs the run's steps, the first one's loss that of the first weights (not the test's losses).
     logged = results[0]["logged"]
     assert [log["step"] for log in logged] == list(range(1, MAX_STEPS + 1))
