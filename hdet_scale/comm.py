@@ -406,3 +406,34 @@ def cpu_group() -> dist.ProcessGroup | None:
     new gloo group (collective: every rank calls it, in the same order). Objects sent over NCCL are staged on the
     GPU, a gather's at the world size times the largest on its destination."""
     return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+class AgreedFlag:
+    """A flag that any rank may raise and every rank reads alike, one poll later, with no wait in the hot path:
+    each ``poll`` starts a non-blocking MAX all-reduce of this rank's flag on ``group`` (a CPU group: see
+    ``cpu_group``) and reads the previous poll's, which has long arrived. Every rank polls at the same points
+    (each step), so all see the flag at the same one. Without a process group it is this rank's flag as it is."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def poll(self, raised: bool) -> bool:
+        """Whether some rank had raised the flag by its previous poll (collective); ``raised``: this rank's now."""
+        if not dist.is_initialized():
+            return raised
+        agreed = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = bool(flag.item())
+        flag = torch.tensor([int(raised)], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return agreed
+
+    def finish(self) -> None:
+        """Waits for the last poll's all-reduce: none is left in flight when the groups go."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+

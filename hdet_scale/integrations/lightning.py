@@ -21,12 +21,13 @@ Where it reaches Lightning:
 - ``on_train_batch_end``: the micro-batch loss (Lightning hands it over divided by ``accumulate_grad_batches``:
   multiplied back here); after the batch that stepped the optimizer (``on_before_optimizer_step`` saw it), HDET
   steps, and syncs every ``sync_interval`` optimizer steps.
+- Lightning's SLURM auto-requeue signal handler: held back to the end of the step where every rank has the signal
+  (its checkpoint would otherwise sync wherever each rank is in its step).
 - ``on_train_epoch_end`` and ``on_train_end``: the replicas are averaged, so the checkpoint that Lightning writes
   after an epoch and the model after ``fit`` are one model.
-- ``trainer.save_checkpoint``, which every Lightning checkpoint goes through (``ModelCheckpoint``'s,
-  ``OnExceptionCheckpoint``'s, your own): one taken between syncs gets a sync of its own first, so it holds the one
-  model of the ensemble (the SLURM auto-requeue's, from inside its signal handler, would sync wherever each rank is:
-  turn it off, ``SLURMEnvironment(auto_requeue=False)``); during the LR range test none is written (a resumed run
+- ``trainer.save_checkpoint``, which every Lightning checkpoint goes through (``ModelCheckpoint``'s, the SLURM
+  auto-requeue's, ``OnExceptionCheckpoint``'s, your own): one taken between syncs gets a sync of its own first, so
+  it holds the one model of the ensemble; during the LR range test none is written (a resumed run
   could not take the test up again; a job requeued then starts over, having trained none of its steps), and rank 0
   warns. ``ModelCheckpoint(every_n_train_steps=k)`` needs ``k`` a multiple of ``sync_interval`` (checked), so its
   checkpoints add no syncs.
@@ -49,13 +50,17 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from hdet_scale.comm import cpu_group
+from hdet_scale.comm import AgreedFlag, cpu_group
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.engines.ddp import attach_to_wrapped
 from hdet_scale.engines.fsdp import HDETFSDP
@@ -73,6 +78,7 @@ from hdet_scale.topology import check_world_size, with_replica_size
 
 require("lightning", "lightning", "hdet_scale.integrations.lightning")
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 
 REPLICA_OPTIMIZERS = "replica_optimizers"
@@ -108,6 +114,10 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._mixed_states_told = False  # FSDP2: a checkpoint of replicas whose optimizer states differ, said once
         self._fitting = False  # from on_fit_start to teardown: _ensemble is this fit's, not an earlier fit's
         self._resumed = False  # a checkpoint's HDET state restored for the current fit
+        # Lightning's SLURM auto-requeue handler, held back to a step's end (_defer_slurm_requeue)
+        self._requeue: tuple[int, Callable[[int, FrameType | None], Any]] | None = None
+        self._requeue_asked = False
+        self._requeue_vote = AgreedFlag(None)
         self._given_max_epochs: int | None = None  # the Trainer's, where the range test lengthened them
 
     # ------------------------------------------------------------------------------------ checks
@@ -185,6 +195,7 @@ class HDETCallback(pl.Callback, HDETHandle):
                 "weights into the module and fit without ckpt_path")
         if ensemble.ramping:  # known only now: a checkpoint's state (loaded by now) ends the test before it starts
             self._hold_schedulers(trainer)
+        self._defer_slurm_requeue(trainer)
         if ensemble.wants_probe and trainer.global_rank == 0:
             warn(no_probe_warning(
                 "HDETCallback has no probe", "set one in the LightningModule's on_fit_start (it runs after the "
@@ -211,6 +222,31 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._take_pending_step(trainer)
         if ensemble.ramping:  # the test's steps are not the run's: no validation on its ramping replicas
             trainer.fit_loop.epoch_loop._skip_next_val = True
+        if self._requeue is not None and self._requeue_vote.poll(self._requeue_asked):
+            number, handler = self._requeue
+            self._requeue = None
+            signal.signal(number, handler)
+            handler(number, None)  # every rank, at the same step's end: its checkpoint, then the requeue
+
+    def _defer_slurm_requeue(self, trainer: pl.Trainer) -> None:
+        """Lightning's SLURM auto-requeue saves a checkpoint from inside its signal handler, wherever each rank is in
+        its step (in the middle of a backward, say), and the checkpoint's sync would run there: the signal is only
+        noted, and every rank runs Lightning's handler at the end of the step where they agree on it (one step
+        after the first rank got it)."""
+        environment = trainer._accelerator_connector.cluster_environment
+        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue) \
+                or threading.current_thread() is not threading.main_thread():
+            return
+        number = environment.requeue_signal
+        handler = signal.getsignal(number)
+        if not callable(handler):  # Lightning set none (a handler of the user's came first)
+            return
+        self._requeue, self._requeue_asked = (number, handler), False
+        self._requeue_vote = AgreedFlag(self._gather_group if dist.is_initialized() else None)
+        signal.signal(number, self._note_requeue)
+
+    def _note_requeue(self, number: int, frame: FrameType | None) -> None:
+        self._requeue_asked = True
 
     def _take_pending_step(self, trainer: pl.Trainer) -> None:
         """HDET's step for the optimizer step Lightning took (``on_before_optimizer_step`` saw it), once: at the end
@@ -245,6 +281,8 @@ class HDETCallback(pl.Callback, HDETHandle):
         # of its own unless it resumes (a fit consumes what it restored by its first batch)
         self._restored = self._replica_optimizers = None
         self._fitting = False
+        self._requeue = None  # Lightning puts the signal handlers back itself
+        self._requeue_vote.finish()
         if self._given_max_epochs is not None:  # the range test's epochs were this fit's only
             trainer.fit_loop.max_epochs, self._given_max_epochs = self._given_max_epochs, None
 

@@ -3,9 +3,8 @@ torchrun and DeepSpeed's launchers are made to ignore, so that they do not kill 
 turned into a clean stop that every rank agrees on.
 
 The signal reaches ranks at different moments (the deepspeed launcher signals its children one by one), so
-a rank cannot act on its own flag: every step each rank starts a non-blocking MAX all-reduce of its flag on a
-CPU group and reads the previous step's result, which has long arrived. All ranks thus see the same
-decision at the same step, one step after the first rank was signalled, with no wait in the hot path.
+a rank cannot act on its own flag: every step the ranks poll an ``AgreedFlag`` on a CPU group, and all see the
+same decision at the same step, one step after the first rank was signalled, with no wait in the hot path.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ import sys
 import time
 from types import FrameType
 
-import torch
 import torch.distributed as dist
+
+from hdet_scale.comm import AgreedFlag
 
 
 class StopSignal:
@@ -36,7 +36,7 @@ class StopSignal:
         self.received: int | None = None
         self.finishing = False
         self._first = 0.0
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._vote = AgreedFlag(group)
         self._previous = {number: signal.signal(number, self._handle) for number in signals}
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
@@ -56,21 +56,12 @@ class StopSignal:
 
     def poll(self) -> bool:
         """Call once per step on every rank: True when some rank had been signalled by the previous poll."""
-        agreed = False
-        if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            agreed = bool(flag.item())
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
-        return agreed
+        return self._vote.poll(self.received is not None)
 
     def stop_polling(self) -> None:
         """Ends the polls (waits for the last one's all-reduce) and keeps catching the signals: a run writing its
         last checkpoint and model is not killed by a SIGTERM in the middle of it (a second Ctrl-C still aborts)."""
-        if self._pending is not None:
-            self._pending[0].wait()
-            self._pending = None
+        self._vote.finish()
         self.finishing = True
 
     def close(self) -> None:

@@ -324,3 +324,42 @@ def test_a_ddp_communication_hook_of_the_users_and_a_data_split_short_of_the_wor
     with pytest.raises(HDETConfigError, match=r"splits the data 1 ways .* over 4 ranks.*pass "
                                               r"ModelParallelStrategy\(data_parallel_size=4, tensor_parallel_size=1\)"):
         check_data_parallel(strategy_splitting_data(1), 4)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_lightnings_slurm_requeue_saves_at_the_end_of_the_step_not_inside_its_signal_handler(tmp_path, monkeypatch):
+    """Lightning's SLURM auto-requeue ran its save from inside its signal handler, wherever each rank was (here in
+    the middle of a training step, before its backward): HDET's sync ran there. The signal is now noted and the
+    handler runs at the step's end, where every rank agrees on it; the requeue still follows the save."""
+    import os
+    import signal
+
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    requeued = tmp_path / "requeued"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {requeued}\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "hdet-test", "SLURM_JOB_ID": "4242",
+                        "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                        "SLURM_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(name, value)
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    module = regression()
+    training_step = module.training_step
+
+    def signalled_in_step_7(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        if module.trainer.global_step == 7 and not requeued.exists():
+            os.kill(os.getpid(), signal.SIGUSR1)  # Slurm's --signal=USR1@T, in the middle of the step
+        return loss
+
+    module.training_step = signalled_in_step_7
+    one_device_fit(hdet, module, max_epochs=1, default_root_dir=tmp_path)
+    saved = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
+    state = hdet_state_in(tmp_path / "hpc_ckpt_1.ckpt")
+    assert saved["global_step"] == state["step"] == state["last_sync_step"] == 8  # the step's end, one model
+    assert requeued.read_text() == "requeue 4242\n"
