@@ -72,6 +72,7 @@ def replace_folder_durably(staging: Path, target: Path) -> None:
     there: ``target`` moves to ``target.old``, ``staging`` to ``target``, then the old one goes. A kill at any
     moment leaves a complete folder: ``target``, or ``target.old`` with ``staging`` beside it."""
     retired = replacement_folders(target)[1]
+    fsync_path(staging)  # its own entries too (a file added last, say), before it vouches for them as ``target``
     clear_folder(retired)  # older than ``target``, which is complete
     if target.exists():
         target.rename(retired)

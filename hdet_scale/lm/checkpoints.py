@@ -343,6 +343,7 @@ def settle_interrupted_save(out: Path) -> list[str]:
             clear_folder(root / STAGING[1])  # older than latest
             (root / "latest").rename(root / STAGING[1])
         newest.rename(root / "latest")
+        fsync_path(root)  # the renames on the disk before the folder they retired goes below
         done.append(f"promoted {newest} (complete, step {complete_step(root / 'latest')}) to {root / 'latest'}, "
                     "left by a checkpoint interrupted while it was put in place")
         newest = root / "latest"

@@ -4,9 +4,9 @@ checkpoints.
 
 The first run's rank 0 holds ``OUT/run.lock`` (its host, pid, Slurm job and requeue count) until it ends. A lock
 left by a run that is gone (killed, aborted by NCCL, stopped by Slurm's SIGKILL) is taken over: one of the same
-Slurm job requeued since (``SLURM_RESTART_COUNT`` grew), one of a Slurm job that ``squeue`` no longer lists, or
-one whose process no longer runs on this host. A lock left on another machine outside Slurm cannot be checked
-from here; the refusal says which file to remove.
+Slurm job requeued since (``SLURM_RESTART_COUNT`` grew), one of another Slurm job that ``squeue`` no longer lists,
+or (outside Slurm, or in the same allocation) one whose process no longer runs on this host. A lock left on
+another machine outside Slurm cannot be checked from here; the refusal says which file to remove.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ def is_gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     if job and job == me["slurm_job"]:
         if int(holder.get("slurm_restart", 0)) < me["slurm_restart"]:
             return True  # the same job requeued: its earlier allocation is over
-    elif job and not slurm_job_listed(str(job)):
-        return True
+    elif job:
+        # Another job: gone once squeue no longer lists it. One listed is alive, whatever its pid here says: a
+        # requeued job waits in the queue, and a container may share this host name with its own pids.
+        return not slurm_job_listed(str(job))
     if holder.get("host") != me["host"]:
         return False
     try:
@@ -116,6 +118,13 @@ def take(out: Path) -> None:
            else "its lock file is unreadable")
     raise OutInUse(f"--out {out} is in use by another run ({who}): wait for it to end or choose another --out; if "
                    f"no run uses it any more (one killed on another machine), remove {path}")
+
+
+def held_by(out: Path, holder: dict[str, Any]) -> bool:
+    """Whether ``out``'s lock, as this process sees it, is the one ``holder`` (``this_process()`` of the run's rank
+    0) wrote: ranks whose ``--out`` is a folder of their own node's disk find none there."""
+    found = _holder(out / LOCK)
+    return bool(found) and is_this(found, holder)
 
 
 def release(out: Path) -> None:

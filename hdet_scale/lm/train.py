@@ -296,6 +296,17 @@ def take_out(out: Path, checked: Plan) -> None:
                                     "runs there: another run wrote there meanwhile); nothing was touched: start this "
                                     "run again")
         on_rank0(lambda: take_as_planned(out, checked), f"taking {out}")
+        # Checkpoints are written by every rank and named by rank 0: one folder for all, not one per node's disk.
+        holder = [out_lock.this_process() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(holder, src=0)
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, out_lock.held_by(out, holder[0]))
+        if not all(seen):
+            if dist.get_rank() == 0:
+                out_lock.release(out)
+            raise out_lock.OutInUse(f"--out {out} is not one folder for every rank: rank {seen.index(False)} does not "
+                                    "see the lock rank 0 took there (a disk of each node's own?); give an --out on a "
+                                    "file system every node shares")
 
     agreed(f"taking {out}", take)
 
@@ -466,7 +477,11 @@ class Run:
             self.progress.line(line)
         point = self.plan.resume
         if point is not None:
-            path = checkpoint_dir(self.out)  # where a promoted checkpoint now is
+            # where a promoted checkpoint now is, as rank 0 (which promoted it) finds it: a network file system's
+            # cache may still show other nodes the folder before the rename
+            path = agreed(f"resuming from {self.out}", lambda: on_rank0(lambda: checkpoint_dir(self.out),
+                                                                          f"finding the checkpoint in {self.out}",
+                                                                          share_result=True))
             if point.layout_changed:
                 self.progress.line(point.layout_line())
             if point.changed:

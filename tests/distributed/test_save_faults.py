@@ -121,8 +121,9 @@ def faults(rank: int, world: int, directory: str, layout: str) -> list[tuple[int
     injector.install()
     train()
     save()
+    train()
     injector.writes.clear()
-    save()  # a save over an existing checkpoint: every write a save makes
+    save()  # a save after an earlier one, as in each case below: every write such a save makes
     writes = [None] * world
     dist.all_gather_object(writes, list(injector.writes))
     outcomes = []

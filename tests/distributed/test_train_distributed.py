@@ -157,3 +157,35 @@ def test_ranks_that_disagree_on_the_replica_size_stop_with_one_line(tmp_path):
     assert first_said.startswith("train.py: error: the ranks disagree on ranks_per_replica: 1 on rank 0 but 2 on "
                                  "rank 1") and first_said.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+def take_on_each_nodes_own_disk(rank: int, world: int, directory: str) -> tuple[str, list[str]]:
+    """Each rank's --out on a disk of its own (a relative --out, each rank in its own folder), as node-local storage
+    gives a run of several nodes."""
+    import os
+
+    from hdet_scale.lm.agreement import RunFailed
+    from hdet_scale.lm.checkpoints import out_state
+    from hdet_scale.lm.train import take_out
+
+    os.chdir(Path(directory) / f"node{rank}")
+    out = Path("run")
+    checked = SimpleNamespace(out_state=out_state(out, None), config=SimpleNamespace(metrics_path=None))
+    try:
+        take_out(out, checked)
+        said = "taken"
+    except RunFailed as failure:
+        said = str(failure)
+    return said, sorted(path.name for path in out.iterdir()) if out.is_dir() else []
+
+
+def test_an_out_that_is_not_one_folder_for_every_rank_is_refused(tmp_path):
+    """Rank 0 alone names and renames a checkpoint that every rank writes: an --out on each node's own disk made every
+    checkpoint unusable, and nothing said so until a resume failed with a misleading line."""
+    for node in range(2):
+        (tmp_path / f"node{node}").mkdir()
+    for said, files in run_ranks(take_on_each_nodes_own_disk, 2, str(tmp_path), timeout=60):
+        assert said == ("taking run: OutInUse: --out run is not one folder for every rank: rank 1 does not see the "
+                        "lock rank 0 took there (a disk of each node's own?); give an --out on a file system every "
+                        "node shares (rank 0)")
+        assert "run.lock" not in files  # released

@@ -82,3 +82,20 @@ def test_a_staging_folder_that_cannot_be_deleted_moves_aside_before_a_save_write
     with pytest.warns(UserWarning, match="could not remove"):
         durable.start_replacement(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt.tmp").exists()  # a save writes its files into an empty staging folder
+
+
+def test_a_folder_is_flushed_before_it_replaces_the_one_it_retires(tmp_path, monkeypatch):
+    """The staging folder's own entries (a file added to it last) were never flushed: a power loss could bring back
+    the new checkpoint without some of its files after the old one was deleted."""
+    events = []
+    flush = durable.fsync_path
+    monkeypatch.setattr(durable, "fsync_path", lambda path: events.append(("flush", path)) or flush(path))
+    rename = type(tmp_path).rename
+    monkeypatch.setattr(type(tmp_path), "rename", lambda self, to: events.append(("rename", self)) or rename(self, to))
+    target, staging = tmp_path / "ckpt", tmp_path / "ckpt.tmp"
+    target.mkdir()
+    staging.mkdir()
+    (staging / "state.pt").write_bytes(b"new")
+    durable.replace_folder_durably(staging, target)
+    assert events.index(("flush", staging)) < events.index(("rename", target)) < events.index(("rename", staging))
+    assert (target / "state.pt").read_bytes() == b"new"

@@ -147,3 +147,16 @@ def test_a_lock_that_cannot_be_removed_is_left_without_an_error(tmp_path, monkey
     out_lock.release(tmp_path)  # after a run, in a finally: must not raise
     monkeypatch.undo()
     assert held_by(tmp_path)["pid"] == os.getpid()
+
+
+def test_a_lock_of_another_slurm_job_still_listed_holds_though_its_pid_ended_here(tmp_path, monkeypatch, squeue):
+    """A job requeued waits in the queue while another lands on its old rank-0 node: the dead pid on this host
+    handed the lock over, and the two runs then wrote the same checkpoint folder."""
+    monkeypatch.setenv("SLURM_JOB_ID", "5000")
+    holder(tmp_path, pid=ended_pid(), slurm_job="4242")  # this host, its process gone
+    squeue("echo 4242")  # pending after its requeue
+    with pytest.raises(out_lock.OutInUse, match="Slurm job 4242"):
+        out_lock.take(tmp_path)
+    squeue("true")  # no longer listed: over
+    out_lock.take(tmp_path)
+    assert held_by(tmp_path)["slurm_job"] == "5000"

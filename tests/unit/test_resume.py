@@ -444,3 +444,23 @@ def test_a_leftover_the_file_system_will_not_remove_is_said_and_the_run_goes_on(
     finally:
         subprocess.run(["chattr", "-i", str(held)], check=True)
     assert settle_interrupted_save(tmp_path) == [f"removed {leftover}, left by an interrupted checkpoint"]
+
+
+def test_a_promoted_checkpoint_is_on_the_disk_before_the_one_it_retired_goes(tmp_path, monkeypatch):
+    """Killed before the first rename of an FSDP2 save: the complete latest.tmp is promoted and the older latest
+    removed, and the renames were not flushed before that removal (a power loss could bring back neither)."""
+    from hdet_scale.lm import checkpoints
+
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(tmp_path, run())
+    newer = root / "latest.tmp"
+    (root / "latest").rename(newer)
+    write_manifest(newer, run(), step=30)
+    fake_checkpoint(tmp_path, run())  # the older one (step 20), still at latest
+    events = []
+    monkeypatch.setattr(checkpoints, "fsync_path", lambda path: events.append(("flush", path)))
+    remove = checkpoints.remove_unused
+    monkeypatch.setattr(checkpoints, "remove_unused", lambda path: events.append(("remove", path)) or remove(path))
+    said = settle_interrupted_save(tmp_path)
+    assert said[0].startswith(f"promoted {newer}") and said[1].startswith(f"removed {root / 'latest.old'}")
+    assert events.index(("flush", root)) < events.index(("remove", root / "latest.old"))
