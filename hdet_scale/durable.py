@@ -78,7 +78,11 @@ def replace_folder_durably(staging: Path, target: Path) -> None:
         target.rename(retired)
     staging.rename(target)
     fsync_path(target.parent)
-    clear_folder(retired)
+    try:
+        clear_folder(retired)
+    except OSError as error:  # the new folder is in place: the replacement did not fail
+        warn(f"{target} is in place, but the folder it replaced could not be removed or moved aside ({error}): "
+             f"remove {retired} by hand before the next save there")
 
 
 def recover_replaced_folder(target: Path) -> bool:

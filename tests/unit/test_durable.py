@@ -99,3 +99,24 @@ def test_a_folder_is_flushed_before_it_replaces_the_one_it_retires(tmp_path, mon
     durable.replace_folder_durably(staging, target)
     assert events.index(("flush", staging)) < events.index(("rename", target)) < events.index(("rename", staging))
     assert (target / "state.pt").read_bytes() == b"new"
+
+
+def test_a_retired_folder_that_can_be_neither_deleted_nor_moved_leaves_the_replacement_done(tmp_path, monkeypatch):
+    """Once the new folder was in place, the retired one's removal failing (nor could it move aside) raised: a train.py
+    save reported as failed, and the run ended, with its new checkpoint complete and in place."""
+    for name, content in {"ckpt": "current", "ckpt.tmp": "newer"}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "which").write_text(content)
+    refuse_to_delete(monkeypatch, "ckpt.old")
+    rename = type(tmp_path).rename
+
+    def refusing_to_move_aside(self, to):
+        if ".undeleted-" in str(to):
+            raise OSError(errno.EACCES, "Permission denied", str(self))
+        return rename(self, to)
+
+    monkeypatch.setattr(type(tmp_path), "rename", refusing_to_move_aside)
+    with pytest.warns(UserWarning, match=r"ckpt is in place, but the folder it replaced could not be removed .*: "
+                                         r"remove .*ckpt\.old by hand before the next save there"):
+        durable.replace_folder_durably(tmp_path / "ckpt.tmp", tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "which").read_text() == "newer"
