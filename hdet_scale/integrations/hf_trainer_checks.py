@@ -53,16 +53,26 @@ def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
                               "override compute_loss (or pass compute_loss_func) to read it, or remove "
                               "explore.label_smoothing")
     engine = "deepspeed" if getattr(trainer, "is_deepspeed_enabled", False) else "ddp"
-    if engine == "ddp" and getattr(args, "torch_compile", False) and args.world_size > 1:
-        raise HDETConfigError("TrainingArguments(torch_compile=True) under DDP is not supported with HDET (accelerate "
+    if engine == "ddp" and _compiles(trainer) and args.world_size > 1:
+        raise HDETConfigError("torch.compile (TrainingArguments(torch_compile=True), or accelerate's "
+                              "ACCELERATE_DYNAMO_BACKEND or config) under DDP is not supported with HDET (accelerate "
                               "wraps the DDP model, whose gradient average HDET sets, in a compiled module): set "
-                              "torch_compile=False")
+                              "torch_compile=False and no dynamo backend in accelerate")
     world = args.world_size
     if engine == "deepspeed":
         _check_deepspeed(trainer, config)
     check_world_size(config, world, auto=_auto_replica_size(trainer, engine))
     check_saving(args, config)
     return engine
+
+
+def _compiles(trainer: Trainer) -> bool:
+    """Whether accelerate compiles the model: ``torch_compile``, or a dynamo backend of accelerate's own setting."""
+    if getattr(trainer.args, "torch_compile", False):
+        return True
+    plugin = getattr(trainer.accelerator.state, "dynamo_plugin", None)
+    backend = getattr(plugin, "backend", None)
+    return backend is not None and str(getattr(backend, "value", backend)).lower() != "no"
 
 
 def _auto_replica_size(trainer: Trainer, engine: str) -> str:

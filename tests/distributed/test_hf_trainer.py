@@ -240,6 +240,11 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
         "epoch saves": error_of(lambda: added("epoch", save_strategy="epoch")),
         "compile": error_of(lambda: added("compile", torch_compile=True)),
         "auto batch size": error_of(lambda: added("auto batch size", auto_find_batch_size=True)),
+    }
+    os.environ["ACCELERATE_DYNAMO_BACKEND"] = "inductor"  # compiled by accelerate's own setting
+    errors["compile by accelerate"] = error_of(lambda: added("compile by accelerate"))
+    del os.environ["ACCELERATE_DYNAMO_BACKEND"]
+    errors |= {
         "saves between syncs": error_of(lambda: added("steps", save_strategy="steps", save_steps=4)),
         "replica size": error_of(lambda: added("size", hdet_settings(out_dir, "global", 3))),
         "bad field": error_of(lambda: added("field", {"alpha": 1.5, "spread": "linear"})),
@@ -311,6 +316,7 @@ def test_ddp_global_and_local_mode_checkpoints_and_bad_settings(tmp_path):
     assert "fsdp" in errors["fsdp"] and "hdet_scale.engines.fsdp" in errors["fsdp"]
     assert "save_strategy='epoch'" in errors["epoch saves"]
     assert "torch_compile=True" in errors["compile"]
+    assert "ACCELERATE_DYNAMO_BACKEND" in errors["compile by accelerate"]
     assert "auto_find_batch_size=True" in errors["auto batch size"]
     assert "save_steps=4" in errors["saves between syncs"] and "multiple of" in errors["saves between syncs"]
     assert "ranks_per_replica" in errors["replica size"]
