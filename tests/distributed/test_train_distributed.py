@@ -9,6 +9,7 @@ import io
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch.distributed as dist
 
@@ -50,12 +51,27 @@ def test_ranks_whose_plans_found_different_runs_in_out_do_not_take_it(tmp_path):
         assert not locked
 
 
-def export_failing_on_rank_0(rank: int, world: int, directory: str) -> dict:
-    """train.py's run to its end, where rank 0's write of the final model fails (a full disk)."""
+def exit_status_and_errors(args: Any) -> tuple[int, str]:
+    """train.py's run with ``args`` on this rank: its exit status (0 where it ends without SystemExit) and what it
+    wrote to stderr."""
     import torch
 
+    from hdet_scale.lm.train import plan, train_on_every_rank
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            train_on_every_rank(args, plan(args), torch.device("cpu"))
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    return code, said.getvalue()
+
+
+def export_failing_on_rank_0(rank: int, world: int, directory: str) -> dict:
+    """train.py's run to its end, where rank 0's write of the final model fails (a full disk)."""
     from hdet_scale.lm.backends import FSDPBackend
-    from hdet_scale.lm.train import parse_args, plan, train_on_every_rank
+    from hdet_scale.lm.train import parse_args
 
     export = FSDPBackend.export
 
@@ -69,14 +85,8 @@ def export_failing_on_rank_0(rank: int, world: int, directory: str) -> dict:
     args = parse_args(["--preset", "tiny", "--steps", "10", "--seq_len", "16", "--micro_batch_size", "2",
                        "--max_data_mb", "1", "--warmup_steps", "2", "--no_progress", "--eval_batches", "1",
                        "--out", str(out)])
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            train_on_every_rank(args, plan(args), torch.device("cpu"))
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-    return {"code": code, "checkpoint": (out / "checkpoints" / "latest").is_dir(), "said": said.getvalue()}
+    code, said = exit_status_and_errors(args)
+    return {"code": code, "checkpoint": (out / "checkpoints" / "latest").is_dir(), "said": said}
 
 
 def test_a_final_model_that_fails_to_write_stops_every_rank_in_one_line(tmp_path):
@@ -131,22 +141,13 @@ def test_a_signal_while_the_model_is_built_stops_the_run_at_its_first_steps_with
 
 def replica_sizes_that_differ(rank: int, world: int, directory: str) -> tuple[int, str]:
     """train.py's run, where the ranks were given different replica sizes (nodes of different sizes under "node")."""
-    import torch
-
-    from hdet_scale.lm.train import parse_args, plan, train_on_every_rank
+    from hdet_scale.lm.train import parse_args
 
     hdet_config = Path(directory) / f"hdet{rank}.json"
     hdet_config.write_text(f'{{"ranks_per_replica": {rank + 1}}}')
-    args = parse_args(["--preset", "tiny", "--steps", "10", "--warmup_steps", "2", "--max_data_mb", "1",
-                       "--no_progress", "--out", str(Path(directory) / "run"), "--hdet_config", str(hdet_config)])
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            train_on_every_rank(args, plan(args), torch.device("cpu"))
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-    return code, said.getvalue()
+    return exit_status_and_errors(parse_args([
+        "--preset", "tiny", "--steps", "10", "--warmup_steps", "2", "--max_data_mb", "1", "--no_progress",
+        "--out", str(Path(directory) / "run"), "--hdet_config", str(hdet_config)]))
 
 
 def test_ranks_that_disagree_on_the_replica_size_stop_with_one_line(tmp_path):
