@@ -11,13 +11,31 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.config_checks import HDETConfigError
+
+Built = TypeVar("Built")
+_BUILT: dict[Hashable, tuple[dist.ProcessGroup, object]] = {}
+
+
+def built_once(key: Hashable, build: Callable[[], Built]) -> Built:
+    """``build()``'s groups for ``key``, built once per default process group (collective the first time: every
+    rank calls it, in the same order). A process that trains more than once (a hyperparameter search's trials,
+    ``fit`` again) takes the groups of its first run: new ones each time would each hold an NCCL communicator's
+    GPU memory, or gloo's threads, until the process ends. A default group made anew (after
+    ``destroy_process_group``) gets new ones."""
+    world = dist.group.WORLD
+    cached = _BUILT.get(key)
+    if cached is None or cached[0] is not world:
+        cached = _BUILT[key] = (world, build())
+    return cached[1]  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -76,13 +94,17 @@ class ReplicaTopology:
         check_same_replica_size(per, rank, world_size)
         check_world_size(config, world_size)
         layout = cls(rank=rank, world_size=world_size, ranks_per_replica=per)
-        cross = None
-        if layout.num_replicas > 1:
-            cross, _ = dist.new_subgroups_by_enumeration([layout.cross_replica_ranks(p) for p in range(per)])
-        # Built even for one-rank replicas: local-mode DDP needs a group to average gradients within.
-        intra, _ = dist.new_subgroups_by_enumeration([layout.replica_ranks(r) for r in range(layout.num_replicas)])
-        return cls(rank=rank, world_size=world_size, ranks_per_replica=per,
-                   cross_replica_group=cross, intra_replica_group=intra)
+
+        def build_groups() -> ReplicaTopology:
+            cross = None
+            if layout.num_replicas > 1:
+                cross, _ = dist.new_subgroups_by_enumeration([layout.cross_replica_ranks(p) for p in range(per)])
+            # Built even for one-rank replicas: local-mode DDP needs a group to average gradients within.
+            intra, _ = dist.new_subgroups_by_enumeration([layout.replica_ranks(r)
+                                                          for r in range(layout.num_replicas)])
+            return dataclasses.replace(layout, cross_replica_group=cross, intra_replica_group=intra)
+
+        return built_once(("replicas", per), build_groups)
 
 
 def check_same_replica_size(per_replica: int, rank: int, world_size: int) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.engines.deepspeed_settings import TESTED_DEEPSPEED
-from hdet_scale.topology import ReplicaTopology
+from hdet_scale.topology import ReplicaTopology, built_once
 
 
 class ReplicaMPU:
@@ -32,7 +32,8 @@ class ReplicaMPU:
         if topology.intra_replica_group is None:
             raise ValueError("ReplicaMPU needs a topology built over an initialized process group")
         self._topology = topology
-        self._model_parallel_group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(topology.world_size)])
+        self._model_parallel_group = built_once(
+            "rank alone", lambda: dist.new_subgroups_by_enumeration([[r] for r in range(topology.world_size)])[0])
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self._topology.intra_replica_group

@@ -50,3 +50,31 @@ def test_ranks_that_agree_build_their_groups_with_the_collectives_of_every_suppo
     """The check that the ranks agree called all_gather_single, which torch has only from 2.13 on: every attach
     failed on the torch versions before it."""
     assert run_ranks(build_even, 4) == [(2, 0), (2, 1), (2, 0), (2, 1)]
+
+
+def build_twice_and_after_a_new_default_group(rank: int, world: int) -> list[bool]:
+    import torch
+    import torch.distributed as dist
+
+    from hdet_scale.engines.zero import ReplicaMPU
+
+    config = HDETConfig(ranks_per_replica=2)
+    first, second = ReplicaTopology.build(config), ReplicaTopology.build(config)
+    first_mpu, second_mpu = ReplicaMPU(first), ReplicaMPU(second)
+    reused = [first.cross_replica_group is second.cross_replica_group,
+              first.intra_replica_group is second.intra_replica_group,
+              first_mpu.get_model_parallel_group() is second_mpu.get_model_parallel_group()]
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    anew = ReplicaTopology.build(config)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=anew.cross_replica_group)  # the new groups work in the new default group
+    return [*reused, anew.cross_replica_group is not first.cross_replica_group,
+            total.item() == float(rank % 2 + rank % 2 + 2)]
+
+
+def test_a_second_run_in_one_process_takes_the_groups_of_the_first():
+    """Each attach built new groups: a hyperparameter search's trials (or fit() again) piled up NCCL communicators
+    and gloo threads until the process ended. A default group made anew gets groups of its own."""
+    assert run_ranks(build_twice_and_after_a_new_default_group, 4) == [[True] * 5] * 4
