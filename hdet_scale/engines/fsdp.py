@@ -90,7 +90,8 @@ class FSDPAdapter(EngineAdapter):
 
     def averaged_tensors(self) -> list[torch.Tensor]:
         self._reshard()
-        tensors = [param.to_local() for param in self._model.parameters()]
+        # the optimizer's parameters, as DDP's: frozen ones (a LoRA base) are one in every replica already
+        tensors = [param.to_local() for param in optimizer_parameters(self._optimizer)]
         return tensors + [buf for buf in self._model.buffers() if buf.is_floating_point()]
 
     def warm_init_shards(self) -> list[ParameterShard]:
@@ -158,9 +159,10 @@ class HDETFSDP(HDETHandle):
         this adds each replica's eq. 10 noise to the shards (collective: every rank calls it). ``total_steps``:
         the run's length in optimizer steps (the default controller starts and stops at shares of it)."""
         model_params = {id(p) for p in self.model.parameters()}
-        if not any(id(p) in model_params for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError("the optimizer holds none of the wrapped model's parameters: build it from "
-                             "model.parameters() after wrap()")
+        foreign = next((p for p in optimizer_parameters(optimizer) if id(p) not in model_params), None)
+        if foreign is not None:
+            raise ValueError(f"the optimizer holds a parameter of shape {tuple(foreign.shape)} that is not one of the "
+                             "wrapped model's: build it from model.parameters() after wrap()")
         self._ensemble = HDETEnsemble(self.config, FSDPAdapter(self.model, optimizer), topology=self.topology,
                                       paper_decay=paper_decay, total_steps=total_steps)
         return self._ensemble

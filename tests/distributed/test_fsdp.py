@@ -145,12 +145,45 @@ def bad_inputs(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="the mesh has 4 ranks per replica but the config says ranks_per_replica=2"):
         wrap(nn.Linear(4, 4), config, mesh=mesh)
     _, hdet = wrap(nn.Linear(4, 4), config, block_classes=[])
-    with pytest.raises(ValueError, match="holds none of the wrapped model's parameters"):
+    with pytest.raises(ValueError, match=r"holds a parameter of shape \(2, 2\) that is not one of the wrapped"):
         hdet.attach(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
 
 
 def test_bad_inputs_give_clear_errors():
     run_ranks(bad_inputs, WORLD)
+
+
+def frozen_base(rank: int, world: int) -> list[float]:
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=PER_REPLICA,
+                        auto_lr=AutoLRConfig(enabled=False))
+    model = tiny_llama(seed=0)
+    model.model.embed_tokens.requires_grad_(False)  # a frozen base, as under LoRA
+    model, hdet = wrap(model, config)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trained, lr=0.1)
+    hdet.attach(optimizer)
+    embedding = model.model.embed_tokens.weight
+    with torch.no_grad():  # marks replica 1's copy: an average would move both copies halfway
+        embedding.to_local().add_(float(rank // PER_REPLICA))
+    report = None
+    for step in (1, 2):
+        optimizer.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        optimizer.step()
+        report = hdet.step(loss)
+    assert report is not None
+    local_numel = sum(p.to_local().numel() for p in trained)
+    buffer_numel = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    assert report.bytes_averaged == 4 * (local_numel + buffer_numel + 1)  # the trained shards, buffers, a count
+    return gather_rows(full([embedding]))[:, :3].sum(1).tolist()
+
+
+def test_frozen_parameters_are_not_averaged():
+    """Every sync averaged the whole model, frozen weights too: a LoRA run sent its whole base across nodes (and
+    kept copies of it for the averaged window and the range test)."""
+    sums = run_ranks(frozen_base, WORLD)[0]
+    assert sums[2] - sums[0] == pytest.approx(3.0) and sums[1] == sums[0] and sums[3] == sums[2]
 
 
 def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str, reshard_after_forward: bool,
