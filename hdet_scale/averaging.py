@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.comm import all_finite_on, reduction_dtype, start_gather_rows, zero_unless
 from hdet_scale.scores import ReplicaScores
-from hdet_scale.topology import ReplicaTopology
+from hdet_scale.topology import ReplicaTopology, collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +71,10 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
 
 
 def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> torch.device:
-    """Where the buckets live: the tensors' accelerator if any, else the CPU; a CUDA device for CPU tensors
-    (e.g. offloaded shards) under NCCL, which all-reduces device memory only."""
+    """Where the buckets live: the tensors' accelerator if any, else the device ``group``'s collectives need (the
+    GPU for CPU tensors, e.g. offloaded shards, under NCCL, which all-reduces device memory only)."""
     accelerator = next((device for device in devices if device.type != "cpu"), None)
-    if accelerator is not None:
-        return accelerator
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return accelerator if accelerator is not None else collective_device(group)
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hdet_scale.topology import collective_device
+from hdet_scale.topology import built_once, collective_device
 
 T = TypeVar("T")
 
@@ -325,13 +325,15 @@ def all_finite_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
         else:
             flag = torch.stack(torch._foreach_norm(group, 1, dtype=torch.float64 if wide else torch.float32)) \
                 .isfinite().all()
-        flags.append(flag.to(device, non_blocking=True))
+        # onto an accelerator a copy waits on its stream; onto the CPU it must not return before the flag is there
+        flags.append(flag.to(device, non_blocking=device.type != "cpu"))
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True when every element of every tensor is finite (``all_finite_on``, then one host synchronization)."""
-    return bool(all_finite_on(tensors, tensors[0].device if tensors else torch.device("cpu")))
+    accelerator = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), torch.device("cpu"))
+    return bool(all_finite_on(tensors, accelerator))
 
 
 _BITS_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -403,9 +405,10 @@ def shut_down_and_exit(code: int = 0) -> NoReturn:
 
 def cpu_group() -> dist.ProcessGroup | None:
     """A process group over all ranks for objects on the CPU: None (the default group) where that is gloo, else a
-    new gloo group (collective: every rank calls it, in the same order). Objects sent over NCCL are staged on the
-    GPU, a gather's at the world size times the largest on its destination."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    gloo group, built once (``built_once``; collective the first time: every rank calls it, in the same order).
+    Objects sent over NCCL are staged on the GPU, a gather's at the world size times the largest on its
+    destination."""
+    return None if dist.get_backend() == "gloo" else built_once("gloo", lambda: dist.new_group(backend="gloo"))
 
 
 class AgreedFlag:

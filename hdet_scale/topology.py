@@ -191,10 +191,11 @@ def _node_but_two_replicas(world_size: int | None, node_size: int | None) -> int
     return world_size // smallest_factor
 
 
-def collective_device() -> torch.device:
-    """The device collectives of the default group need: under NCCL the GPU the group is bound to (DeepSpeed binds
-    it to the local rank's before anything sets the current device), else the current GPU; else the CPU."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device collectives of ``group`` (the default group when None) need: under NCCL the GPU the default group
+    is bound to (``init_process_group(device_id=...)``; DeepSpeed binds it to the local rank's before anything sets
+    the current device), else the current GPU; else the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
         bound = getattr(dist.group.WORLD, "bound_device_id", None)
         return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
