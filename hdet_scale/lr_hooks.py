@@ -44,6 +44,13 @@ class StepScopedValues:
         self._unwrap_step = _restore_on_error(optimizer, self._restore)
 
     def _apply(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        added = next((position for position, group in enumerate(optimizer.param_groups) if GROUP_TAG not in group),
+                     None)
+        if added is not None:
+            raise RuntimeError(
+                f"param group {added} was added to the optimizer after HDET attached (add_param_group): HDET would "
+                "neither explore its values nor scale its LR as the other groups'; give the optimizer every param "
+                "group before HDET attaches (a group unfrozen later can start with requires_grad=False)")
         self._scheduled = []
         for position, group in enumerate(optimizer.param_groups):
             for entry_index, key in self._by_group.get(group.get(GROUP_TAG, position), []):

@@ -134,6 +134,21 @@ def test_a_step_that_raises_leaves_the_scheduled_lr_in_place():
     assert param.item() == pytest.approx(1.0 - 0.1 * rho - 0.1 * rho - 0.05)  # closed: the scheduled LR
 
 
+def test_a_param_group_added_after_attaching_is_refused_before_the_step():
+    """A group added later (progressive unfreezing) trained at the bare scheduled LR, unexplored and unscaled,
+    while the other groups trained at the replica's value."""
+    param, later = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(auto_lr=lr_held_at_given()), DDPAdapter(optimizer),
+                        topology=ReplicaTopology.single_process())
+    optimizer.add_param_group({"params": [later]})
+    param.grad, later.grad = torch.ones(1), torch.ones(1)
+    with pytest.raises(RuntimeError, match="param group 1 was added to the optimizer after HDET attached"):
+        optimizer.step()
+    assert param.item() == later.item() == 1.0
+    hdet.close()
+
+
 def test_the_found_lr_factor_is_the_controllers_scale_where_one_moves_it():
     """train.py's last line: the factor on the schedule's LR, read where a controller moves it or a range test
     picked it; none where the LR stays as given (controller off, one replica), the paper's controller owns the LR
