@@ -136,14 +136,17 @@ class RangeTestStart:
 
     def add_step(self, interval: IntervalLoss, loss: LossLike | Sequence[LossLike] | None, world_size: int) -> bool:
         """Takes one step of the test: its loss (a sequence: the micro-batches'; None: those ``observe``d into
-        ``interval``) as the mean over every rank (one small all-reduce); True once the test is over."""
+        ``interval``) as the mean over every rank (one small all-reduce); True once the test is over. A rank
+        without a loss for the step stops every rank, after the all-reduce (raising before it would leave the
+        others waiting there)."""
         interval.add_step(loss)
-        if not interval.count:
-            raise ValueError("the LR range test (auto_lr.range_test) needs every step's loss: pass it to step(), or "
-                             "observe() the micro-batch losses")
-        losses = gather_rows([interval.total()], world_size=world_size)[:, 0]
+        table = gather_rows([interval.total(), interval.count], world_size=world_size)
         interval.reset()
-        return self.test.add(float(losses.mean()))
+        without = (table[:, 1] == 0).nonzero().flatten().tolist()
+        if without:
+            raise ValueError(f"the LR range test (auto_lr.range_test) needs every step's loss, and rank {without[0]} "
+                             "gave none: pass it to step() on every rank, or observe() the micro-batch losses")
+        return self.test.add(float(table[:, 0].mean()))
 
     @torch.no_grad()
     def restore(self, adapter: EngineAdapter) -> None:

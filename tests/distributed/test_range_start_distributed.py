@@ -18,8 +18,9 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from distributed import run_ranks
-from hdet_scale import HDETConfig, HDETScheduler, ReplicaTopology, multipliers
+from hdet_scale import HDETConfig, HDETEnsemble, HDETScheduler, ReplicaTopology, multipliers
 from hdet_scale.config import AutoLRConfig
+from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.range_test import RangeTest
 from hdet_scale.tools.report import main
 from hdet_scale.tools.report_runs import load_run, sync_records
@@ -181,3 +182,20 @@ def test_controller_settings_the_range_test_leaves_idle_are_told_once():
     assert told["False"][0].startswith("auto_lr.mode, auto_lr.sigma, auto_lr.step_size, auto_lr.scale_max set for ")
     assert "Set auto_lr.range_test to 0" in told["False"][0]
     assert quiet == {"False": [], "True": []}  # rank 0 says it
+
+
+def one_rank_without_a_loss(rank: int, world: int) -> str:
+    config = HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=TEST_STEPS))
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.build(config))
+    hdet.step(1.0)
+    with pytest.raises(ValueError) as refused:
+        hdet.step(1.0 if rank == 0 else None)
+    return str(refused.value)
+
+
+def test_a_rank_without_a_loss_stops_every_rank_in_the_range_test():
+    """The rank without a loss raised before the all-reduce of the step's losses, where the others waited until
+    the collectives' timeout."""
+    messages = run_ranks(one_rank_without_a_loss, 2, timeout=60)
+    assert all("needs every step's loss, and rank 1 gave none" in message for message in messages)
