@@ -268,10 +268,13 @@ def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: Rep
     they received the healthy replicas' mean of it too). Returns the scores and the bytes averaged (collective).
 
     When every rank is a replica the score table rides in the average's first bucket: one collective in all.
-    Otherwise (sharded replicas) it is gathered over all ranks first, so that every rank of a replica knows whether
-    the replica contributes. Nothing is written when no replica is healthy: the sync raises instead."""
+    Otherwise (sharded replicas, or the optimizer state among ``tensors``) it is gathered over all ranks first, so
+    that every rank of a replica knows whether the replica contributes, and every rank that the tensors to average
+    differ (``check_same_elements``). Nothing is written when no replica is healthy: the sync raises instead."""
     topo = topology
-    rides = topo.num_replicas > 1 and topo.ranks_per_replica == 1  # the cross-replica group is every rank
+    # the cross-replica group is every rank, and the tensors are alike there (the optimizer state need not be: it
+    # is made at a parameter's first step, which a replica may not have taken yet)
+    rides = topo.num_replicas > 1 and topo.ranks_per_replica == 1 and not with_optimizer_state
     if rides:
         table = torch.zeros(topo.world_size, len(row), dtype=torch.float64)
         table[topo.rank] = torch.tensor(row, dtype=torch.float64)
@@ -280,6 +283,7 @@ def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: Rep
         table, gathering = start_gather_rows(row, world_size=topo.world_size)
         if gathering is not None:
             gathering.wait()
+        check_same_elements(table.cpu(), topo, step)
         healthy = bool(table[topo.replica_ranks(topo.replica_index), 2].all())
     found: list[ReplicaScores] = []
 
@@ -301,6 +305,27 @@ def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: Rep
         logger.warning("HDET step %d: replicas %s had non-finite values and were left out of the average",
                        step, found[0].excluded)
     return found[0], sent
+
+
+ELEMENTS_COLUMN = 4
+"""The score table's column of how many elements each rank averages (``ReplicaScorer.row``)."""
+
+
+def check_same_elements(table: torch.Tensor, topology: ReplicaTopology, step: int) -> None:
+    """A ValueError on every rank (each reads the whole ``table``) where ranks that average together hold different
+    numbers of elements: their buckets would not line up, and the collective would hang or mix unrelated values."""
+    for position in range(topology.ranks_per_replica):
+        ranks = topology.cross_replica_ranks(position)
+        counts = table[ranks, ELEMENTS_COLUMN].tolist()
+        if len(set(counts)) > 1:
+            other = next(index for index, count in enumerate(counts) if count != counts[0])
+            raise ValueError(
+                f"HDET sync at step {step}: the replicas hold different tensors to average (rank {ranks[0]}: "
+                f"{counts[0]:.0f} elements, rank {ranks[other]}: {counts[other]:.0f}); nothing was averaged. Every "
+                "replica must train the same model; with average_optimizer_state, the optimizer makes a parameter's "
+                "state at its first step, which a replica may not have taken yet (its fp16 steps skipped, or no "
+                "gradient reached the parameter there): set average_optimizer_state to false, so that each replica "
+                "keeps its own")
 
 
 def _flat_view(tensor: torch.Tensor) -> torch.Tensor:

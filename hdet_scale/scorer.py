@@ -51,13 +51,13 @@ class ReplicaScorer:
     def row(self, tensors: list[torch.Tensor], state: list[torch.Tensor], adapter: EngineAdapter) -> list[float]:
         """This rank's row of the sync's score table: its interval loss sum and step count, whether ``tensors``
         (what the sync averages) and ``state`` (the optimizer state it does not) are all finite (else its replica
-        is left out of the average; a non-finite loss alone is only the worst score), and its probe loss (NaN: no
-        probe) on its weights averaged over the window."""
+        is left out of the average; a non-finite loss alone is only the worst score), its probe loss (NaN: no
+        probe) on its weights averaged over the window, and how many elements ``tensors`` hold."""
         healthy = all_finite(tensors) and all_finite(state)
         with self._window.swapped_in(adapter.averaged_tensors(), adapter.after_average):
             probe = self._run_probe()
         return [self.interval.total(), float(self.interval.count), float(healthy),
-                math.nan if probe is None else probe]
+                math.nan if probe is None else probe, float(sum(tensor.numel() for tensor in tensors))]
 
     def _run_probe(self) -> float | None:
         if self.probe is None:

@@ -512,3 +512,29 @@ def test_a_loss_scaler_sees_an_overflow_on_every_rank_and_steps_past_one_on_some
         every_rank, rank_0_only = result["seen"]
         assert every_rank == {"stepped": False, "scale": 2.0**15, "grads_finite": False}  # skipped, scale halved
         assert rank_0_only == {"stepped": True, "scale": 2.0**15, "grads_finite": True}  # rank 1's gradient
+
+
+def optimizer_state_made_in_one_replica_only(rank: int, world: int, per_replica: int) -> str:
+    config = HDETConfig(sync_interval=2, ranks_per_replica=per_replica, gradient_mode="local",
+                        average_optimizer_state=True, auto_lr=lr_held_at_given())
+    used, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(5))
+    optimizer = torch.optim.SGD([used, unused], lr=0.1, momentum=0.9)
+    hdet = attach(None, optimizer, config, topology=ReplicaTopology.build(config))
+    for step in (1, 2):
+        used.grad = torch.ones(3)
+        unused.grad = torch.ones(5) if rank < per_replica else None  # no gradient reaches it in replica 1
+        optimizer.step()
+        if step == 1:
+            hdet.step(1.0)
+    with pytest.raises(ValueError) as refused:
+        hdet.step(1.0)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("per_replica", [1, 2])
+def test_replicas_with_different_optimizer_state_are_refused_on_every_rank(per_replica):
+    """The optimizer makes a parameter's state at its first step: where one replica had not taken it, the ranks
+    averaged buckets of different sizes (gloo failed, NCCL hangs or mixes unrelated values)."""
+    messages = run_ranks(optimizer_state_made_in_one_replica_only, 2 * per_replica, per_replica, timeout=60)
+    assert all(message.startswith("HDET sync at step 2: the replicas hold different tensors to average (rank 0: "
+                                  "16 elements, rank") for message in messages)
