@@ -263,7 +263,8 @@ def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) ->
     others = [name for name in schedule["values"] if optimizer_entry(name) is None]
     if others:
         raise ValueError(f"--replay_schedule {args.replay_schedule} also explored {others}: train.py replays LRs "
-                         "and weight decays only; export a run that explored those, or set them by hand")
+                         "and weight decays only; remove those entries from the file's \"values\" and give the "
+                         "values you want by hand (e.g. --dropout)")
     if "scheduler" in (ds_config or {}):
         raise ValueError("--replay_schedule and the DeepSpeed JSON's \"scheduler\" both set the LR: remove one")
 
@@ -280,9 +281,10 @@ def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> 
         if args.hdet_config or section is not None:
             raise ValueError("--replay_schedule trains without HDET: drop --hdet_config (or the DeepSpeed JSON's "
                              "\"hdet\" section)")
-        # One replica over every rank: plain FSDP2 / ZeRO. Its syncs only write the metrics lines (the applied
-        # LRs), at every checkpoint and evaluation step, else once at the end.
-        every = math.gcd(args.checkpoint_interval, args.eval_interval) or args.steps
+        # One replica over every rank: plain FSDP2 / ZeRO. Its syncs only write the metrics lines (the training
+        # loss, the applied LRs): as often as an HDET run of this length would, and at every checkpoint and
+        # evaluation step.
+        every = math.gcd(sync_interval_for_run(args.steps), args.checkpoint_interval, args.eval_interval)
         return {"metrics_path": str(Path(args.out) / "hdet_metrics.jsonl"), "alpha": 0.0, "sync_interval": every,
                 "ranks_per_replica": int(os.environ.get("WORLD_SIZE", 1)),
                 "auto_lr": {"enabled": False, "range_test": 0}}, False

@@ -320,7 +320,14 @@ def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(t
     # a replayed schedule replaces the warm-up: --warmup_steps (default 30) above its 10 steps is no matter
     schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
                                     "values": {"lr/0": [1e-3] * 10}}))
-    assert plan(parse_args(["--replay_schedule", str(schedule), "--steps", "10"])).config.sync_interval == 10
+    # its metrics lines (the training loss) as often as an HDET run's, and at every checkpoint and evaluation
+    assert plan(parse_args(["--replay_schedule", str(schedule), "--steps", "10"])).config.sync_interval == 1
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 1500,
+                                    "values": {"lr/0": [1e-3] * 1500}}))
+    replay = ["--replay_schedule", str(schedule), "--steps", "1500"]
+    assert plan(parse_args(replay)).config.sync_interval == 25
+    assert plan(parse_args([*replay, "--checkpoint_interval", "100", "--eval_interval", "10"])).config.sync_interval \
+        == 5
 
 
 @pytest.mark.usefixtures("single_process")
