@@ -148,8 +148,9 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
         # Only paper mode decays to the floor: in the others a group at max_lr 0 (a frozen one) has none to give.
         floors = ([PaperDecay(total_steps=self.total_steps, floor=group["min_lr"]) for group in optimizer.param_groups]
                   if config.auto_lr.mode == "paper" else None)
-        self.hdet = HDETEnsemble(config.for_run(self.total_steps), DDPAdapter(optimizer, model), topology=topology,
-                                 paper_decay=floors, state=None if state is None else state["hdet_state"])
+        self.hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology, paper_decay=floors,
+                                 total_steps=self.total_steps,
+                                 state=None if state is None else state["hdet_state"])
         if state is not None:
             OneCycleLR.load_state_dict(self, {key: value for key, value in state.items() if key != "hdet_state"})
 

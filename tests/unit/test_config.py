@@ -435,6 +435,24 @@ def test_a_controller_that_starts_past_the_runs_end_says_it_never_moves(auto_lr)
         hdet.close()
 
 
+def test_one_cycle_warns_of_a_controller_that_starts_after_its_run():
+    """HDETOneCycleLR knows its run's length but did not pass it on: the paper's controller, from step 100,000,
+    stayed off in a run of 1,000 steps without a word."""
+    import torch
+
+    from hdet_scale import HDETOneCycleLR
+    from hdet_scale.topology import ReplicaTopology
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=1000, hdet_config=HDETConfig.paper(),
+                                   topology=ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1))
+    assert any("starts at step 100000 (auto_lr.start) and this run has 1000 steps" in str(warning.message)
+               for warning in caught)
+    scheduler.hdet.close()
+
+
 def test_a_controller_that_would_never_leave_its_low_start_is_refused():
     """With no sync between the controller's start and stop, a start at a tenth of the LR held for the whole run:
     train.py used to train 300 steps at 0.1 x --lr after a warning that did not say so."""
