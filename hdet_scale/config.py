@@ -255,9 +255,24 @@ class HDETConfig:
     @classmethod
     def paper(cls, **changes: Any) -> HDETConfig:
         """The paper's settings (section 4): alpha 1/9 on a linear spread, T = 1000, the ``paper`` controller
-        from step 100,000 with sigma 0.1 and lambda 0.5; ``changes`` replace top-level fields."""
-        return dataclasses.replace(cls(alpha=1.0 / 9.0, spread="linear", sync_interval=1000,
-                                       auto_lr=AutoLRConfig(mode="paper", start=100_000)), **changes)
+        from step 100,000 with sigma 0.1 and lambda 0.5; ``changes`` on top, as ``changed`` takes them
+        (``paper(auto_lr={"start": 5000})`` keeps the paper's controller)."""
+        return cls(alpha=1.0 / 9.0, spread="linear", sync_interval=1000,
+                   auto_lr=AutoLRConfig(mode="paper", start=100_000)).changed(**changes)
+
+    def changed(self, **changes: Any) -> HDETConfig:
+        """This config with ``changes`` on top (validated): a section given as a mapping changes the fields it names
+        (``auto_lr={"start": 5000}``), one given as its dataclass (``AutoLRConfig(...)``) replaces the section, any
+        other value replaces its field."""
+        merged = self.to_dict()
+        for key, value in changes.items():
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                merged[key] = dataclasses.asdict(value)
+            elif isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}
+            else:
+                merged[key] = value
+        return type(self).from_dict(merged)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> HDETConfig:

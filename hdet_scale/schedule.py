@@ -37,17 +37,7 @@ def resolve_config(source: ConfigSource, overrides: Mapping[str, Any]) -> HDETCo
     """A validated config from ``source`` with keyword ``overrides`` on top: a nested section given as a dict
     changes the fields it names, one given as its dataclass (``AutoLRConfig(...)``) replaces the section."""
     config = load_config(source)
-    if not overrides:
-        return config
-    merged = config.to_dict()
-    for key, value in overrides.items():
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            merged[key] = dataclasses.asdict(value)
-        elif isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return load_config(merged)
+    return load_config(config.changed(**overrides)) if overrides else config
 
 
 class HDETScheduler(HDETHandle):

@@ -33,6 +33,10 @@ def test_the_papers_settings():
         ("paper", 100_000, None, 0.9, 0.1, 0.5, 1.0)
     assert config.warm_init.nu == 0.01 and config.gradient_mode == "global"
     assert HDETConfig.paper(sync_interval=50).sync_interval == 50
+    # a section given as a mapping changes the fields it names: the paper's controller stays (it became 'log')
+    changed = HDETConfig.paper(auto_lr={"start": 5000}).auto_lr
+    assert (changed.mode, changed.start) == ("paper", 5000)
+    assert HDETConfig.paper(auto_lr=AutoLRConfig(start=5000)).auto_lr.mode == "log"  # a whole section replaces
 
 
 @pytest.mark.parametrize(("mode", "sigma", "step_size", "range_test", "start_steps", "stop_steps"), [
