@@ -189,8 +189,9 @@ def _check_explored(config: Any) -> None:
         if name == "label_smoothing":
             if knob.base is None:
                 raise HDETConfigError("explore.label_smoothing.base is required: the label smoothing to start "
-                                      "from, in [0, 1)")
-            check_number("explore.label_smoothing.base", knob.base, low=0.0, high=1.0, high_open=True)
+                                      "from, in (0, 1)")
+            check_number("explore.label_smoothing.base", knob.base, low=0.0, high=1.0, low_open=True, high_open=True,
+                         hint="the replicas explore multiples of it, and every multiple of 0 is 0")
         elif knob.base is not None:
             raise HDETConfigError(f"explore.{name}.base is not used: {name} takes its base value from the "
                                   "optimizer or the model; remove it")

@@ -183,9 +183,15 @@ def configured_knobs(explore: ExploreConfig, optimizer: torch.optim.Optimizer, m
     """The knobs ``explore`` asks for besides the LR; a clear error where one cannot apply."""
     knobs: list[Knob] = []
     if explore.weight_decay is not None:
+        # a group without weight decay (the no-decay group of norms and biases) has none to explore: every
+        # multiple of 0 is 0
+        decayed = [(index, name) for index, name in enumerate(group_names(optimizer))
+                   if optimizer.param_groups[index].get("weight_decay", 0.0) != 0]
+        if not decayed:
+            raise HDETConfigError("explore.weight_decay cannot apply: every param group's weight decay is 0; give "
+                                  "the optimizer a weight decay, or remove explore.weight_decay")
         knobs += [OptimizerGroupKnob(f"weight_decay/{name}", optimizer, index, "weight_decay", NON_NEGATIVE,
-                                     explore.weight_decay.alpha)
-                  for index, name in enumerate(group_names(optimizer))]
+                                     explore.weight_decay.alpha) for index, name in decayed]
     for name, find, value_bounds in (("dropout", dropout_targets, PROBABILITY),
                                      ("attention_scale", attention_scale_targets, POSITIVE)):
         setting = getattr(explore, name)

@@ -117,12 +117,32 @@ def test_knob_guard_rails_and_clear_errors():
         HDETEnsemble(config, DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
     with pytest.raises(HDETConfigError, match="explore.label_smoothing.base is required"):
         HDETConfig.from_dict({"explore": {"label_smoothing": {"alpha": 0.1}}})
+    with pytest.raises(HDETConfigError, match=r"label_smoothing.base must be a number in \(0.0, 1.0\), got 0.0 \(the "
+                                              r"replicas explore multiples of it, and every multiple of 0 is 0\)"):
+        HDETConfig.from_dict({"explore": {"label_smoothing": {"base": 0.0}}})
     with pytest.raises(HDETConfigError, match="explore.dropout.base is not used"):
         HDETConfig.from_dict({"explore": {"dropout": {"base": 0.1}}})
     with pytest.raises(HDETConfigError, match="unknown HDET setting 'explore.temperature'"):
         HDETConfig.from_dict({"explore": {"temperature": {}}})
     with pytest.raises(HDETConfigError, match=r"explore.weight_decay.alpha must be a number in \(0.0, 1.0\)"):
         HDETConfig.from_dict({"spread": "linear", "explore": {"weight_decay": {"alpha": 1.0}}})
+
+
+def test_weight_decay_is_explored_in_the_groups_that_have_one():
+    """A group at weight decay 0 (the no-decay group of norms and biases) was explored: every multiple of 0 is 0,
+    so the controller spent its updates on a value that never changed."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    optimizer = torch.optim.AdamW([{"params": model[0].parameters(), "name": "decay", "weight_decay": 0.1},
+                                   {"params": model[1].parameters(), "name": "no_decay", "weight_decay": 0.0}], lr=1e-3)
+    config = HDETConfig.from_dict({"explore": {"weight_decay": {"alpha": 0.5}}, "auto_lr": LR_HELD_AT_GIVEN})
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
+    assert hdet.explores("weight_decay/decay") and not hdet.explores("weight_decay/no_decay")
+    hdet.close()
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    with pytest.raises(HDETConfigError, match="explore.weight_decay cannot apply: every param group's weight decay "
+                                              "is 0"):
+        HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
 
 
 def test_an_explored_value_needs_a_spread_the_spread_allows():
