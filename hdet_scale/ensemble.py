@@ -82,7 +82,7 @@ class HDETEnsemble:
             self._explore(knob)
         self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
         self._step = 0
-        self._last_sync_step: int | None = 0  # the start counts: replicas are identical there (unless noised)
+        self._last_sync_step: int | None = 0  # set by _start_from_weights, or by a loaded state
         self._scorer = ReplicaScorer(config.auto_lr, config.sync_interval)
         self._warned_no_loss = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
@@ -90,16 +90,11 @@ class HDETEnsemble:
         self._last_report: SyncReport | None = None
         # add_knob values of a loaded state, by name: restored when add_knob adds them, before the first step
         self._awaited_knobs: dict[str, tuple[Mapping[str, Any], bool]] = {}
-        if config.warm_init.enabled and state is None:
-            add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
-            self._last_sync_step = None  # the replicas differ until the first sync
         self._range_start: RangeTestStart | None = None
         self.range_test_pick: float | None = None
         """The LR the run's range test picked (``auto_lr.range_test``), once it has run; None without one."""
-        if config.auto_lr.range_test and state is None:
-            self._range_start = RangeTestStart(RangeTest(config.auto_lr.range_test),
-                                               [tensor.detach().clone() for tensor in adapter.averaged_tensors()],
-                                               adapter.peak_lrs())
+        if state is None:
+            self._start_from_weights()
         step_scoped = [explored for explored in self._explored if explored.knob.step_scoped]
         self._step_scoped = StepScopedValues(
             adapter.optimizer, [(explored.knob.group_index, explored.knob.key) for explored in step_scoped],
@@ -120,6 +115,31 @@ class HDETEnsemble:
                                         explores_others=self._explores_others)
         if self.topology.rank == 0 and late_start:
             warn(late_start)
+
+    def _start_from_weights(self) -> None:
+        """A fresh start from the weights the replicas hold now (alike on every rank): each replica's warm-init
+        noise, and the range test's copy of them to come back to."""
+        config, adapter = self.config, self.adapter
+        self._last_sync_step = 0  # the start counts: replicas are identical there (unless noised)
+        if config.warm_init.enabled:
+            add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
+            self._last_sync_step = None  # the replicas differ until the first sync
+        if config.auto_lr.range_test:
+            self._range_start = RangeTestStart(RangeTest(config.auto_lr.range_test),
+                                               [tensor.detach().clone() for tensor in adapter.averaged_tensors()],
+                                               adapter.peak_lrs())
+
+    def weights_loaded(self, what: str) -> None:
+        """Takes weights loaded into every replica alike after HDET attached, without HDET's state (``what``: the
+        load, for the error). Before the first step the run starts afresh from them (collective with warm init):
+        each replica's warm-init noise, and the LR range test comes back to them, not to the weights HDET attached
+        to. During the range test a RuntimeError: it would come back to the earlier weights. Later nothing: the
+        next sync averages the replicas as they are."""
+        if self._range_start is not None and self._range_start.test.lrs:
+            raise RuntimeError(f"{what} during the LR range test (auto_lr.range_test), which would put back the "
+                               "weights it started from: load the weights to start from before the first step")
+        if not self._step:
+            self._start_from_weights()
 
     @property
     def single_replica_warning(self) -> str | None:

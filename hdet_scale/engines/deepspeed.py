@@ -339,12 +339,13 @@ class HDETDeepSpeed(HDETHandle):
         if path is None:
             return None, None
         client_state = dict(client_state or {})
-        if not reads_state:
-            client_state.pop("hdet", None)
-        elif "hdet" in client_state or needs_hdet_state:
+        if reads_state and ("hdet" in client_state or needs_hdet_state):
             self.load_state_dict(_hdet_state(client_state, path))
             del client_state["hdet"]
-        elif self.topology.rank == 0:
+            return path, client_state
+        client_state.pop("hdet", None)
+        self.ensemble.weights_loaded(f"loading the weights of '{path}'")
+        if reads_state and self.topology.rank == 0:
             warn(f"the DeepSpeed checkpoint at '{path}' holds no HDET state (it was saved without HDET): HDET starts "
                  "afresh from its weights")
         return path, client_state

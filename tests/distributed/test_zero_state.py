@@ -393,3 +393,44 @@ def test_a_save_into_an_existing_tag_that_fails_leaves_the_one_before_whole(tmp_
         assert "No space left on device" in seen["failed"]
         assert seen == {"failed": seen["failed"], "kept": True, "replaced": True,
                         "recovered": ["last", "latest"], "states_differ": True}
+
+
+def range_test_after_loading_weights(rank: int, world: int, directory: str, module_only: bool) -> list[bool]:
+    import deepspeed
+    from torch.nn.utils import parameters_to_vector
+
+    from hdet_scale import HDETConfig, ReplicaTopology
+    from hdet_scale.engines import deepspeed as hdet_deepspeed
+    from hdet_scale.engines.zero import ReplicaMPU
+
+    def model_and_optimizer(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": 1}}
+    mpu = ReplicaMPU(ReplicaTopology.build(HDETConfig(ranks_per_replica=1)))
+    model, optimizer = model_and_optimizer(seed=1)  # the pretrained weights a fine-tune starts from
+    with hdet_deepspeed.replica_groups(mpu):
+        plain, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+        plain.save_checkpoint(f"{directory}/rank{rank}", "pretrained")
+    pretrained = parameters_to_vector(plain.module.parameters()).detach().clone()
+
+    model, optimizer = model_and_optimizer(seed=2)
+    hdet = {"ranks_per_replica": 1, "sync_interval": 5, "auto_lr": {"range_test": 13}}
+    engine, *_ = hdet_deepspeed.initialize(model=model, optimizer=optimizer, config={**config, "hdet": hdet})
+    engine.load_checkpoint(f"{directory}/rank{rank}", "pretrained", load_module_only=module_only)
+    loaded = torch.equal(parameters_to_vector(engine.module.parameters()), pretrained)
+    generator = torch.Generator().manual_seed(rank)
+    while engine.hdet.ramping:
+        engine.backward(engine(torch.randn(2, 8, generator=generator)).pow(2).mean())
+        engine.step()
+    return [loaded, torch.equal(parameters_to_vector(engine.module.parameters()), pretrained)]
+
+
+@pytest.mark.parametrize("module_only", [True, False], ids=["load_module_only", "checkpoint without HDET"])
+def test_the_range_test_comes_back_to_weights_loaded_after_initialize(tmp_path, module_only):
+    """The range test kept the weights HDET attached to: a fine-tune that loaded its pretrained weights after
+    deepspeed.initialize was back at its random start after the test."""
+    assert run_ranks(range_test_after_loading_weights, 2, str(tmp_path), module_only) == [[True, True]] * 2
