@@ -126,6 +126,15 @@ class HDETDeepSpeed(HDETHandle):
             with replica_groups(engine.mpu):
                 return backward(loss, *args, **kwargs)
 
+        prologue = engine._backward_prologue
+
+        def engine_backward_only(*args: Any, **kwargs: Any) -> Any:
+            # ZeRO-1/2/3 run a loss.backward() called directly through hooks: HDET would see no loss
+            if not (self._closed or engine._running_engine_backward):
+                raise RuntimeError("HDET under DeepSpeed reads each micro-batch's loss in engine.backward(loss): "
+                                   "call it instead of loss.backward() (or engine.scale(loss).backward())")
+            return prologue(*args, **kwargs)
+
         def replica_step(*args: Any, **kwargs: Any) -> Any:
             self._synced_in_step = False
             with replica_groups(engine.mpu):
@@ -166,6 +175,7 @@ class HDETDeepSpeed(HDETHandle):
             return self._load(load_dir, tag, needs_hdet_state=False, **kwargs)
 
         engine.backward = observing_backward
+        engine._backward_prologue = engine_backward_only
         engine.step = replica_step
         engine._take_model_step = hdet_model_step
         # A training script's own checkpoint calls save and load HDET's state and each replica's files too.

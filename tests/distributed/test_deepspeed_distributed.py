@@ -388,3 +388,19 @@ def test_the_lr_range_test_runs_on_zero_with_deepspeeds_schedule_held():
         assert result["found"] == pytest.approx(scale)
         for used, scheduled, multiplier in result["run"]:
             assert used == pytest.approx(scheduled * scale * multiplier, rel=1e-6)
+
+
+def direct_backward(rank: int, world: int, stage: int) -> str:
+    engine = build(ds_config(stage, hdet={"sync_interval": 2}), seed=0)
+    loss = engine(micro_batch(rank, 0, 0, torch.float32)).pow(2).mean()
+    with pytest.raises(RuntimeError) as refused:
+        engine.scale(loss).backward()
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_direct_backward_is_refused_before_any_gradient(stage):
+    """ZeRO-1/2/3 take loss.backward() called directly: HDET saw no loss, so its range test stopped the run and its
+    controller never moved."""
+    for message in run_ranks(direct_backward, 2, stage, timeout=120):
+        assert "HDET under DeepSpeed reads each micro-batch's loss in engine.backward(loss)" in message
