@@ -256,7 +256,7 @@ class HDETDeepSpeed(HDETHandle):
         states_differ = self.ensemble.optimizer_states_differ()  # collective: on every rank
         writes_own_state = self.topology.replica_index > 0 and states_differ
         target = Path(save_dir) / tag
-        self._on_storage_owner(lambda: start_replacement(target), f"preparing the checkpoint {tag}")
+        on_rank0(lambda: start_replacement(target), f"preparing the checkpoint {tag}")
         replacing = on_rank0(target.exists, f"looking for the checkpoint {tag}", share_result=True)
         written = replacement_folders(target)[0] if replacing else target
 
@@ -297,17 +297,11 @@ class HDETDeepSpeed(HDETHandle):
         file_work_together(lambda: fsync_tree(written), f"flushing the checkpoint {tag} to the disk",
                            here=int(os.environ.get("LOCAL_RANK", 0)) == 0)
         if replacing:
-            self._on_storage_owner(lambda: replace_folder_durably(written, target),
+            on_rank0(lambda: replace_folder_durably(written, target),
                                    f"putting the checkpoint {tag} in place")
         if save_latest:
             on_rank0(lambda: write_text_durably(Path(save_dir) / "latest", tag), f"pointing 'latest' at {tag}")
         return tag
-
-    def _on_storage_owner(self, work: Callable[[], Any], what: str) -> None:
-        """``work()`` where the checkpoint folders are: on global rank 0, or on each node's first rank where
-        DeepSpeed keeps checkpoints on node-local storage; every rank learns whether it failed (collective)."""
-        owner = int(os.environ.get("LOCAL_RANK", 0)) if self.engine.use_node_local_storage() else self.topology.rank
-        file_work_together(work, what, here=owner == 0)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         **kwargs: Any) -> tuple[str, dict[str, Any]]:
@@ -336,7 +330,7 @@ class HDETDeepSpeed(HDETHandle):
         tag = on_rank0(lambda: self._tag_to_load(str(load_dir), tag), "reading the checkpoint's tag",
                        share_result=True)
         if tag is not None:  # a kill between the two renames of a save into this tag: the complete one in place
-            self._on_storage_owner(lambda: recover_replaced_folder(Path(load_dir) / tag),
+            on_rank0(lambda: recover_replaced_folder(Path(load_dir) / tag),
                                    f"recovering the checkpoint {tag}")
         found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, reads_state, needs_hdet_state),
                                   "checking the checkpoint's HDET state", share_result=True)

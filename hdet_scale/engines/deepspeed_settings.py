@@ -86,10 +86,14 @@ def zero_section(ds_config: Mapping[str, Any]) -> Mapping[str, Any]:
     return zero
 
 
+FP16_NAMES = ("torch.float16", "fp16", "float16", "half")
+"""How the DeepSpeed JSON may name float16 (DeepSpeed's own spellings)."""
+
+
 def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None) -> None:
     """Raises, naming the setting, for a DeepSpeed JSON HDET cannot run with (offload, hpZ, qgZ, tensor or expert
-    parallelism, fp16) and, with ``world_size``, for batch sizes that do not add up over all ranks: before any
-    process group exists."""
+    parallelism, fp16, node-local or background checkpoint writers) and, with ``world_size``, for batch sizes that
+    do not add up over all ranks: before any process group exists."""
     zero = zero_section(ds_config)
     for section in ("offload_optimizer", "offload_param"):
         device = (zero.get(section) or {}).get("device", "none")
@@ -119,8 +123,21 @@ def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None)
     if (ds_config.get("expert_parallel") or {}).get("enabled", False):
         raise HDETConfigError("expert_parallel.enabled is not supported with HDET: DeepSpeed's expert parallelism "
                               "builds its own groups across the replicas; remove it")
-    if (ds_config.get("fp16") or {}).get("enabled", False):
-        raise HDETConfigError("fp16.enabled: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
+    checkpoint = ds_config.get("checkpoint") or {}
+    if checkpoint.get("use_node_local_storage", False):
+        raise HDETConfigError("checkpoint.use_node_local_storage is not supported with HDET: the replicas write one "
+                              "checkpoint together (replica 0 the model, the others their own optimizer state beside "
+                              "it), which every node must see to resume; remove it and save to a shared file system")
+    decoupled = (checkpoint.get("writer") or {}).get("decoupled", False)
+    if decoupled or ds_config.get("datastates_ckpt") not in (None, False):
+        where = "checkpoint.writer.decoupled" if decoupled else "datastates_ckpt"
+        raise HDETConfigError(f"{where}: HDET puts a checkpoint in place and names it 'latest' once its files are on "
+                              "the disk, and this writer writes them later, in the background; remove it")
+    autocast = ds_config.get("torch_autocast") or {}
+    if (ds_config.get("fp16") or {}).get("enabled", False) or (
+            autocast.get("enabled", False) and str(autocast.get("dtype", "")).lower() in FP16_NAMES):
+        where = "fp16.enabled" if (ds_config.get("fp16") or {}).get("enabled", False) else "torch_autocast.dtype"
+        raise HDETConfigError(f"{where}: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
                               "use \"bf16\": {\"enabled\": true}")
     if world_size is not None:
         _check_batch_sizes(ds_config, world_size)
