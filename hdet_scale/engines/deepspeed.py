@@ -297,8 +297,7 @@ class HDETDeepSpeed(HDETHandle):
         file_work_together(lambda: fsync_tree(written), f"flushing the checkpoint {tag} to the disk",
                            here=int(os.environ.get("LOCAL_RANK", 0)) == 0)
         if replacing:
-            on_rank0(lambda: replace_folder_durably(written, target),
-                                   f"putting the checkpoint {tag} in place")
+            on_rank0(lambda: replace_folder_durably(written, target), f"putting the checkpoint {tag} in place")
         if save_latest:
             on_rank0(lambda: write_text_durably(Path(save_dir) / "latest", tag), f"pointing 'latest' at {tag}")
         return tag
@@ -329,9 +328,10 @@ class HDETDeepSpeed(HDETHandle):
         # could see different 'latest' files or replica folders and load different checkpoints, or hang.
         tag = on_rank0(lambda: self._tag_to_load(str(load_dir), tag), "reading the checkpoint's tag",
                        share_result=True)
-        if tag is not None:  # a kill between the two renames of a save into this tag: the complete one in place
-            on_rank0(lambda: recover_replaced_folder(Path(load_dir) / tag),
-                                   f"recovering the checkpoint {tag}")
+        if tag is None:  # none found by rank 0: DeepSpeed would read 'latest' on each rank, and another may see one
+            return None, None
+        # a kill between the two renames of a save into this tag: the complete one in place
+        on_rank0(lambda: recover_replaced_folder(Path(load_dir) / tag), f"recovering the checkpoint {tag}")
         found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, reads_state, needs_hdet_state),
                                   "checking the checkpoint's HDET state", share_result=True)
         self._saved_replicas_given = found_replicas
@@ -354,7 +354,7 @@ class HDETDeepSpeed(HDETHandle):
                  "afresh from its weights")
         return path, client_state
 
-    def _read_checkpoint(self, load_dir: str, tag: str | None, reads_state: bool,
+    def _read_checkpoint(self, load_dir: str, tag: str, reads_state: bool,
                          needs_hdet_state: bool) -> int | None:
         """Rank 0's reading of the checkpoint ``tag`` to load: how many replicas wrote it, None where it is not found
         (DeepSpeed then reports it). Refuses, before DeepSpeed reads a byte of its shards, a
@@ -362,7 +362,7 @@ class HDETDeepSpeed(HDETHandle):
         or that has none where ``needs_hdet_state``: the state sits in replica 0's first model file, which is
         memory-mapped here, so only the state is read. Where that file is not found (a universal checkpoint) the state
         is checked after the load."""
-        if tag is None or not os.path.isdir(os.path.join(load_dir, tag)):
+        if not os.path.isdir(os.path.join(load_dir, tag)):
             return None
         path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
         if reads_state and os.path.isfile(path):

@@ -10,9 +10,11 @@ This file holds the tests on gloo ranks; the tests that start no process are in 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_deepspeed import MICRO_BATCHES, ds_config, tiny_model
 from torch import nn
 
@@ -404,3 +406,26 @@ def test_a_direct_backward_is_refused_before_any_gradient(stage):
     controller never moved."""
     for message in run_ranks(direct_backward, 2, stage, timeout=120):
         assert "HDET under DeepSpeed reads each micro-batch's loss in engine.backward(loss)" in message
+
+
+def latest_seen_by_one_rank(rank: int, world: int, directory: str) -> list:
+    import shutil
+
+    engine = build(ds_config(0, hdet={"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}), seed=0)
+    train_step(engine, rank, 1)
+    engine.save_checkpoint(f"{directory}/shared")
+    dist.barrier()
+    own = Path(directory) / f"rank{rank}"
+    if rank == 1:  # rank 1's view of the file system (a stale cache, say) has the checkpoint; rank 0's has none
+        shutil.copytree(f"{directory}/shared", own / "checkpoints")
+    else:
+        (own / "checkpoints").mkdir(parents=True)
+    dist.barrier()
+    os.chdir(own)
+    return list(engine.load_checkpoint("checkpoints"))
+
+
+def test_a_load_follows_rank_0s_finding_that_there_is_no_checkpoint(tmp_path):
+    """Where rank 0 found no 'latest', DeepSpeed read 'latest' again on each rank: a rank that saw one loaded while
+    rank 0 returned (None, None), and the two went on into different collectives."""
+    assert run_ranks(latest_seen_by_one_rank, 2, str(tmp_path), timeout=120) == [[None, None]] * 2
