@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hdet_scale.averaging import average_tensors
-from hdet_scale.comm import broadcast_from_rank0, file_work_together, on_rank0, raise_together
+from hdet_scale.comm import broadcast_from_rank0, cpu_group, file_work_together, on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.durable import (
@@ -100,16 +100,24 @@ class HDETDeepSpeed(HDETHandle):
         self._saved_replicas_given: int | None = None  # replicas whose files the checkpoint being loaded has
         self._synced_in_step = False
         self._closed = False  # close(): the engine's steps are DeepSpeed's alone, inside the replica
+        self._restore_file_names: Callable[[], None] = lambda: None  # close() gives DeepSpeed its own back
         if topology.replica_index > 0:
             # DeepSpeed names checkpoint files by the rank inside the replica, so replicas would overwrite each
             # other. Where optimizer states differ (local mode) every other replica writes its own files next to
             # replica 0's. ZeRO-1/2/3 keep it in their ZeRO files, and only replica 0 writes the model (identical
             # at syncs); ZeRO-0 keeps it in the model file itself, which every replica then writes.
+            writes_model = engine.save_non_zero_checkpoint
             if engine.zero_optimization():
                 engine.save_non_zero_checkpoint = False
             own_file = "_get_rank_zero_ckpt_name" if engine.zero_optimization() else "_get_ckpt_name"
             shared_name = getattr(engine, own_file)
             setattr(engine, own_file, lambda *args, **kwargs: self._replica_file(shared_name(*args, **kwargs)))
+
+            def restore_file_names() -> None:
+                engine.save_non_zero_checkpoint = writes_model
+                delattr(engine, own_file)  # the class's method again
+
+            self._restore_file_names = restore_file_names
         self._ensemble = HDETEnsemble(config, self.adapter, topology=topology, paper_decay=paper_decay)
         self._install(engine)
 
@@ -164,7 +172,12 @@ class HDETDeepSpeed(HDETHandle):
                                  client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
                                  **kwargs: Any) -> Any:
             if self._closed:
-                return self._deepspeed_save(save_dir, tag, client_state or {}, save_latest, **kwargs)
+                self._check_own_directory(save_dir)
+                saved = self._deepspeed_save(save_dir, tag, client_state or {}, save_latest, **kwargs)
+                if save_latest and self.topology.replica_index and not self.topology.position:
+                    # DeepSpeed names the tag 'latest' on global rank 0 alone: in its directory only
+                    write_text_durably(Path(save_dir) / "latest", str(tag or f"global_step{engine.global_steps}"))
+                return saved
             return self.save_checkpoint(save_dir, tag, client_state, save_latest, **kwargs)
 
         @functools.wraps(self._deepspeed_load)
@@ -186,9 +199,26 @@ class HDETDeepSpeed(HDETHandle):
         """Removes HDET from the engine: its optimizer hooks and every explored value back at its base
         (``HDETEnsemble.close``), and no step records a loss, syncs or averages gradients across replicas any
         more; ``engine.save_checkpoint`` and ``load_checkpoint`` are DeepSpeed's alone. The engine goes on training
-        inside its replica (its collectives stay in the replica's groups)."""
+        inside its replica (its collectives stay in the replica's groups), apart from the others: each replica saves
+        its own checkpoint, into a directory of its own."""
         self._closed = True
+        self._restore_file_names()
         super().close()
+
+    def _check_own_directory(self, save_dir: str | os.PathLike[str]) -> None:
+        """A ValueError on every rank where replicas that train apart (after ``close``) would write DeepSpeed's files
+        into one directory, over each other's (collective)."""
+        if self.topology.num_replicas == 1:
+            return
+        directories: list[str | None] = [None] * self.topology.world_size
+        dist.all_gather_object(directories, os.path.realpath(save_dir), group=cpu_group())
+        for position in range(self.topology.ranks_per_replica):
+            ranks = self.topology.cross_replica_ranks(position)
+            if len({directories[rank] for rank in ranks}) < len(ranks):
+                raise ValueError(
+                    "engine.save_checkpoint after engine.hdet.close(): the replicas train apart, and two of them "
+                    f"would write DeepSpeed's files into one directory ({directories[ranks[0]]}); give each replica "
+                    "its own (e.g. f'{save_dir}/replica{engine.hdet.topology.replica_index}'), or save before closing")
 
     def _replica_file(self, shared: str) -> str:
         """This replica's optimizer-state file for replica 0's ``shared`` one: in a subfolder, so DeepSpeed's

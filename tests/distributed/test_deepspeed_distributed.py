@@ -429,3 +429,23 @@ def test_a_load_follows_rank_0s_finding_that_there_is_no_checkpoint(tmp_path):
     """Where rank 0 found no 'latest', DeepSpeed read 'latest' again on each rank: a rank that saw one loaded while
     rank 0 returned (None, None), and the two went on into different collectives."""
     assert run_ranks(latest_seen_by_one_rank, 2, str(tmp_path), timeout=120) == [[None, None]] * 2
+
+
+def save_after_close(rank: int, world: int, directory: str) -> tuple[str, list[str]]:
+    engine = build(ds_config(0, hdet={"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}), seed=0)
+    train_step(engine, rank, 1)
+    engine.hdet.close()
+    train_step(engine, rank, 2)  # the replicas train apart
+    with pytest.raises(ValueError) as refused:
+        engine.save_checkpoint(f"{directory}/shared", "apart")
+    own = Path(directory) / f"replica{engine.hdet.topology.replica_index}"
+    engine.save_checkpoint(str(own), "apart")
+    return str(refused.value), sorted(str(path.relative_to(own)) for path in own.rglob("*") if path.is_file())
+
+
+def test_replicas_that_train_apart_after_close_save_each_into_its_own_directory(tmp_path):
+    """After close the replicas kept HDET's file names (every replica but the first writing no model, replica r's
+    names computed as replica 0's) and saved into one directory over each other."""
+    for message, files in run_ranks(save_after_close, 2, str(tmp_path), timeout=120):
+        assert "the replicas train apart, and two of them would write DeepSpeed's files into one directory" in message
+        assert files == ["apart/mp_rank_00_model_states.pt", "latest"]  # DeepSpeed's own names, for each replica
