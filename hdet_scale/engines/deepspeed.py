@@ -425,18 +425,21 @@ class HDETDeepSpeed(HDETHandle):
         from deepspeed.runtime.zero import GatheredParameters
         from deepspeed.utils import safe_get_full_fp32_param
 
-        state = {}
+        state: dict[str, torch.Tensor] = {}
+        gathered: dict[int, torch.Tensor] = {}  # a tied parameter, under each of its names, is gathered once
         masters = self.adapter.whole_masters()  # ZeRO-0, where DeepSpeed's API finds no master
         with replica_groups(self.engine.mpu):
-            for name, param in self.engine.module.named_parameters():
+            for name, param in self.engine.module.named_parameters(remove_duplicate=False):
+                if id(param) in gathered:
+                    state[name] = gathered[id(param)]
+                    continue
                 full = safe_get_full_fp32_param(param)
                 if full is None and hasattr(param, "ds_id"):  # frozen under ZeRO-3: partitioned, no master
                     with GatheredParameters([param]):
-                        state[name] = param.detach().to("cpu", torch.float32, copy=True)  # outlives the gather
-                    continue
-                if full is None:  # ZeRO-0's master (bf16: its fp32 copy), or a frozen parameter as it is
+                        full = param.detach().to("cpu", torch.float32, copy=True)  # outlives the gather
+                elif full is None:  # ZeRO-0's master (bf16: its fp32 copy), or a frozen parameter as it is
                     full = masters.get(id(param), param.detach())
-                state[name] = full.float().cpu().clone()
+                state[name] = gathered[id(param)] = full.float().cpu().clone()
         saved = self.engine.module.state_dict(keep_vars=True).keys()  # persistent buffers only
         for name, buffer in self.engine.module.named_buffers():
             if name in saved:

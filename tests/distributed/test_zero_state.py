@@ -189,14 +189,15 @@ def zero3_frozen_export(rank: int, world: int) -> None:
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 replicas of 2 ranks
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    model[4].weight = model[2].weight  # tied, as a language model's output layer and its embedding
     model[0].requires_grad_(False)  # a frozen layer: ZeRO-3 partitions it, but no optimizer holds a master of it
     frozen = {f"0.{name}": tensor.clone() for name, tensor in model[0].state_dict().items()}
     hdet = {"alpha": 0.5, "spread": "linear", "sync_interval": 1, "ranks_per_replica": 2,
             "auto_lr": {"mode": "scale", "start": 0, "range_test": 0}}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "hdet": hdet}
-    optimizer = torch.optim.AdamW(model[2].parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW([*model[2].parameters(), model[4].bias], lr=0.01)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config)
     loss = engine(torch.randn(2, 5, generator=torch.Generator().manual_seed(rank))).pow(2).mean()
     engine.backward(loss)
@@ -205,9 +206,11 @@ def zero3_frozen_export(rank: int, world: int) -> None:
     for name, tensor in frozen.items():
         assert torch.equal(exported[name], tensor), f"the frozen {name} is not exported as it is"
     assert gather_rows(torch.cat([tensor.reshape(-1) for tensor in exported.values()])).unique(dim=0).shape[0] == 1
+    assert exported.keys() == engine.module.state_dict().keys()  # the tied weight under both its names
+    assert torch.equal(exported["4.weight"], exported["2.weight"])
 
 
-def test_zero3_export_holds_frozen_parameters():
+def test_zero3_export_holds_frozen_and_tied_parameters():
     run_ranks(zero3_frozen_export, 4)
 
 
