@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -168,9 +169,11 @@ class HDETDeepSpeed(HDETHandle):
         # DeepSpeed's signatures stay readable (inspect.signature follows __wrapped__): the Trainer passes
         # exclude_frozen_parameters only where engine.save_checkpoint declares it
         @functools.wraps(self._deepspeed_save)
-        def hdet_save_checkpoint(save_dir: str | os.PathLike[str], tag: str | None = None,
-                                 client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
-                                 **kwargs: Any) -> Any:
+        def hdet_save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            # any of DeepSpeed's arguments may come positionally, as its signature allows
+            kwargs = inspect.signature(self._deepspeed_save).bind(*args, **kwargs).arguments
+            save_dir, tag = kwargs.pop("save_dir"), kwargs.pop("tag", None)
+            client_state, save_latest = kwargs.pop("client_state", None), kwargs.pop("save_latest", True)
             if self._closed:
                 self._check_own_directory(save_dir)
                 saved = self._deepspeed_save(save_dir, tag, client_state or {}, save_latest, **kwargs)
@@ -181,8 +184,9 @@ class HDETDeepSpeed(HDETHandle):
             return self.save_checkpoint(save_dir, tag, client_state, save_latest, **kwargs)
 
         @functools.wraps(self._deepspeed_load)
-        def hdet_load_checkpoint(load_dir: str | os.PathLike[str], tag: str | None = None,
-                                 **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+        def hdet_load_checkpoint(*args: Any, **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+            kwargs = inspect.signature(self._deepspeed_load).bind(*args, **kwargs).arguments
+            load_dir, tag = kwargs.pop("load_dir"), kwargs.pop("tag", None)
             if self._closed:
                 return self._deepspeed_load(load_dir, tag, **kwargs)
             return self._load(load_dir, tag, needs_hdet_state=False, **kwargs)

@@ -422,7 +422,7 @@ def latest_seen_by_one_rank(rank: int, world: int, directory: str) -> list:
         (own / "checkpoints").mkdir(parents=True)
     dist.barrier()
     os.chdir(own)
-    return list(engine.load_checkpoint("checkpoints"))
+    return list(engine.load_checkpoint("checkpoints", None, True, True))  # positionally, as DeepSpeed takes them
 
 
 def test_a_load_follows_rank_0s_finding_that_there_is_no_checkpoint(tmp_path):
@@ -439,7 +439,7 @@ def save_after_close(rank: int, world: int, directory: str) -> tuple[str, list[s
     with pytest.raises(ValueError) as refused:
         engine.save_checkpoint(f"{directory}/shared", "apart")
     own = Path(directory) / f"replica{engine.hdet.topology.replica_index}"
-    engine.save_checkpoint(str(own), "apart")
+    engine.save_checkpoint(str(own), "apart", {}, True, False)  # positionally, as DeepSpeed takes them
     return str(refused.value), sorted(str(path.relative_to(own)) for path in own.rglob("*") if path.is_file())
 
 
