@@ -4,9 +4,9 @@ smooth the losses, and pick the LR where the smoothed loss falls fastest.
 
 The loss is an exponential moving average with ``beta`` 0.98, divided by ``1 - beta^(i+1)`` so the first values
 are not pulled towards zero; the ramp stops once the smoothed loss exceeds ``DIVERGED_OVER_BEST`` times its lowest
-value; the pick is the LR of the most negative slope of the smoothed loss per step, leaving out the first
-``SKIP_BEGIN`` and the last ``SKIP_END`` steps. The ensemble (``HDETEnsemble``) runs it on every replica at once
-and then starts the run again from the weights it had before the test.
+value (``SmoothedLoss.diverged``); the pick is the LR of the most negative slope of the smoothed loss per step,
+leaving out the first ``SKIP_BEGIN`` and the last ``SKIP_END`` steps. The ensemble (``HDETEnsemble``) runs it on
+every replica at once and then starts the run again from the weights it had before the test.
 """
 
 from __future__ import annotations
@@ -54,8 +54,11 @@ class SmoothedLoss:
         return smoothed
 
     def diverged(self, smoothed: float) -> bool:
-        """The ramp stops: ``smoothed`` is above ``DIVERGED_OVER_BEST`` times the best so far (or not finite)."""
-        return not math.isfinite(smoothed) or (self.count > 1 and smoothed > DIVERGED_OVER_BEST * self.best)
+        """The ramp stops: ``smoothed`` is above ``DIVERGED_OVER_BEST`` times the best so far (or not finite); for
+        a loss that goes below 0 (a log-likelihood of continuous data), as far above the best as that is above a
+        positive best: ``DIVERGED_OVER_BEST - 1`` times its size."""
+        rise = smoothed - self.best
+        return not math.isfinite(smoothed) or (self.count > 1 and rise > (DIVERGED_OVER_BEST - 1) * abs(self.best))
 
 
 def steepest_descent(lrs: Sequence[float], smoothed: Sequence[float]) -> float | None:
