@@ -23,6 +23,7 @@ TOKEN_FILE_DEFAULTS = {"token_dtype": "uint16", "vocab_size": None, "heldout_fra
 """The settings of a token file alone (``load_corpus``'s arguments, train.py's flags) and their defaults."""
 HELDOUT_EVERY = 20  # text sources: every 20th file is held out whole
 VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary when a token file is opened
+VOCAB_CHECK_RUNS = 256  # in runs of contiguous tokens, spread evenly over the file
 TEXT_CHECK_BYTES = 4096
 """The first bytes of a token file read to tell it from text."""
 PRINTABLE_BYTES = frozenset(b"\t\n\r" + bytes(range(32, 127)))
@@ -106,7 +107,8 @@ def _more_text(max_bytes: int | None, *, read: int, otherwise: str) -> str:
 def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
     files = sorted(p for p in root.rglob("*") if _is_text_file(p))
     if not files:
-        raise ValueError(f"--data {root}: no text files ({', '.join(sorted(TEXT_SUFFIXES))}) in the directory")
+        raise ValueError(f"--data {root}: no text files ({', '.join(sorted(TEXT_SUFFIXES))}) in the directory; "
+                         "give a token file itself, not its directory")
     return _text_files(files, root, max_bytes)
 
 
@@ -140,20 +142,19 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
                 max_bytes: int | None) -> Corpus:
     if token_dtype not in TOKEN_DTYPES:
         raise ValueError(f"--token_dtype {token_dtype!r}: choose one of {', '.join(TOKEN_DTYPES)}")
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"--data {path}: the file is empty")
+    with path.open("rb") as file:
+        start = file.read(TEXT_CHECK_BYTES)
+    if all(byte in PRINTABLE_BYTES for byte in start):  # token ids would hold bytes outside printable text
+        raise ValueError(f"--data {path} reads as text, not as token ids: name it with a text suffix "
+                         f"({', '.join(sorted(TEXT_SUFFIXES))}) to train on it as bytes, or give the token file")
     if vocab_size is None:
         raise ValueError(f"--data {path} is a token file: give its tokenizer's vocabulary with --vocab_size")
     if not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"--heldout_fraction must be in (0, 1), got {heldout_fraction}")
     dtype = np.dtype(TOKEN_DTYPES[token_dtype])
-    size = path.stat().st_size
-    if size == 0:
-        raise ValueError(f"--data {path}: the token file is empty")
-    with path.open("rb") as file:
-        start = file.read(TEXT_CHECK_BYTES)
-    if all(byte in PRINTABLE_BYTES for byte in start):  # token ids would hold bytes outside printable text
-        raise ValueError(f"--data {path} reads as text, not as token ids: name it with a text suffix "
-                         f"({', '.join(sorted(TEXT_SUFFIXES))}) or put it in a directory to train on it as bytes, or "
-                         "give the token file")
     if size % dtype.itemsize:
         raise ValueError(f"--data {path}: {size} bytes is not a whole number of {token_dtype} tokens: the file is "
                          f"truncated or corrupt, or its token type is not {token_dtype} (--token_dtype)")
@@ -167,10 +168,12 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
         if not len(tokens):
             raise ValueError(f"--max_data_mb {max_bytes / 2**20:.3g} is less than one {token_dtype} token of "
                              f"--data {path}: raise it, or leave it out to read the whole file")
-    # Checking every id of a multi-billion-token file would take minutes: the start, the end and a
-    # strided sample catch a wrong dtype, a wrong vocabulary or a file of another format.
-    stride = max(1, len(tokens) // VOCAB_CHECK_TOKENS)
-    sample = np.concatenate([tokens[:4096], tokens[::stride], tokens[-4096:]])
+    # Checking every id of a multi-billion-token file would take minutes: evenly spread runs of tokens (the first
+    # and the last among them) catch a wrong dtype, a wrong vocabulary or a file of another format, reading a few
+    # MiB (single tokens at a stride would read a page of the file each).
+    run = VOCAB_CHECK_TOKENS // VOCAB_CHECK_RUNS
+    starts = np.linspace(0, max(0, len(tokens) - run), VOCAB_CHECK_RUNS).astype(np.int64)
+    sample = np.concatenate([tokens[begin: begin + run] for begin in np.unique(starts)])
     highest = int(sample.max())
     if highest >= vocab_size:
         raise ValueError(f"--data {path}: token id {highest} is outside the vocabulary of {vocab_size} "

@@ -47,7 +47,7 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     check(["--preset", "huge"], "--preset 'huge' does not exist; choose one of tiny, small")
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
-    check(["--data", str(empty), "--vocab_size", "100"], "the token file is empty")
+    check(["--data", str(empty), "--vocab_size", "100"], "empty.bin: the file is empty")
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00\x02")
     check(["--data", str(odd), "--vocab_size", "100"], "not a whole number of uint16 tokens")
@@ -55,6 +55,11 @@ def test_bad_inputs_fail_before_any_process_group(tmp_path):
     wrong_vocab.write_bytes(torch.arange(1000, dtype=torch.int16).numpy().tobytes())
     check(["--data", str(wrong_vocab), "--vocab_size", "500"], "token id 999 is outside the vocabulary of 500")
     check(["--data", str(wrong_vocab)], "give its tokenizer's vocabulary with --vocab_size")
+    large = tmp_path / "large.bin"  # more tokens than the check reads: its runs reach the last one
+    ids = torch.zeros(3 << 21, dtype=torch.int16)
+    ids[-1] = 999
+    large.write_bytes(ids.numpy().tobytes())
+    check(["--data", str(large), "--vocab_size", "500"], "token id 999 is outside the vocabulary of 500")
     check(["--data", str(wrong_vocab), "--vocab_size", "1000", "--seq_len", "512"],
           "too few for one batch of 8 x 513 tokens; give a longer token file, or lower --seq_len")
     texts = tmp_path / "texts"
@@ -430,6 +435,9 @@ def test_text_is_read_as_bytes_and_token_file_flags_only_with_a_token_file(tmp_p
     renamed = tmp_path / "prose.bin"
     renamed.write_bytes(data)
     check(["--data", str(renamed), "--vocab_size", "32000"], "prose.bin reads as text, not as token ids")
+    # without --vocab_size too: it was asked for, and then the text refused
+    check(["--data", str(renamed)], "prose.bin reads as text, not as token ids: name it with a text suffix .* to "
+                                    "train on it as bytes, or give the token file$")
 
 
 @pytest.mark.usefixtures("single_process")
