@@ -44,14 +44,20 @@ class MetricsWriter:
 
     def __init__(self, path: str | None, *, is_writer: bool) -> None:
         self.path = Path(path) if path and is_writer else None
+        self._line_ended = False  # whether what the file held before this writer's first line ends in a newline
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.path is None:
             return
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(json_safe(record)) + "\n")
+        with self.path.open("ab+") as handle:
+            if not self._line_ended and handle.tell():  # a run killed while writing its last line left part of it
+                handle.seek(-1, os.SEEK_END)
+                if handle.read(1) != b"\n":
+                    handle.write(b"\n")
+            self._line_ended = True
+            handle.write((json.dumps(json_safe(record)) + "\n").encode())
 
 
 @dataclass

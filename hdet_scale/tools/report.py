@@ -96,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out is not None:
             writable_directory(args.out, "--out")
         if args.export_schedule is not None:
+            if Path(args.export_schedule).is_dir():
+                raise ValueError(f"--export-schedule {args.export_schedule} is a directory: give a file name, e.g. "
+                                 f"{Path(args.export_schedule) / 'schedule.json'}")
             writable_directory(Path(args.export_schedule).parent, "--export-schedule's folder")
     except ValueError as error:
         parser.error(str(error))

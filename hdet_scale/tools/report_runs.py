@@ -89,21 +89,24 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         raise ReportError(f"{path}: not a text file (expected JSON lines)") from None
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
     records: list[dict[str, Any]] = []
+    not_json: list[str] = []
     for number, line in numbered:
         where = f"{path}, line {number}"
         try:
             record = _check_record(json.loads(line), where)
         except json.JSONDecodeError as error:
-            if number != numbered[-1][0]:
-                raise ReportError(f"{where}: not valid JSON ({error.msg})") from None
+            not_json.append(f"{where}: not valid JSON ({error.msg})")
             warn(f"{where}: not valid JSON, skipped (a line cut short: the run was stopped while writing it, or is "
                  "writing it now)")
             continue
         if records and _resumes_at(record, records):
             records = [kept for kept in records if kept["step"] < record["step"]]
+        elif _plain_loss_step(record) is not None:  # a loop without HDET resumed: its later line for the step
+            records = [kept for kept in records if _plain_loss_step(kept) != record["step"]]
         records.append(record)
     if not records:
-        raise ReportError(f"{path}: no metrics lines (the file is empty)")
+        raise ReportError(not_json[0] + ", and no line is: not a metrics file" if not_json
+                          else f"{path}: no metrics lines (the file is empty)")
     records.sort(key=lambda record: record["step"])
     return Run(label=label or path.stem, path=path, records=records)
 
@@ -115,6 +118,11 @@ def _resumes_at(record: dict[str, Any], before: list[dict[str, Any]]) -> bool:
         return False
     last_sync = next((earlier["step"] for earlier in reversed(before) if "replica_losses" in earlier), None)
     return last_sync is not None and record["step"] <= last_sync
+
+
+def _plain_loss_step(record: dict[str, Any]) -> int | None:
+    """The step of a training loss line written without HDET (``loss``, no ``replica_losses``), else None."""
+    return record["step"] if "loss" in record and "replica_losses" not in record else None
 
 
 def default_labels(paths: Sequence[Path]) -> list[str]:

@@ -20,6 +20,7 @@ from torch import nn
 
 from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
 from hdet_scale.engines.ddp import DDPAdapter
+from hdet_scale.metrics import MetricsWriter
 from hdet_scale.tools import report, report_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -183,7 +184,7 @@ def test_default_labels_tell_same_named_files_apart(tmp_path):
     (None, "no such file"),
     ("", "no metrics lines"),
     ("\n  \n", "no metrics lines"),
-    ('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \n{"step": 3, "loss": 1.5}\n', "line 2: not valid JSON"),
+    ("step,loss\n1,2.0\n", "line 1: not valid JSON (Expecting value), and no line is: not a metrics file"),
     ('{"step": 1, "loss": 2.0}\n[1, 2]\n', "line 2: expected a JSON object"),
     ('{"loss": 2.0}\n', "line 1: needs an integer 'step'"),
     ('{"step": 1, "lr": 2.0}\n', "line 1: has none of loss, replica_losses, heldout_loss"),
@@ -214,6 +215,10 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, caps
             report.main([str(path), option, str(blocker / "sub" / "x")])
         assert raised.value.code == 2
         assert f"{blocker} is not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a directory where the schedule's file goes
+        report.main([str(path), "--export-schedule", str(tmp_path)])
+    assert f"--export-schedule {tmp_path} is a directory: give a file name, e.g. {tmp_path / 'schedule.json'}" in \
+        capsys.readouterr().err
 
 
 def test_labels_must_match_the_files(tmp_path, capsys):
@@ -313,3 +318,23 @@ def test_a_last_line_cut_short_is_skipped_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match=r"run\.jsonl, line 3: not valid JSON, skipped \(a line cut short"):
         run = report_runs.load_run(path)
     assert report_runs.loss_curve(run) == ([1, 2], [2.0, 1.5])
+
+
+def test_a_line_cut_short_before_a_resumed_runs_lines_is_skipped(tmp_path):
+    """The resumed run's writer starts on a line of its own after a line cut short (it glued its first line onto
+    it), and the report reads past it (it refused the whole file)."""
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    MetricsWriter(str(path), is_writer=True).write({"step": 3, "loss": 1.25})
+    assert path.read_text().splitlines()[-2:] == ['{"step": 3, "lo', '{"step": 3, "loss": 1.25}']
+    with pytest.warns(UserWarning, match=r"run\.jsonl, line 3: not valid JSON, skipped"):
+        run = report_runs.load_run(path)
+    assert report_runs.loss_curve(run) == ([1, 2, 3], [2.0, 1.5, 1.25])
+
+
+def test_a_step_a_loop_without_hdet_wrote_twice_counts_its_later_line(tmp_path):
+    """A plain loop resumed from its checkpoint at step 20 writes step 30 again: the interrupted run's line was
+    plotted beside it. Lines may come in any step order."""
+    path = write_lines(tmp_path / "plain.jsonl", [{"step": 20, "loss": 2.5}, {"step": 10, "loss": 3.0},
+                                                  {"step": 30, "loss": 9.0}, {"step": 30, "loss": 2.0}])
+    assert report_runs.loss_curve(report_runs.load_run(path)) == ([10, 20, 30], [3.0, 2.5, 2.0])
