@@ -276,7 +276,8 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"  last logged train loss {number(summary['final_loss'])}{at(summary['final_loss_step'])}; "
              f"final held-out loss {number(summary['final_heldout_loss'])}{at(summary['final_heldout_step'])}"]
     if summary["syncs"]:
-        lines.append(f"  syncs {summary['syncs']} ({summary['replicas']} replicas)")
+        replicas = summary["replicas"]
+        lines.append(f"  syncs {summary['syncs']} ({replicas} replica{'' if replicas == 1 else 's'})")
     for name, value in summary["values"].items():
         lines.append(f"  {name}: final {number(value['base'])} ({number(value['scale'])} x schedule, step "
                      f"{value['step']})")

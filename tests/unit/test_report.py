@@ -143,7 +143,7 @@ def test_report_writes_plots_and_summary(tmp_path, capsys):
 
     block = summary_block(stdout, "real")
     assert number_after(block, "last logged train loss") == pytest.approx(real_expected["loss"], rel=1e-5)
-    assert "syncs 2 (1 replicas)" in block
+    assert "syncs 2 (1 replica)" in block
     for name in ("lr/0", "weight_decay/0"):
         assert base_and_scale(block, name) == pytest.approx(real_expected[name], rel=1e-5)
 
