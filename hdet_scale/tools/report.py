@@ -85,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "and 'loss' (or HDET's 'replica_losses'), optionally 'heldout_loss'.")
     parser.add_argument("metrics", nargs="+", help="metrics JSONL files, one per run")
     parser.add_argument("--out", help="directory for the PNGs and summary.json")
-    parser.add_argument("--labels", nargs="+", help="one name per file (default: the file names)")
+    parser.add_argument("--labels", nargs="+", help="one name per file, given after the files (default: the file "
+                                                    "names)")
     parser.add_argument("--export-schedule", dest="export_schedule", metavar="FILE",
                         help="write the base values the run applied at every step (one HDET metrics file) to FILE, "
                              "for hdet_scale.schedule.ReplaySchedule and train.py --replay_schedule")
