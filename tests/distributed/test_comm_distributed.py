@@ -193,8 +193,9 @@ def test_the_ddp_hooks_pool_keeps_one_buffer_per_bucket_after_ddp_rebuilds_them(
     """DDP rebuilds its buckets after the first step (in the order the gradients came). The pool keeps the
     buffers the later steps use, one copy of the gradients, not the first step's too (a second copy)."""
     for pooled, parameters in run_ranks(pool_after_ddp_steps, 2):
-        buckets = pooled // 4 - parameters  # each fp32 bucket packs its gradients and one contributor count
-        assert pooled == (parameters + buckets) * 4 and 1 <= buckets <= 6  # 6 parameter tensors
+        # each fp32 bucket packs its gradients and one contributor count: the gradients once, a count a bucket
+        counts = (pooled - 4 * parameters) / 4
+        assert counts == int(counts) and 1 <= counts <= 6  # at most one bucket a parameter tensor, 6 of them
 
 
 def ddp_hook_groups_destroyed_right_after_training(rank: int, world: int) -> None:
