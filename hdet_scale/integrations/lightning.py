@@ -341,7 +341,8 @@ class HDETCallback(pl.Callback, HDETHandle):
     # ------------------------------------------------------------------------------------ internals
     def _attached(self) -> HDETEnsemble:
         if self._ensemble is None:
-            raise RuntimeError("HDETCallback has not attached yet: it attaches in on_fit_start")
+            raise RuntimeError("HDETCallback has not attached yet: it attaches in on_fit_start (under a spawning "
+                               "strategy such as 'ddp_spawn', in the spawned processes only: read the metrics file)")
         return self._ensemble
 
     @property
