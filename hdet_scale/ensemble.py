@@ -129,7 +129,7 @@ class HDETEnsemble:
                                                [tensor.detach().clone() for tensor in adapter.averaged_tensors()],
                                                adapter.peak_lrs())
 
-    def weights_loaded(self, what: str) -> None:
+    def weights_loaded(self, what: str = "loading weights after HDET attached") -> None:
         """Takes weights loaded into every replica alike after HDET attached, without HDET's state (``what``: the
         load, for the error). Before the first step the run starts afresh from them (collective with warm init):
         each replica's warm-init noise, and the LR range test comes back to them, not to the weights HDET attached

@@ -228,3 +228,30 @@ def mixed_precision_uneven(rank: int, world: int, optimizer_kind: str, reshard_a
 def test_bf16_policy_averages_fp32_shards_even_uneven_and_empty(optimizer_kind, reshard_after_forward, offload):
     """Also with FSDP2's CPU offload: the shards HDET averages and noises then live on the CPU."""
     run_ranks(mixed_precision_uneven, WORLD, optimizer_kind, reshard_after_forward, offload)
+
+
+def range_test_after_loading_pretrained_weights(rank: int, world: int) -> list[bool]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    config = HDETConfig(ranks_per_replica=PER_REPLICA, auto_lr=AutoLRConfig(range_test=13))
+    model, hdet = wrap(tiny_llama(seed=0), config)
+    hdet.attach(torch.optim.AdamW(model.parameters(), lr=1e-3), total_steps=100)
+    pretrained = tiny_llama(seed=1)  # loaded after attaching, as a fine-tune's weights
+    set_model_state_dict(model, pretrained.state_dict(), options=StateDictOptions(full_state_dict=True))
+    hdet.weights_loaded()
+    loaded = full(model.parameters())
+    step = 0
+    while hdet.ramping:
+        step += 1
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        hdet.ensemble.adapter.optimizer.step()
+        hdet.ensemble.adapter.optimizer.zero_grad()
+        hdet.step(loss)
+    return [torch.equal(loaded, full(pretrained.parameters())), torch.equal(full(model.parameters()), loaded)]
+
+
+def test_the_range_test_comes_back_to_weights_loaded_after_attaching():
+    """The range test came back to the weights HDET attached to: a fine-tune that loaded its pretrained weights
+    after attaching was back at its random start after the test."""
+    assert run_ranks(range_test_after_loading_pretrained_weights, WORLD) == [[True, True]] * WORLD
