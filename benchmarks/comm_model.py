@@ -202,9 +202,10 @@ def measured_gpu_local_work(results: Path = RESULTS) -> dict[str, Any] | None:
     """The sync's local work per byte that ``gpu_check.py`` measured on a GPU, on its largest preset (None
     without a GPU measurement)."""
     data = read_json(results / "gpu_check.json")
-    if not data or not data.get("local_work"):
+    measured = {preset: work for preset, work in (data or {}).get("local_work", {}).items() if "bytes" in work}
+    if not measured:
         return None
-    preset, work = max(data["local_work"].items(), key=lambda item: item[1]["bytes"])
+    preset, work = max(measured.items(), key=lambda item: item[1]["bytes"])
     return {"source": "gpu_check.json", "gpu": data["machine"].get("gpu", "?"), "preset": preset,
             "bytes": work["bytes"], "local_work_ms": work["local_work_ms"], "copy_ms": work["copy_ms"],
             "over_copy": work["local_work_over_copy"], "seconds_per_byte": work["local_work_ms"] / 1e3 / work["bytes"]}

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch
 from benchmark_modules import BENCHMARKS
 
 from hdet_scale.lm.model import build_model
@@ -23,9 +25,10 @@ def test_the_cpu_dry_run_measures_every_engine_and_writes_consistent_results(tmp
     parameter_bytes = 4 * sum(p.numel() for p in model.parameters())
     buffer_bytes = 4 * sum(b.numel() for b in model.buffers() if b.is_floating_point())
     assert record["local_work"]["tiny"]["bytes"] == parameter_bytes
-    assert set(record["runs"]) == {"ddp/tiny", "fsdp/tiny"}
+    assert set(record["runs"]) == {"ddp/tiny", "fsdp/tiny"} and record["incomplete"] == []
     for name, run in record["runs"].items():
-        assert "error" not in run, (name, run.get("traceback"))
+        assert not [section for section, found in run.items()
+                    if isinstance(found, dict) and {"error", "skipped"} & found.keys()], (name, run)
         timing = run["step_time"]
         # a sync averages every parameter and floating buffer (rotary frequencies) of the replica, and one more
         # element: the contributor count
@@ -36,6 +39,9 @@ def test_the_cpu_dry_run_measures_every_engine_and_writes_consistent_results(tmp
             assert timing["ratio"][str(interval)] == pytest.approx((plain + own + sync / interval) / plain)
         own_sync = max(0.0, sync - timing["flat_all_reduce_ms"])
         assert timing["ratio_own_work_only"]["1000"] == pytest.approx((plain + own + own_sync / 1000) / plain)
+        compute = timing["compute_step_ms"]  # the same step without its gradient transfer
+        assert 0 < compute and timing["ratio_over_compute"]["100"] == pytest.approx((compute + own + own_sync / 100)
+                                                                                   / compute)
         # CUDA-only checks say so on the CPU instead of reporting numbers
         assert run["synchronizations"]["checked"] is False and run["memory"]["checked"] is False
     # DDP's gradient average timed four ways on the same batches; FSDP2 has no DDP hook to compare
@@ -46,7 +52,7 @@ def test_the_cpu_dry_run_measures_every_engine_and_writes_consistent_results(tmp
         <= set(hooks)
     assert "gradient_hooks" not in record["runs"]["fsdp/tiny"]
     # where each hook's time goes: rank 0's profile of each, every one all-reducing through c10d
-    profiles = hooks["profile"]["hooks"]
+    profiles = record["runs"]["ddp/tiny"]["hook_profile"]["hooks"]
     assert list(profiles) == list(ways)
     assert all(ops["c10d::allreduce_"]["calls"] >= 1 for ops in profiles.values())
     # the finiteness check is HDET's hook's and the guarded step's own
@@ -56,3 +62,35 @@ def test_the_cpu_dry_run_measures_every_engine_and_writes_consistent_results(tmp
     assert "guard before the step over built-in |" in page
     assert "differs most, hdet_healthy_mean against python_allreduce_hook" in page
     assert "| ddp/tiny |" in page and "| fsdp/tiny |" in page and "| tiny |" in page
+
+
+@pytest.mark.e2e
+def test_a_run_out_of_time_still_writes_its_results_and_says_what_it_skipped(tmp_path):
+    """Everything after the budget is skipped and named, and the files are written: a GPU loan that runs out
+    keeps what was measured."""
+    out = tmp_path / "gpu_check"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--engines", "ddp", "--no_profile", "--budget_s", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["incomplete"] == ["local_work: the time budget (--budget_s) ran out before it started",
+                                    "ddp/tiny: the time budget (--budget_s) ran out before it started"]
+    assert "- ddp/tiny: the time budget (--budget_s) ran out before it started" in out.with_suffix(".md").read_text()
+    assert not list(tmp_path.glob("gpu_check_*"))  # no partial files left
+
+
+def test_the_sync_watch_notes_every_synchronization_and_lets_the_part_run_on():
+    from benchmark_modules import load_benchmark
+
+    gpu_check = load_benchmark("gpu_check")
+    watch, ran = gpu_check.SyncWatch(torch.device("cpu")), []
+    said = "called a synchronizing CUDA operation"  # what CUDA's sync debug mode says
+    for _ in range(2):
+        with watch.region("optimizer"):
+            warnings.warn(said, UserWarning, stacklevel=1)
+            ran.append(True)
+    with watch.region("forward_backward"):  # not checked in place
+        warnings.warn(said, UserWarning, stacklevel=1)
+    assert ran == [True, True] and list(watch.found) == ["optimizer"] and len(watch.found["optimizer"]) == 2
+    assert watch.found["optimizer"][0].startswith("test_gpu_check.py:")
