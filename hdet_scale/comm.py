@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hdet_scale.topology import built_once, collective_device
+from hdet_scale.topology import built_once, collective_device, forget_built
 
 T = TypeVar("T")
 
@@ -377,6 +377,7 @@ def shut_down() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_built()
     gc.collect()
 
 

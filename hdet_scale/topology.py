@@ -38,6 +38,11 @@ def built_once(key: Hashable, build: Callable[[], Built]) -> Built:
     return cached[1]  # type: ignore[return-value]
 
 
+def forget_built() -> None:
+    """Drops the groups ``built_once`` keeps: their threads end with their last reference (``comm.shut_down``)."""
+    _BUILT.clear()
+
+
 @dataclass(frozen=True)
 class ReplicaTopology:
     """This rank's place in the (replica, position) grid and the groups along each axis."""

@@ -116,7 +116,8 @@ class HDETDeepSpeed(HDETHandle):
 
             def restore_file_names() -> None:
                 engine.save_non_zero_checkpoint = writes_model
-                delattr(engine, own_file)  # the class's method again
+                engine.__dict__.pop(own_file, None)  # the class's method again
+                self._restore_file_names = lambda: None
 
             self._restore_file_names = restore_file_names
         self._ensemble = HDETEnsemble(config, self.adapter, topology=topology, paper_decay=paper_decay)

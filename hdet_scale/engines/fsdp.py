@@ -36,7 +36,13 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.notices import warn
 from hdet_scale.param_groups import transformer_blocks
 from hdet_scale.resolve import resolve
-from hdet_scale.topology import ReplicaTopology, check_same_replica_size, check_world_size, with_replica_size
+from hdet_scale.topology import (
+    ReplicaTopology,
+    built_once,
+    check_same_replica_size,
+    check_world_size,
+    with_replica_size,
+)
 
 
 def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh:
@@ -50,7 +56,9 @@ def build_mesh(config: HDETConfig, device_type: str | None = None) -> DeviceMesh
     check_world_size(config, world)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = (world // config.ranks_per_replica, config.ranks_per_replica)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    # once per default process group, as the replica groups (a second fit() or trial reuses it)
+    return built_once(("mesh", device_type, shape),
+                      lambda: init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")))
 
 
 def topology_from_mesh(mesh: DeviceMesh, config: HDETConfig) -> ReplicaTopology:

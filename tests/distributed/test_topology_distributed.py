@@ -78,3 +78,25 @@ def test_a_second_run_in_one_process_takes_the_groups_of_the_first():
     """Each attach built new groups: a hyperparameter search's trials (or fit() again) piled up NCCL communicators
     and gloo threads until the process ended. A default group made anew gets groups of its own."""
     assert run_ranks(build_twice_and_after_a_new_default_group, 4) == [[True] * 5] * 4
+
+
+def groups_kept_until_shut_down(rank: int, world: int) -> list[bool]:
+    import gc
+    import weakref
+
+    from hdet_scale.comm import shut_down
+    from hdet_scale.engines.fsdp import build_mesh
+
+    config = HDETConfig(ranks_per_replica=2)
+    same_mesh = build_mesh(config, "cpu") is build_mesh(config, "cpu")
+    group = weakref.ref(ReplicaTopology.build(config).cross_replica_group)
+    gc.collect()
+    kept = group() is not None  # the cache holds it for the next run in this process
+    shut_down()
+    return [same_mesh, kept, group() is None]
+
+
+def test_the_groups_kept_for_later_runs_go_with_shut_down():
+    """FSDP2's mesh was built anew at every wrap; and the groups kept for later runs outlived shut_down, whose
+    purpose is that no group's threads live into the interpreter's exit."""
+    assert run_ranks(groups_kept_until_shut_down, 4) == [[True] * 3] * 4

@@ -20,7 +20,7 @@ def test_the_ramp_stops_at_four_times_the_best_loss_and_as_far_above_a_negative_
     smoother = SmoothedLoss(beta=0.0)  # no smoothing: each value as it is
     smoother.add(1.0)
     assert not smoother.diverged(smoother.add(3.9)) and smoother.diverged(smoother.add(4.1))
-    below_zero = SmoothedLoss(beta=0.0)  # a log-likelihood of continuous data: the best is -2, four times it -8
+    below_zero = SmoothedLoss(beta=0.0)  # a log-likelihood of continuous data: the best is -2, stop above 4
     for loss in (-1.0, -1.5, -2.0, -1.0, 0.9):
         assert not below_zero.diverged(below_zero.add(loss))
     assert below_zero.diverged(below_zero.add(4.1))  # 6.1 above -2, more than 3 x 2
