@@ -82,6 +82,7 @@ class HDETEnsemble:
             self._explore(knob)
         self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
         self._step = 0
+        self._stepped = False  # any step taken, of the range test or of the run
         self._last_sync_step: int | None = 0  # set by _start_from_weights, or by a loaded state
         self._scorer = ReplicaScorer(config.auto_lr, config.sync_interval)
         self._warned_no_loss = False
@@ -129,17 +130,20 @@ class HDETEnsemble:
                                                [tensor.detach().clone() for tensor in adapter.averaged_tensors()],
                                                adapter.peak_lrs())
 
-    def weights_loaded(self, what: str = "loading weights after HDET attached") -> None:
+    def weights_loaded(self, what: str = "loading weights after HDET attached") -> bool:
         """Takes weights loaded into every replica alike after HDET attached, without HDET's state (``what``: the
-        load, for the error). Before the first step the run starts afresh from them (collective with warm init):
-        each replica's warm-init noise, and the LR range test comes back to them, not to the weights HDET attached
-        to. During the range test a RuntimeError: it would come back to the earlier weights. Later nothing: the
-        next sync averages the replicas as they are."""
+        load, for the error). Before the first step (of the range test or the run) the run starts afresh from them
+        (collective with warm init): each replica's warm-init noise (on weights the load left as they were, a
+        second draw), and the LR range test comes back to them, not to the weights HDET attached to. During the
+        range test a RuntimeError: it would come back to the earlier weights. Later nothing: the next sync
+        averages the replicas as they are. Returns whether the run started afresh."""
         if self._range_start is not None and self._range_start.test.lrs:
             raise RuntimeError(f"{what} during the LR range test (auto_lr.range_test), which would put back the "
                                "weights it started from: load the weights to start from before the first step")
-        if not self._step:
-            self._start_from_weights()
+        if self._stepped:
+            return False
+        self._start_from_weights()
+        return True
 
     @property
     def single_replica_warning(self) -> str | None:
@@ -317,6 +321,7 @@ class HDETEnsemble:
         if self._awaited_knobs:
             raise RuntimeError(f"the loaded HDET state explores {sorted(self._awaited_knobs)} with add_knob: call "
                                "add_knob for each on every rank before the first step")
+        self._stepped = True
         if self._range_start is not None:
             self._range_test_step(loss)
             return None

@@ -56,11 +56,11 @@ class HDETHandle(ABC):
         """This replica's multiplier on param group ``group_index`` for the current interval."""
         return self._attached().lr_multiplier(group_index)
 
-    def weights_loaded(self) -> None:
+    def weights_loaded(self) -> bool:
         """Call on every rank after loading the weights to start from (a pretrained model) once HDET has attached,
         before the first step: the run starts from them (each replica's warm-init noise; the LR range test comes
         back to them, not to the weights HDET attached to). ``HDETEnsemble.weights_loaded``."""
-        self._attached().weights_loaded()
+        return self._attached().weights_loaded()
 
     def sync(self) -> SyncReport | None:
         """A sync now, between the regular ones (collective: every rank calls it), e.g. before an export; None

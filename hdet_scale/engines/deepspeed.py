@@ -229,7 +229,7 @@ class HDETDeepSpeed(HDETHandle):
         """This replica's optimizer-state file for replica 0's ``shared`` one: in a subfolder, so DeepSpeed's
         converters (``zero_to_fp32``, ``ds_to_universal``) see exactly one replica. When loading a checkpoint
         saved by another number of replicas, replica r reads saved replica r mod that number's file (counted by
-        rank 0 for the load; after ``close``, by each rank)."""
+        rank 0 for the load). Until ``close``, which gives DeepSpeed its own names back."""
         replica = self.topology.replica_index
         if not self._saving:
             replica %= self._saved_replicas_given or self._saved_replicas(Path(os.path.dirname(shared)))
@@ -383,10 +383,10 @@ class HDETDeepSpeed(HDETHandle):
             del client_state["hdet"]
             return path, client_state
         client_state.pop("hdet", None)
-        self.ensemble.weights_loaded(f"loading the weights of '{path}'")
+        afresh = self.ensemble.weights_loaded(f"loading the weights of '{path}'")
         if reads_state and self.topology.rank == 0:
-            warn(f"the DeepSpeed checkpoint at '{path}' holds no HDET state (it was saved without HDET): HDET starts "
-                 "afresh from its weights")
+            warn(f"the DeepSpeed checkpoint at '{path}' holds no HDET state (it was saved without HDET): "
+                 + ("HDET starts afresh from its weights" if afresh else "the run goes on from its weights"))
         return path, client_state
 
     def _read_checkpoint(self, load_dir: str, tag: str, reads_state: bool,

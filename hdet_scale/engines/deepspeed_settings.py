@@ -129,13 +129,14 @@ def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None)
                               "checkpoint together (replica 0 the model, the others their own optimizer state beside "
                               "it), which every node must see to resume; remove it and save to a shared file system")
     decoupled = (checkpoint.get("writer") or {}).get("decoupled", False)
-    if decoupled or ds_config.get("datastates_ckpt") not in (None, False):
+    if decoupled or ("datastates_ckpt" in ds_config and ds_config["datastates_ckpt"] is not False):  # DeepSpeed's rule
         where = "checkpoint.writer.decoupled" if decoupled else "datastates_ckpt"
         raise HDETConfigError(f"{where}: HDET puts a checkpoint in place and names it 'latest' once its files are on "
                               "the disk, and this writer writes them later, in the background; remove it")
     autocast = ds_config.get("torch_autocast") or {}
+    # torch_autocast without a dtype is torch.autocast's default on a GPU: float16
     if (ds_config.get("fp16") or {}).get("enabled", False) or (
-            autocast.get("enabled", False) and str(autocast.get("dtype", "")).lower() in FP16_NAMES):
+            autocast.get("enabled", False) and str(autocast.get("dtype", "fp16")).lower() in FP16_NAMES):
         where = "fp16.enabled" if (ds_config.get("fp16") or {}).get("enabled", False) else "torch_autocast.dtype"
         raise HDETConfigError(f"{where}: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
                               "use \"bf16\": {\"enabled\": true}")

@@ -78,8 +78,9 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
 def load_run(path: str | Path, label: str | None = None) -> Run:
     """Reads and checks one metrics file; errors name the file and line. A run that resumed from a checkpoint and
     appended to the file writes a sync line at or before the step of the last one: what the interrupted run wrote
-    from that step on is dropped, as the resumed run replaced it. A last line cut short (a run killed while
-    writing it, or writing it now) is skipped, with a warning."""
+    from that step on is dropped, as the resumed run replaced it; a loop without HDET that wrote a step's loss
+    twice counts the later line. A line cut short (a run killed while writing it, or writing it now) is skipped,
+    with a warning; a file with no valid line is refused."""
     path = Path(path)
     if not path.is_file():
         raise ReportError(f"{path}: no such file")

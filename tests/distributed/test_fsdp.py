@@ -238,7 +238,7 @@ def range_test_after_loading_pretrained_weights(rank: int, world: int) -> list[b
     hdet.attach(torch.optim.AdamW(model.parameters(), lr=1e-3), total_steps=100)
     pretrained = tiny_llama(seed=1)  # loaded after attaching, as a fine-tune's weights
     set_model_state_dict(model, pretrained.state_dict(), options=StateDictOptions(full_state_dict=True))
-    hdet.weights_loaded()
+    assert hdet.weights_loaded()  # the run starts afresh from them
     loaded = full(model.parameters())
     step = 0
     while hdet.ramping:
@@ -248,6 +248,7 @@ def range_test_after_loading_pretrained_weights(rank: int, world: int) -> list[b
         hdet.ensemble.adapter.optimizer.step()
         hdet.ensemble.adapter.optimizer.zero_grad()
         hdet.step(loss)
+    assert not hdet.weights_loaded() and not hdet.ramping  # once the test ran: no second test
     return [torch.equal(loaded, full(pretrained.parameters())), torch.equal(full(model.parameters()), loaded)]
 
 

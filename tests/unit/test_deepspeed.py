@@ -76,6 +76,9 @@ def launcher_env(monkeypatch):
      "checkpoint.use_node_local_storage is not supported with HDET"),
     (ds_config(2, checkpoint={"writer": {"decoupled": True}}), {}, "checkpoint.writer.decoupled: HDET puts"),
     (ds_config(2, datastates_ckpt={}), {}, "datastates_ckpt: HDET puts a checkpoint in place"),
+    # null turns it on, as DeepSpeed reads it
+    (ds_config(2, datastates_ckpt=None), {}, "datastates_ckpt: HDET puts a checkpoint in place"),
+    (ds_config(0, torch_autocast={"enabled": True}), {}, "torch_autocast.dtype: HDET supports fp32"),  # fp16 by default
     (ds_config(1, tensor_parallel={"autotp_size": 2}), {}, "tensor_parallel.autotp_size > 1 is not supported"),
     (ds_config(2, expert_parallel={"enabled": True}), {}, "expert_parallel.enabled is not supported"),
     (ds_config(2, train_batch_size=6), {"hdet_config": {"ranks_per_replica": 1}},
