@@ -270,7 +270,8 @@ def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: Rep
     When every rank is a replica the score table rides in the average's first bucket: one collective in all.
     Otherwise (sharded replicas, or the optimizer state among ``tensors``) it is gathered over all ranks first, so
     that every rank of a replica knows whether the replica contributes, and all stop where the ranks that average
-    together hold different numbers of elements (``check_same_elements``). Nothing is written when no replica is healthy: the sync raises instead."""
+    together hold different numbers of elements (``check_same_elements``). Nothing is written when no replica is
+    healthy: the sync raises instead."""
     topo = topology
     # the cross-replica group is every rank, and the tensors are alike there (the optimizer state need not be: it
     # is made at a parameter's first step, which a replica may not have taken yet)
