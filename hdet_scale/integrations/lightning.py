@@ -141,6 +141,12 @@ class HDETCallback(pl.Callback, HDETHandle):
         if len(trainer.optimizers) != 1:
             raise HDETConfigError(f"HDETCallback explores one optimizer's param groups; configure_optimizers "
                                   f"returned {len(trainer.optimizers)}")
+        finetuning = next((type(callback).__name__ for callback in trainer.callbacks
+                           if isinstance(callback, pl.callbacks.BaseFinetuning)), None)
+        if finetuning is not None:  # it adds param groups as it unfreezes, which HDET refuses at that step
+            raise HDETConfigError(f"HDETCallback needs every param group from the start, and {finetuning} adds them "
+                                  "as it unfreezes: give configure_optimizers every group (frozen parameters skip "
+                                  "their steps), or leave one of the two callbacks out")
         if self._ensemble is not None:  # an earlier fit()'s: off its optimizer (a module may return it again)
             self._ensemble.close()
         steps = trainer.estimated_stepping_batches

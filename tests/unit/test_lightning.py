@@ -48,8 +48,8 @@ def test_shares_of_a_run_of_unknown_length_are_refused_before_attaching():
     from hdet_scale.integrations.lightning import HDETCallback
 
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    trainer = SimpleNamespace(optimizers=[optimizer], estimated_stepping_batches=float("inf"), world_size=2,
-                              num_devices=2, strategy=DDPStrategy())
+    trainer = SimpleNamespace(optimizers=[optimizer], callbacks=[], estimated_stepping_batches=float("inf"),
+                              world_size=2, num_devices=2, strategy=DDPStrategy())
     callback = HDETCallback(auto_lr={"range_test": 0})
     callback.config = callback.config.for_run(1000)  # what an earlier fit() of 1000 steps resolved
     with pytest.raises(HDETConfigError, match=r"^auto_lr.start=0.02 is a share of the run, and the controller "
@@ -157,6 +157,26 @@ def test_a_fit_that_resumes_after_one_that_raised_continues_the_checkpoints_hdet
         one_device_fit(hdet, failing, max_epochs=1)
     resumed = one_device_fit(hdet, max_epochs=2, ckpt_path=tmp_path / "epoch1.ckpt")
     assert resumed.global_step == hdet.global_step == 20
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_finetuning_callback_that_adds_param_groups_later_is_refused_at_the_start():
+    """BaseFinetuning adds a param group as it unfreezes, which HDET refuses at that step: hours into a run."""
+    import lightning.pytorch as pl
+
+    from hdet_scale import HDETConfigError
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    class UnfreezeLater(pl.callbacks.BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            pass
+
+        def finetune_function(self, pl_module, current_epoch, optimizer):
+            pass
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 0, "start": 5, "stop": 100}})
+    with pytest.raises(HDETConfigError, match="UnfreezeLater adds them as it unfreezes"):
+        one_device_fit(hdet, max_epochs=1, callbacks=[UnfreezeLater()])
 
 
 @pytest.mark.filterwarnings("ignore")
