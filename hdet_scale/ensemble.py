@@ -24,7 +24,7 @@ from hdet_scale.config import HDETConfig
 from hdet_scale.config_rules import check_spread_alpha
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
-from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, is_configured_name, lr_knobs
+from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, group_names, is_configured_name, lr_knobs
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter, SyncReport
 from hdet_scale.notices import warn
@@ -528,7 +528,11 @@ class HDETEnsemble:
         saved = state["explored"]
         names = [explored.name for explored in self._explored]
         awaited = [name for name in saved if name not in names and not is_configured_name(name)]
-        if sorted(set(saved) - set(awaited)) != sorted(names):
+        # earlier versions explored the weight decay of a group without one too (every multiple of 0 is 0)
+        optimizer = self.adapter.optimizer
+        undecayed = {f"weight_decay/{name}" for index, name in enumerate(group_names(optimizer))
+                     if optimizer.param_groups[index].get("weight_decay", 0.0) == 0}
+        if sorted(set(saved) - set(awaited) - undecayed) != sorted(names):
             raise ValueError(f"HDET state explores {sorted(saved)} but this run explores {sorted(names)}; "
                              "the optimizer's param groups and HDET's explore settings must match the checkpoint's")
         return awaited
@@ -540,6 +544,7 @@ class HDETEnsemble:
         awaited = self.check_state(state)
         saved = state["explored"]
         self._range_start = None  # a saved run is past its range test (none is saved during one)
+        self._stepped = True
         same_layout = state["num_replicas"] == self.topology.num_replicas
         self._awaited_knobs = {name: (saved[name], same_layout) for name in awaited}
         for explored in self._explored:

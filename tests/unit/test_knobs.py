@@ -137,7 +137,11 @@ def test_weight_decay_is_explored_in_the_groups_that_have_one():
     config = HDETConfig.from_dict({"explore": {"weight_decay": {"alpha": 0.5}}, "auto_lr": LR_HELD_AT_GIVEN})
     hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
     assert hdet.explores("weight_decay/decay") and not hdet.explores("weight_decay/no_decay")
+    # a state of an earlier version, which explored the group without weight decay too, loads
+    state = hdet.state_dict()
+    state["explored"]["weight_decay/no_decay"] = state["explored"]["weight_decay/decay"]
     hdet.close()
+    HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process(), state=state).close()
     for group in optimizer.param_groups:
         group["weight_decay"] = 0.0
     with pytest.raises(HDETConfigError, match="explore.weight_decay cannot apply: every param group's weight decay "
