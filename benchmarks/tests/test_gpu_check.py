@@ -94,3 +94,23 @@ def test_the_sync_watch_notes_every_synchronization_and_lets_the_part_run_on():
         warnings.warn(said, UserWarning, stacklevel=1)
     assert ran == [True, True] and list(watch.found) == ["optimizer"] and len(watch.found["optimizer"]) == 2
     assert watch.found["optimizer"][0].startswith("test_gpu_check.py:")
+
+
+def test_the_page_names_each_section_that_failed_and_shows_the_others():
+    """A section that failed on a GPU loan is named with its error, and the sections measured beside it show."""
+    from benchmark_modules import load_benchmark
+
+    gpu_check = load_benchmark("gpu_check")
+    memory = {"checked": True, "plain_mib": 100.0, "hdet_mib": 120.0, "hdet_no_window_mib": 110.0,
+              "hdet_over_plain": 1.2, "window_share_of_extra": 0.5}
+    record = {"machine": {"gpu": "a GPU", "torch": "2.13", "date": "today"}, "command": "python3 gpu_check.py",
+              "settings": {"batch": 8, "seq_len": 256}, "incomplete": ["fsdp/125m: the time budget ran out"],
+              "local_work": {"small": {"error": "rank 0: RuntimeError: NCCL"}},
+              "runs": {"ddp/small": {"step_time": {"error": "rank 1: RuntimeError: out of memory"}, "memory": memory,
+                                     "hook_profile": {"skipped": "the time budget ran out"}}}}
+    page = "\n".join(gpu_check.markdown(record))
+    assert "- `ddp/small` step_time: rank 1: RuntimeError: out of memory" in page
+    assert "- `ddp/small` hook_profile: the time budget ran out" in page
+    assert "- fsdp/125m: the time budget ran out" in page
+    assert "- the sync's local work on `small`: rank 0: RuntimeError: NCCL" in page
+    assert "| ddp/small | 100.0 | 120.0 | 110.0 | 1.200 | 50% |" in page
