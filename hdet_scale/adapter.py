@@ -22,6 +22,12 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
     return params
 
 
+def floating_state(entry: dict[str, Any]) -> list[torch.Tensor]:
+    """An optimizer state entry's floating-point tensors in key order, without step counters."""
+    return [entry[key] for key in sorted(entry)
+            if isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point() and key != "step"]
+
+
 @dataclass(frozen=True)
 class ParameterShard:
     """One trained parameter as this rank holds it: what warm noisy initialization (eq. 10) asks an engine.
@@ -65,15 +71,22 @@ class EngineAdapter(ABC):
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """This rank's floating-point optimizer state (moments; not step counters), in parameter order, as
         local tensors: averaged with the parameters when ``average_optimizer_state`` is on."""
-        tensors = []
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                state = self.optimizer.state.get(param, {})
-                for key in sorted(state):
-                    value = state[key]
-                    if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step":
-                        tensors.append(value.to_local() if hasattr(value, "to_local") else value)
-        return tensors
+        return [tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                for _, moments in self._state_moments() for tensor in moments]
+
+    def optimizer_state_layout(self) -> int:
+        """Which parameters ``optimizer_state_tensors`` come from, as one number: the sum over them of (the
+        parameter's index + 1) x its state's elements. A torch optimizer makes a parameter's state at its first
+        step, so ranks whose replicas have not all stepped every parameter hold states of different parameters,
+        which this tells apart where their sizes alike would not."""
+        return sum((index + 1) * sum(tensor.numel() for tensor in moments) for index, moments in self._state_moments())
+
+    def _state_moments(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """Each parameter's index (in the optimizer's order) and its floating-point state tensors, by key (not
+        step counters); a parameter without state has none."""
+        return [(index, floating_state(self.optimizer.state.get(param, {})))
+                for index, param in enumerate(param for group in self.optimizer.param_groups
+                                              for param in group["params"])]
 
     def warm_init_shards(self) -> list[ParameterShard]:
         """Every trained parameter as this rank holds its master copy, for warm noisy initialization (eq. 10).

@@ -308,25 +308,29 @@ def average_healthy(tensors: list[torch.Tensor], row: list[float], topology: Rep
     return found[0], sent
 
 
-ELEMENTS_COLUMN = 4
-"""The score table's column of how many elements each rank averages (``ReplicaScorer.row``)."""
+ELEMENTS_COLUMN, STATE_LAYOUT_COLUMN = 4, 5
+"""The score table's columns of how many elements each rank averages and of which parameters the optimizer state
+among them is of (``ReplicaScorer.row``)."""
 
 
 def check_same_elements(table: torch.Tensor, topology: ReplicaTopology, step: int) -> None:
     """A ValueError on every rank (each reads the whole ``table``) where ranks that average together hold different
-    numbers of elements: their buckets would not line up, and the collective would hang or mix unrelated values."""
+    numbers of elements, or optimizer states of different parameters: their buckets would not line up, and the
+    collective would hang or mix unrelated values."""
     for position in range(topology.ranks_per_replica):
         ranks = topology.cross_replica_ranks(position)
-        counts = table[ranks, ELEMENTS_COLUMN].tolist()
-        if len(set(counts)) > 1:
-            other = next(index for index, count in enumerate(counts) if count != counts[0])
-            raise ValueError(
-                f"HDET sync at step {step}: the replicas hold different tensors to average (rank {ranks[0]}: "
-                f"{counts[0]:.0f} elements, rank {ranks[other]}: {counts[other]:.0f}); nothing was averaged. Every "
-                "replica must train the same model; with average_optimizer_state, the optimizer makes a parameter's "
-                "state at its first step, which a replica may not have taken yet (its fp16 steps skipped, or no "
-                "gradient reached the parameter there): set average_optimizer_state to false, so that each replica "
-                "keeps its own")
+        rows = [tuple(row) for row in table[ranks][:, [ELEMENTS_COLUMN, STATE_LAYOUT_COLUMN]].tolist()]
+        other = next((index for index, row in enumerate(rows) if row != rows[0]), None)
+        if other is None:
+            continue
+        differ = (f"rank {ranks[0]}: {rows[0][0]:.0f} elements, rank {ranks[other]}: {rows[other][0]:.0f}"
+                  if rows[other][0] != rows[0][0] else "as many elements, the optimizer state of other parameters")
+        raise ValueError(
+            f"HDET sync at step {step}: the replicas hold different tensors to average ({differ}); nothing was "
+            "averaged. Every replica must train the same model; with average_optimizer_state, the optimizer makes "
+            "a parameter's state at its first step, which a replica may not have taken yet (its fp16 steps skipped, "
+            "or no gradient reached the parameter there): set average_optimizer_state to false, so that each "
+            "replica keeps its own")
 
 
 def _flat_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -405,8 +405,11 @@ class HDETEnsemble:
             hook(self._step)
         started = time.perf_counter()
         tensors = self._sync_tensors()
-        state = [] if self.config.average_optimizer_state else self.adapter.optimizer_state_tensors()
-        scores, sent = average_healthy(tensors, self._scorer.row(tensors, state, self.adapter), self.topology,
+        averages_state = self.config.average_optimizer_state
+        state = [] if averages_state else self.adapter.optimizer_state_tensors()
+        row = self._scorer.row(tensors, state, self.adapter,
+                               state_layout=self.adapter.optimizer_state_layout() if averages_state else 0)
+        scores, sent = average_healthy(tensors, row, self.topology,
                                        self.adapter, step=self._step, with_probe=self._scorer.probe is not None,
                                        bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets,
                                        with_optimizer_state=self.config.average_optimizer_state)

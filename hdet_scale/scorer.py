@@ -48,16 +48,20 @@ class ReplicaScorer:
             return
         self._window.observe(steps_to_sync, tensors)
 
-    def row(self, tensors: list[torch.Tensor], state: list[torch.Tensor], adapter: EngineAdapter) -> list[float]:
+    def row(self, tensors: list[torch.Tensor], state: list[torch.Tensor], adapter: EngineAdapter, *,
+            state_layout: int = 0) -> list[float]:
         """This rank's row of the sync's score table: its interval loss sum and step count, whether ``tensors``
         (what the sync averages) and ``state`` (the optimizer state it does not) are all finite (else its replica
         is left out of the average; a non-finite loss alone is only the worst score), its probe loss (NaN: no
-        probe) on its weights averaged over the window, and how many elements ``tensors`` hold."""
+        probe) on its weights averaged over the window, how many elements ``tensors`` hold, and
+        ``state_layout``: which parameters the optimizer state among ``tensors`` is of
+        (``EngineAdapter.optimizer_state_layout``; 0 where it is not among them)."""
         healthy = all_finite(tensors) and all_finite(state)
         with self._window.swapped_in(adapter.averaged_tensors(), adapter.after_average):
             probe = self._run_probe()
         return [self.interval.total(), float(self.interval.count), float(healthy),
-                math.nan if probe is None else probe, float(sum(tensor.numel() for tensor in tensors))]
+                math.nan if probe is None else probe, float(sum(tensor.numel() for tensor in tensors)),
+                float(state_layout % 2**52)]  # exact as a float64
 
     def _run_probe(self) -> float | None:
         if self.probe is None:

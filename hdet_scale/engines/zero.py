@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
+from hdet_scale.adapter import EngineAdapter, ParameterShard, floating_state, optimizer_parameters
 from hdet_scale.engines.deepspeed_settings import TESTED_DEEPSPEED
 from hdet_scale.topology import ReplicaTopology, built_once
 
@@ -185,18 +185,13 @@ class ZeroAdapter(EngineAdapter):
             return tensors
         return [wrapper.grad_partitions_flat_buffer]
 
-    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+    def _state_moments(self) -> list[tuple[int, list[torch.Tensor]]]:
         state = self.optimizer.state
         # The optimizer's state is keyed by its parameters: a torch optimizer's are the module's own, whose
         # ``.data`` (what master_tensors gives) is another tensor object.
         keys = optimizer_parameters(self._wrapper) if self._kind == "torch" else self.master_tensors()
-        tensors = []
-        for index, master in enumerate(keys):
-            entry = state.get(master, {})
-            moments = [entry[key] for key in sorted(entry)
-                       if isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point() and key != "step"]
-            tensors += self._real_elements(moments, sub_group=index)
-        return tensors
+        return [(index, self._real_elements(floating_state(state.get(master, {})), sub_group=index))
+                for index, master in enumerate(keys)]
 
     def _real_elements(self, flats: list[torch.Tensor], sub_group: int | None = None) -> list[torch.Tensor]:
         """ZeRO-3: views of the elements of ``flats`` that hold parameter values, leaving out the padding of each

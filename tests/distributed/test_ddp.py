@@ -538,3 +538,26 @@ def test_replicas_with_different_optimizer_state_are_refused_on_every_rank(per_r
     messages = run_ranks(optimizer_state_made_in_one_replica_only, 2 * per_replica, per_replica, timeout=60)
     assert all(message.startswith("HDET sync at step 2: the replicas hold different tensors to average (rank 0: "
                                   "16 elements, rank") for message in messages)
+
+
+def optimizer_states_of_different_parameters(rank: int, world: int) -> str:
+    config = HDETConfig(sync_interval=2, ranks_per_replica=1, gradient_mode="local", average_optimizer_state=True,
+                        auto_lr=lr_held_at_given())
+    first, second = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([first, second], lr=0.1, momentum=0.9)
+    hdet = attach(None, optimizer, config, topology=ReplicaTopology.build(config))
+    for step in (1, 2):
+        # replica 0's gradient reaches the first parameter only, replica 1's the second: alike in size
+        (first if rank == 0 else second).grad = torch.ones(3)
+        optimizer.step()
+        if step == 1:
+            hdet.step(1.0)
+    with pytest.raises(ValueError) as refused:
+        hdet.step(1.0)
+    return str(refused.value)
+
+
+def test_replicas_with_optimizer_states_of_different_parameters_alike_in_size_are_refused():
+    """Counting elements let them through: the average mixed one parameter's momentum with another's."""
+    for message in run_ranks(optimizer_states_of_different_parameters, 2, timeout=60):
+        assert "(as many elements, the optimizer state of other parameters); nothing was averaged" in message
