@@ -80,6 +80,7 @@ def test_a_run_out_of_time_still_writes_its_results_and_says_what_it_skipped(tmp
     assert not list(tmp_path.glob("gpu_check_*"))  # no partial files left
 
 
+@pytest.mark.filterwarnings("ignore:called a synchronizing")  # the part not checked in place shows its own
 def test_the_sync_watch_notes_every_synchronization_and_lets_the_part_run_on():
     from benchmark_modules import load_benchmark
 
