@@ -514,15 +514,18 @@ def test_a_loss_scaler_sees_an_overflow_on_every_rank_and_steps_past_one_on_some
         assert rank_0_only == {"stepped": True, "scale": 2.0**15, "grads_finite": True}  # rank 1's gradient
 
 
-def optimizer_state_made_in_one_replica_only(rank: int, world: int, per_replica: int) -> str:
+def refused_sync(rank: int, world: int, per_replica: int, sizes: tuple[int, ...],
+                 reached: tuple[tuple[int, ...], ...]) -> str:
+    """The error of the first sync of a local-mode run averaging its optimizer state, where ``reached[r]`` names
+    the parameters (of ``sizes``) whose gradient replica r's steps reach: the others get no state there."""
     config = HDETConfig(sync_interval=2, ranks_per_replica=per_replica, gradient_mode="local",
                         average_optimizer_state=True, auto_lr=lr_held_at_given())
-    used, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(5))
-    optimizer = torch.optim.SGD([used, unused], lr=0.1, momentum=0.9)
+    params = [nn.Parameter(torch.ones(size)) for size in sizes]
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     hdet = attach(None, optimizer, config, topology=ReplicaTopology.build(config))
     for step in (1, 2):
-        used.grad = torch.ones(3)
-        unused.grad = torch.ones(5) if rank < per_replica else None  # no gradient reaches it in replica 1
+        for index in reached[rank // per_replica]:
+            params[index].grad = torch.ones(sizes[index])
         optimizer.step()
         if step == 1:
             hdet.step(1.0)
@@ -535,29 +538,14 @@ def optimizer_state_made_in_one_replica_only(rank: int, world: int, per_replica:
 def test_replicas_with_different_optimizer_state_are_refused_on_every_rank(per_replica):
     """The optimizer makes a parameter's state at its first step: where one replica had not taken it, the ranks
     averaged buckets of different sizes (gloo failed, NCCL hangs or mixes unrelated values)."""
-    messages = run_ranks(optimizer_state_made_in_one_replica_only, 2 * per_replica, per_replica, timeout=60)
+    # no gradient reaches the second parameter in replica 1
+    messages = run_ranks(refused_sync, 2 * per_replica, per_replica, (3, 5), ((0, 1), (0,)), timeout=60)
     assert all(message.startswith("HDET sync at step 2: the replicas hold different tensors to average (rank 0: "
                                   "16 elements, rank") for message in messages)
 
 
-def optimizer_states_of_different_parameters(rank: int, world: int) -> str:
-    config = HDETConfig(sync_interval=2, ranks_per_replica=1, gradient_mode="local", average_optimizer_state=True,
-                        auto_lr=lr_held_at_given())
-    first, second = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([first, second], lr=0.1, momentum=0.9)
-    hdet = attach(None, optimizer, config, topology=ReplicaTopology.build(config))
-    for step in (1, 2):
-        # replica 0's gradient reaches the first parameter only, replica 1's the second: alike in size
-        (first if rank == 0 else second).grad = torch.ones(3)
-        optimizer.step()
-        if step == 1:
-            hdet.step(1.0)
-    with pytest.raises(ValueError) as refused:
-        hdet.step(1.0)
-    return str(refused.value)
-
-
 def test_replicas_with_optimizer_states_of_different_parameters_alike_in_size_are_refused():
     """Counting elements let them through: the average mixed one parameter's momentum with another's."""
-    for message in run_ranks(optimizer_states_of_different_parameters, 2, timeout=60):
+    # replica 0's gradient reaches the first parameter only, replica 1's the second: alike in size
+    for message in run_ranks(refused_sync, 2, 1, (3, 3), ((0,), (1,)), timeout=60):
         assert "(as many elements, the optimizer state of other parameters); nothing was averaged" in message
