@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.adapter import EngineAdapter
-from hdet_scale.comm import all_finite_on, reduction_dtype, start_gather_rows, zero_unless
+from hdet_scale.comm import all_finite_on, first_accelerator, reduction_dtype, start_gather_rows, zero_unless
 from hdet_scale.scores import ReplicaScores
 from hdet_scale.topology import ReplicaTopology, collective_device
 
@@ -73,8 +73,7 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
 def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> torch.device:
     """Where the buckets live: the tensors' accelerator if any, else the device ``group``'s collectives need (the
     GPU for CPU tensors, e.g. offloaded shards, under NCCL, which all-reduces device memory only)."""
-    accelerator = next((device for device in devices if device.type != "cpu"), None)
-    return accelerator if accelerator is not None else collective_device(group)
+    return first_accelerator(devices) or collective_device(group)
 
 
 @dataclass

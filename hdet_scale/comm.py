@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn, TypeVar
 
 import torch
@@ -330,10 +330,14 @@ def all_finite_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 
+def first_accelerator(devices: Iterable[torch.device]) -> torch.device | None:
+    """The first of ``devices`` that is not the CPU, None where all are."""
+    return next((device for device in devices if device.type != "cpu"), None)
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True when every element of every tensor is finite (``all_finite_on``, then one host synchronization)."""
-    accelerator = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), torch.device("cpu"))
-    return bool(all_finite_on(tensors, accelerator))
+    return bool(all_finite_on(tensors, first_accelerator(t.device for t in tensors) or torch.device("cpu")))
 
 
 _BITS_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
