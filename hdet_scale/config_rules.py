@@ -149,6 +149,7 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
             f"auto_lr.initial_scale={lr.initial_scale:g}{_default_of(given, lr)} times the given LR for the whole "
             "run: set alpha > 0, or auto_lr.initial_scale to 1 (the given LR)")
     _check_explored(config)
+    _check_scale_steps(config, lr)
 
 
 def check_spread_alpha(name: str, alpha: Any, spread: str, *, explored: bool = False) -> None:
@@ -195,3 +196,35 @@ def _check_explored(config: Any) -> None:
         elif knob.base is not None:
             raise HDETConfigError(f"explore.{name}.base is not used: {name} takes its base value from the "
                                   "optimizer or the model; remove it")
+
+
+def largest_fall(alpha: float, spread: str) -> float:
+    """The most a ``scale``-mode velocity can fall below 0 (eqs. 5-7 over the mean multiplier: ``v`` is a momentum
+    average of ``sum_r w_r rho_r / mean rho - 1``, at least ``rho_min / mean rho - 1``): ``alpha`` on a linear
+    spread (eq. 1: ``rho_min = 1 - alpha``, mean 1), ``1 - 2 / ((1 + alpha)^2 + 1)`` on a log spread, whose two
+    replicas at ``(1 + alpha)^-1`` and ``1 + alpha`` put the lowest furthest below the mean."""
+    if spread == "log":
+        return 1.0 - 2.0 / ((1.0 + alpha) ** 2 + 1.0)
+    return alpha
+
+
+def _check_scale_steps(config: Any, lr: Any) -> None:
+    """Every value moved in ``scale`` mode (the LR in that mode; the others there and in ``paper`` mode) has
+    ``step_size * largest_fall <= 1``: else one sync in which the lowest replica wins multiplies its scale by
+    ``1 + step_size * v < 0``, which the floor turns into a jump to ``scale_min``."""
+    if not lr.enabled or lr.mode == "log":
+        return
+    moved = [("alpha", config.spread_alpha(lr=True))] if lr.mode == "scale" and lr.moves_lr else []
+    for name in KNOB_NAMES:
+        knob = getattr(config.explore, name)
+        if knob is not None:
+            moved.append((f"explore.{name}.alpha" if knob.alpha is not None else "alpha",
+                          knob.alpha if knob.alpha is not None else config.spread_alpha(lr=False)))
+    for field, alpha in moved:
+        fall = largest_fall(alpha, config.spread)
+        if lr.step_size * fall > 1.0:
+            raise HDETConfigError(
+                f"auto_lr.step_size={lr.step_size:g} with {field}={alpha:g} (spread '{config.spread}') lets one sync "
+                f"in which the lowest replica wins multiply the value's scale by 1 - {lr.step_size:g} x {fall:.3g} < 0 "
+                f"('{lr.mode}' mode moves it by 1 + step_size x velocity): keep auto_lr.step_size at most "
+                f"{1.0 / fall:.3g}, lower the spread, or use mode 'log'")

@@ -2,7 +2,9 @@ import math
 
 import pytest
 
-from hdet_scale.config import AutoLRConfig
+from hdet_scale.config import AutoLRConfig, HDETConfig
+from hdet_scale.config_checks import HDETConfigError
+from hdet_scale.config_rules import largest_fall
 from hdet_scale.controller import (
     Controller,
     ControllerState,
@@ -14,6 +16,7 @@ from hdet_scale.controller import (
     softmax_weights,
     zscore_weights,
 )
+from hdet_scale.spread import multipliers
 
 
 def test_softmax_weights_by_hand():
@@ -208,3 +211,33 @@ def test_the_hypergradient_is_measured_from_the_replicas_own_mean_on_either_spre
         if mode == "paper":
             # eq. 8 alone: from 1e-3 to the floor 1e-5 over the 99 syncs left at the first update, 40 of them taken
             assert state.owned_base == pytest.approx(1e-3 * 0.01 ** (40 / 99), rel=1e-12)
+
+
+@pytest.mark.parametrize(("spread", "alpha", "fall"), [("linear", 0.5, 0.5), ("log", 0.5, 1 - 2 / 3.25),
+                                                       ("log", 1.0, 0.6)])
+def test_largest_fall_is_the_lowest_replica_winning_at_any_size(spread, alpha, fall):
+    # by hand: linear rho_min = 1 - alpha, mean 1; log with two replicas 1/(1+a), 1+a: 1 - 2 / ((1+a)^2 + 1)
+    assert largest_fall(alpha, spread) == pytest.approx(fall)
+    falls = [-relative_hypergradient([1.0] + [0.0] * (n - 1), multipliers(n, alpha, spread)) for n in range(2, 9)]
+    assert max(falls) == pytest.approx(fall)
+
+
+def test_a_step_size_past_the_largest_fall_is_refused_before_it_drops_the_scale_to_its_floor():
+    fall = largest_fall(0.5, "linear")
+    too_far = 1.0 / fall + 0.1
+    # what the refusal prevents: the lowest replica winning every sync takes the scale to the floor at once
+    controller = Controller(AutoLRConfig(mode="scale", beta=0.0, step_size=too_far, range_test=0))
+    state = controller.update(ControllerState(), weights=[1.0, 0.0], replica_multipliers=[0.5, 1.5],
+                              trained_base=1.0, step=100, sync_interval=1)
+    assert state.scale == controller.config.scale_min
+    layout = {"alpha": 0.5, "spread": "linear"}
+    with pytest.raises(HDETConfigError, match=r"auto_lr.step_size=2.1 with alpha=0.5 .* keep auto_lr.step_size "
+                                              r"at most 2, lower the spread, or use mode 'log'"):
+        HDETConfig.from_dict({**layout, "auto_lr": {"mode": "scale", "step_size": too_far, "range_test": 0}})
+    # at most a fall to 0: allowed
+    HDETConfig.from_dict({**layout, "auto_lr": {"mode": "scale", "step_size": 2.0, "range_test": 0}})
+    # the LR held by its range test is not moved; an explored value in 'paper' mode is (a scale on its base)
+    HDETConfig.from_dict({**layout, "auto_lr": {"mode": "scale", "step_size": too_far}})
+    with pytest.raises(HDETConfigError, match=r"with explore.dropout.alpha=0.9 "):
+        HDETConfig.from_dict({**layout, "auto_lr": {"mode": "paper", "step_size": 1.2},
+                              "explore": {"dropout": {"alpha": 0.9}}})
