@@ -28,6 +28,9 @@ EVAL_INTERVAL = 10
 SHORT = ["--preset", "tiny", "--steps", str(STEPS), "--seq_len", "32", "--micro_batch_size", "4",
          "--max_data_mb", "1", "--warmup_steps", "5", "--no_progress", "--eval_batches", "2"]
 """Every test launch's arguments: a few short steps on a little data."""
+SHORT_BESIDE_JSON = [word for index, word in enumerate(SHORT)
+                     if not {word, SHORT[index - 1]} & {"--micro_batch_size", "--warmup_steps"}]
+"""``SHORT`` beside a DeepSpeed JSON with a micro-batch and a scheduler: the flags it sets are refused there."""
 
 
 def readme_commands() -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -94,7 +95,11 @@ def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None)
     """Raises, naming the setting, for a DeepSpeed JSON HDET cannot run with (offload, hpZ, qgZ, tensor or expert
     parallelism, fp16, node-local or background checkpoint writers) and, with ``world_size``, for batch sizes that
     do not add up over all ranks: before any process group exists."""
+    _check_key_spelling(ds_config)
     zero = zero_section(ds_config)
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise HDETConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     for section in ("offload_optimizer", "offload_param"):
         device = (zero.get(section) or {}).get("device", "none")
         if str(device).lower() != "none":
@@ -144,6 +149,26 @@ def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None)
         _check_batch_sizes(ds_config, world_size)
 
 
+KEYS_HDET_READS = ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "train_batch_size",
+                   "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "checkpoint",
+                   "torch_autocast")
+"""The DeepSpeed settings whose misspelling ``check_ds_config`` names (DeepSpeed ignores a key it does not know)."""
+DEEPSPEED_KEYS_LIKE_THEM = ("bfloat16",)
+"""DeepSpeed settings that are close to one of ``KEYS_HDET_READS`` and spelt right (its older name of bf16)."""
+
+
+def _check_key_spelling(ds_config: Mapping[str, Any]) -> None:
+    """Raises where the JSON lacks one of ``KEYS_HDET_READS`` and holds a key spelt almost like it: DeepSpeed would
+    ignore that key, and run without the setting (a misspelt zero_optimization: every rank a whole replica)."""
+    present = [key for key in ds_config if key not in KEYS_HDET_READS and key not in DEEPSPEED_KEYS_LIKE_THEM]
+    for key in KEYS_HDET_READS:
+        if key not in ds_config:
+            close = difflib.get_close_matches(key, present, n=1, cutoff=0.8)
+            if close:
+                raise HDETConfigError(f"the DeepSpeed JSON's \"{close[0]}\" is no DeepSpeed setting (DeepSpeed would "
+                                      f"ignore it): did you mean \"{key}\"?")
+
+
 def _check_batch_sizes(ds_config: Mapping[str, Any], world_size: int) -> None:
     """DeepSpeed's rule over all ranks, train_batch_size = micro-batch x accumulation x ranks, in the JSON's own
     numbers (DeepSpeed would check it per replica, in numbers the user never wrote)."""
@@ -159,6 +184,9 @@ def _check_batch_sizes(ds_config: Mapping[str, Any], world_size: int) -> None:
             f"gradient_accumulation_steps={accumulation} x {world_size} ranks = {micro * accumulation * world_size}; "
             "set it to that, or leave one of the three out for DeepSpeed to derive")
     known = [value for value in (micro, accumulation) if value is not None]
+    if total is not None and not known and total % world_size:
+        raise HDETConfigError(f"train_batch_size={total} is not a multiple of the {world_size} ranks: each rank "
+                              "takes an equal share of it; give a multiple, or train_micro_batch_size_per_gpu")
     if total is not None and len(known) == 1 and total % (known[0] * world_size):
         raise HDETConfigError(
             f"train_batch_size={total} is not a multiple of {known[0]} x {world_size} ranks "

@@ -34,6 +34,10 @@ from hdet_scale.resolve import load_config, resolve, stuck_start_error
 
 DEFAULT_ZERO_STAGE = 2
 """The ZeRO stage of the DeepSpeed config train.py builds when it is given none (``--zero_stage``)."""
+OPTIMIZATION_DEFAULTS: dict[str, Any] = {"micro_batch_size": 8, "grad_accum": 1, "lr": 3e-3, "warmup_steps": 30,
+                                         "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0, "dtype": "auto"}
+"""The defaults of train.py's flags whose settings a DeepSpeed JSON of the user's may make instead
+(``_refuse_flags_json_sets``)."""
 
 
 @dataclass
@@ -65,8 +69,12 @@ def plan(args: argparse.Namespace) -> Plan:
     if engine == "deepspeed":
         require("deepspeed", "deepspeed", "hdet_scale.lm.train on DeepSpeed")
     ds_config = _deepspeed_config(args) if engine == "deepspeed" else None
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     if ds_config is not None:
         _refuse_trainer_auto(args, ds_config)
+        check_ds_config(ds_config, world_size)
+        if args.deepspeed_config:
+            _refuse_flags_json_sets(args, ds_config)
     if engine == "fsdp":
         given = [name for name in ("deepspeed", "deepspeed_config", "zero_stage") if getattr(args, name)
                  not in (None, False)]
@@ -79,7 +87,6 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.replay_schedule:
         _check_replay(args, ds_config)
     _check_warmup(args, ds_config)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
     values, picked_interval = _hdet_values(args, ds_config)
     config = resolve(load_config(values, world_size=None), world_size=world_size,
                      auto="rank" if engine == "deepspeed" and _zero_stage(ds_config) == 0 else "node",
@@ -93,8 +100,16 @@ def plan(args: argparse.Namespace) -> Plan:
     if config.explore.dropout is not None and args.dropout == 0:
         raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
                          "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
+    if config.explore.weight_decay is not None and given_weight_decay(args, ds_config) == 0:
+        where = "the DeepSpeed JSON's optimizer.params.weight_decay" if "optimizer" in (ds_config or {}) \
+            else "--weight_decay"
+        raise ValueError(f"explore.weight_decay explores the weight decay, and {where} is 0: give it one above 0, "
+                         "or remove explore.weight_decay")
+    if config.auto_lr.enabled and config.auto_lr.mode == "paper":
+        raise ValueError("auto_lr.mode 'paper' decays the LR to OneCycleLR's floor (HDETOneCycleLR, in a script of "
+                         "your own), and train.py's schedule is a warm-up and a cosine: use mode 'log' (the "
+                         "default) or 'scale'")
     if ds_config is not None:
-        check_ds_config(ds_config, world_size)
         _check_schedule_length(args, ds_config)
     out = _check_out(args, config.metrics_path)
     picked = f" (picked for --steps {args.steps}: the HDET settings leave it out)" if picked_interval else ""
@@ -207,7 +222,30 @@ def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
                 "zero_optimization": {"stage": DEFAULT_ZERO_STAGE if args.zero_stage is None else args.zero_stage},
                 "bf16": {"enabled": bf16},
                 "steps_per_print": 10**9}
-    return _read_json(args.deepspeed_config, "--deepspeed_config")
+    ds_config = _read_json(args.deepspeed_config, "--deepspeed_config")
+    if not isinstance(ds_config, dict):
+        raise ValueError(f"--deepspeed_config {args.deepspeed_config} must hold a JSON object "
+                         f"({{\"zero_optimization\": ...}}), got a {type(ds_config).__name__}")
+    return ds_config
+
+
+def _refuse_flags_json_sets(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
+    """Flags given away from their defaults (``OPTIMIZATION_DEFAULTS``) whose setting the user's DeepSpeed JSON makes
+    instead are refused, naming where the JSON sets it: DeepSpeed would take the JSON's silently."""
+    where = {"micro_batch_size": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps",
+             "grad_clip": "gradient_clipping", "dtype": "bf16"}
+    if "optimizer" in ds_config:
+        where.update(lr="optimizer.params.lr", weight_decay="optimizer.params.weight_decay")
+    if "scheduler" in ds_config:
+        where.update(warmup_steps="scheduler", min_lr_ratio="scheduler")
+        if "warmup_max_lr" in ((ds_config["scheduler"] or {}).get("params") or {}):
+            where["lr"] = "scheduler.params.warmup_max_lr"
+    given = [name for name, default in OPTIMIZATION_DEFAULTS.items()
+             if name in where and getattr(args, name) != default]
+    if given:
+        flags = ", ".join(f"--{name} (its {where[name]})" for name in given)
+        raise ValueError(f"with --deepspeed_config {args.deepspeed_config} DeepSpeed takes {flags} from the JSON, "
+                         "not from the command line: set it there and drop the flag")
 
 
 def _refuse_trainer_auto(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:

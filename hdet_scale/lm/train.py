@@ -65,7 +65,7 @@ from hdet_scale.lm.checkpoints import (
 )
 from hdet_scale.lm.corpus import TOKEN_FILE_DEFAULTS, batch
 from hdet_scale.lm.model import PRESETS, build_model
-from hdet_scale.lm.plan import DEFAULT_ZERO_STAGE, Plan, given_peak_lr, plan
+from hdet_scale.lm.plan import DEFAULT_ZERO_STAGE, OPTIMIZATION_DEFAULTS, Plan, given_peak_lr, plan
 from hdet_scale.lm.preemption import StopSignal
 from hdet_scale.lm.progress import Progress
 from hdet_scale.metrics import SyncReport
@@ -141,24 +141,30 @@ def _add_optimization(group: argparse._ArgumentGroup) -> None:
                        help="auto: deepspeed under the deepspeed launcher or with --deepspeed or "
                        "--deepspeed_config, else fsdp")
     group.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    group.add_argument("--micro_batch_size", type=int, default=8, help="sequences per rank per micro-batch "
-                       "(DeepSpeed: its JSON's train_micro_batch_size_per_gpu wins)")
-    group.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step (DeepSpeed: its JSON's "
-                       "gradient_accumulation_steps wins)")
-    group.add_argument("--lr", type=float, default=3e-3, help="peak LR of the warm-up + cosine schedule: where "
-                       "HDET starts looking (the LR it finds is printed at the end as a multiple of it)")
-    group.add_argument("--warmup_steps", type=int, default=30, help="linear LR warm-up steps")
-    group.add_argument("--min_lr_ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
+    defaults = OPTIMIZATION_DEFAULTS
+    group.add_argument("--micro_batch_size", type=int, default=defaults["micro_batch_size"],
+                       help="sequences per rank per micro-batch (DeepSpeed: its JSON's train_micro_batch_size_per_gpu)")
+    group.add_argument("--grad_accum", type=int, default=defaults["grad_accum"],
+                       help="micro-batches per step (DeepSpeed: its JSON's gradient_accumulation_steps)")
+    group.add_argument("--lr", type=float, default=defaults["lr"],
+                       help="peak LR of the warm-up + cosine schedule: where HDET starts looking (the LR it finds is "
+                       "printed at the end as a multiple of it); DeepSpeed: its JSON's optimizer or scheduler where "
+                       "it has one")
+    group.add_argument("--warmup_steps", type=int, default=defaults["warmup_steps"],
+                       help="linear LR warm-up steps (DeepSpeed: its JSON's scheduler where it has one)")
+    group.add_argument("--min_lr_ratio", type=float, default=defaults["min_lr_ratio"],
+                       help="final LR as a fraction of --lr (DeepSpeed: its JSON's scheduler where it has one)")
     group.add_argument("--replay_schedule", metavar="FILE", default=None,
                        help="a plain run (HDET's spread and controller off) on the LRs and weight decays an HDET run "
                        "applied at every step, exported by python -m hdet_scale.tools.report RUN.jsonl "
                        "--export-schedule FILE; replaces --lr's warm-up + cosine")
-    group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW's weight decay")
-    group.add_argument("--grad_clip", type=float, default=1.0, help="FSDP: max gradient norm (0: off); "
-                       "DeepSpeed: gradient_clipping in its JSON")
-    group.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                       help="FSDP parameters in forward/backward (auto: bf16 on GPUs, fp32 on CPU); DeepSpeed "
-                       "without a JSON: its bf16 setting")
+    group.add_argument("--weight_decay", type=float, default=defaults["weight_decay"],
+                       help="AdamW's weight decay (DeepSpeed: its JSON's optimizer where it has one)")
+    group.add_argument("--grad_clip", type=float, default=defaults["grad_clip"],
+                       help="FSDP: max gradient norm (0: off); DeepSpeed: its JSON's gradient_clipping")
+    group.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default=defaults["dtype"],
+                       help="FSDP parameters in forward/backward (auto: bf16 on GPUs, fp32 on CPU); DeepSpeed: its "
+                       "JSON's bf16 (the config built without one: this)")
     group.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=None,
                        help=f"DeepSpeed without --deepspeed_config: the ZeRO stage of the built-in config (unset: "
                        f"{DEFAULT_ZERO_STAGE})")

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import wandb_records
-from launcher import SHORT, STEPS, SYNC_INTERVAL, deepspeed, launch, single_process, torchrun
+from launcher import SHORT, SHORT_BESIDE_JSON, STEPS, SYNC_INTERVAL, deepspeed, launch, single_process, torchrun
 
 from hdet_scale import multipliers
 from hdet_scale.lm import out_lock
@@ -404,8 +404,8 @@ def test_a_run_can_start_with_an_lr_range_test_under_deepspeed(tmp_path):
         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3,
                                                           "warmup_num_steps": 5, "total_num_steps": STEPS}}}))
     out = tmp_path / "out"
-    result = launch([*deepspeed(2), *SHORT, "--deepspeed_config", str(ds_config), "--hdet_config", str(config),
-                     "--out", str(out)], cwd=tmp_path)
+    result = launch([*deepspeed(2), *SHORT_BESIDE_JSON, "--deepspeed_config", str(ds_config), "--hdet_config",
+                     str(config), "--out", str(out)], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-5000:]
     picked = re.search(r"LR range test: picked (\S+) \((\S+) x the DeepSpeed JSON's warmup_max_lr\) in 20 steps",
                        result.stdout)

@@ -87,7 +87,7 @@ def launcher_env(monkeypatch):
     ({key: value for key, value in ds_config(2, train_batch_size=6).items()
       if key not in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")},
      {"hdet_config": {"ranks_per_replica": 1}},
-     "train_batch_size=6 must be a multiple of the number of replicas \\(4\\)"),
+     "train_batch_size=6 is not a multiple of the 4 ranks: each rank takes an equal share of it"),
 ])
 def test_bad_inputs_fail_before_any_process_group(launcher_env, config, kwargs, message):
     with pytest.raises((HDETConfigError, ValueError), match=message):

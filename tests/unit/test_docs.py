@@ -51,6 +51,7 @@ def test_every_documented_deepspeed_launch_runs_as_long_as_its_schedule():
         args = parse_args(words)
         ds_config = json.loads(ROOT.joinpath(args.deepspeed_config).read_text())
         plan._check_schedule_length(args, ds_config)  # raises with the fix in its message
+        plan._refuse_flags_json_sets(args, ds_config)  # no flag the JSON overrides
         assert ROOT.joinpath(args.hdet_config).is_file(), page
 
 

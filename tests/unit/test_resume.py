@@ -282,7 +282,7 @@ def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrid
     saved = plan(parse_args(words)).run
     del saved["settings"]["seed"]  # a setting the checkpoint's version did not record: not compared
     fake_checkpoint(tmp_path / "out", saved)
-    assert plan(parse_args([*words, "--resume", "--micro_batch_size", "2", "--seed", "3"])).resume.changed == ()
+    assert plan(parse_args([*words, "--resume", "--seed", "3"])).resume.changed == ()
     ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}))
     assert plan(parse_args([*words, "--resume"])).resume.changed == (
         "deepspeed.train_micro_batch_size_per_gpu 4 -> 2",)
@@ -291,7 +291,7 @@ def test_under_a_deepspeed_json_its_values_are_compared_not_the_flags_it_overrid
 def test_flags_a_deepspeed_json_run_does_not_read_are_not_said_to_apply(tmp_path, single_process):
     """A JSON without gradient_clipping, gradient_accumulation_steps or bf16 recorded --grad_clip, --grad_accum and
     --dtype as the run's settings: a resume that changed them said they applied from its step on, and DeepSpeed
-    never read them."""
+    never read them (they are refused beside a JSON since)."""
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
     words = ["--engine", "deepspeed", "--deepspeed_config", str(ds_json), "--out", str(tmp_path / "out"),
@@ -300,7 +300,9 @@ def test_flags_a_deepspeed_json_run_does_not_read_are_not_said_to_apply(tmp_path
     assert not {"micro_batch_size", "grad_accum", "grad_clip", "dtype"} & saved["settings"].keys()
     fake_checkpoint(tmp_path / "out", saved)
     changed = ["--grad_clip", "0.5", "--grad_accum", "2", "--dtype", "fp32", "--micro_batch_size", "2"]
-    assert plan(parse_args([*words, "--resume", *changed])).resume.changed == ()
+    with pytest.raises(ValueError, match="DeepSpeed takes --micro_batch_size .*, --grad_accum .*, --grad_clip .*, "
+                                         "--dtype .* from the JSON"):
+        plan(parse_args([*words, "--resume", *changed]))
     assert plan(parse_args([*words, "--resume", "--warmup_steps", "7"])).resume.changed == ("warmup_steps 30 -> 7",)
 
 

@@ -489,3 +489,36 @@ def test_more_ranks_on_a_node_than_gpus_is_refused_before_any_process_group(monk
     assert rank_device() == torch.device("cuda", 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert rank_device() == torch.device("cpu")
+
+
+@pytest.mark.usefixtures("single_process")
+def test_settings_that_would_fail_or_do_nothing_after_the_process_group_are_refused_before_it(tmp_path, monkeypatch):
+    """Each passed the plan and failed on every rank after the model was built, or was silently ignored."""
+    configs = Path(__file__).resolve().parents[2] / "ds_configs"
+    zero3 = str(configs / "zero3_bf16.json")
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"auto_lr": {"mode": "paper"}}))
+    check(["--hdet_config", str(hdet)], "auto_lr.mode 'paper' decays the LR to OneCycleLR's floor .* use mode 'log'")
+    hdet.write_text(json.dumps({"explore": {"weight_decay": {}}}))
+    check(["--hdet_config", str(hdet), "--weight_decay", "0"],
+          "explore.weight_decay explores the weight decay, and --weight_decay is 0")
+    # the JSON's flags: DeepSpeed took the JSON's warm-up and LR, and the README's own example passed a dead flag
+    check(["--deepspeed_config", zero3, "--steps", "300000", "--lr", "1e-4", "--warmup_steps", "10"],
+          r"zero3_bf16.json DeepSpeed takes --lr \(its optimizer.params.lr\), --warmup_steps \(its scheduler\) from "
+          "the JSON, not from the command line: set it there and drop the flag")
+    for name, value in (("micro_batch_size", "4"), ("dtype", "fp32"), ("grad_clip", "0.5")):
+        check(["--deepspeed_config", zero3, "--steps", "300000", f"--{name}", value], f"--{name} ")
+    assert plan(parse_args(["--deepspeed_config", zero3, "--steps", "300000"])).engine == "deepspeed"
+    written = tmp_path / "ds.json"
+    for bad, message in (([1], "must hold a JSON object"),
+                         ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage must be 0, 1, 2 or 3, "
+                                                                   "got 'two'"),
+                         ({"zero_optimisation": {"stage": 3}}, "\"zero_optimisation\" is no DeepSpeed setting .* did "
+                                                               "you mean \"zero_optimization\"")):
+        written.write_text(json.dumps(bad))
+        check(["--deepspeed_config", str(written)], message)
+    # two replicas of two ranks: 3 sequences a replica cannot be split over its two ranks
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    written.write_text(json.dumps({"train_batch_size": 6, "zero_optimization": {"stage": 2}}))
+    check(["--deepspeed_config", str(written)], "train_batch_size=6 is not a multiple of the 4 ranks")
