@@ -27,6 +27,12 @@ REPLICA_SIZE_NAMES: tuple[str, ...] = get_args(ReplicaSizeName)
 MIN_RANGE_TEST_STEPS = 13
 """The fewest steps a range test may have: its pick leaves out its first 10 and its last step."""
 KNOB_NAMES = ("weight_decay", "dropout", "attention_scale", "label_smoothing")
+FORWARD_KNOBS = ("dropout", "attention_scale", "label_smoothing")
+"""Explored values that act in the forward pass or the loss, not in the optimizer step: a replica's own value shapes
+its weights only where it averages its gradients alone (``gradient_mode`` 'local')."""
+PROBE_ONLY_KNOBS = ("dropout", "label_smoothing")
+"""Explored values that a replica's training loss grows with whatever they are worth (dropout's noise, smoothed
+targets): the controller compares them on the probe batch alone, where neither acts."""
 
 
 class Range(NamedTuple):
@@ -150,6 +156,7 @@ def validate(config: Any, filled_auto_lr: Any) -> None:
             "run: set alpha > 0, or auto_lr.initial_scale to 1 (the given LR)")
     _check_explored(config)
     _check_scale_steps(config, lr)
+    _check_forward_knobs(config, lr)
 
 
 def check_spread_alpha(name: str, alpha: Any, spread: str, *, explored: bool = False) -> None:
@@ -228,3 +235,22 @@ def _check_scale_steps(config: Any, lr: Any) -> None:
                 f"in which the lowest replica wins multiply the value's scale by 1 - {lr.step_size:g} x {fall:.3g} < 0 "
                 f"('{lr.mode}' mode moves it by 1 + step_size x velocity): keep auto_lr.step_size at most "
                 f"{1.0 / fall:.3g}, lower the spread, or use mode 'log'")
+
+
+def _check_forward_knobs(config: Any, lr: Any) -> None:
+    """``FORWARD_KNOBS`` explored in ``local`` gradient mode only; ``PROBE_ONLY_KNOBS`` moved by the controller on the
+    probe alone (``auto_lr.probe_weight`` 1)."""
+    explored = [name for name in FORWARD_KNOBS if getattr(config.explore, name) is not None]
+    if explored and config.gradient_mode != "local":
+        name = explored[0]
+        raise HDETConfigError(
+            f"explore.{name} needs \"gradient_mode\": \"local\": in '{config.gradient_mode}' mode every replica steps "
+            f"with the mean gradient of all replicas, so its own {name.replace('_', ' ')} does not shape its weights "
+            "and no loss can tell the values apart; set gradient_mode to 'local' (each replica averages its gradients "
+            f"alone, and the replicas meet at each sync), or remove explore.{name}")
+    scored = [name for name in PROBE_ONLY_KNOBS if getattr(config.explore, name) is not None]
+    if scored and lr.enabled and lr.probe_weight != 1.0:
+        raise HDETConfigError(
+            f"explore.{scored[0]} is scored on the probe batch alone (a replica's training loss rises with its own "
+            f"{scored[0].replace('_', ' ')}, whatever it is worth): set auto_lr.probe_weight to 1, not "
+            f"{lr.probe_weight:g}")

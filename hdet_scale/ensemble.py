@@ -20,8 +20,8 @@ import torch
 from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_healthy
 from hdet_scale.comm import bits_fingerprint, gather_rows
-from hdet_scale.config import HDETConfig
-from hdet_scale.config_rules import check_spread_alpha
+from hdet_scale.config import HDETConfig, HDETConfigError
+from hdet_scale.config_rules import PROBE_ONLY_KNOBS, check_spread_alpha
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, group_names, is_configured_name, lr_knobs
@@ -86,6 +86,7 @@ class HDETEnsemble:
         self._last_sync_step: int | None = 0  # set by _start_from_weights, or by a loaded state
         self._scorer = ReplicaScorer(config.auto_lr, config.sync_interval)
         self._warned_no_loss = False
+        self._probing = False  # value("label_smoothing") reads 0 while the probe runs
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
         self._last_report: SyncReport | None = None
@@ -201,6 +202,8 @@ class HDETEnsemble:
         ``"lr/0"``: for optimizer knobs, the value the next ``optimizer.step()`` uses, during the run's LR range
         test that test's LR)."""
         explored = self._explored_named(name)
+        if self._probing and name == "label_smoothing":
+            return 0.0
         ramp = self._range_test_lr(explored)
         return explored.value(self.topology.replica_index) if ramp is None else ramp
 
@@ -296,6 +299,19 @@ class HDETEnsemble:
         return self._scorer.probe is None and self._controller_moves_any and self.topology.num_replicas > 1
 
     @property
+    def needs_probe(self) -> bool:
+        """True where ``wants_probe`` and the controller moves a value it compares on a probe alone
+        (``PROBE_ONLY_KNOBS``: dropout, label smoothing): without one, the controller refuses to move."""
+        return self.wants_probe and any(explored.name in PROBE_ONLY_KNOBS for explored in self._explored)
+
+    def probe_missing_error(self, fix: str) -> HDETConfigError:
+        """The error where ``needs_probe``; ``fix`` says how to set a probe where the caller runs."""
+        names = [explored.name for explored in self._explored if explored.name in PROBE_ONLY_KNOBS]
+        return HDETConfigError(f"explore.{names[0]} needs a probe batch: a replica's training loss rises with its own "
+                               f"{names[0].replace('_', ' ')} whatever it is worth, so the controller compares the "
+                               f"replicas on one held-out batch, scored with neither; {fix}")
+
+    @property
     def _controller_moves_any(self) -> bool:
         """Whether the controller is on for some explored value: the LR (without a range test) or another."""
         return self.config.auto_lr.moves_any(any(not explored.is_lr for explored in self._explored))
@@ -376,7 +392,19 @@ class HDETEnsemble:
         controller is driven by those losses (blended with the interval losses by ``auto_lr.probe_weight``).
         Called on every rank, inside ``torch.no_grad()``, before the first step (the window of averaged weights,
         ``auto_lr.average_window``, follows it); None removes the probe."""
-        self._scorer.set_probe(probe)
+        self._scorer.set_probe(None if probe is None else self._unsmoothed(probe))
+
+    def _unsmoothed(self, probe: Callable[[], LossLike]) -> Callable[[], LossLike]:
+        """``probe`` with ``value("label_smoothing")`` at 0 while it runs: a loss that reads it scores the replicas
+        on the plain loss, which the smoothing they trained with does not raise."""
+        def unsmoothed() -> LossLike:
+            self._probing = True
+            try:
+                return probe()
+            finally:
+                self._probing = False
+
+        return unsmoothed
 
     # ------------------------------------------------------------------------------------ a sync
     def sync(self) -> SyncReport | None:
@@ -456,6 +484,8 @@ class HDETEnsemble:
         cfg = self.config.auto_lr
         if not self._controller_moves_at(self._step):
             return None
+        if self.needs_probe:
+            raise self.probe_missing_error("set one with hdet.set_probe before the first step")
         signal = scores.controller_signal(cfg.probe_weight)
         if not any(loss is not None and math.isfinite(loss) for loss in signal):
             return None  # no replica scored: nothing to compare (a non-finite score alone is the worst one)
@@ -564,12 +594,13 @@ class HDETEnsemble:
         self._scorer.interval.restore(state["loss_sum"], state["loss_count"])
 
     def close(self) -> None:
-        """Removes the optimizer hooks and returns every knob to its base value; the optimizer then trains at
-        the scheduled values."""
+        """Removes the optimizer hooks and gives every replica the base value of each knob set outside the optimizer
+        step (``base``: what the controller found, e.g. the attention scale the weights trained at); the optimizer
+        then trains at the scheduled values."""
         self._step_scoped.remove()
         for explored in self._explored:
             if not explored.knob.step_scoped:
-                explored.knob.apply(explored.knob.scheduled())
+                explored.knob.apply(explored.base())
         self._buckets.clear()
         self.adapter.optimizer._hdet_attached = False
 

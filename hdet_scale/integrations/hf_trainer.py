@@ -156,6 +156,10 @@ class HDETCallback(TrainerCallback, HDETHandle):
                 self._load_replica_optimizer()
         if self.probe:
             self._set_probe(self._ensemble)
+        if self._ensemble.needs_probe:
+            raise self._ensemble.probe_missing_error(
+                "give the Trainer an eval_dataset (add_hdet's probe scores its first batch)"
+                + (", and leave add_hdet's probe on" if not self.probe else ""))
         if self._ensemble.ramping:
             self.trainer.lr_scheduler = HeldScheduler(self.trainer.lr_scheduler)
             self._counts_before_test = (state.num_input_tokens_seen, self.trainer.current_flos)

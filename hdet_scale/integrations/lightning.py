@@ -199,14 +199,16 @@ class HDETCallback(pl.Callback, HDETHandle):
                 "HDETCallback): HDET would start over on its trained weights (new warm-init noise, a new LR range "
                 "test that resets the optimizer); resume from a checkpoint taken with HDETCallback, or load the "
                 "weights into the module and fit without ckpt_path")
+        fix = ("set one in the LightningModule's on_fit_start (it runs after the callback's): "
+               "hdet.set_probe(batch_probe(self.trainer.strategy.model, held_out_batch, loss_fn)), from "
+               "hdet_scale.probe")
+        if ensemble.needs_probe:
+            raise ensemble.probe_missing_error(fix)
         if ensemble.ramping:  # known only now: a checkpoint's state (loaded by now) ends the test before it starts
             self._hold_schedulers(trainer)
         self._defer_slurm_requeue(trainer)
         if ensemble.wants_probe and trainer.global_rank == 0:
-            warn(no_probe_warning(
-                "HDETCallback has no probe", "set one in the LightningModule's on_fit_start (it runs after the "
-                "callback's): hdet.set_probe(batch_probe(self.trainer.strategy.model, held_out_batch, "
-                "loss_fn)), from hdet_scale.probe"))
+            warn(no_probe_warning("HDETCallback has no probe", fix))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hdet_scale.config import HDETConfig
+from hdet_scale.config_rules import PROBE_ONLY_KNOBS
 from hdet_scale.controller import sync_interval_for_run
 from hdet_scale.engines.deepspeed_settings import check_ds_config, zero_section
 from hdet_scale.extras import require
@@ -100,6 +101,11 @@ def plan(args: argparse.Namespace) -> Plan:
     if config.explore.dropout is not None and args.dropout == 0:
         raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
                          "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
+    scored_on_probe = [name for name in PROBE_ONLY_KNOBS if getattr(config.explore, name) is not None]
+    if scored_on_probe and args.probe_batch == 0 and config.auto_lr.enabled and replicas > 1:
+        raise ValueError(f"explore.{scored_on_probe[0]} is compared on the probe batch alone, and --probe_batch is 0: "
+                         "give it held-out sequences (16 by default), or turn the controller off (auto_lr.enabled "
+                         "false: a spread without a search)")
     if config.explore.weight_decay is not None and given_weight_decay(args, ds_config) == 0:
         where = "the DeepSpeed JSON's optimizer.params.weight_decay" if "optimizer" in (ds_config or {}) \
             else "--weight_decay"

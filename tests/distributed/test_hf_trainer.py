@@ -249,7 +249,7 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> dict:
         "replica size": error_of(lambda: added("size", hdet_settings(out_dir, "global", 3))),
         "bad field": error_of(lambda: added("field", {"alpha": 1.5, "spread": "linear"})),
     }
-    smoothing = {**hdet_settings(out_dir, "global", 1), "explore": {"label_smoothing": {"base": 0.1, "alpha": 0.5}}}
+    smoothing = {**hdet_settings(out_dir, "local", 1), "explore": {"label_smoothing": {"base": 0.1, "alpha": 0.5}}}
     errors["label smoothing"] = error_of(lambda: added("smoothing", smoothing))
     reads_smoothing = fresh_trainer(os.path.join(out_dir, "smoothing_read"))
     reads_smoothing.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss

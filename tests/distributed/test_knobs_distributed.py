@@ -13,7 +13,7 @@ from test_knobs import EXPLORE, REPLICAS, expected_multiplier, record_group_valu
 from torch import nn
 
 from distributed import run_ranks
-from hdet_scale import AutoLRConfig, HDETConfig, HDETEnsemble
+from hdet_scale import AutoLRConfig, HDETConfig, HDETConfigError, HDETEnsemble
 from hdet_scale.config import ExploreConfig, KnobConfig
 from hdet_scale.engines.ddp import DDPAdapter
 
@@ -24,8 +24,7 @@ def quadratic_knob(rank: int, world: int, start: float) -> list[float]:
     the controller must raise the base, from above lower it. The LR of a quadratic f(x) = x^2 / 2 with SGD
     is explored alongside (best LR 1: one step to the minimum) and must move toward 1 the same way."""
     config = HDETConfig(spread="linear", alpha=0.5, sync_interval=1,
-                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.05, range_test=0),
-                        explore=ExploreConfig(label_smoothing=KnobConfig(base=0.2)))
+                        auto_lr=AutoLRConfig(mode="scale", start=0, sigma=0.05, range_test=0))
     point = nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([point], lr=start)
     hdet = HDETEnsemble(config, DDPAdapter(optimizer))
@@ -41,7 +40,7 @@ def quadratic_knob(rank: int, world: int, start: float) -> list[float]:
         optimizer.step()
         lr_loss = float(point.detach() ** 2 / 2)
         report = hdet.step((knob["h"] - 1.0) ** 2 + lr_loss)
-        assert set(report.values) == {"lr/0", "label_smoothing", "h"}  # co-explored, each reported
+        assert set(report.values) == {"lr/0", "h"}  # co-explored, each reported
         assert all({"delta", "velocity", "scale"} <= set(entry) for entry in report.values.values())
     bases.append(report.values["h"]["base"])
     bases.append(report.values["lr/0"]["base"])
@@ -72,8 +71,8 @@ def knob_values_on(rank: int, world: int, engine: str) -> list[float]:
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 "nodes" of 2 ranks: one replica per node
     model = tiny_llama()
-    hdet_settings = {"alpha": 0.3, "spread": "linear", "explore": EXPLORE, "ranks_per_replica": 2,
-                     "auto_lr": LR_HELD_AT_GIVEN}
+    hdet_settings = {"alpha": 0.3, "spread": "linear", "gradient_mode": "local", "explore": EXPLORE,
+                     "ranks_per_replica": 2, "auto_lr": LR_HELD_AT_GIVEN}
     if engine == "fsdp":
         from hdet_scale.engines.fsdp import wrap
 
@@ -118,3 +117,45 @@ def test_knobs_reach_every_replica_of_a_sharded_engine(engine):
     values = run_ranks(knob_values_on, REPLICAS, engine)
     assert values[0] == values[1] and values[2] == values[3]  # ranks of one replica agree
     assert all(first != second for first, second in zip(values[0], values[2], strict=True))  # replicas differ
+
+
+# --------------------------------------------------------------------------- values scored on a probe
+def smoothing_scored_on_probe(rank: int, world: int, with_probe: bool) -> tuple[list[float], str]:
+    """2 replicas of 1 rank in local mode, label smoothing explored and moved by the controller at every sync:
+    the smoothing the loss reads in each step and in the probe, and the error of a run without a probe."""
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, gradient_mode="local",
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0),
+                        explore=ExploreConfig(label_smoothing=KnobConfig(base=0.2)))
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer, model))
+    inputs, targets = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    read: list[float] = []
+
+    def loss() -> torch.Tensor:
+        read.append(hdet.value("label_smoothing"))
+        return nn.functional.cross_entropy(model(inputs), targets, label_smoothing=read[-1])
+
+    if with_probe:
+        hdet.set_probe(loss)
+    try:
+        for _ in range(2):
+            step_loss = loss()
+            optimizer.zero_grad()
+            step_loss.backward()
+            optimizer.step()
+            hdet.step(step_loss)
+    except HDETConfigError as error:
+        return read, str(error)
+    return read, ""
+
+
+def test_label_smoothing_is_compared_on_the_plain_loss_of_a_probe_and_refused_without_one():
+    for rank, (read, error) in enumerate(run_ranks(smoothing_scored_on_probe, 2, True)):
+        own = 0.2 * (1.5 if rank else 0.5)  # the replica's value in its steps; 0 in the probe, at the sync
+        assert read == pytest.approx([own, own, 0.0]) and error == ""
+    for read, error in run_ranks(smoothing_scored_on_probe, 2, False):
+        assert len(read) == 2 and error.startswith(
+            "explore.label_smoothing needs a probe batch: a replica's training loss rises with its own label "
+            "smoothing whatever it is worth, so the controller compares the replicas on one held-out batch, scored "
+            "with neither; set one with hdet.set_probe before the first step")

@@ -151,6 +151,7 @@ def smoothing_step(rank: int, world: int) -> tuple[float, float]:
     from hdet_scale.lm.model import build_model
 
     config = HDETConfig.from_dict({"alpha": 0.5, "spread": "linear", "ranks_per_replica": 1, "sync_interval": 1,
+                                   "gradient_mode": "local",
                                    "explore": {"label_smoothing": {"base": 0.2, "alpha": 0.5}}})
     args = argparse.Namespace(dtype="fp32", grad_accum=1, micro_batch_size=2, lr=1e-3, weight_decay=0.0, steps=10,
                               warmup_steps=1, min_lr_ratio=0.1, grad_clip=0.0, replay_schedule=None)

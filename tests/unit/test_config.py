@@ -585,7 +585,7 @@ def test_alpha_zero_is_refused_where_the_controller_would_move_the_lr():
     HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "paper"}})  # eq. 8 decays it still
     # the LR at the given one while dropout is explored
     HDETConfig.from_dict({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0},
-                          "explore": {"dropout": {"alpha": 0.3}}})
+                          "gradient_mode": "local", "explore": {"dropout": {"alpha": 0.3}}})
     pinned = {"range_test": 0, "initial_scale": 0.5, "scale_min": 0.5, "scale_max": 0.5}  # held where it is given
     assert HDETConfig.from_dict({"alpha": 0, "auto_lr": pinned}).auto_lr.filled().initial_scale == 0.5
 

@@ -62,7 +62,7 @@ def test_each_knob_changes_what_each_replica_computes():
     for replica in range(REPLICAS):
         model = tiny_llama()
         optimizer = two_groups(model)
-        config = HDETConfig.from_dict({"alpha": 0.3, "spread": "linear", "explore": EXPLORE,
+        config = HDETConfig.from_dict({"alpha": 0.3, "spread": "linear", "gradient_mode": "local", "explore": EXPLORE,
                                         "auto_lr": LR_HELD_AT_GIVEN})
         topology = ReplicaTopology(rank=replica, world_size=REPLICAS, ranks_per_replica=1)
         hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology)
@@ -95,7 +95,7 @@ def test_each_knob_changes_what_each_replica_computes():
 def test_knob_guard_rails_and_clear_errors():
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # SGD has weight_decay; 0 stays 0
-    config = HDETConfig.from_dict({"spread": "linear", "explore": {"dropout": {"alpha": 0.5}},
+    config = HDETConfig.from_dict({"spread": "linear", "gradient_mode": "local", "explore": {"dropout": {"alpha": 0.5}},
                                    "auto_lr": LR_HELD_AT_GIVEN})
     values = set()
     for replica in range(REPLICAS):
@@ -109,7 +109,8 @@ def test_knob_guard_rails_and_clear_errors():
     assert HDETEnsemble(HDETConfig(sync_interval=5, auto_lr={"range_test": 0}), DDPAdapter(resting),
                         topology=topology, total_steps=100).current_lrs() == [0.0]
     with pytest.raises(HDETConfigError, match="explore.attention_scale cannot apply to Sequential"):
-        HDETEnsemble(HDETConfig.from_dict({"explore": {"attention_scale": {}}}), DDPAdapter(optimizer, model),
+        HDETEnsemble(HDETConfig.from_dict({"gradient_mode": "local", "explore": {"attention_scale": {}}}),
+                     DDPAdapter(optimizer, model),
                      topology=ReplicaTopology.single_process())
     with pytest.raises(HDETConfigError, match="explore.dropout cannot apply to Linear: it has no nn.Dropout"):
         HDETEnsemble(config, DDPAdapter(optimizer, nn.Linear(2, 2)), topology=ReplicaTopology.single_process())
@@ -193,7 +194,7 @@ def test_metrics_line_shows_every_knob(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     config = HDETConfig.from_dict({"sync_interval": 1, "metrics_path": str(metrics), "auto_lr": {"range_test": 0},
-                                   "explore": {"weight_decay": {}, "dropout": {}}})
+                                   "gradient_mode": "local", "explore": {"weight_decay": {}, "dropout": {}}})
     hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
     hdet.step(1.0)
     record = json.loads(metrics.read_text())
@@ -267,3 +268,46 @@ def test_a_run_that_continues_a_checkpoint_adds_its_own_knobs_after_loading_its_
         HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model), topology=topology,
                      state={**saved, "explored": {**saved["explored"], "dropout": saved["explored"]["temperature"]}},
                      total_steps=100)
+
+
+@pytest.mark.parametrize("name", ["dropout", "attention_scale", "label_smoothing"])
+def test_a_value_of_the_forward_pass_is_explored_in_local_gradient_mode_only(name):
+    """In global mode every replica steps with the mean gradient of all replicas: its own dropout, attention scale
+    or label smoothing only changed its share of that mean, so the replicas' weights never differed by it (with the
+    LR held, they stayed bit-identical and the probe scored them alike: the value never moved)."""
+    knob = {"base": 0.1} if name == "label_smoothing" else {}
+    with pytest.raises(HDETConfigError, match=rf"explore.{name} needs \"gradient_mode\": \"local\": in 'global' "
+                                              r"mode every replica steps with the mean gradient"):
+        HDETConfig.from_dict({"explore": {name: knob}})
+    assert HDETConfig.from_dict({"gradient_mode": "local", "explore": {name: knob}}).gradient_mode == "local"
+    assert HDETConfig.from_dict({"explore": {"weight_decay": {}}})  # applied in each replica's own optimizer step
+
+
+def test_dropout_and_label_smoothing_are_scored_on_the_probe_alone():
+    """A replica's training loss rises with its own dropout or smoothing whatever they are worth: the interval
+    losses in the signal drove both to their floors."""
+    local = {"gradient_mode": "local", "explore": {"dropout": {}}}
+    with pytest.raises(HDETConfigError, match=r"explore.dropout is scored on the probe batch alone .* set "
+                                              r"auto_lr.probe_weight to 1, not 0.5"):
+        HDETConfig.from_dict({**local, "auto_lr": {"probe_weight": 0.5}})
+    assert HDETConfig.from_dict({**local, "auto_lr": {"probe_weight": 0.5, "enabled": False}})  # nothing moves it
+    HDETConfig.from_dict({"gradient_mode": "local", "explore": {"attention_scale": {}},
+                          "auto_lr": {"probe_weight": 0.5}})  # acts alike in training and in the probe
+
+
+def test_close_leaves_every_replica_at_the_value_the_controller_found():
+    """close() put the attention scale back at the model's own, and the weights had trained at the scale found."""
+    model = tiny_llama()
+    config = HDETConfig.from_dict({"gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
+                                   "explore": {"attention_scale": {}, "label_smoothing": {"base": 0.1}}})
+    state = HDETEnsemble(config, DDPAdapter(two_groups(model), model),
+                         topology=ReplicaTopology.single_process()).state_dict()
+    state["explored"]["attention_scale"]["controller"]["scale"] = 0.5  # where the controller had moved them
+    state["explored"]["label_smoothing"]["controller"]["scale"] = 2.0
+    model = tiny_llama()
+    hdet = HDETEnsemble(config, DDPAdapter(two_groups(model), model), topology=ReplicaTopology.single_process(),
+                        state=state)
+    hdet.close()
+    attention = [module for module in model.modules() if type(module).__name__ == "LlamaAttention"]
+    assert attention and all(module.scaling == pytest.approx(0.5 * 8 ** -0.5) for module in attention)
+    assert hdet.value("label_smoothing") == pytest.approx(0.2)

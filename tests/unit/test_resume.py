@@ -349,7 +349,7 @@ def test_a_changed_lr_or_weight_decay_is_refused_on_resume_not_ignored(tmp_path,
      r"1 ranks = 4"),
 ])
 def test_settings_that_would_do_nothing_or_fail_late_are_refused_first(tmp_path, single_process, words, message):
-    files = {"hdet": {"explore": {"dropout": {"alpha": 0.3}}},
+    files = {"hdet": {"gradient_mode": "local", "explore": {"dropout": {"alpha": 0.3}}},
              "fp16": {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}},
              "offload": {"train_micro_batch_size_per_gpu": 4,
                          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},

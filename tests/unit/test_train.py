@@ -502,6 +502,11 @@ def test_settings_that_would_fail_or_do_nothing_after_the_process_group_are_refu
     hdet.write_text(json.dumps({"explore": {"weight_decay": {}}}))
     check(["--hdet_config", str(hdet), "--weight_decay", "0"],
           "explore.weight_decay explores the weight decay, and --weight_decay is 0")
+    hdet.write_text(json.dumps({"gradient_mode": "local", "explore": {"label_smoothing": {"base": 0.1}}}))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # two replicas of one rank: the controller moves it
+    check(["--hdet_config", str(hdet), "--probe_batch", "0"],
+          "explore.label_smoothing is compared on the probe batch alone, and --probe_batch is 0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
     # the JSON's flags: DeepSpeed took the JSON's warm-up and LR, and the README's own example passed a dead flag
     check(["--deepspeed_config", zero3, "--steps", "300000", "--lr", "1e-4", "--warmup_steps", "10"],
           r"zero3_bf16.json DeepSpeed takes --lr \(its optimizer.params.lr\), --warmup_steps \(its scheduler\) from "
