@@ -133,21 +133,22 @@ class ValueKnob(Knob):
 
 
 # ------------------------------------------------------------------------------- finding model knobs
-DROPOUT_ATTRIBUTES = ("attention_dropout", "dropout", "dropout_p", "attn_pdrop", "resid_pdrop", "embd_pdrop")
-"""Float attributes holding a dropout probability that modules (e.g. transformers attention) use directly."""
+def is_dropout_attribute(name: str) -> bool:
+    """Whether a module's float attribute ``name`` holds a dropout probability it uses directly, as transformers
+    modules name them (``attention_dropout``, ``activation_dropout``, ``hidden_dropout_prob``, ``resid_pdrop``...)."""
+    return "dropout" in name or name.endswith("pdrop")
 
 
 def dropout_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """Every ``nn.Dropout``'s ``p`` and every float dropout attribute of other modules with a non-zero value."""
+    """Every ``nn.Dropout``'s ``p`` and every float dropout attribute (``is_dropout_attribute``) of other modules,
+    with a non-zero value."""
     targets = []
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             targets.append((module, "p"))
             continue
-        for attribute in DROPOUT_ATTRIBUTES:
-            value = getattr(module, attribute, None)
-            if isinstance(value, float) and not isinstance(value, bool):
-                targets.append((module, attribute))
+        targets += [(module, attribute) for attribute, value in vars(module).items()
+                    if type(value) is float and is_dropout_attribute(attribute)]
     return [(module, attribute) for module, attribute in targets if getattr(module, attribute) > 0]
 
 

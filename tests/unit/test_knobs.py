@@ -311,3 +311,21 @@ def test_close_leaves_every_replica_at_the_value_the_controller_found():
     attention = [module for module in model.modules() if type(module).__name__ == "LlamaAttention"]
     assert attention and all(module.scaling == pytest.approx(0.5 * 8 ** -0.5) for module in attention)
     assert hdet.value("label_smoothing") == pytest.approx(0.2)
+
+
+def test_explored_dropout_reaches_every_dropout_field_of_a_transformers_model():
+    """BART's layers read activation_dropout at every forward (F.dropout(p=self.activation_dropout)); a list of
+    known names missed it, and the explored dropout left that dropout as it was. Its layerdrop is no dropout."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from hdet_scale.knobs import dropout_targets
+
+    model = BartForConditionalGeneration(BartConfig(
+        vocab_size=32, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=8, decoder_ffn_dim=8, max_position_embeddings=16, dropout=0.1,
+        attention_dropout=0.05, activation_dropout=0.2, encoder_layerdrop=0.3))
+    found = {(type(module).__name__, attribute, getattr(module, attribute))
+             for module, attribute in dropout_targets(model)}
+    assert {("BartEncoderLayer", "activation_dropout", 0.2), ("BartDecoderLayer", "activation_dropout", 0.2),
+            ("BartAttention", "dropout", 0.05), ("BartEncoderLayer", "dropout", 0.1)} <= found
+    assert not any(attribute == "layerdrop" for _, attribute, _ in found)
