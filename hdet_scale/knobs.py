@@ -139,6 +139,11 @@ def is_dropout_attribute(name: str) -> bool:
     return "dropout" in name or name.endswith("pdrop")
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is compiled: ``torch.compile(module)``'s wrapper, or ``module.compile()`` called."""
+    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def dropout_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """Every ``nn.Dropout``'s ``p`` and every float dropout attribute (``is_dropout_attribute``) of other modules,
     with a non-zero value."""
@@ -200,6 +205,11 @@ def configured_knobs(explore: ExploreConfig, optimizer: torch.optim.Optimizer, m
             continue
         if model is None:
             raise HDETConfigError(f"explore.{name} needs the model: pass it when attaching HDET")
+        if any(is_compiled(module) for module in model.modules()):
+            raise HDETConfigError(f"explore.{name} sets module attributes at every sync, and torch.compile guards on "
+                                  "them: every sync would recompile, and past torch._dynamo's recompile limit the "
+                                  f"model would run uncompiled; explore it on a model that is not compiled, or remove "
+                                  f"explore.{name}")
         targets = find(model)
         if not targets:
             what = ("no nn.Dropout or dropout field with a non-zero probability" if name == "dropout"

@@ -329,3 +329,21 @@ def test_explored_dropout_reaches_every_dropout_field_of_a_transformers_model():
     assert {("BartEncoderLayer", "activation_dropout", 0.2), ("BartDecoderLayer", "activation_dropout", 0.2),
             ("BartAttention", "dropout", 0.05), ("BartEncoderLayer", "dropout", 0.1)} <= found
     assert not any(attribute == "layerdrop" for _, attribute, _ in found)
+
+
+def test_a_model_knob_on_a_compiled_model_is_refused():
+    """torch.compile guards on the attributes the knobs set at every sync: each sync recompiled, and past the
+    recompile limit the model ran uncompiled for the rest of the run."""
+    config = HDETConfig.from_dict({"gradient_mode": "local", "explore": {"dropout": {}}, "auto_lr": LR_HELD_AT_GIVEN})
+    for compiled in ("method", "wrapper", "block"):
+        model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+        if compiled == "method":
+            model.compile()
+        elif compiled == "wrapper":
+            model = torch.compile(model)
+        else:  # a block compiled in place, as torchtitan does
+            model[0] = torch.compile(model[0])
+        with pytest.raises(HDETConfigError, match="explore.dropout sets module attributes at every sync, and "
+                                                  "torch.compile guards on them"):
+            HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                         topology=ReplicaTopology.single_process())
