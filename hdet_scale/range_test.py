@@ -124,6 +124,14 @@ class HeldScheduler:
         return getattr(self.scheduler, name)
 
 
+def unheld(scheduler: Any) -> Any:
+    """``scheduler`` without the ``HeldScheduler`` around it, also where several are: one left on a loop by a run
+    that raised during its test, and another put around it by the next run."""
+    while isinstance(scheduler, HeldScheduler):
+        scheduler = scheduler.scheduler
+    return scheduler
+
+
 @dataclass
 class RangeTestStart:
     """A range test at the start of a run: the test, the weights every replica goes back to after it, and each

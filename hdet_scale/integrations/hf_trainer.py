@@ -73,7 +73,7 @@ from hdet_scale.integrations.hf_trainer_checks import check_saving, check_traine
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import no_replica_optimizer_warning, warn
 from hdet_scale.probe import batch_probe, no_probe_warning
-from hdet_scale.range_test import HeldScheduler, epochs_with_test
+from hdet_scale.range_test import HeldScheduler, epochs_with_test, unheld
 from hdet_scale.resolve import load_config
 from hdet_scale.topology import ReplicaTopology
 
@@ -160,6 +160,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
             raise self._ensemble.probe_missing_error(
                 "give the Trainer an eval_dataset (add_hdet's probe scores its first batch)"
                 + (", and leave add_hdet's probe on" if not self.probe else ""))
+        # a train() that raised during its range test left its scheduler held: the Trainer keeps a scheduler given
+        self.trainer.lr_scheduler = unheld(self.trainer.lr_scheduler)
         if self._ensemble.ramping:
             self.trainer.lr_scheduler = HeldScheduler(self.trainer.lr_scheduler)
             self._counts_before_test = (state.num_input_tokens_seen, self.trainer.current_flos)
@@ -231,8 +233,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if isinstance(self.trainer.lr_scheduler, HeldScheduler):  # stopped during the range test
-            self.trainer.lr_scheduler = self.trainer.lr_scheduler.scheduler
+        self.trainer.lr_scheduler = unheld(self.trainer.lr_scheduler)  # held where it stopped during the range test
         if self.sync_at_end and self._ensemble is not None and not self.ramping and not self.at_sync_point:
             self.sync()
 
@@ -252,7 +253,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         run's (transformers 5 keeps the sum of the losses since the last log on the Trainer), as are the input
         tokens and floating-point operations it counts."""
         trainer = self.trainer
-        trainer.lr_scheduler = trainer.lr_scheduler.scheduler
+        trainer.lr_scheduler = unheld(trainer.lr_scheduler)
         trainer.state.num_input_tokens_seen, trainer.current_flos = self._counts_before_test
         logged_loss = getattr(trainer, "_tr_loss", None)
         if isinstance(logged_loss, torch.Tensor):

@@ -71,7 +71,7 @@ from hdet_scale.handle import HDETHandle
 from hdet_scale.metrics import SyncReport
 from hdet_scale.notices import no_replica_optimizer_warning, warn
 from hdet_scale.probe import no_probe_warning
-from hdet_scale.range_test import HeldScheduler, epochs_with_test
+from hdet_scale.range_test import HeldScheduler, epochs_with_test, unheld
 from hdet_scale.resolve import run_length_error
 from hdet_scale.schedule import resolve_config
 from hdet_scale.topology import check_world_size, with_replica_size
@@ -291,6 +291,15 @@ class HDETCallback(pl.Callback, HDETHandle):
         self._fitting = False
         self._requeue = None  # Lightning puts the signal handlers back itself
         self._requeue_vote.finish()
+        self._give_back_max_epochs(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning runs no callback's teardown after a fit that raised: the Trainer a later fit reuses gets its own
+        # epochs and schedulers back here
+        self._release_schedulers(trainer)
+        self._give_back_max_epochs(trainer)
+
+    def _give_back_max_epochs(self, trainer: pl.Trainer) -> None:
         if self._given_max_epochs is not None:  # the range test's epochs were this fit's only
             trainer.fit_loop.max_epochs, self._given_max_epochs = self._given_max_epochs, None
 
@@ -402,8 +411,7 @@ class HDETCallback(pl.Callback, HDETHandle):
 
     def _release_schedulers(self, trainer: pl.Trainer) -> None:
         for config in trainer.lr_scheduler_configs:
-            if isinstance(config.scheduler, HeldScheduler):
-                config.scheduler = config.scheduler.scheduler
+            config.scheduler = unheld(config.scheduler)
         self._schedulers_held = False
 
     def _record(self, report: SyncReport | None, trainer: pl.Trainer) -> None:

@@ -160,6 +160,33 @@ def test_a_fit_that_resumes_after_one_that_raised_continues_the_checkpoints_hdet
 
 
 @pytest.mark.filterwarnings("ignore")
+def test_a_trainer_that_fits_again_after_a_fit_that_raised_during_the_range_test_trains_its_own_epochs():
+    """The range test's epochs were added to the Trainer's max_epochs at the fit's start and given back only in a
+    teardown, which Lightning does not run after a fit that raised: the same Trainer's next fit trained twice as
+    long, and kept the lengthened max_epochs as the user's."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    hdet = HDETCallback({"sync_interval": 5, "auto_lr": {"range_test": 15, "start": 5, "stop": 100}})
+    inputs = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[hdet], max_epochs=2)
+    failing = regression()
+
+    def fail(batch, batch_idx):
+        raise RuntimeError("interrupted during the range test")
+
+    failing.training_step = fail
+    with pytest.raises(RuntimeError, match="interrupted during the range test"):
+        trainer.fit(failing, DataLoader(TensorDataset(inputs, inputs.sum(1)), batch_size=4))
+    assert trainer.max_epochs == 2
+    trainer.fit(regression(), DataLoader(TensorDataset(inputs, inputs.sum(1)), batch_size=4))
+    assert trainer.global_step == hdet.global_step == 20 and trainer.max_epochs == 2
+
+
+@pytest.mark.filterwarnings("ignore")
 def test_a_finetuning_callback_that_adds_param_groups_later_is_refused_at_the_start():
     """BaseFinetuning adds a param group as it unfreezes, which HDET refuses at that step: hours into a run."""
     import lightning.pytorch as pl

@@ -1,0 +1,59 @@
+"""transformers' Trainer with HDET in this process (one replica): what a Trainer keeps from one train() to the next.
+The tests on gloo ranks are in tests/distributed/test_hf_trainer.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+class Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": (self.net(x).squeeze(1) - labels).pow(2).mean()}
+
+
+class Sums(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        x = torch.randn(4, generator=torch.Generator().manual_seed(index))
+        return {"x": x, "labels": x.sum()}
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_train_again_after_one_that_raised_during_the_range_test_steps_the_users_scheduler(tmp_path):
+    """The range test holds the Trainer's scheduler and gives it back when the test ends or train() ends, neither of
+    which comes after a train() that raised: the Trainer keeps a scheduler the user gave it, the next train() held it
+    once more, and gave back one of the two holds: the whole run trained at the first LR."""
+    from transformers import Trainer, TrainingArguments
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    model = Regression()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / 40))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=40, per_device_train_batch_size=4,
+                             save_strategy="no", report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Sums(), optimizers=(optimizer, scheduler))
+    add_hdet(trainer, {"sync_interval": 5, "auto_lr": {"range_test": 15}}, probe=False)
+    computed = trainer.compute_loss
+    calls = []
+
+    def interrupted_at_the_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("interrupted during the range test")
+        return computed(*args, **kwargs)
+
+    trainer.compute_loss = interrupted_at_the_fifth
+    with pytest.raises(RuntimeError, match="interrupted during the range test"):
+        trainer.train()
+    trainer.train()
+    assert scheduler.last_epoch == 40 and trainer.lr_scheduler is scheduler
