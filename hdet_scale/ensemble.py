@@ -409,7 +409,8 @@ class HDETEnsemble:
     # ------------------------------------------------------------------------------------ a sync
     def sync(self) -> SyncReport | None:
         """Averages the replicas, updates the controller and re-assigns the multipliers (collective); returns its
-        report, or None where the replicas are one model already (``at_sync_point``: no step since the last sync),
+        report, or None where the replicas are one model already (``at_sync_point``: no step since the last sync)
+        or where the run has taken no step yet (they are at their starts, which warm init makes differ on purpose),
         where it does nothing and writes no metrics line.
 
         ``step`` calls it every ``sync_interval`` steps; call it directly to end on one model between those
@@ -421,7 +422,7 @@ class HDETEnsemble:
         if self._range_start is not None:
             raise RuntimeError(f"the LR range test is running (step {len(self._range_start.test.lrs)} of "
                                f"{self._range_start.test.steps}): syncs start after it")
-        if self.at_sync_point:
+        if self.at_sync_point or self._step == 0:
             return None
         # Out of inference mode (Lightning's validation hooks run under it on an accelerator): memory the sync
         # keeps for the next one must be normal tensors, which that sync writes into outside it.

@@ -69,11 +69,12 @@ def the_same_calls(rank: int, world: int, kind: str) -> dict:
     lrs_by_hand = lrs == [lr_value] and multiplier == hdet.ensemble.lr_multiplier()
     early = hdet.sync()  # step 5: between the regular syncs at 4 and 6
     hdet.load_state_dict(hdet.state_dict())  # a checkpoint's round trip, at the sync point
+    knob_found = hdet.ensemble.base("my_scalar")
     hdet.close()
     return {"is_handle": isinstance(hdet, HDETHandle), "before": before, "regular_step": regular.step,
             "early_step": early.step, "last_is_early": hdet.last_report is early,
             "probed": early.probe_losses is not None, "global_step": hdet.global_step, "lr": hdet.value("lr/0"),
-            "ensemble_lr": hdet.ensemble.value("lr/0"), "knob_start": knob_start, "knob_closed": knob["value"],
+            "ensemble_lr": hdet.ensemble.value("lr/0"), "knob_start": knob_start, "knob_closed": knob["value"] / knob_found,
             "lrs_by_hand": lrs_by_hand,
             "multiplier": multiplier,
             "scored": scored, "losses": losses}
@@ -82,7 +83,8 @@ def the_same_calls(rank: int, world: int, kind: str) -> dict:
 @pytest.mark.parametrize("kind", ["attach", "scheduler", "fsdp"])
 def test_every_engine_hands_back_a_handle_with_the_same_calls(kind):
     outcomes = run_ranks(the_same_calls, 2, kind)
-    # the knob of one's own: base 2, spread over [2 / 1.5, 2 x 1.5] by the two replicas, back at 2 once closed
+    # the knob of one's own: base 2, spread over [2 / 1.5, 2 x 1.5] by the two replicas, at the base the controller
+    # found once closed
     assert sorted(outcome.pop("knob_start") for outcome in outcomes) == pytest.approx([2 / 1.5, 3.0])
     # the syncs at steps 2 (losses observed as micro-batches) and 4 scored each replica (a rank) by its mean loss
     losses = [outcome.pop("losses") for outcome in outcomes]
@@ -93,4 +95,4 @@ def test_every_engine_hands_back_a_handle_with_the_same_calls(kind):
         assert outcome.pop("lrs_by_hand")
         assert outcome == {"is_handle": True, "before": None, "regular_step": 4, "early_step": 5, "last_is_early": True,
                            "probed": True, "global_step": 5, "lr": outcome["ensemble_lr"],
-                           "ensemble_lr": outcome["ensemble_lr"], "knob_closed": 2.0}
+                           "ensemble_lr": outcome["ensemble_lr"], "knob_closed": 1.0}

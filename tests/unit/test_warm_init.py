@@ -51,3 +51,23 @@ def test_a_channels_last_parameter_gets_the_noise_of_its_contiguous_twin():
         assert not torch.equal(model.weight.detach(), start)
         weights.append(model.weight.detach().clone())
     assert torch.equal(weights[0], weights[1])
+
+
+def test_a_sync_before_the_first_step_leaves_the_warm_noise_alone():
+    """A Lightning validation before the first step (its sanity check, or one at the end of the range test's last
+    epoch) synced there: the replicas, apart only by their warm-init noise, were averaged back into one start."""
+    from torch import nn
+
+    from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
+    from hdet_scale.engines.ddp import DDPAdapter
+
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = HDETConfig.from_dict({"sync_interval": 5, "warm_init": {"enabled": True},
+                                   "auto_lr": {"enabled": False, "range_test": 0}})
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
+    assert not hdet.at_sync_point and hdet.sync() is None  # no step yet: nothing to average
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    hdet.step(1.0)
+    assert hdet.sync() is not None and hdet.at_sync_point
