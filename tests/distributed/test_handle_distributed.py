@@ -74,8 +74,8 @@ def the_same_calls(rank: int, world: int, kind: str) -> dict:
     return {"is_handle": isinstance(hdet, HDETHandle), "before": before, "regular_step": regular.step,
             "early_step": early.step, "last_is_early": hdet.last_report is early,
             "probed": early.probe_losses is not None, "global_step": hdet.global_step, "lr": hdet.value("lr/0"),
-            "ensemble_lr": hdet.ensemble.value("lr/0"), "knob_start": knob_start, "knob_closed": knob["value"] / knob_found,
-            "lrs_by_hand": lrs_by_hand,
+            "ensemble_lr": hdet.ensemble.value("lr/0"), "knob_start": knob_start,
+            "knob_closed": knob["value"] / knob_found, "lrs_by_hand": lrs_by_hand,
             "multiplier": multiplier,
             "scored": scored, "losses": losses}
 
