@@ -117,7 +117,7 @@ def plan(args: argparse.Namespace) -> Plan:
                          "default) or 'scale'")
     if ds_config is not None:
         _check_schedule_length(args, ds_config)
-    out = _check_out(args, config.metrics_path)
+    out, found = _check_out(args, config.metrics_path)
     picked = f" (picked for --steps {args.steps}: the HDET settings leave it out)" if picked_interval else ""
     for name in ("checkpoint_interval", "eval_interval"):
         if getattr(args, name) % config.sync_interval:
@@ -161,8 +161,7 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--resume: {out} holds a finished run's model ({out / FINAL_MODEL}) and no checkpoint to "
                          "continue from: pass --overwrite instead of --resume to start afresh over it (RESUME=0 "
                          "with the Slurm templates), or choose another --out")
-    return Plan(engine, config, corpus or read_corpus(), ds_config, world_size, dtype, run, resume,
-                out_state(out, config.metrics_path))
+    return Plan(engine, config, corpus or read_corpus(), ds_config, world_size, dtype, run, resume, found)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -201,9 +200,11 @@ def _check_warmup(args: argparse.Namespace, ds_config: dict[str, Any] | None) ->
                          "(a tenth of the run is usual), or more --steps")
 
 
-def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:
+def _check_out(args: argparse.Namespace, metrics_path: str | None) -> tuple[Path, tuple[tuple[str, ...], int | None]]:
     """``--out`` (and the metrics file's folder) can be written, and hold no run this one would overwrite
-    unless ``--resume`` continues it or ``--overwrite`` asks for that."""
+    unless ``--resume`` continues it or ``--overwrite`` asks for that. Returns it and what it holds
+    (``checkpoints.out_state``), read before every decision the plan makes on it: the run checks it again once it
+    holds ``--out``."""
     out = writable_directory(args.out, "--out")
     if metrics_path:
         writable_directory(Path(metrics_path).parent, "metrics_path's folder")
@@ -213,11 +214,12 @@ def _check_out(args: argparse.Namespace, metrics_path: str | None) -> Path:
                      if os.environ.get("SLURM_JOB_ID") else "")
         raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them"
                          + templates)
-    left = previous_run(out, metrics_path)
+    found = out_state(out, metrics_path)
+    left = found[0]
     if left and not args.resume and not args.overwrite:
-        raise ValueError(f"--out {out} holds a run already ({', '.join(map(str, left))}): pass --resume to continue "
+        raise ValueError(f"--out {out} holds a run already ({', '.join(left)}): pass --resume to continue "
                          "it, --overwrite to start afresh over it, or choose another --out")
-    return out
+    return out, found
 
 
 def _deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -227,6 +227,32 @@ def test_an_out_another_run_wrote_to_while_this_one_started_is_not_taken(tmp_pat
     assert not (out / LOCK).exists()  # released: the next try sees what --out holds now
 
 
+@pytest.mark.usefixtures("single_process")
+def test_an_out_written_to_while_the_plan_read_the_corpus_is_not_taken(tmp_path, monkeypatch):
+    """The plan read what --out held at its very end, after deciding on it and reading the corpus: a checkpoint
+    the run holding --out wrote meanwhile was in both readings, and this run started at step 0 over it."""
+    from hdet_scale.lm import plan as plan_module
+    from hdet_scale.lm.checkpoints import write_manifest
+    from hdet_scale.lm.out_lock import OutInUse
+    from hdet_scale.lm.train import take_as_planned
+
+    out = tmp_path / "run"
+    load_corpus = plan_module.load_corpus
+
+    def saved_meanwhile(*args, **kwargs):
+        checkpoint = out / "checkpoints" / "latest"  # the run that held --out was preempted while the text was read
+        checkpoint.mkdir(parents=True)
+        (checkpoint / ".metadata").write_bytes(b"m")
+        write_manifest(checkpoint, {}, step=20)
+        return load_corpus(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "load_corpus", saved_meanwhile)
+    checked = plan(parse_args(["--out", str(out), "--resume"]))
+    assert checked.resume is None  # decided before the checkpoint came
+    with pytest.raises(OutInUse, match=rf"--out {out} changed while this run was starting"):
+        take_as_planned(out, checked)
+
+
 def test_overwrite_removes_the_previous_runs_checkpoints_model_metrics_and_events_only(tmp_path):
     from hdet_scale.lm.checkpoints import remove_previous_run
 
