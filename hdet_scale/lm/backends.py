@@ -112,10 +112,6 @@ class Backend(ABC):
         """Restores the checkpoint at ``path`` (replica r takes saved replica r mod n's optimizer state, n the
         number of replicas that saved theirs) and returns its ``extra``."""
 
-    @abstractmethod
-    def checkpoint_path(self, directory: Path) -> Path:
-        """Where the newest checkpoint in ``directory`` is."""
-
     def label_smoothing(self) -> float:
         """This replica's label smoothing when HDET explores it, else none."""
         return self.ensemble.value("label_smoothing") if self.ensemble.explores("label_smoothing") else 0.0
@@ -191,7 +187,7 @@ class FSDPBackend(Backend):
     def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         from hdet_scale.engines.fsdp_checkpoint import save_checkpoint
 
-        path = self.checkpoint_path(directory)
+        path = directory / self.CHECKPOINT
         step = self.ensemble.global_step
         save_checkpoint(path, self.model, self.optimizer, self.hdet,
                         extra_state={**extra, "scheduler": self.scheduler.state_dict()},
@@ -204,9 +200,6 @@ class FSDPBackend(Backend):
         extra = load_checkpoint(path, self.model, self.optimizer, self.hdet)
         self.scheduler.load_state_dict(extra.pop("scheduler"))
         return extra
-
-    def checkpoint_path(self, directory: Path) -> Path:
-        return directory / self.CHECKPOINT
 
     def export(self, path: Path) -> None:
         from hdet_scale.engines.fsdp_checkpoint import save_pretrained
@@ -281,12 +274,12 @@ class DeepSpeedBackend(Backend):
 
     def save(self, directory: Path, extra: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         tag = deepspeed_tag(self.ensemble.global_step)
-        previous = latest_tag(directory)
         # On the disk when it returns; 'latest' is written here, after the manifest, so it never names a checkpoint
         # without one.
         self.hdet.save_checkpoint(directory, tag=tag, client_state={"train": dict(extra)}, save_latest=False)
 
-        def complete() -> None:
+        def complete() -> None:  # rank 0's reading of the files alone: a rank failing to read leaves none waiting
+            previous = latest_tag(directory)
             write_manifest(directory / tag, dict(run), self.ensemble.global_step)
             point_latest(directory, tag)
             if previous not in (None, tag):
@@ -300,9 +293,6 @@ class DeepSpeedBackend(Backend):
     def load(self, path: Path) -> dict[str, Any]:
         _, client_state = self.hdet.load_checkpoint(path.parent, tag=path.name)
         return dict(client_state.get("train", {}))
-
-    def checkpoint_path(self, directory: Path) -> Path:
-        return directory / (latest_tag(directory) or "")
 
     def export(self, path: Path) -> None:
         self.hdet.save_pretrained(path)

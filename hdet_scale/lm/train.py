@@ -378,6 +378,7 @@ class Run:
         model = build_model(args.preset, vocab_size=checked.corpus.vocab_size, seq_len=args.seq_len, **dropout)
         self.parameters = sum(p.numel() for p in model.parameters())  # whole: ZeRO-3 partitions them below
         self.saved_at: int | None = None
+        self.saved_path: Path | None = None  # the checkpoint of step saved_at
         args.dtype = checked.dtype
         # the header says it, after the run's own line (_train); not in a catch_warnings block, which would also
         # drop the filters the backend sets up for the whole run
@@ -497,6 +498,7 @@ class Run:
             if saved_streams is not None and len(saved_streams) == dist.get_world_size():
                 _restore_rng(saved_streams[self.rank])  # another world size cannot go on bit-identically anyway
             self.step = self.saved_at = self.backend.ensemble.global_step
+            self.saved_path = path
             if extra.get("heldout_recorded"):  # a run's end: its held-out loss is evaluated again, not recorded twice
                 self.progress.resume_heldout(self.step)
             self.progress.line(f"resumed from {path} at step {self.step}")  # every rank has loaded
@@ -543,11 +545,11 @@ class Run:
             dist.all_gather_object(rng_states, _rng_state(), group=self.cpu_group)
             extra = {"step": self.step, "seed": self.args.seed, "rng_states": rng_states,
                      "heldout_recorded": self.progress.heldout_recorded(self.step)}
-            path = agreed(f"saving a checkpoint in {directory}",
-                          lambda: self.backend.save(directory, extra, self.plan.run))
+            self.saved_path = agreed(f"saving a checkpoint in {directory}",
+                                     lambda: self.backend.save(directory, extra, self.plan.run))
             self.saved_at = self.step
-            self.progress.line(f"checkpoint: {path}")
-        return self.backend.checkpoint_path(directory)
+            self.progress.line(f"checkpoint: {self.saved_path}")
+        return self.saved_path
 
     def _end_on_one_model(self) -> None:
         if not self.backend.ensemble.at_sync_point:

@@ -185,6 +185,33 @@ PUBLISH = {"fsdp": "rename latest.tmp", "zero2": "replace latest.tmp", "zero2 en
 engine.hdet``: DeepSpeed's HDET handle's own ``save_checkpoint``, as a user's loop calls it, without train.py."""
 
 
+def reads_of_latest_in_a_save(rank: int, world: int, directory: str) -> int:
+    """How often this rank reads the DeepSpeed checkpoint folder's 'latest' in two saves of train.py's backend."""
+    from hdet_scale.lm import backends
+
+    backend = build("zero2", Path(directory))
+    reads = []
+    read = backends.latest_tag
+
+    def counted(folder: Path) -> str | None:
+        reads.append(folder)
+        return read(folder)
+
+    backends.latest_tag = counted
+    batch = (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    for _ in range(2):
+        for _ in range(SYNC_INTERVAL):
+            one_step(backend, batch)
+        backend.save(Path(directory) / "checkpoints", {}, {})
+    return len(reads)
+
+
+def test_a_deepspeed_save_reads_the_folders_latest_on_rank_0_alone(tmp_path):
+    """Every rank read 'latest', before the save's collectives, for rank 0's removal of the older checkpoint: one
+    rank failing that read (a stale file handle on one node) left the others waiting in the save's collective."""
+    assert run_ranks(reads_of_latest_in_a_save, 4, str(tmp_path)) == [2, 0, 0, 0]
+
+
 def writes_of_a_save(rank: int, world: int, directory: str, layout: str) -> list[str]:
     """Every write, flush and rename of this rank in a save over an existing checkpoint, in order."""
     out = Path(directory)
