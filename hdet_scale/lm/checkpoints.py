@@ -258,6 +258,13 @@ def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
         raise ResumeError(f"{where} was trained with other optimizer settings ({changed}): a resumed run takes the "
                           "saved optimizer and LR schedule state, which would ignore them; resume with the values it "
                           "was trained with, or start a new run in another --out")
+    saved_settings = saved.get("settings", {})
+    if "replay_schedule" in saved_settings and ((saved_settings["replay_schedule"] is None)
+                                                != (run["settings"].get("replay_schedule") is None)):
+        kind = "on a replayed schedule" if saved_settings["replay_schedule"] else "on train.py's own schedule"
+        raise ResumeError(f"{where} was trained {kind}, and this run's --replay_schedule says otherwise: the LR "
+                          "scheduler's state it holds is of that kind; resume with --replay_schedule as the run was "
+                          "started, or use another --out")
     if run["engine"] == "deepspeed" and run["zero_stage"] and saved["ranks_per_replica"] != run["ranks_per_replica"]:
         raise ResumeError(f"{where} was sharded over {saved['ranks_per_replica']} rank(s) per replica, this run "
                           f"{run['ranks_per_replica']}: ZeRO partitions do not reshape; keep ranks_per_replica (more "

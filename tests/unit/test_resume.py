@@ -328,6 +328,24 @@ def test_keys_a_deepspeed_json_gains_or_loses_are_said_too(tmp_path, single_proc
     assert plan(parse_args([*words, "--resume"])).resume.changed == ()
 
 
+def test_a_resume_that_turns_the_replayed_schedule_on_or_off_is_refused_before_any_process_group(tmp_path,
+                                                                                                  single_process):
+    """A replay and an HDET run both explore nothing, so the resume was taken, and the saved scheduler state of one
+    kind failed to load into the other (KeyError 'lr_lambdas') after the model was built and the checkpoint read."""
+    from hdet_scale.replay import SCHEDULE_FORMAT
+
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 300,
+                                    "values": {"lr/0": [1e-3] * 300}}))
+    replayed = ["--out", str(tmp_path / "out"), "--max_data_mb", "1", "--replay_schedule", str(schedule)]
+    fake_checkpoint(tmp_path / "out", plan(parse_args(replayed)).run)
+    assert plan(parse_args([*replayed, "--resume"])).resume.step == 20
+    with pytest.raises(ResumeError, match="was trained on a replayed schedule, and this run's --replay_schedule says "
+                                          "otherwise"):
+        plan(parse_args([*replayed[:4], "--resume"]))
+    assert not dist.is_initialized()
+
+
 def test_a_changed_lr_or_weight_decay_is_refused_on_resume_not_ignored(tmp_path, single_process):
     """The saved optimizer and LR schedule state would replace them: the run would silently train at the old ones."""
     words = ["--out", str(tmp_path), "--max_data_mb", "1"]
