@@ -207,6 +207,10 @@ def _check_out(args: argparse.Namespace, metrics_path: str | None) -> tuple[Path
     holds ``--out``."""
     out = writable_directory(args.out, "--out")
     if metrics_path:
+        if not Path(metrics_path).resolve().is_relative_to(out.resolve()):
+            raise ValueError(f"metrics_path {metrics_path} is outside --out {out}: one run at a time holds --out, and "
+                             "two runs given these HDET settings would write into one metrics file; leave metrics_path "
+                             f"out (the metrics go to {out / 'hdet_metrics.jsonl'}), or put it under --out")
         writable_directory(Path(metrics_path).parent, "metrics_path's folder")
     if args.resume and args.overwrite:
         # under Slurm the --resume is likely the templates' own (RESUME=1), not one the user typed

@@ -1,7 +1,7 @@
 """Pretrain a decoder-only language model with HDET on FSDP2 or DeepSpeed ZeRO.
 
     torchrun --nproc_per_node 8 -m hdet_scale.lm.train --preset 125m --data tokens.bin --vocab_size 32000
-    deepspeed --num_nodes 4 hdet_scale/lm/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
+    deepspeed --hostfile hostfile --num_nodes 4 hdet_scale/lm/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
         --hdet_config ds_configs/hdet_zero.json --preset 1b --data tokens.bin --vocab_size 32000 \\
         --steps 300000
 
@@ -39,6 +39,7 @@ import argparse
 import os
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -364,6 +365,15 @@ def refuse_bad_input(error: Exception) -> NoReturn:
     raise SystemExit(2) from None
 
 
+def mean_loss_in_chunks(loss: Callable[[Batch], torch.Tensor], windows: Batch, size: int) -> torch.Tensor:
+    """``loss`` (a mean over equally long windows) of the (inputs, targets) ``windows``, taken ``size`` windows at a
+    time: the same mean, each chunk weighted by its windows."""
+    inputs, targets = windows
+    total = sum(loss((inputs[start:start + size], targets[start:start + size])) * len(inputs[start:start + size])
+                for start in range(0, len(inputs), size))
+    return total / len(inputs)
+
+
 class Run:
     """One training run on an initialized process group; ``stop`` answers whether the ranks were signalled to stop."""
 
@@ -399,11 +409,13 @@ class Run:
         self.engine = checked.engine
 
     def _set_probe(self) -> None:
-        """Scores every replica at each sync on --probe_batch held-out windows (rank 0's draw, shared by all)."""
+        """Scores every replica at each sync on --probe_batch held-out windows (rank 0's draw, shared by all), a
+        micro-batch at a time: more windows at once than the training steps take could run out of memory."""
         windows = batch(self.corpus.heldout, micro_batch_size=self.args.probe_batch, seq_len=self.args.seq_len,
                         generator=torch.Generator().manual_seed(PROBE_SEED))
-        self.backend.ensemble.set_probe(batch_probe(self.backend.module, windows,
-                                                    lambda _, probe: self.backend.loss(probe)))
+        self.backend.ensemble.set_probe(batch_probe(
+            self.backend.module, windows,
+            lambda _, probe: mean_loss_in_chunks(self.backend.loss, probe, self.backend.micro_batch_size)))
 
     # ------------------------------------------------------------------------------------- loop
     def train(self) -> None:

@@ -275,7 +275,16 @@ def test_an_out_that_cannot_be_written_is_refused_in_one_line(tmp_path):
                                            "directory\\); choose another directory")
     hdet = tmp_path / "hdet.json"
     hdet.write_text(json.dumps({"metrics_path": str(blocker / "m.jsonl")}))
-    check(["--hdet_config", str(hdet)], "metrics_path's folder .*a_file: cannot create it")
+    # two Slurm jobs given one HDET JSON, each with its own OUT_DIR, wrote into one metrics file (--out's lock is
+    # each job's own), and the second moved the first one's live file aside as an earlier attempt's
+    check(["--hdet_config", str(hdet), "--out", str(tmp_path / "run")],
+          rf"metrics_path {blocker / 'm.jsonl'} is outside --out {tmp_path / 'run'}: one run at a time holds --out")
+    inside = tmp_path / "run" / "a_file"
+    inside.parent.mkdir()
+    inside.write_text("x")
+    hdet.write_text(json.dumps({"metrics_path": str(inside / "m.jsonl")}))
+    check(["--hdet_config", str(hdet), "--out", str(tmp_path / "run")], "metrics_path's folder .*a_file: cannot "
+                                                                         "create it")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -553,3 +562,19 @@ def test_settings_that_would_fail_or_do_nothing_after_the_process_group_are_refu
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     written.write_text(json.dumps({"train_batch_size": 6, "zero_optimization": {"stage": 2}}))
     check(["--deepspeed_config", str(written)], "train_batch_size=6 is not a multiple of the 4 ranks")
+
+
+def test_the_probe_is_scored_a_micro_batch_at_a_time_with_the_same_mean():
+    """One forward over all --probe_batch windows (16 by default) could run out of memory where the steps take 4 a
+    micro-batch; in chunks the mean over the windows is the same."""
+    from hdet_scale.lm.train import mean_loss_in_chunks
+
+    inputs = torch.arange(10.0).reshape(5, 2)
+    seen: list[int] = []
+
+    def loss(chunk):
+        seen.append(len(chunk[0]))
+        return (chunk[0] - chunk[1]).mean()
+
+    mean = mean_loss_in_chunks(loss, (inputs, torch.zeros(5, 2)), 2)
+    assert seen == [2, 2, 1] and float(mean) == pytest.approx(float(inputs.mean()))
