@@ -12,6 +12,8 @@ from typing import Any
 
 from hdet_scale.lm.checkpoints import TENSORBOARD
 
+WANDB_STEP = "step"
+"""The training step, logged with every W&B row; the x-axis of every chart."""
 WANDB_ID_FILE = "wandb_run_id"
 """In the output directory: the W&B run id, so a resumed run goes on logging into the same W&B run (a fresh
 run starts a W&B run of its own)."""
@@ -38,6 +40,10 @@ class ScalarSinks:
             run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None  # None: W&B draws one
             self._wandb = wandb.init(project=wandb_project, id=run_id, resume="allow", dir=str(out), config=config)
             id_file.write_text(self._wandb.id + "\n")
+            # The training step is a metric every chart is drawn over, not W&B's own step, which drops a row below
+            # the highest logged: a resumed run logs again the steps after its checkpoint that an attempt logged.
+            self._wandb.define_metric(WANDB_STEP)
+            self._wandb.define_metric("*", step_metric=WANDB_STEP)
 
     def start(self, step: int) -> None:
         """The run starts, or resumes, at ``step`` (it logs the steps after it): TensorBoard drops what an earlier
@@ -55,7 +61,7 @@ class ScalarSinks:
             for name, value in scalars.items():
                 self._board.add_scalar(name, value, step)
         if self._wandb is not None:
-            self._to_wandb(lambda: self._wandb.log(scalars, step=step))
+            self._to_wandb(lambda: self._wandb.log({**scalars, WANDB_STEP: step}))
 
     def close(self) -> None:
         self._board_class = None  # nothing opens after this

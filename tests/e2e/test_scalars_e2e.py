@@ -32,9 +32,9 @@ def test_wandb_gets_the_sync_scalars_and_a_resumed_run_continues_it(tmp_path, mo
     run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
     files = list(tmp_path.glob(f"wandb/offline-run-*/run-{run_id}.wandb"))
     assert len(files) == 2  # both parts logged into the one W&B run (W&B names the folders)
-    rows = sorted((row for path in files for row in wandb_records.history(path)), key=lambda row: row["_step"])
+    rows = sorted((row for path in files for row in wandb_records.history(path)), key=lambda row: row["step"])
     syncs = [row for row in rows if "train/loss" in row]
-    assert [row["_step"] for row in syncs] == [5, 10, 15]
+    assert [row["step"] for row in syncs] == [5, 10, 15]
     for row, sync in zip(syncs, reports, strict=True):
         expected = sync.scalars()
         assert {name: row[name] for name in expected} == pytest.approx(expected)
@@ -45,6 +45,23 @@ def test_wandb_gets_the_sync_scalars_and_a_resumed_run_continues_it(tmp_path, mo
     fresh.close()
     wandb.teardown()
     assert (tmp_path / WANDB_ID_FILE).read_text().strip() != run_id
+
+
+def test_steps_logged_again_after_a_resume_reach_wandb(tmp_path, monkeypatch):
+    """W&B drops a row whose step is below the highest the run logged: a run resumed from its checkpoint at step 5,
+    after an attempt that had logged up to 15, lost its rows until it passed 15. The training step is a metric the
+    charts are drawn over instead."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    progress = Progress(tmp_path, enabled=True, bar=False, total=15, metrics_path=None, wandb_project="hdet-test")
+    for sync in (report(5, [2.0, 3.0], 1.0), report(10, [1.5, 2.5], 1.25), report(15, [1.0, 2.0], 1.5),
+                 report(10, [1.4, 2.4], 1.25)):  # what the W&B run sees when a resumed run logs step 10 again
+        progress.sync(sync)
+    progress.close()
+    wandb.teardown()
+    rows = [row for path in tmp_path.glob("wandb/offline-run-*/run-*.wandb") for row in wandb_records.history(path)]
+    assert [(row["step"], row["train/loss"]) for row in rows if "train/loss" in row] == [
+        (5, 2.5), (10, 2.0), (15, 1.5), (10, 1.9)]
 
 
 def test_a_signalled_wandb_service_does_not_fail_the_run(tmp_path, monkeypatch, capsys):
