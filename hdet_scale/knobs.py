@@ -95,20 +95,29 @@ class OptimizerGroupKnob(Knob):
 
 class ModuleFactorKnob(Knob):
     """A factor on module attributes (base 1): each ``(module, attribute)`` gets ``original * factor``,
-    clamped to ``value_bounds``. For dropout probabilities and attention softmax scales."""
+    clamped to ``value_bounds``. For dropout probabilities and attention softmax scales. A value the attribute was
+    given since the last ``apply`` (a dropout schedule of the user's) is its new original: the factor applies to it."""
 
     def __init__(self, name: str, targets: list[tuple[nn.Module, str]], value_bounds: Bounds,
                  alpha: float | None = None) -> None:
         super().__init__(name, POSITIVE, alpha)
-        self.targets = [(module, attribute, float(getattr(module, attribute))) for module, attribute in targets]
+        # (module, attribute, original, the value last applied; None: none yet)
+        self.targets: list[tuple[nn.Module, str, float, float | None]] = [
+            (module, attribute, float(getattr(module, attribute)), None) for module, attribute in targets]
         self.value_bounds = value_bounds
 
     def scheduled(self) -> float:
         return 1.0
 
     def apply(self, value: float) -> None:
-        for module, attribute, original in self.targets:
+        applied = []
+        for module, attribute, original, last in self.targets:
+            current = float(getattr(module, attribute))
+            if last is not None and current != last:
+                original = current
             setattr(module, attribute, self.value_bounds.clamp(original * value))
+            applied.append((module, attribute, original, float(getattr(module, attribute))))
+        self.targets = applied
 
 
 class ValueKnob(Knob):

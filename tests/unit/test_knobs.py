@@ -347,3 +347,27 @@ def test_a_model_knob_on_a_compiled_model_is_refused():
                                                   "torch.compile guards on them"):
             HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
                          topology=ReplicaTopology.single_process())
+
+
+def test_a_dropout_the_user_changes_during_the_run_is_the_base_of_the_next_factor():
+    """An 'early dropout' callback that turned dropout off after some steps had it back on at the next sync: each
+    sync wrote the factor times the probability found when HDET attached."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = HDETConfig.from_dict({"sync_interval": 1, "gradient_mode": "local", "explore": {"dropout": {}},
+                                   "auto_lr": {"enabled": False, "range_test": 0}})
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
+    assert model[1].p == pytest.approx(0.2)
+
+    def step() -> None:
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        hdet.step(1.0)
+
+    step()
+    model[1].p = 0.0  # the user's schedule turns dropout off
+    step()
+    assert model[1].p == 0.0
+    model[1].p = 0.1
+    step()
+    assert model[1].p == pytest.approx(0.1)
