@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
-from hdet_scale.knobs import Knob
+from hdet_scale.knobs import Knob, ValueKnob
 from hdet_scale.spread import PermutationStream, multipliers
 
 
@@ -139,14 +139,19 @@ class ExploredValue:
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"permutation": list(self.permutation), "controller": self.state.state_dict(),
-                "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases)}
+        state = {"permutation": list(self.permutation), "controller": self.state.state_dict(),
+                 "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases)}
+        if isinstance(self.knob, ValueKnob):  # read from the model at add time: by then it holds a replica's value
+            state["knob_base"] = self.knob.base
+        return state
 
     def load_state_dict(self, state: dict[str, Any], *, same_layout: bool) -> None:
         """Restores ``state_dict()``; with another replica count (``same_layout`` False) the permutation is
         drawn afresh from the restored stream. The bases of the interval's steps taken so far come back too (a
         state saved between syncs; none in one of an earlier version), so the next sync records every step's."""
         self.state = ControllerState.from_state_dict(state["controller"])
+        if isinstance(self.knob, ValueKnob) and "knob_base" in state:  # none in a state of an earlier version
+            self.knob.base = float(state["knob_base"])
         self.applied_bases = [float(base) for base in state.get("applied_bases", [])]
         self.stream.load_state_dict(state["stream"])
         if same_layout:

@@ -371,3 +371,35 @@ def test_a_dropout_the_user_changes_during_the_run_is_the_base_of_the_next_facto
     model[1].p = 0.1
     step()
     assert model[1].p == pytest.approx(0.1)
+
+
+def test_a_knob_whose_value_the_model_saves_keeps_its_base_over_resumes():
+    """add_knob reads its base from the getter: a value the model itself saves (a buffer) holds replica 0's value
+    at a resume, base x rho, and every resume multiplied the base by another multiplier."""
+    model = nn.Linear(2, 2)
+    config = HDETConfig(sync_interval=10, auto_lr=LR_HELD_AT_GIVEN)
+    topology = ReplicaTopology(rank=0, world_size=REPLICAS, ranks_per_replica=1)  # no sync: no process group
+
+    def ensemble(state=None) -> HDETEnsemble:
+        return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                            topology=topology, state=state, total_steps=100)
+
+    buffer = {"temperature": 2.0}  # what the model's checkpoint holds: the value the replica trained with
+    first = ensemble()
+    first.add_knob("temperature", lambda: buffer["temperature"], lambda value: buffer.update(temperature=value),
+                   alpha=0.5)
+    first.step(1.0)
+    saved, replica_value = first.state_dict(), buffer["temperature"]
+    assert replica_value != 2.0
+    for order in ("state first", "knob first"):
+        buffer["temperature"] = replica_value  # restored with the model's weights
+        if order == "state first":
+            resumed = ensemble(saved)
+            resumed.add_knob("temperature", lambda: buffer["temperature"],
+                             lambda value: buffer.update(temperature=value), alpha=0.5)
+        else:
+            resumed = ensemble()
+            resumed.add_knob("temperature", lambda: buffer["temperature"],
+                             lambda value: buffer.update(temperature=value), alpha=0.5)
+            resumed.load_state_dict(saved)
+        assert resumed.base("temperature") == 2.0 and buffer["temperature"] == pytest.approx(replica_value), order
