@@ -17,6 +17,7 @@ import torch
 from hdet_scale.config import HDETConfig
 from hdet_scale.config_rules import PROBE_ONLY_KNOBS
 from hdet_scale.controller import sync_interval_for_run
+from hdet_scale.durable import replacement_folders
 from hdet_scale.engines.deepspeed_settings import check_ds_config, zero_section
 from hdet_scale.extras import require
 from hdet_scale.lm.checkpoints import (
@@ -157,8 +158,10 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--steps {args.steps} is below the step of the checkpoint to resume, {resume.step} "
                          f"({resume.path}): pass --steps {resume.step} or more (the run's own length, or longer to "
                          "train on), or choose another --out")
-    if args.resume and resume is None and out / FINAL_MODEL in previous_run(out, None):
-        raise ValueError(f"--resume: {out} holds a finished run's model ({out / FINAL_MODEL}) and no checkpoint to "
+    final = [path for path in previous_run(out, None)
+             if path in (out / FINAL_MODEL, *replacement_folders(out / FINAL_MODEL))]  # or its export, cut short
+    if args.resume and resume is None and final:
+        raise ValueError(f"--resume: {out} holds a finished run's model ({final[0]}) and no checkpoint to "
                          "continue from: pass --overwrite instead of --resume to start afresh over it (RESUME=0 "
                          "with the Slurm templates), or choose another --out")
     return Plan(engine, config, corpus or read_corpus(), ds_config, world_size, dtype, run, resume, found)

@@ -162,6 +162,10 @@ def test_resume_over_a_finished_run_without_its_checkpoint_is_refused(tmp_path):
     assert plan(parse_args(["--out", str(out), "--overwrite"])).resume is None
     (out / "final" / "model.safetensors").unlink()  # an empty folder is no model
     assert plan(parse_args(["--out", str(out), "--resume"])).resume is None
+    # the final model's export killed between its two renames: the finished model waits aside
+    (out / "final.old").mkdir()
+    (out / "final.old" / "model.safetensors").write_text("x")
+    check(["--out", str(out), "--resume"], rf"--resume: {out} holds a finished run's model \({out / 'final.old'}\)")
 
 
 def test_a_start_without_checkpoint_is_quiet_in_an_empty_out_and_keeps_every_earlier_attempts_metrics(tmp_path,
