@@ -36,6 +36,12 @@ def check_trainer(trainer: Trainer, config: HDETConfig) -> str:
                 "replicas are the data-parallel ranks (DDP) or groups of ZeRO ranks (ranks_per_replica); remove "
                 "parallelism_config"
             )
+    tensor_parallel = getattr(trainer.model, "tp_size", None) or 1
+    if tensor_parallel > 1 or getattr(trainer, "is_distributed_loading_by_transformers", False):
+        how = f"tp_size={tensor_parallel}" if tensor_parallel > 1 else "sharded at from_pretrained"
+        raise HDETConfigError(
+            f"a model loaded sharded by transformers ({how}) is not supported with HDET: the Trainer then wraps it in "
+            "no DDP, and HDET's replicas are data-parallel ranks (DDP) or groups of ZeRO ranks; load it whole")
     if getattr(args, "auto_find_batch_size", False):
         raise HDETConfigError("TrainingArguments(auto_find_batch_size=True) is not supported with HDET: each retry "
                               "after an out-of-memory error starts training again on the weights the last one "

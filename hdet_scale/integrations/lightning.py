@@ -504,6 +504,8 @@ def check_strategy(strategy: Any) -> None:
     if name == "FSDPStrategy":
         raise HDETConfigError("HDETCallback does not support FSDPStrategy (FSDP1, which needs a GPU): use "
                               "strategy='ddp', or FSDP2 through hdet_scale.engines.fsdp in your own loop")
+    if name == "XLAStrategy":  # a DDPStrategy by class, not DDP
+        raise HDETConfigError("HDETCallback does not support XLAStrategy: use strategy='ddp' on GPUs or CPUs")
     if name == "DeepSpeedStrategy":
         raise HDETConfigError("HDETCallback does not support DeepSpeedStrategy: use hdet_scale.engines.deepspeed "
                               "(deepspeed.initialize with HDET's replica groups) in your own loop")

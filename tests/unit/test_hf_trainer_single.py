@@ -57,3 +57,23 @@ def test_a_train_again_after_one_that_raised_during_the_range_test_steps_the_use
         trainer.train()
     trainer.train()
     assert scheduler.last_epoch == 40 and trainer.lr_scheduler is scheduler
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_model_transformers_loaded_sharded_is_refused_when_hdet_is_added(tmp_path):
+    """transformers 5 puts a tensor-parallel model's ParallelismConfig on the Accelerator, not on the
+    TrainingArguments, and wraps such a model in no DDP: it passed add_hdet and failed at train()'s start."""
+    from transformers import Trainer, TrainingArguments
+
+    from hdet_scale import HDETConfigError
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, report_to=[], use_cpu=True)
+    for marking in ("tp_size", "loaded"):
+        trainer = Trainer(model=Regression(), args=args, train_dataset=Sums())
+        if marking == "tp_size":
+            trainer.model.tp_size = 2
+        else:
+            trainer.is_distributed_loading_by_transformers = True
+        with pytest.raises(HDETConfigError, match="a model loaded sharded by transformers .* is not supported"):
+            add_hdet(trainer, {"sync_interval": 2})

@@ -25,6 +25,10 @@ def test_strategies_and_loops_it_cannot_serve_are_refused():
         check_strategy(FSDPStrategy())
     with pytest.raises(HDETConfigError, match="does not support DeepSpeedStrategy"):
         check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))  # its constructor wants DeepSpeed's GPU build
+    from lightning.pytorch.strategies import XLAStrategy
+
+    with pytest.raises(HDETConfigError, match="does not support XLAStrategy"):  # a DDPStrategy by class
+        check_strategy(XLAStrategy.__new__(XLAStrategy))  # its constructor wants torch_xla
     import lightning.pytorch as pl
 
     class Manual(pl.LightningModule):
