@@ -216,11 +216,8 @@ def largest_fall(alpha: float, spread: str) -> float:
 
 
 def _check_scale_steps(config: Any, lr: Any) -> None:
-    """Every value moved in ``scale`` mode (the LR in that mode; the others there and in ``paper`` mode) has
-    ``step_size * largest_fall <= 1``: else one sync in which the lowest replica wins multiplies its scale by
-    ``1 + step_size * v < 0``, which the floor turns into a jump to ``scale_min``."""
-    if not lr.enabled or lr.mode == "log":
-        return
+    """Every value moved in ``scale`` mode (the LR in that mode; the others there and in ``paper`` mode) passes
+    ``check_scale_step``."""
     moved = [("alpha", config.spread_alpha(lr=True))] if lr.mode == "scale" and lr.moves_lr else []
     for name in KNOB_NAMES:
         knob = getattr(config.explore, name)
@@ -228,13 +225,23 @@ def _check_scale_steps(config: Any, lr: Any) -> None:
             moved.append((f"explore.{name}.alpha" if knob.alpha is not None else "alpha",
                           knob.alpha if knob.alpha is not None else config.spread_alpha(lr=False)))
     for field, alpha in moved:
-        fall = largest_fall(alpha, config.spread)
-        if lr.step_size * fall > 1.0:
-            raise HDETConfigError(
-                f"auto_lr.step_size={lr.step_size:g} with {field}={alpha:g} (spread '{config.spread}') lets one sync "
-                f"in which the lowest replica wins multiply the value's scale by 1 - {lr.step_size:g} x {fall:.3g} < 0 "
-                f"('{lr.mode}' mode moves it by 1 + step_size x velocity): keep auto_lr.step_size at most "
-                f"{1.0 / fall:.3g}, lower the spread, or use mode 'log'")
+        check_scale_step(lr, alpha, config.spread, field)
+
+
+def check_scale_step(lr: Any, alpha: float, spread: str, field: str) -> None:
+    """Raises unless ``step_size * largest_fall <= 1`` for a value of spread ratio ``alpha`` (the setting ``field``)
+    that the auto-LR section ``lr`` (its mode's defaults filled in) moves by a scale, as it moves every value but the
+    LR where it is on in ``scale`` or ``paper`` mode: else one sync in which the lowest replica wins multiplies the
+    scale by ``1 + step_size * v < 0``, which the floor turns into a jump to ``scale_min``."""
+    if not lr.enabled or lr.mode == "log":
+        return
+    fall = largest_fall(alpha, spread)
+    if lr.step_size * fall > 1.0:
+        raise HDETConfigError(
+            f"auto_lr.step_size={lr.step_size:g} with {field}={alpha:g} (spread '{spread}') lets one sync "
+            f"in which the lowest replica wins multiply the value's scale by 1 - {lr.step_size:g} x {fall:.3g} < 0 "
+            f"('{lr.mode}' mode moves it by 1 + step_size x velocity): keep auto_lr.step_size at most "
+            f"{1.0 / fall:.3g}, lower the spread, or use mode 'log'")
 
 
 def _check_forward_knobs(config: Any, lr: Any) -> None:

@@ -21,7 +21,7 @@ from hdet_scale.adapter import EngineAdapter
 from hdet_scale.averaging import average_healthy
 from hdet_scale.comm import bits_fingerprint, gather_rows
 from hdet_scale.config import HDETConfig, HDETConfigError
-from hdet_scale.config_rules import PROBE_ONLY_KNOBS, check_spread_alpha
+from hdet_scale.config_rules import PROBE_ONLY_KNOBS, check_scale_step, check_spread_alpha
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
 from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, group_names, is_configured_name, lr_knobs
@@ -87,6 +87,7 @@ class HDETEnsemble:
         self._scorer = ReplicaScorer(config.auto_lr, config.sync_interval)
         self._warned_no_loss = False
         self._probing = False  # value("label_smoothing") reads 0 while the probe runs
+        self._closed = False
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
         self._last_report: SyncReport | None = None
@@ -180,9 +181,10 @@ class HDETEnsemble:
         saved = self._awaited_knobs.get(name)
         if self._step and saved is None:
             raise RuntimeError(f"add_knob('{name}') after {self._step} steps: add knobs before training starts")
-        check_spread_alpha(f"add_knob('{name}', alpha=...)" + (" (the top-level alpha)" if alpha is None else ""),
-                           self.config.spread_alpha(lr=False) if alpha is None else alpha, self.config.spread,
-                           explored=True)
+        field = f"add_knob('{name}', alpha=...)" + (" (the top-level alpha)" if alpha is None else "")
+        spread_alpha = self.config.spread_alpha(lr=False) if alpha is None else alpha
+        check_spread_alpha(field, spread_alpha, self.config.spread, explored=True)
+        check_scale_step(self.config.auto_lr.filled(), spread_alpha, self.config.spread, field)
         error = run_length_error(self.config, self.topology.num_replicas, "pass total_steps= when attaching",
                                  explores_others=True)
         if error is not None:
@@ -202,6 +204,8 @@ class HDETEnsemble:
         ``"lr/0"``: for optimizer knobs, the value the next ``optimizer.step()`` uses, during the run's LR range
         test that test's LR)."""
         explored = self._explored_named(name)
+        if self._closed:  # its hooks are gone: the optimizer steps with the schedule's values, the rest hold the base
+            return explored.knob.scheduled() if explored.knob.step_scoped else explored.base()
         if self._probing and name == "label_smoothing":
             return 0.0
         ramp = self._range_test_lr(explored)
@@ -318,8 +322,9 @@ class HDETEnsemble:
 
     @property
     def at_sync_point(self) -> bool:
-        """True right after a sync (or at the start, unless warm init has made the replicas differ), where every
-        replica holds the same parameters: the only place a checkpoint of one model is the whole truth."""
+        """True right after a sync (or at the start, unless warm init has made the replicas differ and no ``sync()``
+        has been called there), where every replica holds the same parameters: the only place a checkpoint of one
+        model is the whole truth."""
         return self._last_sync_step == self._step
 
     def observe(self, loss: LossLike) -> None:
@@ -410,8 +415,9 @@ class HDETEnsemble:
     def sync(self) -> SyncReport | None:
         """Averages the replicas, updates the controller and re-assigns the multipliers (collective); returns its
         report, or None where the replicas are one model already (``at_sync_point``: no step since the last sync)
-        or where the run has taken no step yet (they are at their starts, which warm init makes differ on purpose),
-        where it does nothing and writes no metrics line.
+        or where the run has taken no step yet, where it does nothing and writes no metrics line. Before the first
+        step the replicas keep their starts, which warm init makes differ on purpose, and the start counts as a sync
+        point from then on (a checkpoint there holds replica 0's start).
 
         ``step`` calls it every ``sync_interval`` steps; call it directly to end on one model between those
         (e.g. before a final export or a preemption checkpoint). Such an extra sync averages, scores and
@@ -422,7 +428,10 @@ class HDETEnsemble:
         if self._range_start is not None:
             raise RuntimeError(f"the LR range test is running (step {len(self._range_start.test.lrs)} of "
                                f"{self._range_start.test.steps}): syncs start after it")
-        if self.at_sync_point or self._step == 0:
+        if self.at_sync_point:
+            return None
+        if self._step == 0:  # the replicas at their starts, apart by warm init's noise alone: the start counts as one
+            self._last_sync_step = 0
             return None
         # Out of inference mode (Lightning's validation hooks run under it on an accelerator): memory the sync
         # keeps for the next one must be normal tensors, which that sync writes into outside it.
@@ -599,6 +608,7 @@ class HDETEnsemble:
         step (``base``: what the controller found, e.g. the attention scale the weights trained at); the optimizer
         then trains at the scheduled values."""
         self._step_scoped.remove()
+        self._closed = True
         for explored in self._explored:
             if not explored.knob.step_scoped:
                 explored.knob.apply(explored.base())

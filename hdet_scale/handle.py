@@ -64,7 +64,8 @@ class HDETHandle(ABC):
 
     def sync(self) -> SyncReport | None:
         """A sync now, between the regular ones (collective: every rank calls it), e.g. before an export; None
-        where the replicas are one model already (right after a sync)."""
+        where the replicas are one model already (right after a sync) or no step has been taken
+        (``HDETEnsemble.sync``)."""
         return self._attached().sync()
 
     def check_one_model(self, what: str) -> None:

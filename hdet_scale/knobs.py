@@ -15,6 +15,7 @@ knob only answers "what is the base now" and "set this replica's value".
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,31 +94,40 @@ class OptimizerGroupKnob(Knob):
         return float(self.optimizer.param_groups[self.group_index][self.key])
 
 
+_WRITTEN: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[float, float]]] = weakref.WeakKeyDictionary()
+"""Per module, each attribute a ``ModuleFactorKnob`` set: the value it set a factor of, and the value it wrote. Kept
+for the module's life, across ensembles: a later fit's ensemble (the Trainer's, Lightning's) finds the value the
+found factor of an earlier one was written on, not that factor times it."""
+
+
+def _unfactored(module: nn.Module, attribute: str) -> float:
+    """The value of ``module.attribute`` a factor applies to: the one a knob last wrote a factor of, where the
+    attribute still holds what it wrote; else the attribute's own (never set by a knob, or set by the user's code
+    since, a dropout schedule)."""
+    current = float(getattr(module, attribute))
+    original, written = _WRITTEN.get(module, {}).get(attribute, (current, math.nan))
+    return original if written == current else current
+
+
 class ModuleFactorKnob(Knob):
     """A factor on module attributes (base 1): each ``(module, attribute)`` gets ``original * factor``,
-    clamped to ``value_bounds``. For dropout probabilities and attention softmax scales. A value the attribute was
-    given since the last ``apply`` (a dropout schedule of the user's) is its new original: the factor applies to it."""
+    clamped to ``value_bounds``. For dropout probabilities and attention softmax scales. ``original`` is the value
+    the attribute held when a knob first set it, or the one the user's code gave it since (``_unfactored``)."""
 
     def __init__(self, name: str, targets: list[tuple[nn.Module, str]], value_bounds: Bounds,
                  alpha: float | None = None) -> None:
         super().__init__(name, POSITIVE, alpha)
-        # (module, attribute, original, the value last applied; None: none yet)
-        self.targets: list[tuple[nn.Module, str, float, float | None]] = [
-            (module, attribute, float(getattr(module, attribute)), None) for module, attribute in targets]
+        self.targets = targets
         self.value_bounds = value_bounds
 
     def scheduled(self) -> float:
         return 1.0
 
     def apply(self, value: float) -> None:
-        applied = []
-        for module, attribute, original, last in self.targets:
-            current = float(getattr(module, attribute))
-            if last is not None and current != last:
-                original = current
+        for module, attribute in self.targets:
+            original = _unfactored(module, attribute)
             setattr(module, attribute, self.value_bounds.clamp(original * value))
-            applied.append((module, attribute, original, float(getattr(module, attribute))))
-        self.targets = applied
+            _WRITTEN.setdefault(module, {})[attribute] = (original, float(getattr(module, attribute)))
 
 
 class ValueKnob(Knob):
@@ -149,8 +159,10 @@ def is_dropout_attribute(name: str) -> bool:
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` is compiled: ``torch.compile(module)``'s wrapper, or ``module.compile()`` called."""
-    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+    """Whether ``module`` is compiled: ``torch.compile(module)``'s wrapper, ``module.compile()`` called, or a
+    LightningModule Lightning unwrapped from ``torch.compile`` (its ``_compiler_ctx``)."""
+    return (hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+            or getattr(module, "_compiler_ctx", None) is not None)
 
 
 def dropout_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -26,7 +26,6 @@ from hdet_scale.lm.checkpoints import (
     check_resume,
     identity,
     out_state,
-    previous_run,
     written_before_this_requeue,
 )
 from hdet_scale.lm.corpus import BYTE_VOCAB, TOKEN_FILE_DEFAULTS, Corpus, load_corpus, reads_bytes
@@ -107,7 +106,10 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"explore.{scored_on_probe[0]} is compared on the probe batch alone, and --probe_batch is 0: "
                          "give it held-out sequences (16 by default), or turn the controller off (auto_lr.enabled "
                          "false: a spread without a search)")
-    if config.explore.weight_decay is not None and given_weight_decay(args, ds_config) == 0:
+    json_optimizer = ((ds_config or {}).get("optimizer") or {}).get("params") or {}
+    # a JSON optimizer without a weight decay takes its class's default, which is not 0 for AdamW
+    no_decay = json_optimizer.get("weight_decay") == 0 if "optimizer" in (ds_config or {}) else args.weight_decay == 0
+    if config.explore.weight_decay is not None and no_decay:
         where = "the DeepSpeed JSON's optimizer.params.weight_decay" if "optimizer" in (ds_config or {}) \
             else "--weight_decay"
         raise ValueError(f"explore.weight_decay explores the weight decay, and {where} is 0: give it one above 0, "
@@ -158,7 +160,7 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--steps {args.steps} is below the step of the checkpoint to resume, {resume.step} "
                          f"({resume.path}): pass --steps {resume.step} or more (the run's own length, or longer to "
                          "train on), or choose another --out")
-    final = [path for path in previous_run(out, None)
+    final = [path for path in map(Path, found[0])
              if path in (out / FINAL_MODEL, *replacement_folders(out / FINAL_MODEL))]  # or its export, cut short
     if args.resume and resume is None and final:
         raise ValueError(f"--resume: {out} holds a finished run's model ({final[0]}) and no checkpoint to "
@@ -259,8 +261,9 @@ def _refuse_flags_json_sets(args: argparse.Namespace, ds_config: dict[str, Any])
              if name in where and getattr(args, name) != default]
     if given:
         flags = ", ".join(f"--{name} (its {where[name]})" for name in given)
-        raise ValueError(f"with --deepspeed_config {args.deepspeed_config} DeepSpeed takes {flags} from the JSON, "
-                         "not from the command line: set it there and drop the flag")
+        raise ValueError(f"with --deepspeed_config {args.deepspeed_config} DeepSpeed takes {flags} from the JSON "
+                         "(or from its own defaults where the JSON leaves the key out), not from the command line: "
+                         "set it there and drop the flag")
 
 
 def _refuse_trainer_auto(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:

@@ -1,7 +1,10 @@
 import math
 
 import pytest
+import torch
+from torch import nn
 
+from hdet_scale import HDETEnsemble, ReplicaTopology
 from hdet_scale.config import AutoLRConfig, HDETConfig
 from hdet_scale.config_checks import HDETConfigError
 from hdet_scale.config_rules import largest_fall
@@ -16,6 +19,7 @@ from hdet_scale.controller import (
     softmax_weights,
     zscore_weights,
 )
+from hdet_scale.engines.ddp import DDPAdapter
 from hdet_scale.spread import multipliers
 
 
@@ -241,3 +245,10 @@ def test_a_step_size_past_the_largest_fall_is_refused_before_it_drops_the_scale_
     with pytest.raises(HDETConfigError, match=r"with explore.dropout.alpha=0.9 "):
         HDETConfig.from_dict({**layout, "auto_lr": {"mode": "paper", "step_size": 1.2},
                               "explore": {"dropout": {"alpha": 0.9}}})
+    # a value of one's own, moved by a scale as the configured ones are
+    hdet = HDETEnsemble(HDETConfig.from_dict({**layout, "auto_lr": {"mode": "scale", "step_size": 2.5}}),
+                        DDPAdapter(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)),
+                        topology=ReplicaTopology.single_process(), total_steps=100)
+    with pytest.raises(HDETConfigError, match=r"auto_lr.step_size=2.5 with add_knob\('temperature', alpha=...\)=0.9 "):
+        hdet.add_knob("temperature", lambda: 1.0, lambda value: None, alpha=0.9)
+    assert not hdet.explores("temperature")

@@ -295,22 +295,30 @@ def test_dropout_and_label_smoothing_are_scored_on_the_probe_alone():
                           "auto_lr": {"probe_weight": 0.5}})  # acts alike in training and in the probe
 
 
-def test_close_leaves_every_replica_at_the_value_the_controller_found():
-    """close() put the attention scale back at the model's own, and the weights had trained at the scale found."""
+def test_close_leaves_every_replica_at_the_value_the_controller_found_and_a_later_attach_starts_from_it():
+    """close() put the attention scale back at the model's own, and the weights had trained at the scale found; once
+    it left the found scale in place, a later fit's attach (the Trainer's, Lightning's) took that for the model's own
+    and applied the checkpoint's scale on top of it again. After close() value() still read each replica's own."""
     model = tiny_llama()
     config = HDETConfig.from_dict({"gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
                                    "explore": {"attention_scale": {}, "label_smoothing": {"base": 0.1}}})
-    state = HDETEnsemble(config, DDPAdapter(two_groups(model), model),
-                         topology=ReplicaTopology.single_process()).state_dict()
+    topology = ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1)  # replica 1 of 2, no collective before a sync
+
+    def attach(state=None) -> HDETEnsemble:
+        return HDETEnsemble(config, DDPAdapter(two_groups(model), model), topology=topology, state=state)
+
+    state = attach().state_dict()
     state["explored"]["attention_scale"]["controller"]["scale"] = 0.5  # where the controller had moved them
     state["explored"]["label_smoothing"]["controller"]["scale"] = 2.0
-    model = tiny_llama()
-    hdet = HDETEnsemble(config, DDPAdapter(two_groups(model), model), topology=ReplicaTopology.single_process(),
-                        state=state)
-    hdet.close()
     attention = [module for module in model.modules() if type(module).__name__ == "LlamaAttention"]
-    assert attention and all(module.scaling == pytest.approx(0.5 * 8 ** -0.5) for module in attention)
-    assert hdet.value("label_smoothing") == pytest.approx(0.2)
+    for fit in range(2):  # two fits of one model in one process, each resuming the checkpoint
+        hdet = attach(state)
+        rho = hdet._explored_named("attention_scale").multiplier(1)
+        assert rho != 1.0 and all(module.scaling == pytest.approx(0.5 * rho * 8 ** -0.5) for module in attention), fit
+        assert hdet.value("label_smoothing") != pytest.approx(0.2)
+        hdet.close()
+        assert all(module.scaling == pytest.approx(0.5 * 8 ** -0.5) for module in attention), fit
+        assert hdet.value("label_smoothing") == pytest.approx(0.2)
 
 
 def test_explored_dropout_reaches_every_dropout_field_of_a_transformers_model():
@@ -335,14 +343,24 @@ def test_a_model_knob_on_a_compiled_model_is_refused():
     """torch.compile guards on the attributes the knobs set at every sync: each sync recompiled, and past the
     recompile limit the model ran uncompiled for the rest of the run."""
     config = HDETConfig.from_dict({"gradient_mode": "local", "explore": {"dropout": {}}, "auto_lr": LR_HELD_AT_GIVEN})
-    for compiled in ("method", "wrapper", "block"):
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    class Lightning(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+
+    for compiled in ("method", "wrapper", "block", "lightning"):
         model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
         if compiled == "method":
             model.compile()
         elif compiled == "wrapper":
             model = torch.compile(model)
-        else:  # a block compiled in place, as torchtitan does
+        elif compiled == "block":  # a block compiled in place, as torchtitan does
             model[0] = torch.compile(model[0])
+        else:  # trainer.fit(torch.compile(module)) fits the module Lightning unwraps from it
+            model = from_compiled(torch.compile(Lightning()))
         with pytest.raises(HDETConfigError, match="explore.dropout sets module attributes at every sync, and "
                                                   "torch.compile guards on them"):
             HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
@@ -403,3 +421,17 @@ def test_a_knob_whose_value_the_model_saves_keeps_its_base_over_resumes():
                              lambda value: buffer.update(temperature=value), alpha=0.5)
             resumed.load_state_dict(saved)
         assert resumed.base("temperature") == 2.0 and buffer["temperature"] == pytest.approx(replica_value), order
+
+
+def test_a_configured_label_smoothing_base_changed_on_resume_applies():
+    """Its base is the config's, not the model's: a resume that changes it (which train.py says applies from the
+    resumed step on) must not get the saved one back."""
+    model = nn.Linear(2, 2)
+
+    def ensemble(base: float, state=None) -> HDETEnsemble:
+        config = HDETConfig.from_dict({"gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
+                                       "explore": {"label_smoothing": {"base": base}}})
+        return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                            topology=ReplicaTopology.single_process(), state=state)
+
+    assert ensemble(0.2, ensemble(0.1).state_dict()).base("label_smoothing") == 0.2

@@ -541,6 +541,15 @@ def test_settings_that_would_fail_or_do_nothing_after_the_process_group_are_refu
     hdet.write_text(json.dumps({"explore": {"weight_decay": {}}}))
     check(["--hdet_config", str(hdet), "--weight_decay", "0"],
           "explore.weight_decay explores the weight decay, and --weight_decay is 0")
+    decays = tmp_path / "decays.json"  # a JSON optimizer without a weight decay takes its class's: AdamW's 0.01
+    for params, refused in (({"lr": 1e-3}, False), ({"lr": 1e-3, "weight_decay": 0}, True)):
+        decays.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 0},
+                                      "optimizer": {"type": "AdamW", "params": params}}))
+        words = ["--hdet_config", str(hdet), "--deepspeed_config", str(decays)]
+        if refused:
+            check(words, "and the DeepSpeed JSON's optimizer.params.weight_decay is 0")
+        else:
+            assert plan(parse_args(words)).config.explore.weight_decay is not None
     hdet.write_text(json.dumps({"gradient_mode": "local", "explore": {"label_smoothing": {"base": 0.1}}}))
     monkeypatch.setenv("WORLD_SIZE", "2")  # two replicas of one rank: the controller moves it
     check(["--hdet_config", str(hdet), "--probe_batch", "0"],
@@ -549,7 +558,8 @@ def test_settings_that_would_fail_or_do_nothing_after_the_process_group_are_refu
     # the JSON's flags: DeepSpeed took the JSON's warm-up and LR, and the README's own example passed a dead flag
     check(["--deepspeed_config", zero3, "--steps", "300000", "--lr", "1e-4", "--warmup_steps", "10"],
           r"zero3_bf16.json DeepSpeed takes --lr \(its optimizer.params.lr\), --warmup_steps \(its scheduler\) from "
-          "the JSON, not from the command line: set it there and drop the flag")
+          r"the JSON \(or from its own defaults where the JSON leaves the key out\), not from the command line: set it "
+          "there and drop the flag")
     for name, value in (("micro_batch_size", "4"), ("dtype", "fp32"), ("grad_clip", "0.5")):
         check(["--deepspeed_config", zero3, "--steps", "300000", f"--{name}", value], f"--{name} ")
     assert plan(parse_args(["--deepspeed_config", zero3, "--steps", "300000"])).engine == "deepspeed"

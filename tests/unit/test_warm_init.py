@@ -66,7 +66,10 @@ def test_a_sync_before_the_first_step_leaves_the_warm_noise_alone():
     config = HDETConfig.from_dict({"sync_interval": 5, "warm_init": {"enabled": True},
                                    "auto_lr": {"enabled": False, "range_test": 0}})
     hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
+    start = [parameter.detach().clone() for parameter in model.parameters()]
     assert not hdet.at_sync_point and hdet.sync() is None  # no step yet: nothing to average
+    assert hdet.at_sync_point and all(torch.equal(before, after)
+                                      for before, after in zip(start, model.parameters(), strict=True))
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     hdet.step(1.0)
