@@ -24,7 +24,16 @@ from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.config_rules import PROBE_ONLY_KNOBS, check_scale_step, check_spread_alpha
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
 from hdet_scale.explored import ExploredValue
-from hdet_scale.knobs import Bounds, Knob, ValueKnob, configured_knobs, group_names, is_configured_name, lr_knobs
+from hdet_scale.knobs import (
+    Bounds,
+    Knob,
+    ValueKnob,
+    configured_knobs,
+    fold_attention_scale,
+    group_names,
+    is_configured_name,
+    lr_knobs,
+)
 from hdet_scale.lr_hooks import StepScopedValues
 from hdet_scale.metrics import MetricsWriter, SyncReport
 from hdet_scale.notices import warn
@@ -602,6 +611,21 @@ class HDETEnsemble:
         self._last_sync_step = None if last_sync is None else int(last_sync)
         self._scorer.reset()
         self._scorer.interval.restore(state["loss_sum"], state["loss_count"])
+
+    def fold_found_attention_scale(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Where ``attention_scale`` is explored: multiplies the scale the controller found (``base``) into ``state``,
+        ``model``'s full state dict for an export, whose config rebuilds every attention module's own softmax scale,
+        so that the exported model computes what the averaged one trained at (``knobs.fold_attention_scale``);
+        warns for modules it cannot fold into. Call where ``state`` is complete (rank 0's)."""
+        if not self.explores("attention_scale"):
+            return
+        explored = self._explored_named("attention_scale")
+        unfolded = fold_attention_scale(model, state, [module for module, _ in explored.knob.targets],
+                                        explored.base())
+        if unfolded:
+            warn(f"the exported model's config rebuilds the softmax scale of {', '.join(unfolded)} as it was, and "
+                 f"the run found {explored.base():g} times it (explore.attention_scale): these modules have no "
+                 "q_proj or q_norm to carry the factor; multiply their `scaling` by it after loading")
 
     def close(self) -> None:
         """Removes the optimizer hooks and gives every replica the base value of each knob set outside the optimizer

@@ -184,6 +184,28 @@ def attention_scale_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
             if isinstance(getattr(module, "scaling", None), float)]
 
 
+def fold_attention_scale(model: nn.Module, state: dict[str, torch.Tensor], modules: list[nn.Module],
+                         factor: float) -> list[str]:
+    """Multiplies ``factor`` on the softmax scale of the attention ``modules`` into ``state``, ``model``'s full state
+    dict, for an export whose config rebuilds each module's own scale: into the query's norm weight where the
+    module normalizes its queries (``q_norm``: the norm would undo a factor before it), else into its query
+    projection (``q_proj``; the rotary embedding after it is linear). Returns the names of the modules it could
+    fold into neither (their queries are computed another way, e.g. in one projection with the keys)."""
+    chosen = {id(module) for module in modules}
+    unfolded = []
+    for name, module in model.named_modules():
+        if id(module) not in chosen or factor == 1.0:
+            continue
+        prefix = f"{name}." if name else ""
+        keys = [f"{prefix}q_norm.weight"] if f"{prefix}q_norm.weight" in state else [
+            key for key in (f"{prefix}q_proj.weight", f"{prefix}q_proj.bias") if key in state]
+        if not keys:
+            unfolded.append(name)
+        for key in keys:
+            state[key] = state[key] * factor
+    return unfolded
+
+
 # ------------------------------------------------------------------------------------- from the config
 def group_names(optimizer: torch.optim.Optimizer) -> list[str]:
     """Each param group's name (its ``name`` entry, else its index); unique."""

@@ -453,12 +453,18 @@ class HDETDeepSpeed(HDETHandle):
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
         """Writes the model with transformers' ``save_pretrained`` from global rank 0, in fp32 (collective;
-        at a sync point). ``from_pretrained(path)`` loads it without DeepSpeed."""
+        at a sync point). ``from_pretrained(path)`` loads it without DeepSpeed; an attention scale HDET explored is
+        carried in the weights (``HDETEnsemble.fold_found_attention_scale``)."""
         module = self.engine.module
         if not hasattr(module, "save_pretrained"):
             raise TypeError(f"{type(module).__name__} is not a transformers model; use full_state_dict() instead")
         state = self.full_state_dict()
-        on_rank0(lambda: module.save_pretrained(path, state_dict=state), f"writing the model to {path}")
+
+        def write() -> None:
+            self.ensemble.fold_found_attention_scale(module, state)
+            module.save_pretrained(path, state_dict=state)
+
+        on_rank0(write, f"writing the model to {path}")
 
 
 def _hdet_state(saved: Mapping[str, Any], path: str) -> Mapping[str, Any]:

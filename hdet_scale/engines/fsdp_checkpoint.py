@@ -149,8 +149,16 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Writes the consolidated model with transformers' ``save_pretrained`` from rank 0 (collective)."""
+    """Writes the consolidated model with transformers' ``save_pretrained`` from rank 0 (collective); an attention
+    scale HDET explored is carried in the weights (``HDETEnsemble.fold_found_attention_scale``)."""
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"{type(model).__name__} is not a transformers model; use full_state_dict() instead")
     state = full_state_dict(model)
-    on_rank0(lambda: model.save_pretrained(path, state_dict=state), f"writing the model to {path}")
+    handle = handle_of(model)
+
+    def write() -> None:
+        if handle is not None:
+            handle.ensemble.fold_found_attention_scale(model, state)
+        model.save_pretrained(path, state_dict=state)
+
+    on_rank0(write, f"writing the model to {path}")

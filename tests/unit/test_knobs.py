@@ -435,3 +435,36 @@ def test_a_configured_label_smoothing_base_changed_on_resume_applies():
                             topology=ReplicaTopology.single_process(), state=state)
 
     assert ensemble(0.2, ensemble(0.1).state_dict()).base("label_smoothing") == 0.2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_an_exported_model_computes_at_the_attention_scale_the_run_found(family):
+    """A transformers config rebuilds every attention module's own softmax scale: the exported weights carry the
+    factor the controller found (in q_proj, or in q_norm's weight where the queries are normalized after it), so
+    the model from_pretrained gives computes what the averaged one trained at."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    sizes = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    torch.manual_seed(0)
+    model = model_class(config_class(**sizes, head_dim=8)).eval()
+    config = HDETConfig.from_dict({"gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
+                                   "explore": {"attention_scale": {}}})
+    state = HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                         topology=ReplicaTopology.single_process()).state_dict()
+    state["explored"]["attention_scale"]["controller"]["scale"] = 0.4  # the scale the controller found
+    hdet = HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                        topology=ReplicaTopology.single_process(), state=state)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = model(tokens).logits
+        exported = model.state_dict()
+        hdet.fold_found_attention_scale(model, exported)
+        loaded = model_class(config_class(**sizes, head_dim=8)).eval()
+        loaded.load_state_dict(exported)
+        unfolded = loaded(tokens).logits
+        loaded.load_state_dict(model.state_dict())
+        assert not torch.allclose(loaded(tokens).logits, trained, atol=1e-4)  # the factor matters here
+    assert torch.allclose(unfolded, trained, atol=1e-5)
