@@ -198,7 +198,8 @@ class HDETEnsemble:
                                  explores_others=True)
         if error is not None:
             raise error
-        explored = self._explore(ValueKnob(name, float(getter()), Bounds(low=low, high=high), alpha, setter))
+        explored = self._explore(ValueKnob(name, float(getter()), Bounds(low=low, high=high), alpha, setter,
+                                           from_model=True))
         if saved is not None:
             explored.load_state_dict(saved[0], same_layout=saved[1])
             del self._awaited_knobs[name]
@@ -331,10 +332,21 @@ class HDETEnsemble:
 
     @property
     def at_sync_point(self) -> bool:
-        """True right after a sync (or at the start, unless warm init has made the replicas differ and no ``sync()``
-        has been called there), where every replica holds the same parameters: the only place a checkpoint of one
-        model is the whole truth."""
+        """True right after a sync (or at the start, unless warm init has made the replicas differ), where every
+        replica holds the same parameters: the only place a checkpoint of one model is the whole truth."""
         return self._last_sync_step == self._step
+
+    def apart_error(self, what: str) -> str | None:
+        """Why ``what`` (a checkpoint, an export: of one model) cannot be taken now and what to do, None where it
+        can (``at_sync_point``)."""
+        if self.at_sync_point:
+            return None
+        if self._step == 0:
+            return (f"{what} is taken where the replicas are one model, and before the first step warm init keeps "
+                    f"their starts apart: take it after the first sync (every {self.config.sync_interval} steps)")
+        return (f"{what} is taken at sync points, where the replicas are one model; step {self._step} is between "
+                f"syncs (every {self.config.sync_interval} steps): take it right after one, or sync first "
+                "(hdet.sync(); engine.hdet.sync() under DeepSpeed)")
 
     def observe(self, loss: LossLike) -> None:
         """Records one micro-batch loss; the step's loss is the mean of the micro-batches observed."""
@@ -348,6 +360,7 @@ class HDETEnsemble:
         their device until the next sync, so this adds no host-device synchronization. Returns the sync
         report on sync steps, else None. While the run's LR range test runs it takes one step of it.
         """
+        self._check_open("step")
         if self._awaited_knobs:
             raise RuntimeError(f"the loaded HDET state explores {sorted(self._awaited_knobs)} with add_knob: call "
                                "add_knob for each on every rank before the first step")
@@ -424,9 +437,8 @@ class HDETEnsemble:
     def sync(self) -> SyncReport | None:
         """Averages the replicas, updates the controller and re-assigns the multipliers (collective); returns its
         report, or None where the replicas are one model already (``at_sync_point``: no step since the last sync)
-        or where the run has taken no step yet, where it does nothing and writes no metrics line. Before the first
-        step the replicas keep their starts, which warm init makes differ on purpose, and the start counts as a sync
-        point from then on (a checkpoint there holds replica 0's start).
+        or where the run has taken no step yet (the replicas keep their starts, which warm init makes differ on
+        purpose), where it does nothing and writes no metrics line.
 
         ``step`` calls it every ``sync_interval`` steps; call it directly to end on one model between those
         (e.g. before a final export or a preemption checkpoint). Such an extra sync averages, scores and
@@ -434,13 +446,11 @@ class HDETEnsemble:
         multiples of ``sync_interval``), so a run's controller makes the same number of updates however often it
         is checkpointed; the next regular sync stays at the next multiple of ``sync_interval``.
         """
+        self._check_open("sync")
         if self._range_start is not None:
             raise RuntimeError(f"the LR range test is running (step {len(self._range_start.test.lrs)} of "
                                f"{self._range_start.test.steps}): syncs start after it")
-        if self.at_sync_point:
-            return None
-        if self._step == 0:  # the replicas at their starts, apart by warm init's noise alone: the start counts as one
-            self._last_sync_step = 0
+        if self.at_sync_point or self._step == 0:  # no step yet: the replicas at their starts (warm init's apart)
             return None
         # Out of inference mode (Lightning's validation hooks run under it on an accelerator): memory the sync
         # keeps for the next one must be normal tensors, which that sync writes into outside it.
@@ -612,6 +622,11 @@ class HDETEnsemble:
         self._scorer.reset()
         self._scorer.interval.restore(state["loss_sum"], state["loss_count"])
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:  # a sync would put each replica's own values back into the model
+            raise RuntimeError(f"{what}() after close(): HDET no longer runs on this optimizer; attach a new "
+                               "ensemble to train with it again")
+
     def fold_found_attention_scale(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Where ``attention_scale`` is explored: multiplies the scale the controller found (``base``) into ``state``,
         ``model``'s full state dict for an export, whose config rebuilds every attention module's own softmax scale,
@@ -620,12 +635,12 @@ class HDETEnsemble:
         if not self.explores("attention_scale"):
             return
         explored = self._explored_named("attention_scale")
-        unfolded = fold_attention_scale(model, state, [module for module, _ in explored.knob.targets],
+        unfolded = fold_attention_scale(model, state, [target[0] for target in explored.knob.targets],
                                         explored.base())
         if unfolded:
             warn(f"the exported model's config rebuilds the softmax scale of {', '.join(unfolded)} as it was, and "
                  f"the run found {explored.base():g} times it (explore.attention_scale): these modules have no "
-                 "q_proj or q_norm to carry the factor; multiply their `scaling` by it after loading")
+                 "query projection or query norm to carry the factor; multiply their `scaling` by it after loading")
 
     def close(self) -> None:
         """Removes the optimizer hooks and gives every replica the base value of each knob set outside the optimizer

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hdet_scale.controller import Controller, ControllerState, PaperDecay
-from hdet_scale.knobs import Knob, ValueKnob, is_configured_name
+from hdet_scale.knobs import Knob
 from hdet_scale.spread import PermutationStream, multipliers
 
 
@@ -141,8 +141,8 @@ class ExploredValue:
     def state_dict(self) -> dict[str, Any]:
         state = {"permutation": list(self.permutation), "controller": self.state.state_dict(),
                  "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases)}
-        if isinstance(self.knob, ValueKnob) and not is_configured_name(self.name):
-            state["knob_base"] = self.knob.base  # add_knob reads it from the model, which holds a replica's value
+        if self.knob.state():
+            state["knob"] = self.knob.state()
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, same_layout: bool) -> None:
@@ -150,8 +150,7 @@ class ExploredValue:
         drawn afresh from the restored stream. The bases of the interval's steps taken so far come back too (a
         state saved between syncs; none in one of an earlier version), so the next sync records every step's."""
         self.state = ControllerState.from_state_dict(state["controller"])
-        if isinstance(self.knob, ValueKnob) and "knob_base" in state:  # add_knob's; none in earlier versions
-            self.knob.base = float(state["knob_base"])
+        self.knob.load_state(state.get("knob", {}))  # none in a state of an earlier version
         self.applied_bases = [float(base) for base in state.get("applied_bases", [])]
         self.stream.load_state_dict(state["stream"])
         if same_layout:

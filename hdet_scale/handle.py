@@ -72,11 +72,9 @@ class HDETHandle(ABC):
         """Refuses ``what`` (an export of the model) between syncs, where each replica holds a model of its own and
         rank 0's would stand for the ensemble's, silently; with one replica there is one model anyway."""
         ensemble = self._attached()
-        if ensemble.topology.num_replicas == 1 or ensemble.at_sync_point:
-            return
-        raise RuntimeError(f"{what} is taken at sync points, where the replicas are one model; step "
-                           f"{ensemble.global_step} is between syncs (every {ensemble.config.sync_interval} steps): "
-                           "sync first (hdet.sync(); engine.hdet.sync() under DeepSpeed)")
+        error = ensemble.apart_error(what)
+        if ensemble.topology.num_replicas > 1 and error is not None:
+            raise RuntimeError(error)
 
     def set_probe(self, probe: Callable[[], LossLike] | None) -> None:
         """Scores the replicas on a held-out batch at each sync (``HDETEnsemble.set_probe``)."""

@@ -15,9 +15,9 @@ knob only answers "what is the base now" and "set this replica's value".
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,6 +70,14 @@ class Knob:
     def apply(self, value: float) -> None:
         """Gives this replica ``value`` (called at the start and after every sync)."""
 
+    def state(self) -> dict[str, Any]:
+        """What HDET's state keeps of the knob itself, for a resume: what it read from the model when it was made,
+        which a resumed model no longer holds ({}: nothing)."""
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Takes back ``state()``'s (one of an earlier version may lack entries)."""
+
 
 class OptimizerGroupKnob(Knob):
     """``optimizer.param_groups[group_index][key]`` (``lr``, ``weight_decay``), set inside ``step()`` only."""
@@ -94,53 +102,64 @@ class OptimizerGroupKnob(Knob):
         return float(self.optimizer.param_groups[self.group_index][self.key])
 
 
-_WRITTEN: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[float, float]]] = weakref.WeakKeyDictionary()
-"""Per module, each attribute a ``ModuleFactorKnob`` set: the value it set a factor of, and the value it wrote. Kept
-for the module's life, across ensembles: a later fit's ensemble (the Trainer's, Lightning's) finds the value the
-found factor of an earlier one was written on, not that factor times it."""
-
-
-def _unfactored(module: nn.Module, attribute: str) -> float:
-    """The value of ``module.attribute`` a factor applies to: the one a knob last wrote a factor of, where the
-    attribute still holds what it wrote; else the attribute's own (never set by a knob, or set by the user's code
-    since, a dropout schedule)."""
-    current = float(getattr(module, attribute))
-    original, written = _WRITTEN.get(module, {}).get(attribute, (current, math.nan))
-    return original if written == current else current
-
-
 class ModuleFactorKnob(Knob):
     """A factor on module attributes (base 1): each ``(module, attribute)`` gets ``original * factor``,
     clamped to ``value_bounds``. For dropout probabilities and attention softmax scales. ``original`` is the value
-    the attribute held when a knob first set it, or the one the user's code gave it since (``_unfactored``)."""
+    the attribute held when the knob was made, one the user's code gave it since (a dropout schedule), or the one
+    a resumed state names (``load_state``: the attribute then holds a value an earlier run's factor was applied to).
+    """
 
     def __init__(self, name: str, targets: list[tuple[nn.Module, str]], value_bounds: Bounds,
                  alpha: float | None = None) -> None:
         super().__init__(name, POSITIVE, alpha)
-        self.targets = targets
+        # (module, attribute, the value a factor applies to, the value last written; NaN: none yet)
+        self.targets = [(module, attribute, float(getattr(module, attribute)), math.nan)
+                        for module, attribute in targets]
         self.value_bounds = value_bounds
 
     def scheduled(self) -> float:
         return 1.0
 
     def apply(self, value: float) -> None:
-        for module, attribute in self.targets:
-            original = _unfactored(module, attribute)
+        applied = []
+        for module, attribute, original, written in self.targets:
+            current = float(getattr(module, attribute))
+            if current != written and not math.isnan(written):  # set by the user's code since
+                original = current
             setattr(module, attribute, self.value_bounds.clamp(original * value))
-            _WRITTEN.setdefault(module, {})[attribute] = (original, float(getattr(module, attribute)))
+            applied.append((module, attribute, original, float(getattr(module, attribute))))
+        self.targets = applied
+
+    def state(self) -> dict[str, Any]:
+        return {"originals": [original for _, _, original, _ in self.targets]}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        originals = state.get("originals")
+        if originals is not None and len(originals) == len(self.targets):
+            self.targets = [(module, attribute, float(original), math.nan)
+                            for (module, attribute, _, _), original in zip(self.targets, originals, strict=True)]
 
 
 class ValueKnob(Knob):
-    """A value the training code reads (``current``) or that a user ``setter`` receives; its base is fixed."""
+    """A value the training code reads (``current``) or that a user ``setter`` receives; its base is fixed: the
+    config's, or one read from the model (``from_model``, ``add_knob``'s getter), which HDET's state keeps."""
 
     def __init__(self, name: str, base: float, bounds: Bounds, alpha: float | None = None,
-                 setter: Callable[[float], None] | None = None) -> None:
+                 setter: Callable[[float], None] | None = None, *, from_model: bool = False) -> None:
         super().__init__(name, bounds, alpha)
         if not math.isfinite(base) or bounds.clamp(base) != base:
             raise HDETConfigError(f"the base value of '{name}' is {base}, outside its bounds {bounds}")
         self.base = base
         self.current = base
         self._setter = setter
+        self._from_model = from_model
+
+    def state(self) -> dict[str, Any]:
+        return {"base": self.base} if self._from_model else {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if self._from_model and "base" in state:
+            self.base = float(state["base"])
 
     def scheduled(self) -> float:
         return self.base
@@ -184,26 +203,61 @@ def attention_scale_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
             if isinstance(getattr(module, "scaling", None), float)]
 
 
+QUERY_NORMS = ("q_norm", "q_layernorm", "query_layernorm", "q_layer_norm")
+"""The names transformers attention modules give the norm of their queries, applied after the query projection."""
+WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+"""Module names that wrappers (activation checkpointing, torch.compile, FSDP1) add and a state dict leaves out."""
+
+
 def fold_attention_scale(model: nn.Module, state: dict[str, torch.Tensor], modules: list[nn.Module],
                          factor: float) -> list[str]:
     """Multiplies ``factor`` on the softmax scale of the attention ``modules`` into ``state``, ``model``'s full state
-    dict, for an export whose config rebuilds each module's own scale: into the query's norm weight where the
-    module normalizes its queries (``q_norm``: the norm would undo a factor before it), else into its query
-    projection (``q_proj``; the rotary embedding after it is linear). Returns the names of the modules it could
-    fold into neither (their queries are computed another way, e.g. in one projection with the keys)."""
+    dict, for an export whose config rebuilds each module's own scale: into the parameters of the query's norm where
+    the module normalizes its queries after projecting them (where the norm's output, checked here, scales with
+    them), else into its query projection (``q_proj``; the rotary embedding after it is linear). Returns the names of
+    the modules it could fold into neither (queries projected with the keys, a norm shared with them or whose output
+    a factor on its weights does not scale)."""
+    if factor == 1.0:
+        return []
     chosen = {id(module) for module in modules}
     unfolded = []
-    for name, module in model.named_modules():
-        if id(module) not in chosen or factor == 1.0:
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) not in chosen:
             continue
-        prefix = f"{name}." if name else ""
-        keys = [f"{prefix}q_norm.weight"] if f"{prefix}q_norm.weight" in state else [
-            key for key in (f"{prefix}q_proj.weight", f"{prefix}q_proj.bias") if key in state]
+        prefix = ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+        prefix = f"{prefix}." if prefix else ""
+        children = dict(module.named_children())
+        norm = next((child for child in QUERY_NORMS if child in children), None)
+        if norm is not None:
+            keys = [f"{prefix}{norm}.{parameter}" for parameter, _ in children[norm].named_parameters()]
+            if not (keys and all(key in state for key in keys) and _scales_with_its_parameters(
+                    children[norm], {key.rsplit(".", 1)[1]: state[key] for key in keys}, factor)):
+                keys = []
+        elif "qk_norm" in children:  # one norm for the queries and the keys
+            keys = []
+        else:
+            keys = [f"{prefix}q_proj.{parameter}" for parameter in ("weight", "bias") if f"{prefix}q_proj.{parameter}"
+                    in state]
         if not keys:
             unfolded.append(name)
         for key in keys:
             state[key] = state[key] * factor
     return unfolded
+
+
+def _scales_with_its_parameters(norm: nn.Module, parameters: dict[str, torch.Tensor], factor: float) -> bool:
+    """Whether ``norm`` with ``parameters`` times ``factor`` gives ``factor`` times its output (an RMSNorm or a
+    LayerNorm whose output is weight * normalized + bias; not one computing (1 + weight) * normalized)."""
+    width = parameters[next(iter(parameters))].shape[-1]
+    inputs = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            given = torch.func.functional_call(norm, parameters, (inputs,))
+            scaled = torch.func.functional_call(norm, {key: value * factor for key, value in parameters.items()},
+                                                (inputs,))
+    except Exception:  # a norm of another shape (one per head): not one to fold into
+        return False
+    return torch.allclose(scaled.float(), given.float() * factor, rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------- from the config

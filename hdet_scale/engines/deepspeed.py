@@ -275,13 +275,9 @@ class HDETDeepSpeed(HDETHandle):
         place once every rank's files are on the disk: a save that fails, or a kill, leaves the one before whole
         (a load puts back what a kill between the two renames left).
         """
-        step = self.ensemble.global_step
-        if not self.ensemble.at_sync_point:
-            raise RuntimeError(
-                f"HDET checkpoints are taken at sync points (every {self.config.sync_interval} steps); step {step} "
-                "is between syncs, where replicas differ. Save right after a sync, or call engine.hdet.sync() "
-                "first"
-            )
+        apart = self.ensemble.apart_error("an HDET checkpoint")
+        if apart is not None:
+            raise RuntimeError(apart)
         state = dict(client_state or {})
         if "hdet" in state:
             raise ValueError("client_state key 'hdet' is reserved for HDET's own state")

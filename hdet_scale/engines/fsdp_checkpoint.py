@@ -59,12 +59,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     made it).
     """
     ensemble = hdet.ensemble
-    if not ensemble.at_sync_point:
-        raise ValueError(
-            f"checkpoints are taken at sync points, where the replicas are identical: step {ensemble.global_step} "
-            f"is between syncs (every {ensemble.config.sync_interval} steps); save right after one, or call "
-            "hdet.sync() first"
-        )
+    apart = ensemble.apart_error("a checkpoint")
+    if apart is not None:
+        raise ValueError(apart)
     # Taken on every rank before anything is written (the same there: no collective), so that a state HDET
     # refuses to give (during the LR range test) stops every rank before the shards are written for nothing.
     hdet_state = ensemble.state_dict()

@@ -106,9 +106,7 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"explore.{scored_on_probe[0]} is compared on the probe batch alone, and --probe_batch is 0: "
                          "give it held-out sequences (16 by default), or turn the controller off (auto_lr.enabled "
                          "false: a spread without a search)")
-    json_optimizer = ((ds_config or {}).get("optimizer") or {}).get("params") or {}
-    # a JSON optimizer without a weight decay takes its class's default, which is not 0 for AdamW
-    no_decay = json_optimizer.get("weight_decay") == 0 if "optimizer" in (ds_config or {}) else args.weight_decay == 0
+    no_decay = built_weight_decay(ds_config) == 0 if "optimizer" in (ds_config or {}) else args.weight_decay == 0
     if config.explore.weight_decay is not None and no_decay:
         where = "the DeepSpeed JSON's optimizer.params.weight_decay" if "optimizer" in (ds_config or {}) \
             else "--weight_decay"
@@ -394,6 +392,19 @@ def given_weight_decay(args: argparse.Namespace, ds_config: dict[str, Any] | Non
     if "optimizer" in (ds_config or {}):  # as the DeepSpeed backend decides whose optimizer it is
         return float(((ds_config["optimizer"] or {}).get("params") or {}).get("weight_decay", 0.0))
     return args.weight_decay
+
+
+def built_weight_decay(ds_config: dict[str, Any]) -> float:
+    """The weight decay DeepSpeed builds the JSON's optimizer with: its own, else its class's default: torch's
+    AdamW's 0.01 where ``torch_adam`` gives one (AdamW, or Adam in DeepSpeed's default AdamW mode), else 0 (DeepSpeed's
+    fused and CPU Adam, torch's Adam, the others)."""
+    optimizer = ds_config["optimizer"] or {}
+    params = optimizer.get("params") or {}
+    if "weight_decay" in params:
+        return float(params["weight_decay"])
+    kind = str(optimizer.get("type", "")).lower()
+    adamw = kind == "adamw" or kind == "adam" and params.get("adam_w_mode", True)
+    return 0.01 if params.get("torch_adam", False) and adamw else 0.0
 
 
 def given_peak_lr(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> tuple[float, str]:

@@ -51,7 +51,7 @@ def resume(rank: int, world: int, directory: str) -> None:
 
     first = build(seed=0)
     losses = train(*first, rank, range(1, 5))
-    with pytest.raises(ValueError, match="checkpoints are taken at sync points"):
+    with pytest.raises(ValueError, match="a checkpoint is taken at sync points"):
         save_checkpoint(path, *first)
     assert not path.exists()
     losses += train(*first, rank, range(5, 7))

@@ -319,6 +319,11 @@ def test_close_leaves_every_replica_at_the_value_the_controller_found_and_a_late
         hdet.close()
         assert all(module.scaling == pytest.approx(0.5 * 8 ** -0.5) for module in attention), fit
         assert hdet.value("label_smoothing") == pytest.approx(0.2)
+    with pytest.raises(RuntimeError, match=r"sync\(\) after close\(\)"):  # it would put the replicas' values back
+        hdet.sync()
+    fresh = attach()  # a new run on the model as it is: around the scale the weights trained at
+    assert all(module.scaling == pytest.approx(0.5 * rho * 8 ** -0.5) for module in attention)
+    assert fresh.base("attention_scale") == 1.0
 
 
 def test_explored_dropout_reaches_every_dropout_field_of_a_transformers_model():
@@ -437,19 +442,24 @@ def test_a_configured_label_smoothing_base_changed_on_resume_applies():
     assert ensemble(0.2, ensemble(0.1).state_dict()).base("label_smoothing") == 0.2
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_an_exported_model_computes_at_the_attention_scale_the_run_found(family):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi", "gemma3"])
+def test_an_exported_model_computes_at_the_attention_scale_the_run_found(family, recwarn):
     """A transformers config rebuilds every attention module's own softmax scale: the exported weights carry the
-    factor the controller found (in q_proj, or in q_norm's weight where the queries are normalized after it), so
-    the model from_pretrained gives computes what the averaged one trained at."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    factor the controller found (in q_proj; in the query norm's weights, and a LayerNorm's bias, where the queries
+    are normalized after it), so the model from_pretrained gives computes what the averaged one trained at. Gemma3's
+    query norm computes (1 + weight) * normalized: no factor on its weight scales it, and the export says so."""
+    import transformers
 
+    names = {"llama": "Llama", "qwen3": "Qwen3", "phi": "Phi", "gemma3": "Gemma3"}
+    config_class = getattr(transformers, f"{names[family]}{'Text' if family == 'gemma3' else ''}Config")
+    model_class = getattr(transformers, f"{names[family]}ForCausalLM")
     sizes = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
-    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
-                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32,
+             **({"qk_layernorm": True} if family == "phi" else {"head_dim": 8})}
     torch.manual_seed(0)
-    model = model_class(config_class(**sizes, head_dim=8)).eval()
+    model = model_class(config_class(**sizes)).eval()
+    for parameter in model.parameters():  # norms start at weight 1 and bias 0: make them tell factors apart
+        parameter.data.add_(0.1 * torch.randn_like(parameter))
     config = HDETConfig.from_dict({"gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
                                    "explore": {"attention_scale": {}}})
     state = HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
@@ -461,10 +471,18 @@ def test_an_exported_model_computes_at_the_attention_scale_the_run_found(family)
     with torch.no_grad():
         trained = model(tokens).logits
         exported = model.state_dict()
+        recwarn.clear()
         hdet.fold_found_attention_scale(model, exported)
-        loaded = model_class(config_class(**sizes, head_dim=8)).eval()
-        loaded.load_state_dict(exported)
-        unfolded = loaded(tokens).logits
+        loaded = model_class(config_class(**sizes)).eval()
         loaded.load_state_dict(model.state_dict())
         assert not torch.allclose(loaded(tokens).logits, trained, atol=1e-4)  # the factor matters here
-    assert torch.allclose(unfolded, trained, atol=1e-5)
+        loaded.load_state_dict(exported)
+        folded = loaded(tokens).logits
+    said = [str(warning.message) for warning in recwarn if "softmax scale" in str(warning.message)]
+    if family == "gemma3":
+        assert said and "model.layers.0.self_attn, model.layers.1.self_attn" in said[0]
+        assert all(torch.equal(exported[key], value) for key, value in model.state_dict().items())  # left as it is
+    else:
+        assert not said and torch.allclose(folded, trained, atol=1e-5)
+
+

@@ -542,7 +542,8 @@ def test_settings_that_would_fail_or_do_nothing_after_the_process_group_are_refu
     check(["--hdet_config", str(hdet), "--weight_decay", "0"],
           "explore.weight_decay explores the weight decay, and --weight_decay is 0")
     decays = tmp_path / "decays.json"  # a JSON optimizer without a weight decay takes its class's: AdamW's 0.01
-    for params, refused in (({"lr": 1e-3}, False), ({"lr": 1e-3, "weight_decay": 0}, True)):
+    for params, refused in (({"lr": 1e-3, "torch_adam": True}, False), ({"lr": 1e-3, "weight_decay": 0}, True),
+                            ({"lr": 1e-3}, True)):  # DeepSpeed's fused Adam: 0
         decays.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 0},
                                       "optimizer": {"type": "AdamW", "params": params}}))
         words = ["--hdet_config", str(hdet), "--deepspeed_config", str(decays)]
@@ -592,3 +593,16 @@ def test_the_probe_is_scored_a_micro_batch_at_a_time_with_the_same_mean():
 
     mean = mean_loss_in_chunks(loss, (inputs, torch.zeros(5, 2)), 2)
     assert seen == [2, 2, 1] and float(mean) == pytest.approx(float(inputs.mean()))
+
+
+def test_the_weight_decay_deepspeed_builds_a_json_optimizer_with():
+    """DeepSpeed's engine builds torch's AdamW for Adam or AdamW with torch_adam (unless adam_w_mode is off), whose
+    default weight decay is 0.01; its fused Adam, torch's Adam and the others default to 0."""
+    from hdet_scale.lm.plan import built_weight_decay
+
+    def built(kind: str, **params) -> float:
+        return built_weight_decay({"optimizer": {"type": kind, "params": {"lr": 1e-3, **params}}})
+
+    assert built("AdamW", weight_decay=0.05) == 0.05
+    assert built("AdamW", torch_adam=True) == built("Adam", torch_adam=True) == 0.01
+    assert built("Adam", torch_adam=True, adam_w_mode=False) == built("AdamW") == built("Lamb") == 0.0

@@ -68,8 +68,11 @@ def test_a_sync_before_the_first_step_leaves_the_warm_noise_alone():
     hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=ReplicaTopology.single_process())
     start = [parameter.detach().clone() for parameter in model.parameters()]
     assert not hdet.at_sync_point and hdet.sync() is None  # no step yet: nothing to average
-    assert hdet.at_sync_point and all(torch.equal(before, after)
-                                      for before, after in zip(start, model.parameters(), strict=True))
+    assert all(torch.equal(before, after) for before, after in zip(start, model.parameters(), strict=True))
+    # a checkpoint or an export of one model says when it can be taken (not "sync first", which did nothing here)
+    assert not hdet.at_sync_point and hdet.apart_error("a checkpoint") == (
+        "a checkpoint is taken where the replicas are one model, and before the first step warm init keeps their "
+        "starts apart: take it after the first sync (every 5 steps)")
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     hdet.step(1.0)
