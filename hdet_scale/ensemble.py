@@ -639,8 +639,9 @@ class HDETEnsemble:
                                         explored.base())
         if unfolded:
             warn(f"the exported model's config rebuilds the softmax scale of {', '.join(unfolded)} as it was, and "
-                 f"the run found {explored.base():g} times it (explore.attention_scale): these modules have no "
-                 "query projection or query norm to carry the factor; multiply their `scaling` by it after loading")
+                 f"the run found {explored.base():g} times it (explore.attention_scale): their weights cannot carry "
+                 "the factor (no query projection of their own, or a query norm whose output does not scale with its "
+                 "weights); multiply their `scaling` by it after loading")
 
     def close(self) -> None:
         """Removes the optimizer hooks and gives every replica the base value of each knob set outside the optimizer
