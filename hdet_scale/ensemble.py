@@ -148,6 +148,7 @@ class HDETEnsemble:
         second draw), and the LR range test comes back to them, not to the weights HDET attached to. During the
         range test a RuntimeError: it would come back to the earlier weights. Later nothing: the next sync
         averages the replicas as they are. Returns whether the run started afresh."""
+        self._check_open("weights_loaded")
         if self._range_start is not None and self._range_start.test.lrs:
             raise RuntimeError(f"{what} during the LR range test (auto_lr.range_test), which would put back the "
                                "weights it started from: load the weights to start from before the first step")
@@ -187,6 +188,7 @@ class HDETEnsemble:
         replica's value at the start and after every sync. Call it on every rank before the first step; a run
         that continues a checkpoint adds the checkpoint's own knobs before or after loading its state.
         ``alpha``: its spread ratio, above 0 (below 1 on a linear spread); None: the top-level ``alpha``."""
+        self._check_open("add_knob")
         saved = self._awaited_knobs.get(name)
         if self._step and saved is None:
             raise RuntimeError(f"add_knob('{name}') after {self._step} steps: add knobs before training starts")
@@ -350,6 +352,7 @@ class HDETEnsemble:
 
     def observe(self, loss: LossLike) -> None:
         """Records one micro-batch loss; the step's loss is the mean of the micro-batches observed."""
+        self._check_open("observe")
         self._scorer.interval.observe(loss)
 
     def step(self, loss: LossLike | Sequence[LossLike] | None = None) -> SyncReport | None:
@@ -603,6 +606,7 @@ class HDETEnsemble:
         """Restores ``state_dict()``; with a different replica count the permutations are drawn afresh. A state
         saved by an earlier version loads too: keys it holds for settings since removed (``start_probe_loss``, the
         controller's ``updates``, ``log_scale_sum`` and ``scales_averaged``) are ignored."""
+        self._check_open("load_state_dict")
         awaited = self.check_state(state)
         saved = state["explored"]
         self._range_start = None  # a saved run is past its range test (none is saved during one)
@@ -623,7 +627,7 @@ class HDETEnsemble:
         self._scorer.interval.restore(state["loss_sum"], state["loss_count"])
 
     def _check_open(self, what: str) -> None:
-        if self._closed:  # a sync would put each replica's own values back into the model
+        if self._closed:  # each would put the replicas' own values back into the model, or step them
             raise RuntimeError(f"{what}() after close(): HDET no longer runs on this optimizer; attach a new "
                                "ensemble to train with it again")
 
@@ -635,8 +639,7 @@ class HDETEnsemble:
         if not self.explores("attention_scale"):
             return
         explored = self._explored_named("attention_scale")
-        unfolded = fold_attention_scale(model, state, [target[0] for target in explored.knob.targets],
-                                        explored.base())
+        unfolded = fold_attention_scale(model, state, explored.knob.own_factors(explored.base()))
         if unfolded:
             warn(f"the exported model's config rebuilds the softmax scale of {', '.join(unfolded)} as it was, and "
                  f"the run found {explored.base():g} times it (explore.attention_scale): their weights cannot carry "

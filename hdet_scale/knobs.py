@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from hdet_scale.config import ExploreConfig, HDETConfigError
 from hdet_scale.config_rules import KNOB_NAMES
@@ -102,6 +103,10 @@ class OptimizerGroupKnob(Knob):
         return float(self.optimizer.param_groups[self.group_index][self.key])
 
 
+OWN_VALUE = "_hdet_own_{}"
+"""The module attribute that keeps an attribute's value from before any knob set it (``ModuleFactorKnob``)."""
+
+
 class ModuleFactorKnob(Knob):
     """A factor on module attributes (base 1): each ``(module, attribute)`` gets ``original * factor``,
     clamped to ``value_bounds``. For dropout probabilities and attention softmax scales. ``original`` is the value
@@ -116,6 +121,14 @@ class ModuleFactorKnob(Knob):
         self.targets = [(module, attribute, float(getattr(module, attribute)), math.nan)
                         for module, attribute in targets]
         self.value_bounds = value_bounds
+        for module, attribute in targets:  # kept on the module, through later runs on it and copies of it
+            module.__dict__.setdefault(OWN_VALUE.format(attribute), float(getattr(module, attribute)))
+
+    def own_factors(self, value: float) -> list[tuple[nn.Module, float]]:
+        """Each target module and what its attribute is at ``value`` over the module's own (``OWN_VALUE``: before
+        any knob set it), the factor an export whose config rebuilds the own value must carry."""
+        return [(module, self.value_bounds.clamp(original * value) / module.__dict__[OWN_VALUE.format(attribute)])
+                for module, attribute, original, _ in self.targets]
 
     def scheduled(self) -> float:
         return 1.0
@@ -135,9 +148,13 @@ class ModuleFactorKnob(Knob):
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         originals = state.get("originals")
-        if originals is not None and len(originals) == len(self.targets):
-            self.targets = [(module, attribute, float(original), math.nan)
-                            for (module, attribute, _, _), original in zip(self.targets, originals, strict=True)]
+        if originals is None:  # a state of an earlier version
+            return
+        if len(originals) != len(self.targets):
+            raise ValueError(f"the HDET state's '{self.name}' was of {len(originals)} module attributes, and this "
+                             f"model has {len(self.targets)}: resume it into the model it was saved from")
+        self.targets = [(module, attribute, float(original), math.nan)
+                        for (module, attribute, _, _), original in zip(self.targets, originals, strict=True)]
 
 
 class ValueKnob(Knob):
@@ -174,7 +191,7 @@ class ValueKnob(Knob):
 def is_dropout_attribute(name: str) -> bool:
     """Whether a module's float attribute ``name`` holds a dropout probability it uses directly, as transformers
     modules name them (``attention_dropout``, ``activation_dropout``, ``hidden_dropout_prob``, ``resid_pdrop``...)."""
-    return "dropout" in name or name.endswith("pdrop")
+    return ("dropout" in name or name.endswith("pdrop")) and not name.startswith(OWN_VALUE.format(""))
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -209,20 +226,19 @@ WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_modul
 """Module names that wrappers (activation checkpointing, torch.compile, FSDP1) add and a state dict leaves out."""
 
 
-def fold_attention_scale(model: nn.Module, state: dict[str, torch.Tensor], modules: list[nn.Module],
-                         factor: float) -> list[str]:
-    """Multiplies ``factor`` on the softmax scale of the attention ``modules`` into ``state``, ``model``'s full state
-    dict, for an export whose config rebuilds each module's own scale: into the parameters of the query's norm where
-    the module normalizes its queries after projecting them (where the norm's output, checked here, scales with
-    them), else into its query projection (``q_proj``; the rotary embedding after it is linear). Returns the names of
-    the modules it could fold into neither (queries projected with the keys, a norm shared with them or whose output
-    a factor on its weights does not scale)."""
-    if factor == 1.0:
-        return []
-    chosen = {id(module) for module in modules}
+def fold_attention_scale(model: nn.Module, state: dict[str, torch.Tensor],
+                         factors: list[tuple[nn.Module, float]]) -> list[str]:
+    """Multiplies each attention module's ``factors`` entry (its softmax scale over the one its config rebuilds)
+    into ``state``, ``model``'s full state dict, for an export: into the parameters of the query's norm where the
+    module normalizes its queries after projecting them (where the norm's output, checked here, scales with them),
+    else into its query projection (``q_proj``; the rotary embedding after it is linear). Returns the names of the
+    modules it could fold into neither (queries projected with the keys, a norm shared with them or whose output a
+    factor on its weights does not scale)."""
+    by_module = {id(module): factor for module, factor in factors}
     unfolded = []
     for name, module in model.named_modules(remove_duplicate=False):
-        if id(module) not in chosen:
+        factor = by_module.get(id(module), 1.0)
+        if factor == 1.0:
             continue
         prefix = ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
         prefix = f"{prefix}." if prefix else ""
@@ -247,14 +263,17 @@ def fold_attention_scale(model: nn.Module, state: dict[str, torch.Tensor], modul
 
 def _scales_with_its_parameters(norm: nn.Module, parameters: dict[str, torch.Tensor], factor: float) -> bool:
     """Whether ``norm`` with ``parameters`` times ``factor`` gives ``factor`` times its output (an RMSNorm or a
-    LayerNorm whose output is weight * normalized + bias; not one computing (1 + weight) * normalized)."""
-    width = parameters[next(iter(parameters))].shape[-1]
-    inputs = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
+    LayerNorm whose output is weight * normalized + bias; not one computing (1 + weight) * normalized). In fp32
+    (bf16 would round the product), through ``forward`` alone: an engine's hooks on the module (ZeRO-3's gather
+    and trace) must not run for this."""
+    exact = {key: value.float() for key, value in parameters.items()}
+    inputs = torch.randn(3, next(iter(exact.values())).shape[-1], generator=torch.Generator().manual_seed(0))
     try:
         with torch.no_grad():
-            given = torch.func.functional_call(norm, parameters, (inputs,))
-            scaled = torch.func.functional_call(norm, {key: value * factor for key, value in parameters.items()},
-                                                (inputs,))
+            with _reparametrize_module(norm, exact):
+                given = norm.forward(inputs)
+            with _reparametrize_module(norm, {key: value * factor for key, value in exact.items()}):
+                scaled = norm.forward(inputs)
     except Exception:  # a norm of another shape (one per head): not one to fold into
         return False
     return torch.allclose(scaled.float(), given.float() * factor, rtol=1e-4, atol=1e-6)

@@ -396,13 +396,15 @@ def given_weight_decay(args: argparse.Namespace, ds_config: dict[str, Any] | Non
 
 def built_weight_decay(ds_config: dict[str, Any]) -> float:
     """The weight decay DeepSpeed builds the JSON's optimizer with: its own, else its class's default: torch's
-    AdamW's 0.01 where ``torch_adam`` gives one (AdamW, or Adam in DeepSpeed's default AdamW mode), else 0 (DeepSpeed's
-    fused and CPU Adam, torch's Adam, the others)."""
+    AdamW's 0.01 where ``torch_adam`` gives one (AdamW, or Adam in DeepSpeed's default AdamW mode) and for mup's
+    MuAdamW, else 0 (DeepSpeed's fused and CPU Adam, torch's Adam, the others)."""
     optimizer = ds_config["optimizer"] or {}
     params = optimizer.get("params") or {}
     if "weight_decay" in params:
         return float(params["weight_decay"])
     kind = str(optimizer.get("type", "")).lower()
+    if kind == "muadamw":  # mup's, with torch's AdamW's defaults
+        return 0.01
     adamw = kind == "adamw" or kind == "adam" and params.get("adam_w_mode", True)
     return 0.01 if params.get("torch_adam", False) and adamw else 0.0
 

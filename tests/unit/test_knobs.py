@@ -319,8 +319,9 @@ def test_close_leaves_every_replica_at_the_value_the_controller_found_and_a_late
         hdet.close()
         assert all(module.scaling == pytest.approx(0.5 * 8 ** -0.5) for module in attention), fit
         assert hdet.value("label_smoothing") == pytest.approx(0.2)
-    with pytest.raises(RuntimeError, match=r"sync\(\) after close\(\)"):  # it would put the replicas' values back
-        hdet.sync()
+    for call in (hdet.sync, lambda: hdet.load_state_dict(state), lambda: hdet.observe(1.0)):
+        with pytest.raises(RuntimeError, match=r"\(\) after close\(\)"):  # each would put the replicas' values back
+            call()
     fresh = attach()  # a new run on the model as it is: around the scale the weights trained at
     assert all(module.scaling == pytest.approx(0.5 * rho * 8 ** -0.5) for module in attention)
     assert fresh.base("attention_scale") == 1.0
@@ -486,3 +487,42 @@ def test_an_exported_model_computes_at_the_attention_scale_the_run_found(family,
         assert not said and torch.allclose(folded, trained, atol=1e-5)
 
 
+
+
+def test_an_export_after_runs_on_one_model_carries_every_runs_attention_scale():
+    """A second run on a model the first left at the scale it found (a second fit) took that scale for the model's
+    own, and its export carried only its own factor: the reloaded model, at its config's scale, computed another
+    function. The factor check of a query norm runs in fp32 (in bf16 the product's rounding failed it)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hdet_scale.knobs import _scales_with_its_parameters, dropout_targets
+
+    sizes = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32, "head_dim": 8,
+             "attention_dropout": 0.1}
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**sizes)).eval()
+    config = HDETConfig.from_dict({"gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
+                                   "explore": {"attention_scale": {}, "dropout": {}}})
+
+    def attach(state=None) -> HDETEnsemble:
+        return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                            topology=ReplicaTopology.single_process(), state=state)
+
+    targets = len(dropout_targets(model))
+    state = attach().state_dict()
+    state["explored"]["attention_scale"]["controller"]["scale"] = 0.5
+    attach(state).close()  # the first run leaves the scale it found
+    assert len(dropout_targets(model)) == targets  # what the knobs keep on the modules is no dropout
+    second = attach()  # a fresh run on the model as it is
+    second.close()
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = model(tokens).logits
+        exported = model.state_dict()
+        second.fold_found_attention_scale(model, exported)
+        loaded = Qwen3ForCausalLM(Qwen3Config(**sizes)).eval()
+        loaded.load_state_dict(exported)
+        assert torch.allclose(loaded(tokens).logits, trained, atol=1e-5)
+    norm = model.model.layers[0].self_attn.q_norm
+    assert _scales_with_its_parameters(norm, {"weight": norm.weight.detach().to(torch.bfloat16)}, 0.8123)

@@ -604,5 +604,5 @@ def test_the_weight_decay_deepspeed_builds_a_json_optimizer_with():
         return built_weight_decay({"optimizer": {"type": kind, "params": {"lr": 1e-3, **params}}})
 
     assert built("AdamW", weight_decay=0.05) == 0.05
-    assert built("AdamW", torch_adam=True) == built("Adam", torch_adam=True) == 0.01
+    assert built("AdamW", torch_adam=True) == built("Adam", torch_adam=True) == built("MuAdamW") == 0.01
     assert built("Adam", torch_adam=True, adam_w_mode=False) == built("AdamW") == built("Lamb") == 0.0
