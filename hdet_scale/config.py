@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,7 +198,11 @@ class ExploreConfig:
     @property
     def any_given(self) -> bool:
         """Whether some value besides the LR is explored here."""
-        return any(getattr(self, field.name) is not None for field in dataclasses.fields(self))
+        return bool(self.given(config_rules.KNOB_NAMES))
+
+    def given(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` explored here, in their order."""
+        return [name for name in names if getattr(self, name) is not None]
 
 
 @dataclass(frozen=True)

@@ -219,11 +219,10 @@ def _check_scale_steps(config: Any, lr: Any) -> None:
     """Every value moved in ``scale`` mode (the LR in that mode; the others there and in ``paper`` mode) passes
     ``check_scale_step``."""
     moved = [("alpha", config.spread_alpha(lr=True))] if lr.mode == "scale" and lr.moves_lr else []
-    for name in KNOB_NAMES:
+    for name in config.explore.given(KNOB_NAMES):
         knob = getattr(config.explore, name)
-        if knob is not None:
-            moved.append((f"explore.{name}.alpha" if knob.alpha is not None else "alpha",
-                          knob.alpha if knob.alpha is not None else config.spread_alpha(lr=False)))
+        moved.append((f"explore.{name}.alpha" if knob.alpha is not None else "alpha",
+                      knob.alpha if knob.alpha is not None else config.spread_alpha(lr=False)))
     for field, alpha in moved:
         check_scale_step(lr, alpha, config.spread, field)
 
@@ -247,7 +246,7 @@ def check_scale_step(lr: Any, alpha: float, spread: str, field: str) -> None:
 def _check_forward_knobs(config: Any, lr: Any) -> None:
     """``FORWARD_KNOBS`` explored in ``local`` gradient mode only; ``PROBE_ONLY_KNOBS`` moved by the controller on the
     probe alone (``auto_lr.probe_weight`` 1)."""
-    explored = [name for name in FORWARD_KNOBS if getattr(config.explore, name) is not None]
+    explored = config.explore.given(FORWARD_KNOBS)
     if explored and config.gradient_mode != "local":
         name = explored[0]
         raise HDETConfigError(
@@ -255,7 +254,7 @@ def _check_forward_knobs(config: Any, lr: Any) -> None:
             f"with the mean gradient of all replicas, so its own {name.replace('_', ' ')} does not shape its weights "
             "and no loss can tell the values apart; set gradient_mode to 'local' (each replica averages its gradients "
             f"alone, and the replicas meet at each sync), or remove explore.{name}")
-    scored = [name for name in PROBE_ONLY_KNOBS if getattr(config.explore, name) is not None]
+    scored = config.explore.given(PROBE_ONLY_KNOBS)
     if scored and lr.enabled and lr.probe_weight != 1.0:
         raise HDETConfigError(
             f"explore.{scored[0]} is scored on the probe batch alone (a replica's training loss rises with its own "

@@ -141,8 +141,9 @@ class ExploredValue:
     def state_dict(self) -> dict[str, Any]:
         state = {"permutation": list(self.permutation), "controller": self.state.state_dict(),
                  "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases)}
-        if self.knob.state():
-            state["knob"] = self.knob.state()
+        knob = self.knob.state()
+        if knob:
+            state["knob"] = knob
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, same_layout: bool) -> None:

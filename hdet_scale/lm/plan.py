@@ -101,15 +101,15 @@ def plan(args: argparse.Namespace) -> Plan:
     if config.explore.dropout is not None and args.dropout == 0:
         raise ValueError("explore.dropout explores the model's dropout, and it has none: pass --dropout P with "
                          "0 < P < 1 (the presets have no dropout), or remove explore.dropout")
-    scored_on_probe = [name for name in PROBE_ONLY_KNOBS if getattr(config.explore, name) is not None]
+    scored_on_probe = config.explore.given(PROBE_ONLY_KNOBS)
     if scored_on_probe and args.probe_batch == 0 and config.auto_lr.enabled and replicas > 1:
         raise ValueError(f"explore.{scored_on_probe[0]} is compared on the probe batch alone, and --probe_batch is 0: "
                          "give it held-out sequences (16 by default), or turn the controller off (auto_lr.enabled "
                          "false: a spread without a search)")
-    no_decay = built_weight_decay(ds_config) == 0 if "optimizer" in (ds_config or {}) else args.weight_decay == 0
+    json_optimizer = "optimizer" in (ds_config or {})
+    no_decay = built_weight_decay(ds_config) == 0 if json_optimizer else args.weight_decay == 0
     if config.explore.weight_decay is not None and no_decay:
-        where = "the DeepSpeed JSON's optimizer.params.weight_decay" if "optimizer" in (ds_config or {}) \
-            else "--weight_decay"
+        where = "the DeepSpeed JSON's optimizer.params.weight_decay" if json_optimizer else "--weight_decay"
         raise ValueError(f"explore.weight_decay explores the weight decay, and {where} is 0: give it one above 0, "
                          "or remove explore.weight_decay")
     if config.auto_lr.enabled and config.auto_lr.mode == "paper":

@@ -368,10 +368,8 @@ def refuse_bad_input(error: Exception) -> NoReturn:
 def mean_loss_in_chunks(loss: Callable[[Batch], torch.Tensor], windows: Batch, size: int) -> torch.Tensor:
     """``loss`` (a mean over equally long windows) of the (inputs, targets) ``windows``, taken ``size`` windows at a
     time: the same mean, each chunk weighted by its windows."""
-    inputs, targets = windows
-    total = sum(loss((inputs[start:start + size], targets[start:start + size])) * len(inputs[start:start + size])
-                for start in range(0, len(inputs), size))
-    return total / len(inputs)
+    chunks = zip(*(part.split(size) for part in windows), strict=True)
+    return sum(loss(chunk) * len(chunk[0]) for chunk in chunks) / len(windows[0])
 
 
 class Run:
