@@ -33,6 +33,11 @@ def tiny_llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def sgd_ensemble(config: HDETConfig, model: nn.Module, **options) -> HDETEnsemble:
+    """An ensemble on an SGD optimizer of ``model``'s parameters (``options``: HDETEnsemble's topology, state...)."""
+    return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model), **options)
+
+
 def two_groups(model: nn.Module) -> torch.optim.Optimizer:
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
@@ -167,8 +172,7 @@ def test_an_explored_value_needs_a_spread_the_spread_allows():
                                  (HDETConfig(auto_lr=LR_HELD_AT_GIVEN), -1.0, r"alpha=\.\.\.\)"),
                                  (HDETConfig(alpha=0.0, auto_lr={"enabled": False}), None,
                                   r"alpha=\.\.\.\) \(the top-level alpha\)")):
-        hdet = HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
-                            topology=ReplicaTopology.single_process(), total_steps=100)
+        hdet = sgd_ensemble(config, model, topology=ReplicaTopology.single_process(), total_steps=100)
         seen: list[float] = []
         with pytest.raises(HDETConfigError, match=rf"add_knob\('temperature', {named}"):
             hdet.add_knob("temperature", lambda: 1.0, seen.append, alpha=alpha)
@@ -239,8 +243,7 @@ def test_a_run_that_continues_a_checkpoint_adds_its_own_knobs_after_loading_its_
     topology = ReplicaTopology(rank=1, world_size=REPLICAS, ranks_per_replica=1)  # no sync: no process group
 
     def ensemble(state=None) -> HDETEnsemble:
-        return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
-                            topology=topology, state=state, total_steps=100)
+        return sgd_ensemble(config, model, topology=topology, state=state, total_steps=100)
 
     first, seen = ensemble(), []
     first.add_knob("temperature", lambda: 2.0, seen.append, alpha=0.5)
@@ -265,7 +268,7 @@ def test_a_run_that_continues_a_checkpoint_adds_its_own_knobs_after_loading_its_
     with pytest.raises(RuntimeError, match=r"add_knob\('other'\) after 4 steps"):
         resumed.add_knob("other", lambda: 1.0, seen_again.append)
     with pytest.raises(ValueError, match="explore settings must match the checkpoint's"):  # a configured value
-        HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model), topology=topology,
+        sgd_ensemble(config, model, topology=topology,
                      state={**saved, "explored": {**saved["explored"], "dropout": saved["explored"]["temperature"]}},
                      total_steps=100)
 
@@ -369,8 +372,7 @@ def test_a_model_knob_on_a_compiled_model_is_refused():
             model = from_compiled(torch.compile(Lightning()))
         with pytest.raises(HDETConfigError, match="explore.dropout sets module attributes at every sync, and "
                                                   "torch.compile guards on them"):
-            HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
-                         topology=ReplicaTopology.single_process())
+            sgd_ensemble(config, model, topology=ReplicaTopology.single_process())
 
 
 def test_a_dropout_the_user_changes_during_the_run_is_the_base_of_the_next_factor():
@@ -405,8 +407,7 @@ def test_a_knob_whose_value_the_model_saves_keeps_its_base_over_resumes():
     topology = ReplicaTopology(rank=0, world_size=REPLICAS, ranks_per_replica=1)  # no sync: no process group
 
     def ensemble(state=None) -> HDETEnsemble:
-        return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
-                            topology=topology, state=state, total_steps=100)
+        return sgd_ensemble(config, model, topology=topology, state=state, total_steps=100)
 
     buffer = {"temperature": 2.0}  # what the model's checkpoint holds: the value the replica trained with
     first = ensemble()
@@ -437,8 +438,7 @@ def test_a_configured_label_smoothing_base_changed_on_resume_applies():
     def ensemble(base: float, state=None) -> HDETEnsemble:
         config = HDETConfig.from_dict({"gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
                                        "explore": {"label_smoothing": {"base": base}}})
-        return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
-                            topology=ReplicaTopology.single_process(), state=state)
+        return sgd_ensemble(config, model, topology=ReplicaTopology.single_process(), state=state)
 
     assert ensemble(0.2, ensemble(0.1).state_dict()).base("label_smoothing") == 0.2
 
@@ -463,11 +463,9 @@ def test_an_exported_model_computes_at_the_attention_scale_the_run_found(family,
         parameter.data.add_(0.1 * torch.randn_like(parameter))
     config = HDETConfig.from_dict({"gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
                                    "explore": {"attention_scale": {}}})
-    state = HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
-                         topology=ReplicaTopology.single_process()).state_dict()
+    state = sgd_ensemble(config, model, topology=ReplicaTopology.single_process()).state_dict()
     state["explored"]["attention_scale"]["controller"]["scale"] = 0.4  # the scale the controller found
-    hdet = HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
-                        topology=ReplicaTopology.single_process(), state=state)
+    hdet = sgd_ensemble(config, model, topology=ReplicaTopology.single_process(), state=state)
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         trained = model(tokens).logits
@@ -506,8 +504,7 @@ def test_an_export_after_runs_on_one_model_carries_every_runs_attention_scale():
                                    "explore": {"attention_scale": {}, "dropout": {}}})
 
     def attach(state=None) -> HDETEnsemble:
-        return HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
-                            topology=ReplicaTopology.single_process(), state=state)
+        return sgd_ensemble(config, model, topology=ReplicaTopology.single_process(), state=state)
 
     targets = len(dropout_targets(model))
     state = attach().state_dict()
