@@ -191,10 +191,9 @@ class _Averager:
 
     def _new_bucket(self, capacity: int, dtype: torch.dtype, header: int, first: bool) -> _Bucket:
         size = max(capacity, header + 2) if first else capacity  # the first also holds the count
-        reusable = next((data for data in self.free if data.dtype == dtype and data.numel() == size), None)
-        if reusable is not None:
-            self.free.remove(reusable)
-        data = reusable if reusable is not None else torch.empty(size, dtype=dtype, device=self.device)
+        # by index: list.remove compares tensors with ==, element by element
+        index = next((i for i, data in enumerate(self.free) if data.dtype == dtype and data.numel() == size), None)
+        data = self.free.pop(index) if index is not None else torch.empty(size, dtype=dtype, device=self.device)
         return _Bucket(data, fill=header)
 
     def _closed(self, bucket: _Bucket, first: bool) -> _Bucket:

@@ -64,6 +64,14 @@ def averaging_with(rank: int, world: int, topology: ReplicaTopology, bucket_byte
         assert tensor.dtype == peer_tensors[0][index].dtype and tensor.shape == peer_tensors[0][index].shape
         assert torch.allclose(tensor.double(), expected, rtol=tolerance[tensor.dtype], atol=tolerance[tensor.dtype])
 
+    # The buckets a caller keeps between calls (the ensemble's, between syncs) serve the next: the same mean.
+    memory: list[torch.Tensor] = []
+    for _ in range(2):
+        again = rank_tensors(rank, topology.position)
+        average_tensors(again, topology.cross_replica_group, bucket_bytes=bucket_bytes, memory=memory)
+        for got, want in zip(again, mine, strict=True):
+            assert torch.equal(got, want)
+
     # A non-contributing replica sends zeros and receives the contributors' mean, bit for bit, whether the host
     # knows it or only the device does, or the replica has a non-finite value anywhere.
     reference = [t.clone() for t in rank_tensors(peers[0], topology.position)]
