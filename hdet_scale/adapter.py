@@ -28,6 +28,25 @@ def floating_state(entry: dict[str, Any]) -> list[torch.Tensor]:
             if isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point() and key != "step"]
 
 
+class AveragedBuffers:
+    """A model's floating-point buffers the replicas average (BatchNorm's statistics), less those that hold a
+    non-finite value when HDET attaches: constants such as an additive attention mask's -inf, which an average or the
+    probe's running mean would turn to NaN, and which would mark every replica as diverged at every sync. Which
+    buffers are left out is decided once, by name, while the replicas are alike; call it for the buffers now."""
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self._module = module
+        self._constants = frozenset() if module is None else frozenset(
+            name for name, buffer in module.named_buffers()
+            if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()))
+
+    def __call__(self) -> list[torch.Tensor]:
+        if self._module is None:
+            return []
+        return [buffer for name, buffer in self._module.named_buffers()
+                if buffer.is_floating_point() and name not in self._constants]
+
+
 @dataclass(frozen=True)
 class ParameterShard:
     """One trained parameter as this rank holds it: what warm noisy initialization (eq. 10) asks an engine.

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
+from hdet_scale.adapter import AveragedBuffers, EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.comm import HealthyMean, broadcast_from_rank0, healthy_mean_hook
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.controller import PaperDecay
@@ -39,6 +39,7 @@ class DDPAdapter(EngineAdapter):
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
         self._optimizer = optimizer
         self._module = _unwrap(module) if module is not None else None
+        self._buffers = AveragedBuffers(self._module)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -52,10 +53,7 @@ class DDPAdapter(EngineAdapter):
         return [ParameterShard(param.shape, param) for param in self._parameters()]
 
     def averaged_tensors(self) -> list[torch.Tensor]:
-        tensors = self._parameters()
-        if self._module is not None:
-            tensors += [buf for buf in self._module.buffers() if buf.is_floating_point()]
-        return tensors
+        return self._parameters() + self._buffers()
 
     def _parameters(self) -> list[torch.Tensor]:
         return [param.data for param in optimizer_parameters(self._optimizer)]

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from hdet_scale.adapter import EngineAdapter, ParameterShard, optimizer_parameters
+from hdet_scale.adapter import AveragedBuffers, EngineAdapter, ParameterShard, optimizer_parameters
 from hdet_scale.comm import HealthyMean, broadcast_from_rank0
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
@@ -83,6 +83,7 @@ class FSDPAdapter(EngineAdapter):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._model = model
         self._optimizer = optimizer
+        self._buffers = AveragedBuffers(model)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -100,7 +101,7 @@ class FSDPAdapter(EngineAdapter):
         self._reshard()
         # the optimizer's parameters, as DDP's: frozen ones (a LoRA base) are one in every replica already
         tensors = [param.to_local() for param in optimizer_parameters(self._optimizer)]
-        return tensors + [buf for buf in self._model.buffers() if buf.is_floating_point()]
+        return tensors + self._buffers()
 
     def warm_init_shards(self) -> list[ParameterShard]:
         self._reshard()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hdet_scale.adapter import EngineAdapter, ParameterShard, floating_state, optimizer_parameters
+from hdet_scale.adapter import AveragedBuffers, EngineAdapter, ParameterShard, floating_state, optimizer_parameters
 from hdet_scale.engines.deepspeed_settings import TESTED_DEEPSPEED
 from hdet_scale.topology import ReplicaTopology, built_once
 
@@ -79,6 +79,7 @@ class ZeroAdapter(EngineAdapter):
         self._kind = _optimizer_kind(engine)
         check_internals(engine, self._kind)
         self._value_ranges: list[list[tuple[int, int]]] | None = None
+        self._buffers = AveragedBuffers(engine.module)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -89,8 +90,7 @@ class ZeroAdapter(EngineAdapter):
         return self._engine.module
 
     def averaged_tensors(self) -> list[torch.Tensor]:
-        buffers = [buf for buf in self.module.buffers() if buf.is_floating_point()]
-        return self._real_elements(self.master_tensors()) + buffers
+        return self._real_elements(self.master_tensors()) + self._buffers()
 
     def master_tensors(self) -> list[torch.Tensor]:
         """This rank's fp32 master copy of its shard (the full parameters when nothing is partitioned), as the

@@ -8,6 +8,7 @@ reached every replica at step 3 and the sync raised FloatingPointError.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -324,3 +325,48 @@ def test_a_replica_is_left_out_whole_and_its_checkpoint_loads(tmp_path):
     assert [result["state_zero"] for result in results] == [False, False, True, True]
     assert len({result["state_entries"] for result in results}) == 1 and results[0]["state_entries"] > 0
     assert all(result["loaded_equal"] for result in results)
+
+
+# ------------------------------------------------------------------------------------- constant buffers
+class MaskedNet(nn.Module):
+    """A net with BatchNorm statistics (averaged) and an additive mask buffer holding -inf by design (a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(8, 4), nn.BatchNorm1d(4)
+        self.register_buffer("mask", torch.tensor([0.0, 0.0, -math.inf, 0.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.norm(self.linear(x)) + self.mask).softmax(-1)
+
+
+def masked_run(rank: int, world: int) -> dict:
+    from hdet_scale.engines.ddp import attach, wrap_model
+    from hdet_scale.probe import batch_probe
+    from hdet_scale.topology import ReplicaTopology
+
+    hdet_config = HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL,
+                             auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0, average_window=0.5))
+    topology = ReplicaTopology.build(hdet_config)
+    model = wrap_model(MaskedNet(), hdet_config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    hdet.set_probe(batch_probe(model, torch.ones(4, 8), lambda m, x: m(x)[:, 0].mean()))
+    reports = []
+    for step in range(SYNC_INTERVAL):
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step)))[:, 0].mean()
+        loss.backward()
+        optimizer.step()
+        reports.append(hdet.step(loss))
+    inner = model.module
+    return {"excluded": reports[-1].excluded_replicas, "probe": reports[-1].probe_losses,
+            "mask": inner.mask.tolist(), "running_mean": gather_rows(inner.norm.running_mean).tolist()}
+
+
+def test_a_buffer_non_finite_from_the_start_is_a_constant_not_a_divergence():
+    first, second = run_ranks(masked_run, 2)
+    assert first["excluded"] == [] and all(math.isfinite(loss) for loss in first["probe"])
+    assert first["mask"] == second["mask"] == [0.0, 0.0, -math.inf, 0.0]
+    rows = first["running_mean"]
+    assert rows[0] == rows[1]  # the statistics, finite, are averaged across the replicas
