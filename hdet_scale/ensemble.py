@@ -518,7 +518,9 @@ class HDETEnsemble:
             return None
         if self.needs_probe:
             raise self.probe_missing_error("set one with hdet.set_probe before the first step")
-        signal = scores.controller_signal(cfg.probe_weight)
+        # a replica left out of the average scores worst, whatever its loss: its weights are what failed
+        signal = [loss if healthy else math.nan
+                  for loss, healthy in zip(scores.controller_signal(cfg.probe_weight), scores.healthy, strict=True)]
         if not any(loss is not None and math.isfinite(loss) for loss in signal):
             return None  # no replica scored: nothing to compare (a non-finite score alone is the worst one)
         if any(loss is None for loss in signal):

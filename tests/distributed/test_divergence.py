@@ -225,6 +225,38 @@ def test_a_non_finite_loss_alone_is_the_worst_score_not_an_exclusion():
     assert result["moments_equal"] and result["moments_sum"] > 0
 
 
+def left_out_run(rank: int, world: int) -> dict:
+    """DDP, 2 replicas: replica 1's weights turn NaN in the sync step's optimizer step, after its loss (finite, and
+    lower than replica 0's) was computed."""
+    from hdet_scale.engines.ddp import attach, wrap_model
+    from hdet_scale.topology import ReplicaTopology
+
+    hdet_config = config(1)
+    topology = ReplicaTopology.build(hdet_config)
+    model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    report = None
+    for step in range(1, SYNC_INTERVAL + 1):
+        optimizer.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        loss = model(x).pow(2).mean() * (0.01 if rank == 1 else 1.0)
+        loss.backward()
+        optimizer.step()
+        if step == SYNC_INTERVAL and rank == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        report = hdet.step(loss)
+    return {"excluded": report.excluded_replicas, "losses": report.replica_losses, "weights": report.weights}
+
+
+def test_a_replica_left_out_scores_worst_whatever_its_loss():
+    """Its finite, lower loss weighed it most: the controller moved toward the value whose weights just failed."""
+    result = run_ranks(left_out_run, 2)[0]
+    assert result["excluded"] == [1] and result["losses"][1] < result["losses"][0]
+    assert result["weights"] == [1.0, 0.0]
+
+
 def averaged_state_exclusion_run(rank: int, world: int) -> dict:
     """DDP, 2 replicas, local gradients, ``average_optimizer_state``: replica 1's weights turn NaN after step 2, so
     its gradient and Adam moments do at step 3; the sync at step 4 leaves it out."""
