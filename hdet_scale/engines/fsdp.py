@@ -212,7 +212,9 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
         mesh: a ("replicate", "shard") mesh; default ``build_mesh(config, device_type)``.
         device_type: the mesh's device type when building it.
     """
-    config = resolve(config, auto="node", world_size=dist.get_world_size() if dist.is_initialized() else None)
+    # the world size is checked in build_mesh, after the ranks agree on the replica size: a rank refusing alone
+    # (nodes of different rank counts) would leave the others waiting in that agreement
+    config = resolve(config, auto="node")
     if not any(param.requires_grad for param in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: nothing for HDET to train")
     mesh = mesh or build_mesh(config, device_type)

@@ -17,8 +17,9 @@ def build_on_uneven_nodes(rank: int, world: int, engine: str) -> str:
 
     from hdet_scale.engines.fsdp import wrap
 
-    # rank 0 on a node of 2 ranks, rank 1 alone on another: each node's launcher gives its own count
-    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank == 0 else "1"
+    # ranks 0 (and 1 of 3) on a node of 2 ranks, the last alone on another: each node's launcher gives its own
+    # count; of 3 ranks, 2 do not divide the world on the first node while 1 does on the other
+    os.environ["LOCAL_WORLD_SIZE"] = "1" if rank == world - 1 else "2"
     with pytest.raises(HDETConfigError) as caught:
         if engine == "fsdp":  # FSDP2 builds its mesh from the replica size
             wrap(nn.Linear(2, 2), HDETConfig(ranks_per_replica="node"), block_classes=[])
@@ -28,11 +29,13 @@ def build_on_uneven_nodes(rank: int, world: int, engine: str) -> str:
 
 
 @pytest.mark.parametrize("engine", ["groups", "fsdp"])
-def test_nodes_with_different_rank_counts_are_refused_on_every_rank(engine):
-    """The ranks built different groups (or meshes) and waited for each other until the collectives' timeout."""
-    messages = run_ranks(build_on_uneven_nodes, 2, engine, timeout=60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_nodes_with_different_rank_counts_are_refused_on_every_rank(engine, world):
+    """The ranks built different groups (or meshes) and waited for each other until the collectives' timeout; of
+    3 ranks, FSDP2's first node refused alone and the other waited."""
+    messages = run_ranks(build_on_uneven_nodes, world, engine, timeout=60)
     for rank, message in enumerate(messages):
-        assert message.startswith("the ranks disagree on ranks_per_replica: 2 on rank 0 but 1 on rank 1")
+        assert message.startswith(f"the ranks disagree on ranks_per_replica: 2 on rank 0 but 1 on rank {world - 1}")
         assert f"(this is rank {rank})" in message
 
 
