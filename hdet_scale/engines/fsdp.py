@@ -231,9 +231,9 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
              "(pass block_classes to shard block by block)")
     for block in blocks:
         fully_shard(block, **options)
-    # The root's parameters are needed again at once by backward: like fully_shard's own default (None), keep
-    # them unsharded after forward unless the caller asked for no resharding anywhere.
-    fully_shard(model, **{**options, "reshard_after_forward": None if reshard_after_forward else False})
+    # The root's parameters are needed again at once by backward: kept unsharded after forward, as fully_shard's
+    # own default does for a root (None, which torch before 2.8 refuses)
+    fully_shard(model, **{**options, "reshard_after_forward": False})
     hdet = HDETFSDP(model, config, topology, mesh)
     _HANDLES[model] = weakref.ref(hdet)
     if config.gradient_mode == "global" and topology.cross_replica_group is not None:
