@@ -70,6 +70,25 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
         tensors, rider, check)
 
 
+def average_replica_gradients(tensors: Sequence[torch.Tensor], topology: ReplicaTopology, *, bucket_bytes: int,
+                              memory: list[torch.Tensor] | None = None) -> int:
+    """``global`` gradient mode on sharded replicas: replaces this rank's gradient shards by their mean over the
+    replicas whose every rank's shards are all finite; returns the bytes all-reduced (collective: every rank
+    calls it). A replica judged rank by rank would give its finite shards to the mean while its non-finite ones
+    were left out: a step on a mix of a diverging replica's gradients and the others'. Where no replica is finite
+    the mean is NaN, so the engine's overflow check skips the step. No host synchronization."""
+    if topology.cross_replica_group is None:
+        return 0
+    contribute: bool | torch.Tensor = True
+    if topology.ranks_per_replica > 1:
+        device = _bucket_device([t.device for t in tensors], topology.cross_replica_group)
+        finite = all_finite_on(tensors, device).to(torch.int32)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=topology.intra_replica_group)
+        contribute = finite.bool()
+    return average_tensors(tensors, topology.cross_replica_group, contribute=contribute, skip_non_finite=True,
+                           bucket_bytes=bucket_bytes, memory=memory)
+
+
 def _bucket_device(devices: list[torch.device], group: dist.ProcessGroup) -> torch.device:
     """Where the buckets live: the tensors' accelerator if any, else the device ``group``'s collectives need (the
     GPU for CPU tensors, e.g. offloaded shards, under NCCL, which all-reduces device memory only)."""

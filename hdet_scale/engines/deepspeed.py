@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from hdet_scale.averaging import average_tensors
+from hdet_scale.averaging import average_replica_gradients
 from hdet_scale.comm import broadcast_from_rank0, cpu_group, file_work_together, on_rank0, raise_together
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
@@ -238,11 +238,9 @@ class HDETDeepSpeed(HDETHandle):
         return os.path.join(os.path.dirname(shared), REPLICA_FOLDER, f"replica{replica}_{os.path.basename(shared)}")
 
     def _average_gradients_across_replicas(self) -> None:
-        if self.topology.cross_replica_group is None:
-            return
-        self.gradient_bytes_across_replicas += average_tensors(
-            self.adapter.gradient_tensors(), self.topology.cross_replica_group, skip_non_finite=True,
-            bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._gradient_buckets)
+        self.gradient_bytes_across_replicas += average_replica_gradients(
+            self.adapter.gradient_tensors(), self.topology, bucket_bytes=int(self.config.bucket_mb * 2**20),
+            memory=self._gradient_buckets)
 
     # ------------------------------------------------------------------------------------ reporting
     @property

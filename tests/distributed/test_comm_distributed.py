@@ -6,6 +6,8 @@ that start a launcher or script as a subprocess are in tests/e2e/test_comm_e2e.p
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_ranks
 from hdet_scale import HDETConfig, ReplicaTopology
-from hdet_scale.averaging import average_tensors
+from hdet_scale.averaging import average_replica_gradients, average_tensors
 from hdet_scale.comm import HealthyMean, gather_rows, healthy_mean_hook
 
 SHAPES_AND_DTYPES = [
@@ -184,6 +186,28 @@ def healthy_means(rank: int, world: int) -> None:
 
 def test_gradient_mean_leaves_out_non_finite_members():
     run_ranks(healthy_means, 4)
+
+
+def replica_gradients(rank: int, world: int) -> None:
+    """2 replicas of 2 ranks; replica 1's second shard holds an inf, its first is finite."""
+    topology = ReplicaTopology.build(HDETConfig(ranks_per_replica=2))
+    shards = lambda r: [torch.full((3,), float(r + 1)), torch.full((2,), 10.0 * (r + 1))]  # noqa: E731
+    mine = shards(rank)
+    if rank == 3:
+        mine[1][0] = float("inf")
+    average_replica_gradients(mine, topology, bucket_bytes=64)
+    # replica 1 is left out whole: every rank holds replica 0's shard of its position
+    for got, want in zip(mine, shards(topology.position), strict=True):
+        assert torch.equal(got, want), (rank, got, want)
+    # no replica finite: NaN, so the engine's overflow check skips the step
+    nothing = [torch.full((3,), math.inf if topology.position == 0 else 1.0)]
+    average_replica_gradients(nothing, topology, bucket_bytes=64)
+    assert torch.isnan(nothing[0]).all()
+
+
+def test_a_replica_whose_gradient_shards_are_not_all_finite_is_left_out_whole():
+    """Judged rank by rank, replica 1's finite shard entered the mean and its other shard did not."""
+    run_ranks(replica_gradients, 4)
 
 
 def pool_after_ddp_steps(rank: int, world: int) -> tuple[int, int]:
