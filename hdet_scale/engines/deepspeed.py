@@ -361,7 +361,12 @@ class HDETDeepSpeed(HDETHandle):
             return None, None
         # a kill between the two renames of a save into this tag: the complete one in place
         on_rank0(lambda: recover_replaced_folder(Path(load_dir) / tag), f"recovering the checkpoint {tag}")
-        found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, reads_state, needs_hdet_state),
+        # DeepSpeed's ZeRO-3 load without optimizer states takes its weights from the checkpoint 'latest' names
+        weights_from_latest = (self.engine.zero_optimization_partition_weights() and reads_state
+                               and not kwargs.get("load_optimizer_states", True)
+                               and not self.engine.load_universal_checkpoint())
+        found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, reads_state, needs_hdet_state,
+                                                                weights_from_latest),
                                   "checking the checkpoint's HDET state", share_result=True)
         self._saved_replicas_given = found_replicas
         try:
@@ -383,16 +388,26 @@ class HDETDeepSpeed(HDETHandle):
                  + ("HDET starts afresh from its weights" if afresh else "the run goes on from its weights"))
         return path, client_state
 
-    def _read_checkpoint(self, load_dir: str, tag: str, reads_state: bool,
-                         needs_hdet_state: bool) -> int | None:
+    def _read_checkpoint(self, load_dir: str, tag: str, reads_state: bool, needs_hdet_state: bool,
+                         weights_from_latest: bool) -> int | None:
         """Rank 0's reading of the checkpoint ``tag`` to load: how many replicas wrote it, None where it is not found
         (DeepSpeed then reports it). Refuses, before DeepSpeed reads a byte of its shards, a
         checkpoint whose HDET state this run cannot continue (``HDETEnsemble.check_state``; where ``reads_state``),
         or that has none where ``needs_hdet_state``: the state sits in replica 0's first model file, which is
         memory-mapped here, so only the state is read. Where that file is not found (a universal checkpoint) the state
-        is checked after the load."""
+        is checked after the load. ``weights_from_latest``: DeepSpeed will read the weights of the checkpoint
+        ``latest`` names, refused where that is not ``tag``."""
         if not os.path.isdir(os.path.join(load_dir, tag)):
             return None
+        if weights_from_latest:
+            latest = Path(load_dir) / "latest"
+            named = latest.read_text().strip() if latest.is_file() else None
+            if named != tag:
+                raise ValueError(
+                    f"DeepSpeed's ZeRO-3 load with load_optimizer_states=False reads its weights from the checkpoint "
+                    f"{latest} names ({named or 'no such file'}), not from tag {tag!r}, while the rest (HDET's "
+                    f"state, the scheduler, the step) would come from {tag!r}: load it with "
+                    "load_optimizer_states=True, or load the checkpoint 'latest' names")
         path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
         if reads_state and os.path.isfile(path):
             saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)

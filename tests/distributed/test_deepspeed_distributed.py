@@ -20,6 +20,7 @@ from torch import nn
 
 from distributed import gather_rows, run_ranks
 from hdet_scale import multipliers
+from hdet_scale.comm import PeerFailed
 from hdet_scale.engines import deepspeed as hdet_deepspeed
 from hdet_scale.probe import batch_probe
 
@@ -429,6 +430,29 @@ def test_a_load_follows_rank_0s_finding_that_there_is_no_checkpoint(tmp_path):
     """Where rank 0 found no 'latest', DeepSpeed read 'latest' again on each rank: a rank that saw one loaded while
     rank 0 returned (None, None), and the two went on into different collectives."""
     assert run_ranks(latest_seen_by_one_rank, 2, str(tmp_path), timeout=120) == [[None, None]] * 2
+
+
+def zero3_load_of_an_older_tag(rank: int, world: int, directory: str) -> list[str]:
+    engine = build(ds_config(3, hdet={"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}), seed=0)
+    train_step(engine, rank, 1)
+    engine.save_checkpoint(directory, tag="first")
+    train_step(engine, rank, 2)
+    engine.save_checkpoint(directory, tag="second")  # 'latest' names it
+    messages = []
+    for tag in ("first", "second"):
+        try:
+            engine.load_checkpoint(directory, tag=tag, load_optimizer_states=False)
+            messages.append("loaded")
+        except (ValueError, PeerFailed) as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_a_zero3_load_without_optimizer_states_of_a_tag_latest_does_not_name_is_refused(tmp_path):
+    """DeepSpeed took the weights from the checkpoint 'latest' named and everything else from the tag asked for."""
+    for first, second in run_ranks(zero3_load_of_an_older_tag, 2, str(tmp_path), timeout=180):
+        assert "reads its weights from the checkpoint" in first and "(second), not from tag 'first'" in first
+        assert second == "loaded"
 
 
 def save_after_close(rank: int, world: int, directory: str) -> tuple[str, list[str]]:
