@@ -180,7 +180,7 @@ class HDETDeepSpeed(HDETHandle):
                 saved = self._deepspeed_save(save_dir, tag, client_state or {}, save_latest, **kwargs)
                 if save_latest and self.topology.replica_index and not self.topology.position:
                     # DeepSpeed names the tag 'latest' on global rank 0 alone: in its directory only
-                    write_text_durably(Path(save_dir) / "latest", str(tag or f"global_step{engine.global_steps}"))
+                    write_text_durably(Path(save_dir) / "latest", _tag_or_step(tag, engine.global_steps))
                 return saved
             return self.save_checkpoint(save_dir, tag, client_state, save_latest, **kwargs)
 
@@ -281,7 +281,7 @@ class HDETDeepSpeed(HDETHandle):
             raise ValueError("client_state key 'hdet' is reserved for HDET's own state")
         state["hdet"] = self.state_dict()
         state.setdefault("universal_checkpoint_info", {})
-        tag = tag or f"global_step{self.engine.global_steps}"
+        tag = _tag_or_step(tag, self.engine.global_steps)
         states_differ = self.ensemble.optimizer_states_differ()  # collective: on every rank
         writes_own_state = self.topology.replica_index > 0 and states_differ
         target = Path(save_dir) / tag
@@ -340,7 +340,8 @@ class HDETDeepSpeed(HDETHandle):
         theirs (1 where they were alike). A different replica size needs DeepSpeed's universal checkpoint
         (``ds_to_universal``, then ``"checkpoint": {"load_universal": true}``), which carries replica 0's
         optimizer state. A FileNotFoundError where there is no checkpoint (``engine.load_checkpoint`` returns
-        ``(None, None)`` there, as DeepSpeed's does, and takes a checkpoint saved without HDET as a fresh HDET start
+        ``(None, None)`` where no tag is given and there is no ``latest``, as DeepSpeed's does, raises one for a tag
+        with no folder, and takes a checkpoint saved without HDET as a fresh HDET start
         from its weights). With ``load_module_only=True`` the weights alone are loaded, and HDET starts afresh.
         """
         path, client_state = self._load(load_dir, tag, needs_hdet_state=True, **kwargs)
@@ -389,16 +390,16 @@ class HDETDeepSpeed(HDETHandle):
         return path, client_state
 
     def _read_checkpoint(self, load_dir: str, tag: str, reads_state: bool, needs_hdet_state: bool,
-                         weights_from_latest: bool) -> int | None:
-        """Rank 0's reading of the checkpoint ``tag`` to load: how many replicas wrote it, None where it is not found
-        (DeepSpeed then reports it). Refuses, before DeepSpeed reads a byte of its shards, a
+                         weights_from_latest: bool) -> int:
+        """Rank 0's reading of the checkpoint ``tag`` to load: how many replicas wrote it (a FileNotFoundError where
+        it is not found: DeepSpeed failed an assertion). Refuses, before DeepSpeed reads a byte of its shards, a
         checkpoint whose HDET state this run cannot continue (``HDETEnsemble.check_state``; where ``reads_state``),
         or that has none where ``needs_hdet_state``: the state sits in replica 0's first model file, which is
         memory-mapped here, so only the state is read. Where that file is not found (a universal checkpoint) the state
         is checked after the load. ``weights_from_latest``: DeepSpeed will read the weights of the checkpoint
         ``latest`` names, refused where that is not ``tag``."""
         if not os.path.isdir(os.path.join(load_dir, tag)):
-            return None
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in '{load_dir}' (no folder {tag} there)")
         if weights_from_latest:
             latest = Path(load_dir) / "latest"
             named = latest.read_text().strip() if latest.is_file() else None
@@ -418,8 +419,12 @@ class HDETDeepSpeed(HDETHandle):
     def _tag_to_load(self, load_dir: str, tag: str | None) -> str | None:
         """``tag``, or where none is given the one ``latest`` names (None without it)."""
         if tag is not None:
-            return tag
-        latest = Path(load_dir) / ("latest_universal" if self.engine.load_universal_checkpoint() else "latest")
+            return str(tag)  # DeepSpeed takes any tag as its string
+        universal = self.engine.load_universal_checkpoint()
+        latest = Path(load_dir) / ("latest_universal" if universal else "latest")
+        if universal and not latest.is_file():  # as DeepSpeed's: a universal load has no checkpoint to start without
+            raise ValueError(f"DeepSpeed's checkpoint.load_universal is on and {latest} does not exist: convert the "
+                             "checkpoint with ds_to_universal first, or pass the tag of the converted one")
         return latest.read_text().strip() if latest.is_file() else None
 
     @staticmethod
@@ -555,3 +560,9 @@ def replica_dataloader(dataset: Dataset, micro_batch_size: int, *, collate_fn: C
                                  shuffle=shuffle, seed=seed, drop_last=True)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                       drop_last=True, **loader_kwargs)
+
+
+def _tag_or_step(tag: Any, global_steps: int) -> str:
+    """The folder a save with ``tag`` writes, as DeepSpeed names it: ``str(tag)`` (its tutorial passes numbers), or
+    ``global_step<N>`` where none is given."""
+    return f"global_step{global_steps}" if tag is None else str(tag)

@@ -432,6 +432,33 @@ def test_a_load_follows_rank_0s_finding_that_there_is_no_checkpoint(tmp_path):
     assert run_ranks(latest_seen_by_one_rank, 2, str(tmp_path), timeout=120) == [[None, None]] * 2
 
 
+def tags_as_deepspeed_takes_them(rank: int, world: int, directory: str) -> list:
+    hdet = {"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}
+    engine = build(ds_config(0, hdet=hdet), seed=0)
+    train_step(engine, rank, 1)
+    seen = [engine.save_checkpoint(directory, tag=7)]  # DeepSpeed's tutorial numbers its tags
+    seen.append(Path(engine.load_checkpoint(directory, tag=7)[0]).parent.name)
+    for attempt in (lambda: engine.load_checkpoint(directory, tag="never_saved"),
+                    lambda: build(ds_config(0, hdet=hdet, checkpoint={"load_universal": True}),
+                                  seed=0).load_checkpoint(directory)):
+        try:
+            attempt()
+            seen.append("loaded")
+        except (FileNotFoundError, ValueError, PeerFailed) as error:
+            seen.append(str(error))
+    return seen
+
+
+def test_tags_are_taken_as_their_strings_and_a_missing_one_is_named(tmp_path):
+    """A number as tag failed on a path join (and tag 0 became global_step<N>); a tag with no folder failed
+    DeepSpeed's bare assertion; a universal load without 'latest_universal' returned (None, None), where DeepSpeed
+    raises, so a loop ignoring it started from scratch."""
+    for saved, loaded, missing, universal in run_ranks(tags_as_deepspeed_takes_them, 2, str(tmp_path), timeout=180):
+        assert saved == "7" and loaded == "7" and (tmp_path / "latest").read_text() == "7"
+        assert "no DeepSpeed checkpoint 'never_saved'" in missing
+        assert "latest_universal does not exist" in universal
+
+
 def zero3_load_of_an_older_tag(rank: int, world: int, directory: str) -> list[str]:
     engine = build(ds_config(3, hdet={"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}), seed=0)
     train_step(engine, rank, 1)
