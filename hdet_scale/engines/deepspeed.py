@@ -27,6 +27,7 @@ import contextlib
 import functools
 import inspect
 import os
+import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -411,7 +412,9 @@ class HDETDeepSpeed(HDETHandle):
                     "load_optimizer_states=True, or load the checkpoint 'latest' names")
         path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
         if reads_state and os.path.isfile(path):
-            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            # memory-mapped where it is a zip file: not one written in torch's older format (DeepSpeed's
+            # checkpoint.checkpoint_serialization false)
+            saved = torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=False)
             if "hdet" in saved or needs_hdet_state:
                 self.ensemble.check_state(_hdet_state(saved, path))
         return self._saved_replicas(Path(load_dir) / tag)

@@ -145,6 +145,10 @@ def check_ds_config(ds_config: Mapping[str, Any], world_size: int | None = None)
         where = "fp16.enabled" if (ds_config.get("fp16") or {}).get("enabled", False) else "torch_autocast.dtype"
         raise HDETConfigError(f"{where}: HDET supports fp32 and bf16 (per-replica loss scaling is untested); "
                               "use \"bf16\": {\"enabled\": true}")
+    if str(ds_config.get("gradient_allreduce_op", "mean")).lower() == "sum":
+        raise HDETConfigError("gradient_allreduce_op=\"sum\": HDET averages the gradients across replicas, so a "
+                              "sum inside each replica would leave them a replica count times smaller than plain "
+                              "DeepSpeed's sum over every rank; remove it (DeepSpeed's default is the mean)")
     if world_size is not None:
         _check_batch_sizes(ds_config, world_size)
 
@@ -174,9 +178,13 @@ def _check_batch_sizes(ds_config: Mapping[str, Any], world_size: int) -> None:
     numbers (DeepSpeed would check it per replica, in numbers the user never wrote)."""
     sizes = {key: ds_config.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                                  "gradient_accumulation_steps")}
-    if any(value == "auto" or (value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                                      or value < 1)) for value in sizes.values()):
-        return  # "auto" is for transformers' Trainer to fill in; bad types are DeepSpeed's to report
+    auto = [key for key, value in sizes.items() if value == "auto"]
+    if auto:  # the Trainer fills them in before deepspeed.initialize, and train.py refuses them in its plan
+        raise HDETConfigError(f"{', '.join(auto)} {'is' if len(auto) == 1 else 'are'} \"auto\", which transformers' "
+                              "Trainer fills in; deepspeed.initialize takes the JSON as it is: write numbers there")
+    if any(value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+           for value in sizes.values()):
+        return  # bad types are DeepSpeed's to report
     total, micro, accumulation = sizes.values()
     if None not in (total, micro, accumulation) and total != micro * accumulation * world_size:
         raise HDETConfigError(

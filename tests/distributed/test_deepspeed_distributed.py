@@ -459,6 +459,19 @@ def test_tags_are_taken_as_their_strings_and_a_missing_one_is_named(tmp_path):
         assert "latest_universal does not exist" in universal
 
 
+def legacy_format_round_trip(rank: int, world: int, directory: str) -> str:
+    hdet = {"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}
+    engine = build(ds_config(1, hdet=hdet, checkpoint={"checkpoint_serialization": False}), seed=0)
+    train_step(engine, rank, 1)
+    engine.save_checkpoint(directory)
+    return Path(engine.load_checkpoint(directory)[0]).parent.name
+
+
+def test_a_checkpoint_in_torchs_older_file_format_loads(tmp_path):
+    """DeepSpeed's checkpoint_serialization false writes files torch cannot memory-map: every load failed."""
+    assert run_ranks(legacy_format_round_trip, 2, str(tmp_path), timeout=180) == ["global_step1"] * 2
+
+
 def zero3_load_of_an_older_tag(rank: int, world: int, directory: str) -> list[str]:
     engine = build(ds_config(3, hdet={"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}), seed=0)
     train_step(engine, rank, 1)

@@ -88,6 +88,12 @@ def launcher_env(monkeypatch):
       if key not in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")},
      {"hdet_config": {"ranks_per_replica": 1}},
      "train_batch_size=6 is not a multiple of the 4 ranks: each rank takes an equal share of it"),
+    # summed inside the replica, averaged across: a replica count times smaller than plain DeepSpeed's sum
+    (ds_config(2, gradient_allreduce_op="SUM"), {}, 'gradient_allreduce_op="sum": HDET averages the gradients'),
+    # "auto" read as a batch size: 'must be a multiple of the number of replicas', or DeepSpeed's TypeError
+    (ds_config(2, train_batch_size="auto"), {}, 'train_batch_size is "auto", which transformers\' Trainer fills in'),
+    ({**ds_config(2), "train_micro_batch_size_per_gpu": "auto"}, {},
+     'train_micro_batch_size_per_gpu is "auto", which'),
 ])
 def test_bad_inputs_fail_before_any_process_group(launcher_env, config, kwargs, message):
     with pytest.raises((HDETConfigError, ValueError), match=message):
