@@ -200,8 +200,11 @@ class HDETEnsemble:
                                  explores_others=True)
         if error is not None:
             raise error
-        explored = self._explore(ValueKnob(name, float(getter()), Bounds(low=low, high=high), alpha, setter,
-                                           from_model=True))
+        base = float(getter())
+        if saved is None and not (math.isfinite(base) and base != 0.0):
+            raise HDETConfigError(f"add_knob('{name}'): its getter gives {base}, and the replicas explore multiples "
+                                  "of it (every multiple of 0 is 0): start it at a finite value other than 0")
+        explored = self._explore(ValueKnob(name, base, Bounds(low=low, high=high), alpha, setter, from_model=True))
         if saved is not None:
             explored.load_state_dict(saved[0], same_layout=saved[1])
             del self._awaited_knobs[name]

@@ -8,6 +8,7 @@ tests/distributed/test_knobs_distributed.py.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -177,6 +178,13 @@ def test_an_explored_value_needs_a_spread_the_spread_allows():
         with pytest.raises(HDETConfigError, match=rf"add_knob\('temperature', {named}"):
             hdet.add_knob("temperature", lambda: 1.0, seen.append, alpha=alpha)
         assert seen == [] and not hdet.explores("temperature")
+    # a base of 0 (or none finite): every replica got 0, and the controller moved a scale on nothing
+    hdet = sgd_ensemble(HDETConfig(auto_lr=LR_HELD_AT_GIVEN), model, topology=ReplicaTopology.single_process(),
+                        total_steps=100)
+    for base in (0.0, math.nan):
+        with pytest.raises(HDETConfigError, match=rf"add_knob\('temperature'\): its getter gives {base}, and the "):
+            hdet.add_knob("temperature", lambda: base, seen.append)  # noqa: B023
+    assert seen == [] and not hdet.explores("temperature")
 
 
 def test_permutations_of_different_knobs_are_independent():
