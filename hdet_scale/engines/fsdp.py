@@ -16,6 +16,7 @@ all-reduce hook that averages the reduce-scattered gradient over the column (wha
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -217,6 +218,18 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
     config = resolve(config, auto="node")
     if not any(param.requires_grad for param in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: nothing for HDET to train")
+    if any(tensor.is_meta for tensor in itertools.chain(model.parameters(), model.buffers())):
+        raise ValueError(f"{type(model).__name__} has tensors on the meta device: materialize it before wrap "
+                         "(model.to_empty(device=...) and its initialization), whose broadcast of rank 0's weights "
+                         "makes the replicas start alike")
+    classes = None if block_classes is None else tuple(block_classes)
+    blocks = transformer_blocks(model, classes)
+    if classes and not blocks:
+        raise ValueError(f"none of block_classes {[c.__name__ for c in classes]} is in {type(model).__name__}: pass "
+                         "the classes of its repeated blocks, or [] to shard it as one unit")
+    if not blocks and classes is None:
+        warn(f"no transformer blocks found in {type(model).__name__}; sharding it as one unit "
+             "(pass block_classes to shard block by block)")
     mesh = mesh or build_mesh(config, device_type)
     topology = topology_from_mesh(mesh, config)
     broadcast_from_rank0(model)  # replicas start identical whatever each rank's seed was
@@ -225,10 +238,6 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
         options["mp_policy"] = mp_policy
     if offload_policy is not None:
         options["offload_policy"] = offload_policy
-    blocks = transformer_blocks(model, block_classes)
-    if not blocks and block_classes is None:
-        warn(f"no transformer blocks found in {type(model).__name__}; sharding it as one unit "
-             "(pass block_classes to shard block by block)")
     for block in blocks:
         fully_shard(block, **options)
     # The root's parameters are needed again at once by backward: kept unsharded after forward, as fully_shard's

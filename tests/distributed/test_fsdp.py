@@ -139,6 +139,10 @@ def bad_inputs(rank: int, world: int) -> None:
     frozen = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ValueError, match="has no trainable parameters"):
         wrap(frozen, config)
+    with pytest.raises(ValueError, match=r"none of block_classes \['Conv1d'\] is in Linear: pass the classes"):
+        wrap(nn.Linear(4, 4), config, block_classes=[nn.Conv1d])  # sharded as one unit, silently
+    with pytest.raises(ValueError, match="Linear has tensors on the meta device: materialize it before wrap"):
+        wrap(nn.Linear(4, 4, device="meta"), config)  # rank 0's broadcast of nothing, silently
     with pytest.raises(ValueError, match="ranks_per_replica=3 does not divide the world size 4"):
         wrap(nn.Linear(4, 4), HDETConfig(ranks_per_replica=3))
     mesh = build_mesh(HDETConfig(ranks_per_replica=4))
