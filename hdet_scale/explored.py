@@ -111,11 +111,13 @@ class ExploredValue:
         return [self._on_base(base, replica) for replica in range(self.num_replicas)]
 
     # ------------------------------------------------------------------------------------ a sync
-    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int) -> None:
-        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended."""
+    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int,
+               share: float = 1.0) -> None:
+        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended, ``share``
+        of a sync interval long (``Controller.update``)."""
         self.state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
                                        trained_base=self.last_base(), step=step, sync_interval=sync_interval,
-                                       paper_decay=self.paper_decay)
+                                       paper_decay=self.paper_decay, share=share)
 
     def redraw(self) -> None:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""
