@@ -58,21 +58,38 @@ def test_a_job_started_afresh_continues_its_own_run_once_requeued(template):
     assert refused.returncode == 2 and "RESUME must be 1" in refused.stderr and "not 'yes'" in refused.stderr
 
 
-def stand_in_slurm(bin_dir: Path, step_status: int) -> None:
+def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = False) -> None:
     """Slurm's commands as the batch script calls them, on one node: ``squeue`` gives 5 s left (a time guard 1 s
     before the limit), ``scancel --signal`` signals the stand-in step, which ends with ``step_status`` once
-    signalled (its checkpoint failed: 1), and ``scontrol requeue`` is recorded."""
+    signalled (its checkpoint failed: 1), and ``scontrol requeue`` is recorded. ``failing_once``: ``squeue``,
+    ``scancel`` and ``scontrol show node`` fail their first call, as a busy controller's time out (``scontrol
+    show hostnames`` and ``requeue`` never do)."""
     bin_dir.mkdir()
     scripts = {
         "squeue": "echo 0:05",
         "scancel": 'kill "-${1#--signal=}" "$(cat "$STEP_PID")"',
         "scontrol": 'case "$1" in show) echo "node1 NodeAddr=127.0.0.1";; requeue) echo "requeue $2" >> "$REQUEUED";; '
                     "esac",
-        "srun": f'echo $$ > "$STEP_PID"; trap "exit {step_status}" TERM USR1; for _ in $(seq 100); do sleep 0.1; done',
+        "srun": f'echo $$ > "$STEP_PID"; trap "exit {step_status}" TERM USR1; for _ in $(seq 200); do sleep 0.1; done',
     }
     for name, body in scripts.items():
+        if failing_once and name != "srun":
+            failed = bin_dir / f"{name}.failed"
+            body = (f'if [[ "$*" != requeue* && "$*" != "show hostnames"* && ! -e "{failed}" ]]; then '
+                    f'touch "{failed}"; echo "{name}: error: Socket timed out on send/recv operation" >&2; '
+                    f'exit 1; fi\n{body}')
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
+
+
+def run_template(template: str, tmp_path: Path, bin_dir: Path, record: Path) -> subprocess.CompletedProcess:
+    """The batch script on the stand-in commands of ``bin_dir``, requeues recorded in ``record``."""
+    return subprocess.run(["bash", str(LAUNCH / template)], capture_output=True, text=True, timeout=90,
+                          cwd=tmp_path, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HDET_VENV": "",
+                                             "SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": "job",
+                                             "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
+                                             "SLURM_CPUS_ON_NODE": "1", "STEP_PID": str(tmp_path / "step.pid"),
+                                             "REQUEUED": str(record)})
 
 
 @pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
@@ -83,14 +100,22 @@ def test_a_step_that_fails_after_the_time_guard_is_not_requeued(template, tmp_pa
     for status in (0, 1):
         stand_in_slurm(tmp_path / f"bin{status}", status)
         record = tmp_path / f"requeued{status}"
-        done = subprocess.run(["bash", str(LAUNCH / template)], capture_output=True, text=True, timeout=60,
-                              cwd=tmp_path, env={"PATH": f"{tmp_path / f'bin{status}'}:/usr/bin:/bin",
-                                                 "HDET_VENV": "", "SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": "job",
-                                                 "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
-                                                 "SLURM_CPUS_ON_NODE": "1", "STEP_PID": str(tmp_path / "step.pid"),
-                                                 "REQUEUED": str(record)})
+        done = run_template(template, tmp_path, tmp_path / f"bin{status}", record)
         assert done.returncode == status, done.stderr
         requeued[status] = record.read_text() if record.exists() else ""
         if status:
             assert "training step failed with status 1 after the time guard; the job is not requeued" in done.stderr
     assert requeued == {0: "requeue 12345\n", 1: ""}
+
+
+@pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
+def test_slurm_commands_that_time_out_once_are_tried_again(template, tmp_path):
+    """One timed-out squeue left the job without its time guard, one timed-out scancel left the ranks unsignalled:
+    either way the job ran into its time limit and was not requeued."""
+    stand_in_slurm(tmp_path / "bin", 0, failing_once=True)
+    record = tmp_path / "requeued"
+    done = run_template(template, tmp_path, tmp_path / "bin", record)
+    assert done.returncode == 0, done.stderr
+    assert "checkpoint and requeue 1 s before the limit" in done.stdout
+    assert record.read_text() == "requeue 12345\n"
+    assert all((tmp_path / "bin" / f"{name}.failed").exists() for name in ("squeue", "scancel", "scontrol"))
