@@ -7,6 +7,7 @@ bounds. The ensemble owns one ``ExploredValue`` per explored hyperparameter and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -115,9 +116,21 @@ class ExploredValue:
                share: float = 1.0) -> None:
         """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended, ``share``
         of a sync interval long (``Controller.update``)."""
-        self.state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
-                                       trained_base=self.last_base(), step=step, sync_interval=sync_interval,
-                                       paper_decay=self.paper_decay, share=share)
+        state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
+                                  trained_base=self.last_base(), step=step, sync_interval=sync_interval,
+                                  paper_decay=self.paper_decay, share=share)
+        self.state = self._scale_within_bounds(state)
+
+    def _scale_within_bounds(self, state: ControllerState) -> ControllerState:
+        """``state`` with its scale no further than puts the base at the knob's bounds: past them the base stays
+        clamped there while the scale would wind on, and a change of direction would take as many syncs to come back
+        as it went past (a label smoothing's scale at 10 on a base of 0.3, pinned below 1)."""
+        scheduled = self.knob.scheduled()
+        if state.owned_base is not None or not math.isfinite(scheduled) or scheduled == 0.0:
+            return state
+        ends = sorted((self.knob.bounds.low / scheduled, self.knob.bounds.high / scheduled))
+        scale = min(max(state.scale, ends[0]), ends[1])
+        return state if scale == state.scale else dataclasses.replace(state, scale=scale)
 
     def redraw(self) -> None:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""

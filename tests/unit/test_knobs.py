@@ -531,3 +531,24 @@ def test_an_export_after_runs_on_one_model_carries_every_runs_attention_scale():
         assert torch.allclose(loaded(tokens).logits, trained, atol=1e-5)
     norm = model.model.layers[0].self_attn.q_norm
     assert _scales_with_its_parameters(norm, {"weight": norm.weight.detach().to(torch.bfloat16)}, 0.8123)
+
+
+def test_the_scale_of_a_bounded_value_stops_where_its_base_reaches_the_bound():
+    """A label smoothing of 0.3 whose top replica kept winning wound its scale on to 10 while the base stayed
+    pinned below 1: when the lower replica then won, the values did not move for several syncs."""
+    from hdet_scale.config import AutoLRConfig
+    from hdet_scale.controller import Controller
+    from hdet_scale.explored import ExploredValue
+    from hdet_scale.knobs import PROBABILITY, ValueKnob
+
+    explored = ExploredValue.start(ValueKnob("label_smoothing", 0.3, PROBABILITY), seed=0, num_replicas=2,
+                                   alpha=2.0, spread="log")
+    controller = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, max_log_step=0.5, scale_max=10.0))
+    top = explored.replica_multipliers().index(max(explored.replica_multipliers()))
+    for step in range(10):
+        weights = [1.0 if replica == top else 0.0 for replica in range(2)]
+        explored.update(controller, weights=weights, step=step, sync_interval=1)
+    assert explored.state.scale == pytest.approx(1 / 0.3)  # base 1 - ulp: as far as the bound lets it
+    explored.update(controller, weights=[0.0 if replica == top else 1.0 for replica in range(2)], step=10,
+                    sync_interval=1)
+    assert explored.base() == pytest.approx(math.exp(-0.5))  # back down at once, by one whole step
