@@ -172,8 +172,10 @@ def test_fsdp_template_checkpoints_on_the_time_guards_signal_requeues_and_resume
 def test_deepspeed_template_trains_on_two_nodes_stops_past_the_launchers_checkpoints_requeues_and_resumes(
         cluster, tmp_path):
     """Two replicas on two nodes, one launcher a node; the time guard's SIGUSR1 reaches the ranks, and DeepSpeed's
-    launchers, ignoring it, wait for their checkpoint (a SIGTERM would have them kill the ranks 30 s later)."""
-    job_id = submit(cluster, "deepspeed.sbatch", tmp_path)
+    launchers, ignoring it, wait for their checkpoint (a SIGTERM would have them kill the ranks 30 s later).
+    Submitted with --ntasks-per-node=2, a one-task-per-GPU habit: srun took its task count over the template's one
+    launcher a node."""
+    job_id = submit(cluster, "deepspeed.sbatch", tmp_path, options=("--ntasks-per-node=2",))
     wait_for_line(cluster, job_id, tmp_path / f"slurm-{job_id}.out", "^HDET train:")  # the signal is handled now
     cluster.signal_batch_shell(job_id)
     cluster.start_requeued(job_id)
