@@ -70,7 +70,8 @@ def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = Fals
         "scancel": 'kill "-${1#--signal=}" "$(cat "$STEP_PID")"',
         "scontrol": 'case "$1" in show) echo "node1 NodeAddr=127.0.0.1";; requeue) echo "requeue $2" >> "$REQUEUED";; '
                     "esac",
-        "srun": f'echo $$ > "$STEP_PID"; trap "exit {step_status}" TERM USR1; for _ in $(seq 200); do sleep 0.1; done',
+        "srun": f'echo $$ > "$STEP_PID"; echo "$*" > "$STEP_PID.args"; trap "exit {step_status}" TERM USR1; '
+                f'for _ in $(seq 200); do sleep 0.1; done',
     }
     for name, body in scripts.items():
         if failing_once and name != "srun":
@@ -82,14 +83,16 @@ def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = Fals
         (bin_dir / name).chmod(0o755)
 
 
-def run_template(template: str, tmp_path: Path, bin_dir: Path, record: Path) -> subprocess.CompletedProcess:
-    """The batch script on the stand-in commands of ``bin_dir``, requeues recorded in ``record``."""
+def run_template(template: str, tmp_path: Path, bin_dir: Path, record: Path,
+                 **slurm: str) -> subprocess.CompletedProcess:
+    """The batch script on the stand-in commands of ``bin_dir``, requeues recorded in ``record``; ``slurm``: more
+    of Slurm's variables, or others than the one-node job's."""
     return subprocess.run(["bash", str(LAUNCH / template)], capture_output=True, text=True, timeout=90,
                           cwd=tmp_path, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HDET_VENV": "",
                                              "SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": "job",
                                              "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
                                              "SLURM_CPUS_ON_NODE": "1", "STEP_PID": str(tmp_path / "step.pid"),
-                                             "REQUEUED": str(record)})
+                                             "REQUEUED": str(record), **slurm})
 
 
 @pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
@@ -119,3 +122,15 @@ def test_slurm_commands_that_time_out_once_are_tried_again(template, tmp_path):
     assert "checkpoint and requeue 1 s before the limit" in done.stdout
     assert record.read_text() == "requeue 12345\n"
     assert all((tmp_path / "bin" / f"{name}.failed").exists() for name in ("squeue", "scancel", "scontrol"))
+
+
+@pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
+def test_each_launcher_gets_the_cpus_of_the_smallest_node(template, tmp_path):
+    """The batch node's CPU count went to every node's launcher: on nodes with fewer CPUs srun could not create
+    the step ('Requested node configuration is not available')."""
+    stand_in_slurm(tmp_path / "bin", 0)
+    done = run_template(template, tmp_path, tmp_path / "bin", tmp_path / "requeued", SLURM_JOB_NUM_NODES="3",
+                        SLURM_CPUS_ON_NODE="72", SLURM_JOB_CPUS_PER_NODE="72(x2),48")
+    assert done.returncode == 0, done.stderr
+    srun_args = (tmp_path / "step.pid.args").read_text().split()
+    assert "--cpus-per-task=48" in srun_args and "--ntasks=3" in srun_args
