@@ -160,24 +160,20 @@ class Controller:
 
     def update(self, state: ControllerState, *, weights: Sequence[float], replica_multipliers: Sequence[float],
                trained_base: float, step: int, sync_interval: int,
-               paper_decay: PaperDecay | None = None, share: float = 1.0) -> ControllerState:
+               paper_decay: PaperDecay | None = None) -> ControllerState:
         """One sync's update from eq. 4's ``weights``. ``replica_multipliers[r]`` is rho_{pi(r)}, the multiplier
         replica r trained with; ``trained_base`` is the base the interval's last step trained with (eq. 5's
-        eta at kT over the multipliers; ``paper`` mode takes over from it at its first update). ``share``: the part
-        of a sync interval the weights' losses cover, in (0, 1]; Delta enters the momentum times it, so an
-        interval an extra sync cut short (a preemption's checkpoint) moves the value by its share of the evidence,
-        not by a whole interval's (``log`` mode's z-scored weights have the same strength however few the steps).
-        The reported Delta is the whole one."""
+        eta at kT over the multipliers; ``paper`` mode takes over from it at its first update)."""
         cfg = self.config
         if cfg.mode == "log":
             delta_log = log_hypergradient(weights, replica_multipliers)
-            velocity = self._one_sided(momentum(state.velocity, share * delta_log, cfg.beta), step)
+            velocity = self._one_sided(momentum(state.velocity, delta_log, cfg.beta), step)
             log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
             scale = self._clamp(state.scale * math.exp(log_step))
             return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log)
         delta_rel = relative_hypergradient(weights, replica_multipliers)
         if cfg.mode == "scale":
-            velocity = self._one_sided(momentum(state.velocity, share * delta_rel, cfg.beta), step)
+            velocity = self._one_sided(momentum(state.velocity, delta_rel, cfg.beta), step)
             scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity))
             return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel)
         if paper_decay is None:
@@ -191,7 +187,7 @@ class Controller:
             remaining = max(1, (paper_decay.total_steps - step) // sync_interval)
             gamma = decay_to_floor(base, paper_decay.floor, remaining) if base > paper_decay.floor else 0.0
         delta = base * delta_rel
-        velocity = momentum(state.velocity, share * delta, cfg.beta)
+        velocity = momentum(state.velocity, delta, cfg.beta)
         new_base = max(base * (1.0 - gamma) + cfg.step_size * velocity, paper_decay.floor)
         return ControllerState(velocity=velocity, owned_base=new_base, gamma=gamma, last_delta=delta)
 

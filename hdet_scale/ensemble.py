@@ -533,12 +533,11 @@ class HDETEnsemble:
                 self._warned_no_loss = True
             return None
         weights = self._controllers["lr"].weights(signal)
-        share = min(1.0, self._steps_in_interval / self.config.sync_interval)  # short after an extra sync
         for explored in self._explored:
             if explored.is_lr and not cfg.moves_lr:  # the range test picked it: it holds
                 continue
             explored.update(self._controllers["lr" if explored.is_lr else "other"], weights=weights,
-                            step=self._step, sync_interval=self.config.sync_interval, share=share)
+                            step=self._step, sync_interval=self.config.sync_interval)
         return weights
 
     def _reassign(self) -> None:

@@ -112,25 +112,27 @@ class ExploredValue:
         return [self._on_base(base, replica) for replica in range(self.num_replicas)]
 
     # ------------------------------------------------------------------------------------ a sync
-    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int,
-               share: float = 1.0) -> None:
-        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended, ``share``
-        of a sync interval long (``Controller.update``)."""
+    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int) -> None:
+        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended."""
         state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
                                   trained_base=self.last_base(), step=step, sync_interval=sync_interval,
-                                  paper_decay=self.paper_decay, share=share)
+                                  paper_decay=self.paper_decay)
         self.state = self._scale_within_bounds(state)
 
     def _scale_within_bounds(self, state: ControllerState) -> ControllerState:
-        """``state`` with its scale no further than puts the base at the knob's bounds: past them the base stays
-        clamped there while the scale would wind on, and a change of direction would take as many syncs to come back
-        as it went past (a label smoothing's scale at 10 on a base of 0.3, pinned below 1)."""
+        """``state`` with its scale no further than puts the base at the knob's bounds, and there no velocity
+        outward: past them the base stays clamped while the scale (or the momentum) would wind on, and a change of
+        direction would take as many syncs to come back as it went past (a label smoothing's scale at 10 on a base of
+        0.3, pinned below 1)."""
         scheduled = self.knob.scheduled()
         if state.owned_base is not None or not math.isfinite(scheduled) or scheduled == 0.0:
             return state
-        ends = sorted((self.knob.bounds.low / scheduled, self.knob.bounds.high / scheduled))
-        scale = min(max(state.scale, ends[0]), ends[1])
-        return state if scale == state.scale else dataclasses.replace(state, scale=scale)
+        low, high = sorted((self.knob.bounds.low / scheduled, self.knob.bounds.high / scheduled))
+        if state.scale >= high:
+            return dataclasses.replace(state, scale=high, velocity=min(state.velocity, 0.0))
+        if state.scale <= low:
+            return dataclasses.replace(state, scale=low, velocity=max(state.velocity, 0.0))
+        return state
 
     def redraw(self) -> None:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""

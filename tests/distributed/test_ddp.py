@@ -549,36 +549,3 @@ def test_replicas_with_optimizer_states_of_different_parameters_alike_in_size_ar
     # replica 0's gradient reaches the first parameter only, replica 1's the second: alike in size
     for message in run_ranks(refused_sync, 2, 1, (3, 3), ((0,), (1,)), timeout=60):
         assert "(as many elements, the optimizer state of other parameters); nothing was averaged" in message
-
-
-def interval_cut_short(rank: int, world: int) -> list[dict]:
-    """2 replicas, T = 4, the controller on from the start: an extra sync after step 3."""
-    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=4,
-                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
-    topology = ReplicaTopology.build(config)
-    model = wrap_model(make_model(), config, topology)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    hdet = attach(model, optimizer, config, topology=topology)
-    updates = []
-    for step in range(1, 9):
-        optimizer.zero_grad()
-        x, y = batch(rank, step)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        report = hdet.step(loss.item())
-        if step == 7:
-            hdet.sync()
-        if report is not None and report.controller_updated:
-            lr = report.values["lr/0"]
-            updates.append({"step": step, "delta": lr["delta"], "velocity": lr["velocity"]})
-    return updates
-
-
-def test_the_controller_moves_by_the_share_of_an_interval_an_extra_sync_left():
-    """Regular syncs at 4 and 8, an extra one at 7: the update at 8 rests on one step of four."""
-    beta = AutoLRConfig(mode="scale").filled().beta
-    first, second = run_ranks(interval_cut_short, 2)[0]
-    assert first["step"] == 4 and first["velocity"] == pytest.approx((1 - beta) * first["delta"])
-    assert second["step"] == 8 and second["velocity"] == pytest.approx(
-        beta * first["velocity"] + (1 - beta) * 0.25 * second["delta"])  # the extra sync moved nothing

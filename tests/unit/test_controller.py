@@ -177,25 +177,6 @@ def test_log_mode_moves_the_log_scale_and_caps_the_step():
     assert controller.weights([1.0, 2.0]) == pytest.approx(zscore_weights([1.0, 2.0], 1.0))
 
 
-@pytest.mark.parametrize("mode", ["log", "scale", "paper"])
-def test_an_interval_cut_short_moves_the_value_by_its_share(mode):
-    """After an extra sync (a preemption's checkpoint) the regular one compared a few steps' losses and moved
-    as far as a whole interval's: log mode's z-scored weights are as strong on one step as on a thousand."""
-    controller = Controller(AutoLRConfig(mode=mode, beta=0.5, step_size=0.2, max_log_step=1.0))
-    update = dict(weights=[0.25, 0.75], replica_multipliers=[0.5, 1.5], trained_base=2.0, step=10, sync_interval=5,
-                  paper_decay=PaperDecay(total_steps=100, floor=2.0))  # at its floor already: no decay
-    whole = controller.update(ControllerState(), **update)
-    quarter = controller.update(ControllerState(), **update, share=0.25)
-    delta = {"log": 0.25 * math.log(0.5) + 0.75 * math.log(1.5) - 0.5 * (math.log(0.5) + math.log(1.5)),
-             "scale": 0.25, "paper": 2.0 * 0.25}[mode]  # paper: the base times (sum w rho - 1) / 1
-    assert whole.last_delta == quarter.last_delta == pytest.approx(delta)  # reported whole
-    assert whole.velocity == pytest.approx(0.5 * delta) and quarter.velocity == pytest.approx(0.5 * 0.25 * delta)
-    moved = {"log": lambda state: math.log(state.scale), "scale": lambda state: state.scale - 1.0,
-             "paper": lambda state: state.owned_base - 2.0}[mode]
-    assert moved(quarter) == pytest.approx(0.2 * quarter.velocity) and moved(quarter) == pytest.approx(
-        moved(whole) / 4)
-
-
 def test_the_sync_on_the_one_sided_phases_first_step_still_lowers():
     """Window 0-90, rise-only after 0.7 of it: the phase starts after step 63 (63 / 90 = 0.7 exactly; 0.7 x 90
     rounds to 62.99999999999999, which would start it at 63). The low replica wins at 63 and 72: the scale falls at

@@ -543,12 +543,13 @@ def test_the_scale_of_a_bounded_value_stops_where_its_base_reaches_the_bound():
 
     explored = ExploredValue.start(ValueKnob("label_smoothing", 0.3, PROBABILITY), seed=0, num_replicas=2,
                                    alpha=2.0, spread="log")
-    controller = Controller(AutoLRConfig(mode="log", beta=0.0, step_size=1.0, max_log_step=0.5, scale_max=10.0))
+    controller = Controller(AutoLRConfig(mode="log", beta=0.9, step_size=10.0, max_log_step=0.5, scale_max=10.0))
     top = explored.replica_multipliers().index(max(explored.replica_multipliers()))
     for step in range(10):
         weights = [1.0 if replica == top else 0.0 for replica in range(2)]
         explored.update(controller, weights=weights, step=step, sync_interval=1)
     assert explored.state.scale == pytest.approx(1 / 0.3)  # base 1 - ulp: as far as the bound lets it
+    assert explored.state.velocity == 0.0  # and no momentum outward, which would hold it there for syncs
     explored.update(controller, weights=[0.0 if replica == top else 1.0 for replica in range(2)], step=10,
                     sync_interval=1)
-    assert explored.base() == pytest.approx(math.exp(-0.5))  # back down at once, by one whole step
+    assert explored.base() < 1.0 - 0.1  # back down at once
