@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hdet_scale.comm import bits_fingerprint
+
 
 def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's parameters, each once, in param-group order (the same on every rank)."""
@@ -29,22 +31,33 @@ def floating_state(entry: dict[str, Any]) -> list[torch.Tensor]:
 
 
 class AveragedBuffers:
-    """A model's floating-point buffers the replicas average (BatchNorm's statistics), less those that hold a
-    non-finite value when HDET attaches: constants such as an additive attention mask's -inf, which an average or the
-    probe's running mean would turn to NaN, and which would mark every replica as diverged at every sync. Which
-    buffers are left out is decided once, by name, while the replicas are alike; call it for the buffers now."""
+    """A model's floating-point buffers the replicas average (BatchNorm's statistics), less the constants: those
+    that held a non-finite value when HDET attached and have not changed since, such as an additive attention mask's
+    -inf, which an average or the probe's running mean would turn to NaN, and which would mark every replica as
+    diverged at every sync. A buffer that changes (a quantization observer's +-inf start, filled in by the forward)
+    is averaged from the sync after the one that finds it changed (``refresh``). Call it for the buffers averaged
+    now."""
 
     def __init__(self, module: nn.Module | None) -> None:
         self._module = module
-        self._constants = frozenset() if module is None else frozenset(
-            name for name, buffer in module.named_buffers()
-            if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()))
+        self._constants: dict[str, int] = {} if module is None else {
+            name: bits_fingerprint([buffer]) for name, buffer in module.named_buffers()
+            if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all())}
 
     def __call__(self) -> list[torch.Tensor]:
         if self._module is None:
             return []
         return [buffer for name, buffer in self._module.named_buffers()
                 if buffer.is_floating_point() and name not in self._constants]
+
+    def refresh(self) -> None:
+        """Takes as averaged from now on every constant that has changed since HDET attached (at the end of a sync,
+        for the interval that starts: every replica's forward has changed it alike)."""
+        if not self._constants:
+            return
+        buffers = dict(self._module.named_buffers())
+        self._constants = {name: bits for name, bits in self._constants.items()
+                           if name in buffers and bits_fingerprint([buffers[name]]) == bits}
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,14 @@ class EngineAdapter(ABC):
 
         The list must have the same shapes in the same order on every rank of a cross-replica group.
         """
+
+    averaged_buffers: AveragedBuffers | None = None
+    """The model's buffers the replicas average, for adapters that average any."""
+
+    def refresh_averaged_buffers(self) -> None:
+        """At the end of a sync, for the next interval: see ``AveragedBuffers.refresh``."""
+        if self.averaged_buffers is not None:
+            self.averaged_buffers.refresh()
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """This rank's floating-point optimizer state (moments; not step counters), in parameter order, as

@@ -484,6 +484,7 @@ class HDETEnsemble:
             explored.applied_bases = []
         self._reassign()
         self._scorer.reset()
+        self.adapter.refresh_averaged_buffers()  # for the next interval: its window of weights starts now
         self._last_sync_step = self._step
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,

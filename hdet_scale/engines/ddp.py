@@ -39,7 +39,7 @@ class DDPAdapter(EngineAdapter):
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> None:
         self._optimizer = optimizer
         self._module = _unwrap(module) if module is not None else None
-        self._buffers = AveragedBuffers(self._module)
+        self.averaged_buffers = AveragedBuffers(self._module)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -53,7 +53,7 @@ class DDPAdapter(EngineAdapter):
         return [ParameterShard(param.shape, param) for param in self._parameters()]
 
     def averaged_tensors(self) -> list[torch.Tensor]:
-        return self._parameters() + self._buffers()
+        return self._parameters() + self.averaged_buffers()
 
     def _parameters(self) -> list[torch.Tensor]:
         return [param.data for param in optimizer_parameters(self._optimizer)]

@@ -84,7 +84,7 @@ class FSDPAdapter(EngineAdapter):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._model = model
         self._optimizer = optimizer
-        self._buffers = AveragedBuffers(model)
+        self.averaged_buffers = AveragedBuffers(model)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -102,7 +102,7 @@ class FSDPAdapter(EngineAdapter):
         self._reshard()
         # the optimizer's parameters, as DDP's: frozen ones (a LoRA base) are one in every replica already
         tensors = [param.to_local() for param in optimizer_parameters(self._optimizer)]
-        return tensors + self._buffers()
+        return tensors + self.averaged_buffers()
 
     def warm_init_shards(self) -> list[ParameterShard]:
         self._reshard()

@@ -79,7 +79,7 @@ class ZeroAdapter(EngineAdapter):
         self._kind = _optimizer_kind(engine)
         check_internals(engine, self._kind)
         self._value_ranges: list[list[tuple[int, int]]] | None = None
-        self._buffers = AveragedBuffers(engine.module)
+        self.averaged_buffers = AveragedBuffers(engine.module)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -90,7 +90,7 @@ class ZeroAdapter(EngineAdapter):
         return self._engine.module
 
     def averaged_tensors(self) -> list[torch.Tensor]:
-        return self._real_elements(self.master_tensors()) + self._buffers()
+        return self._real_elements(self.master_tensors()) + self.averaged_buffers()
 
     def master_tensors(self) -> list[torch.Tensor]:
         """This rank's fp32 master copy of its shard (the full parameters when nothing is partitioned), as the

@@ -361,14 +361,18 @@ def test_a_replica_is_left_out_whole_and_its_checkpoint_loads(tmp_path):
 
 # ------------------------------------------------------------------------------------- constant buffers
 class MaskedNet(nn.Module):
-    """A net with BatchNorm statistics (averaged) and an additive mask buffer holding -inf by design (a constant)."""
+    """A net with BatchNorm statistics (averaged), an additive mask buffer holding -inf by design (a constant) and an
+    observer's running minimum, +inf until the first forward (as a quantization observer's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear, self.norm = nn.Linear(8, 4), nn.BatchNorm1d(4)
         self.register_buffer("mask", torch.tensor([0.0, 0.0, -math.inf, 0.0]))
+        self.register_buffer("seen_min", torch.tensor(math.inf))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen_min.copy_(torch.minimum(self.seen_min, x.min()))
         return (self.norm(self.linear(x)) + self.mask).softmax(-1)
 
 
@@ -380,12 +384,12 @@ def masked_run(rank: int, world: int) -> dict:
     hdet_config = HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL,
                              auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0, average_window=0.5))
     topology = ReplicaTopology.build(hdet_config)
-    model = wrap_model(MaskedNet(), hdet_config, topology)
+    model = wrap_model(MaskedNet(), hdet_config, topology, broadcast_buffers=False)  # each rank its own
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     hdet = attach(model, optimizer, hdet_config, topology=topology)
     hdet.set_probe(batch_probe(model, torch.ones(4, 8), lambda m, x: m(x)[:, 0].mean()))
     reports = []
-    for step in range(SYNC_INTERVAL):
+    for step in range(2 * SYNC_INTERVAL):  # the observer is averaged from the second sync on
         optimizer.zero_grad()
         loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step)))[:, 0].mean()
         loss.backward()
@@ -393,12 +397,16 @@ def masked_run(rank: int, world: int) -> dict:
         reports.append(hdet.step(loss))
     inner = model.module
     return {"excluded": reports[-1].excluded_replicas, "probe": reports[-1].probe_losses,
-            "mask": inner.mask.tolist(), "running_mean": gather_rows(inner.norm.running_mean).tolist()}
+            "mask": inner.mask.tolist(), "running_mean": gather_rows(inner.norm.running_mean).tolist(),
+            "seen_min": gather_rows(inner.seen_min.reshape(1)).reshape(-1).tolist()}
 
 
-def test_a_buffer_non_finite_from_the_start_is_a_constant_not_a_divergence():
+def test_a_buffer_non_finite_from_the_start_is_a_constant_until_it_changes():
     first, second = run_ranks(masked_run, 2)
     assert first["excluded"] == [] and all(math.isfinite(loss) for loss in first["probe"])
     assert first["mask"] == second["mask"] == [0.0, 0.0, -math.inf, 0.0]
     rows = first["running_mean"]
     assert rows[0] == rows[1]  # the statistics, finite, are averaged across the replicas
+    # the observer changed since the start: averaged too, so the replicas are one model again
+    low = first["seen_min"]
+    assert math.isfinite(low[0]) and low[0] == low[1]
