@@ -206,7 +206,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
     args = parse_args(argv)
     own_world = "WORLD_SIZE" not in os.environ  # plain `python -m hdet_scale.lm.train`: a world of one
     if own_world:
-        refuse_srun_tasks()
         os.environ.update(SINGLE_PROCESS)
     try:
         checked = plan(args)
@@ -223,20 +222,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
         shut_down()
         raise
     shut_down_and_exit(0)
-
-
-def refuse_srun_tasks() -> None:
-    """Stops a start without a launcher (no WORLD_SIZE) as one of several tasks of an srun step: each task would
-    be a run of its own, on one device, all on one --out. The step's first task says it, once."""
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
-    if not tasks.isdigit() or int(tasks) < 2:
-        return
-    if os.environ.get("SLURM_PROCID", "0") == "0":
-        print(f"train.py: error: started as {tasks} tasks of one srun step without a launcher (no WORLD_SIZE): "
-              "each task would train alone. Start one launcher per node: launch/fsdp.sbatch or "
-              "launch/deepspeed.sbatch, or srun --ntasks-per-node=1 torchrun (or deepspeed) with the node's ranks",
-              file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 def rank_device() -> torch.device:

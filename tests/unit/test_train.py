@@ -425,23 +425,6 @@ def test_only_rank_0_speaks_at_once_about_a_bad_input(rank, tmp_path, monkeypatc
     assert capsys.readouterr().err.startswith(f"train.py: error{where}: --data ")
 
 
-@pytest.mark.parametrize("task", [0, 1])
-def test_tasks_of_an_srun_step_without_a_launcher_are_refused_once(task, tmp_path, monkeypatch, capsys):
-    """`srun python -m hdet_scale.lm.train`: every task a run of one on one device, on one --out; the losers of
-    the out lock were told another run held it (their own job)."""
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
-    monkeypatch.setenv("SLURM_PROCID", str(task))
-    with pytest.raises(SystemExit) as stop:
-        train.main(["--preset", "tiny", "--out", str(tmp_path / "out")])
-    assert stop.value.code == 2 and not dist.is_initialized() and not (tmp_path / "out").exists()
-    said = capsys.readouterr().err
-    if task:
-        assert said == ""
-    else:
-        assert said.startswith("train.py: error: started as 8 tasks of one srun step without a launcher")
-
-
 def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
