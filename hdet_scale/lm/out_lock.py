@@ -28,10 +28,11 @@ class OutInUse(RuntimeError):
 
 
 def this_process() -> dict[str, Any]:
-    """Who holds the lock: this host and process, and its Slurm job and requeue count where Slurm started it."""
+    """Who holds the lock: this host and process, and its Slurm job, requeue count and step where Slurm started
+    it."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
             "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
-            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "slurm_step": os.environ.get("SLURM_STEP_ID"), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def is_this(holder: dict[str, Any], me: dict[str, Any]) -> bool:
@@ -116,8 +117,23 @@ def take(out: Path) -> None:
     job = f", Slurm job {holder['slurm_job']}" if holder and holder.get("slurm_job") else ""
     who = (f"rank 0 on {holder.get('host')}, pid {holder.get('pid')}{job}, since {holder.get('since')}" if holder
            else "its lock file is unreadable")
+    if holder and _same_srun_step(holder, me):
+        raise OutInUse(
+            f"--out {out} is in use by another task of this same srun step ({who}): train.py was started as "
+            f"{os.environ['SLURM_STEP_NUM_TASKS']} tasks without a launcher, each a run of its own. Start one launcher "
+            "a node: launch/fsdp.sbatch or launch/deepspeed.sbatch, or srun --nodes=N --ntasks=N --ntasks-per-node=1 "
+            "torchrun --nnodes=N --nproc_per_node=<GPUs> --node_rank=$SLURM_NODEID ...")
     raise OutInUse(f"--out {out} is in use by another run ({who}): wait for it to end or choose another --out; if "
                    f"no run uses it any more (one killed on another machine), remove {path}")
+
+
+def _same_srun_step(holder: dict[str, Any], me: dict[str, Any]) -> bool:
+    """Whether the live ``holder`` is another task of the srun step of several tasks ``me`` runs in (`srun python -m
+    hdet_scale.lm.train`: every task a world of one, all on one --out)."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    return (tasks.isdigit() and int(tasks) > 1 and me["slurm_step"] is not None
+            and (holder.get("slurm_job"), holder.get("slurm_restart"), holder.get("slurm_step"))
+            == (me["slurm_job"], me["slurm_restart"], me["slurm_step"]))
 
 
 def held_by(out: Path, holder: dict[str, Any]) -> bool:

@@ -60,6 +60,8 @@ def squeue(tmp_path, monkeypatch):
 def outside_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
 
 
 def test_a_free_directory_is_taken_and_a_live_holder_refused_until_it_releases_it(tmp_path, live_pid):
@@ -126,6 +128,20 @@ def test_a_lock_from_another_machine_is_taken_over_only_when_its_slurm_job_is_ov
         squeue(ended)
         out_lock.take(tmp_path)
         assert held_by(tmp_path)["slurm_job"] == "5000"
+
+
+def test_tasks_of_one_srun_step_started_without_a_launcher_are_told_so(tmp_path, monkeypatch, live_pid):
+    """`srun python -m hdet_scale.lm.train` runs every task as a world of one on one --out: the tasks that lost the
+    lock were told another run held it, which was their own job."""
+    holder(tmp_path, pid=live_pid, slurm_job="4242", slurm_step="0")
+    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(out_lock.OutInUse, match=r"in use by another task of this same srun step \(rank 0 on .*\): "
+                                                r"train.py was started as 8 tasks without a launcher"):
+        out_lock.take(tmp_path)
+    monkeypatch.setenv("SLURM_STEP_ID", "1")  # another step of the job: another run, as any other
+    with pytest.raises(out_lock.OutInUse, match=r"is in use by another run \(rank 0 on "):
+        out_lock.take(tmp_path)
 
 
 def test_an_unreadable_lock_is_refused_and_a_run_releases_only_its_own(tmp_path):
