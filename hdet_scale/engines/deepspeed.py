@@ -364,9 +364,10 @@ class HDETDeepSpeed(HDETHandle):
         # a kill between the two renames of a save into this tag: the complete one in place
         on_rank0(lambda: recover_replaced_folder(Path(load_dir) / tag), f"recovering the checkpoint {tag}")
         # DeepSpeed's ZeRO-3 load without optimizer states takes its weights from the checkpoint 'latest' names
-        weights_from_latest = (self.engine.zero_optimization_partition_weights() and reads_state
+        # (load_module_only too), as its condition reads
+        weights_from_latest = (self.engine.zero_optimization_partition_weights()
                                and not kwargs.get("load_optimizer_states", True)
-                               and not self.engine.load_universal_checkpoint())
+                               and not self.engine.has_moe_layers and not self.engine.load_universal_checkpoint())
         found_replicas = on_rank0(lambda: self._read_checkpoint(str(load_dir), tag, reads_state, needs_hdet_state,
                                                                 weights_from_latest),
                                   "checking the checkpoint's HDET state", share_result=True)
