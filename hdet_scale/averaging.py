@@ -38,7 +38,7 @@ Check = Callable[[torch.Tensor | None], None]
 @torch.no_grad()  # adapters may hand over parameters (or views of them) that require grad
 def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, *, bucket_bytes: int,
                     contribute: bool | torch.Tensor = True, skip_non_finite: bool = False,
-                    rider: torch.Tensor | None = None, check: Check | None = None,
+                    nan_if_none: bool | None = None, rider: torch.Tensor | None = None, check: Check | None = None,
                     memory: list[torch.Tensor] | None = None) -> int:
     """Replaces every tensor in place by its mean over the members of ``group`` that contribute; returns the
     bytes all-reduced (the tensors' and the contributor count, not the rider's).
@@ -46,8 +46,8 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     ``contribute``: whether this member contributes (a bool, or a 0-dim bool tensor decided on the device);
     one that does not sends zeros and receives the others' mean. ``skip_non_finite``: a member whose tensors
     hold a non-finite element does not contribute either. If nobody contributes every tensor becomes zeros, or NaN
-    with ``skip_non_finite`` (no member finite: what a plain mean would give, so the failure shows; a ``check`` can
-    refuse either first). ``rider``: a float64 tensor summed over ``group`` with the first
+    with ``nan_if_none`` (default: ``skip_non_finite``; no member finite: what a plain mean would give, so the failure
+    shows; a ``check`` can refuse either first). ``rider``: a float64 tensor summed over ``group`` with the first
     bucket, in place. ``check(rider)``: called after the first bucket, before any tensor is written; raising
     there stops the average with every tensor unchanged. With ``group`` None (one replica) nothing is sent and
     ``check`` sees the rider as it is. ``memory``: a list the caller keeps between calls, holding the buckets
@@ -66,7 +66,8 @@ def average_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     if skip_non_finite:
         flag = flag & all_finite_on(tensors, device)
     known = contribute if isinstance(contribute, bool) and not skip_non_finite else None
-    return _Averager(group, device, bucket_bytes, flag, known, memory, nan_if_none=skip_non_finite).run(
+    nan_if_none = skip_non_finite if nan_if_none is None else nan_if_none
+    return _Averager(group, device, bucket_bytes, flag, known, memory, nan_if_none=nan_if_none).run(
         tensors, rider, check)
 
 
@@ -79,13 +80,13 @@ def average_replica_gradients(tensors: Sequence[torch.Tensor], topology: Replica
     the mean is NaN, so the engine's overflow check skips the step. No host synchronization."""
     if topology.cross_replica_group is None:
         return 0
-    contribute: bool | torch.Tensor = True
-    if topology.ranks_per_replica > 1:
-        device = _bucket_device([t.device for t in tensors], topology.cross_replica_group)
-        finite = all_finite_on(tensors, device).to(torch.int32)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=topology.intra_replica_group)
-        contribute = finite.bool()
-    return average_tensors(tensors, topology.cross_replica_group, contribute=contribute, skip_non_finite=True,
+    if topology.ranks_per_replica == 1:  # the rank is the replica
+        return average_tensors(tensors, topology.cross_replica_group, skip_non_finite=True,
+                               bucket_bytes=bucket_bytes, memory=memory)
+    device = _bucket_device([t.device for t in tensors], topology.cross_replica_group)
+    finite = all_finite_on(tensors, device).to(torch.int32)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=topology.intra_replica_group)
+    return average_tensors(tensors, topology.cross_replica_group, contribute=finite.bool(), nan_if_none=True,
                            bucket_bytes=bucket_bytes, memory=memory)
 
 
