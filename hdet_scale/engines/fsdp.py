@@ -215,7 +215,8 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
     """
     # the world size is checked in build_mesh, after the ranks agree on the replica size: a rank refusing alone
     # (nodes of different rank counts) would leave the others waiting in that agreement
-    config = resolve(config, auto="node")
+    world_size = dist.get_world_size() if dist.is_initialized() else None
+    config = resolve(with_replica_size(config, auto="node", world_size=world_size), auto="node")
     if not any(param.requires_grad for param in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: nothing for HDET to train")
     if any(tensor.is_meta for tensor in itertools.chain(model.parameters(), model.buffers())):

@@ -103,3 +103,20 @@ def test_the_groups_kept_for_later_runs_go_with_shut_down():
     """FSDP2's mesh was built anew at every wrap; and the groups kept for later runs outlived shut_down, whose
     purpose is that no group's threads live into the interpreter's exit."""
     assert run_ranks(groups_kept_until_shut_down, 4) == [[True] * 3] * 4
+
+
+def fsdp_auto_on_one_node(rank: int, world: int) -> int:
+    from torch import nn
+
+    from hdet_scale.engines.fsdp import wrap
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # one node of 2 ranks, started without WORLD_SIZE in the environment
+    os.environ.pop("WORLD_SIZE", None)
+    _, hdet = wrap(nn.Linear(2, 2), HDETConfig(ranks_per_replica="auto"), block_classes=[])
+    return hdet.topology.num_replicas
+
+
+def test_fsdp2_auto_on_one_node_reads_the_world_size_of_the_process_group():
+    """Resolved without the world size, "auto" read the launcher's WORLD_SIZE, and without one took the whole node
+    as one replica, where it means two replicas on a single node."""
+    assert run_ranks(fsdp_auto_on_one_node, 2) == [2, 2]
