@@ -206,8 +206,9 @@ def wrap(model: nn.Module, config: HDETConfig, *, mp_policy: MixedPrecisionPolic
             not required: global rank 0's are broadcast to all before sharding.
         config: HDET settings; ``ranks_per_replica`` is the shard-group size (``"auto"``: a node).
         mp_policy, reshard_after_forward, offload_policy: FSDP2's own options, applied to every block and
-            the root. With ``CPUOffloadPolicy`` the shards HDET averages and noises live on the CPU; under NCCL
-            a sync averages them through buckets on the GPU.
+            the root (the root's parameters stay unsharded after forward whatever ``reshard_after_forward``:
+            backward needs them at once). With ``CPUOffloadPolicy`` the shards HDET averages and noises live on
+            the CPU; under NCCL a sync averages them through buckets on the GPU.
         block_classes: module classes to shard one by one; default: the decoder layers of transformers
             models (``_no_split_modules``), else only the root.
         mesh: a ("replicate", "shard") mesh; default ``build_mesh(config, device_type)``.
