@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from hdet_scale.comm import bits_fingerprint
+from hdet_scale.topology import collective_device
 
 
 def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -32,17 +33,17 @@ def floating_state(entry: dict[str, Any]) -> list[torch.Tensor]:
 
 class AveragedBuffers:
     """A model's floating-point buffers the replicas average (BatchNorm's statistics), less the constants: those
-    that held a non-finite value when HDET attached and have not changed since, such as an additive attention mask's
-    -inf, which an average or the probe's running mean would turn to NaN, and which would mark every replica as
-    diverged at every sync. A buffer that changes (a quantization observer's +-inf start, filled in by the forward)
-    is averaged from the sync after the one that finds it changed (``refresh``). Call it for the buffers averaged
-    now."""
+    that held a non-finite value when HDET attached, such as an additive attention mask's -inf (rebuilt or not), which
+    an average or the probe's running mean would turn to NaN and which would mark every replica as diverged at every
+    sync. One that turns all finite on every rank (a quantization observer's +-inf start, filled in by the forward)
+    is averaged from the sync after the one that finds it so (``refresh``). Call it for the buffers averaged now."""
 
     def __init__(self, module: nn.Module | None) -> None:
         self._module = module
-        self._constants: dict[str, int] = {} if module is None else {
-            name: bits_fingerprint([buffer]) for name, buffer in module.named_buffers()
-            if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all())}
+        # the same names on every rank: read while the replicas are alike, then changed only by agreement
+        self._constants: list[str] = [] if module is None else [
+            name for name, buffer in module.named_buffers()
+            if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all())]
 
     def __call__(self) -> list[torch.Tensor]:
         if self._module is None:
@@ -51,13 +52,17 @@ class AveragedBuffers:
                 if buffer.is_floating_point() and name not in self._constants]
 
     def refresh(self) -> None:
-        """Takes as averaged from now on every constant that has changed since HDET attached (at the end of a sync,
-        for the interval that starts: every replica's forward has changed it alike)."""
+        """Takes as averaged from now on every constant that is all finite now on every rank, or gone (collective
+        where the process group is up: at the end of a sync, for the interval that starts). Every rank must average
+        the same tensors; a constant finite on some ranks only stays one."""
         if not self._constants:
             return
         buffers = dict(self._module.named_buffers())
-        self._constants = {name: bits for name, bits in self._constants.items()
-                           if name in buffers and bits_fingerprint([buffers[name]]) == bits}
+        finite = torch.tensor([name not in buffers or bool(torch.isfinite(buffers[name]).all())
+                               for name in self._constants], dtype=torch.int32, device=collective_device())
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        self._constants = [name for name, now in zip(self._constants, finite.tolist(), strict=True) if not now]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distributed import gather_rows, run_ranks
@@ -369,10 +370,13 @@ class MaskedNet(nn.Module):
         self.linear, self.norm = nn.Linear(8, 4), nn.BatchNorm1d(4)
         self.register_buffer("mask", torch.tensor([0.0, 0.0, -math.inf, 0.0]))
         self.register_buffer("seen_min", torch.tensor(math.inf))
+        self.register_buffer("rank_0_min", torch.tensor(math.inf))  # an observer only rank 0's forward reaches
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.seen_min.copy_(torch.minimum(self.seen_min, x.min()))
+            if dist.get_rank() == 0:
+                self.rank_0_min.copy_(torch.minimum(self.rank_0_min, x.min()))
         return (self.norm(self.linear(x)) + self.mask).softmax(-1)
 
 
@@ -395,18 +399,24 @@ def masked_run(rank: int, world: int) -> dict:
         loss.backward()
         optimizer.step()
         reports.append(hdet.step(loss))
+        if step == SYNC_INTERVAL:  # the mask rebuilt, -inf elsewhere: still a constant
+            model.module.mask.copy_(torch.tensor([0.0, -math.inf, 0.0, 0.0]))
     inner = model.module
     return {"excluded": reports[-1].excluded_replicas, "probe": reports[-1].probe_losses,
             "mask": inner.mask.tolist(), "running_mean": gather_rows(inner.norm.running_mean).tolist(),
-            "seen_min": gather_rows(inner.seen_min.reshape(1)).reshape(-1).tolist()}
+            "seen_min": gather_rows(inner.seen_min.reshape(1)).reshape(-1).tolist(),
+            "rank_0_min": gather_rows(inner.rank_0_min.reshape(1)).reshape(-1).tolist()}
 
 
 def test_a_buffer_non_finite_from_the_start_is_a_constant_until_it_changes():
     first, second = run_ranks(masked_run, 2)
     assert first["excluded"] == [] and all(math.isfinite(loss) for loss in first["probe"])
-    assert first["mask"] == second["mask"] == [0.0, 0.0, -math.inf, 0.0]
+    assert first["mask"] == second["mask"] == [0.0, -math.inf, 0.0, 0.0]  # as rebuilt, never averaged
     rows = first["running_mean"]
     assert rows[0] == rows[1]  # the statistics, finite, are averaged across the replicas
     # the observer changed since the start: averaged too, so the replicas are one model again
     low = first["seen_min"]
     assert math.isfinite(low[0]) and low[0] == low[1]
+    # finite on rank 0 alone: a constant still on both (rank 0 averaging it alone would misalign the buckets)
+    low = first["rank_0_min"]
+    assert math.isfinite(low[0]) and low[1] == math.inf
