@@ -122,16 +122,17 @@ def take(out: Path) -> None:
             f"--out {out} is in use by another task of this same srun step ({who}): train.py was started as "
             f"{os.environ['SLURM_STEP_NUM_TASKS']} tasks without a launcher, each a run of its own. Start one launcher "
             "a node: launch/fsdp.sbatch or launch/deepspeed.sbatch, or srun --nodes=N --ntasks=N --ntasks-per-node=1 "
-            "torchrun --nnodes=N --nproc_per_node=<GPUs> --node_rank=$SLURM_NODEID ...")
+            "torchrun --nnodes=N --nproc_per_node=<GPUs> --node_rank=$SLURM_NODEID ... (if no run uses --out any "
+            f"more, remove {path})")
     raise OutInUse(f"--out {out} is in use by another run ({who}): wait for it to end or choose another --out; if "
                    f"no run uses it any more (one killed on another machine), remove {path}")
 
 
 def _same_srun_step(holder: dict[str, Any], me: dict[str, Any]) -> bool:
-    """Whether the live ``holder`` is another task of the srun step of several tasks ``me`` runs in (`srun python -m
-    hdet_scale.lm.train`: every task a world of one, all on one --out)."""
+    """Whether the live ``holder`` is another task of the srun step of several tasks ``me`` runs in as a world of
+    one (`srun python -m hdet_scale.lm.train`: every task a run of its own, all on one --out)."""
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
-    return (tasks.isdigit() and int(tasks) > 1 and me["slurm_step"] is not None
+    return (tasks.isdigit() and int(tasks) > 1 and os.environ.get("WORLD_SIZE") == "1" and me["slurm_step"] is not None
             and (holder.get("slurm_job"), holder.get("slurm_restart"), holder.get("slurm_step"))
             == (me["slurm_job"], me["slurm_restart"], me["slurm_step"]))
 

@@ -134,11 +134,16 @@ def test_tasks_of_one_srun_step_started_without_a_launcher_are_told_so(tmp_path,
     """`srun python -m hdet_scale.lm.train` runs every task as a world of one on one --out: the tasks that lost the
     lock were told another run held it, which was their own job."""
     holder(tmp_path, pid=live_pid, slurm_job="4242", slurm_step="0")
-    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8"}.items():
+    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8",
+                        "WORLD_SIZE": "1"}.items():  # train.py's own world of one
         monkeypatch.setenv(name, value)
     with pytest.raises(out_lock.OutInUse, match=r"in use by another task of this same srun step \(rank 0 on .*\): "
                                                 r"train.py was started as 8 tasks without a launcher"):
         out_lock.take(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "16")  # a launcher's rank 0 (torchrun's elastic restart on another node)
+    with pytest.raises(out_lock.OutInUse, match=r"is in use by another run \(rank 0 on "):
+        out_lock.take(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("SLURM_STEP_ID", "1")  # another step of the job: another run, as any other
     with pytest.raises(out_lock.OutInUse, match=r"is in use by another run \(rank 0 on "):
         out_lock.take(tmp_path)
