@@ -406,11 +406,14 @@ class HDETDeepSpeed(HDETHandle):
             latest = Path(load_dir) / "latest"
             named = latest.read_text().strip() if latest.is_file() else None
             if named != tag:
-                raise ValueError(
-                    f"DeepSpeed's ZeRO-3 load with load_optimizer_states=False reads its weights from the checkpoint "
-                    f"{latest} names ({named or 'no such file'}), not from tag {tag!r}, while the rest (HDET's "
-                    f"state, the scheduler, the step) would come from {tag!r}: load it with "
-                    "load_optimizer_states=True, or load the checkpoint 'latest' names")
+                # a module-only load reads nothing else, and with the optimizer states no ZeRO-3 weights at all
+                rest, fix = "", "load the checkpoint 'latest' names"
+                if reads_state:
+                    rest = f", while the rest (HDET's state, the scheduler, the step) would come from {tag!r}"
+                    fix += ", or load it with load_optimizer_states=True"
+                raise ValueError(f"DeepSpeed's ZeRO-3 load with load_optimizer_states=False reads its weights from the "
+                                 f"checkpoint {latest} names ({named or 'no such file'}), not from tag {tag!r}{rest}: "
+                                 f"{fix}")
         path = self.engine._get_ckpt_name(load_dir, tag, pp_placeholder="0")
         if reads_state and os.path.isfile(path):
             # memory-mapped where it is a zip file: not one written in torch's older format (DeepSpeed's

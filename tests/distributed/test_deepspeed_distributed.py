@@ -493,6 +493,8 @@ def test_a_zero3_load_without_optimizer_states_of_a_tag_latest_does_not_name_is_
     for first, first_module_only, second in run_ranks(zero3_load_of_an_older_tag, 2, str(tmp_path), timeout=180):
         for refused in (first, first_module_only):  # Megatron-DeepSpeed's fine-tuning load asks for the module only
             assert "reads its weights from the checkpoint" in refused and "(second), not from tag 'first'" in refused
+        assert "or load it with load_optimizer_states=True" in first  # a module-only load would then read no weights
+        assert first_module_only.endswith("not from tag 'first': load the checkpoint 'latest' names")
         assert second == "loaded"
 
 
