@@ -24,6 +24,8 @@ TOKEN_FILE_DEFAULTS = {"token_dtype": "uint16", "vocab_size": None, "heldout_fra
 HELDOUT_EVERY = 20  # text sources: every 20th file is held out whole
 VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary when a token file is opened
 VOCAB_CHECK_RUNS = 256  # in runs of contiguous tokens, spread evenly over the file
+UINT32_CHECK_PAIRS = 64
+"""The pairs of uint16 ids at the start of a token file that must all look like uint32 halves to refuse it."""
 TEXT_CHECK_BYTES = 4096
 """The first bytes of a token file read to tell it from text."""
 PRINTABLE_BYTES = frozenset(b"\t\n\r" + bytes(range(32, 127)))
@@ -155,6 +157,9 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
     if not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"--heldout_fraction must be in (0, 1), got {heldout_fraction}")
     dtype = np.dtype(TOKEN_DTYPES[token_dtype])
+    if dtype.itemsize == 2 and vocab_size > 2**16:
+        raise ValueError(f"--vocab_size {vocab_size} has ids that {token_dtype} cannot hold (up to 65535): a token "
+                         "file of that vocabulary is uint32 (--token_dtype uint32)")
     if size % dtype.itemsize:
         raise ValueError(f"--data {path}: {size} bytes is not a whole number of {token_dtype} tokens: the file is "
                          f"truncated or corrupt, or its token type is not {token_dtype} (--token_dtype)")
@@ -178,9 +183,21 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
     if highest >= vocab_size:
         raise ValueError(f"--data {path}: token id {highest} is outside the vocabulary of {vocab_size} "
                          "(--vocab_size): the file is corrupt, or --token_dtype / --vocab_size are wrong")
+    if dtype.itemsize == 2:
+        _refuse_uint32_read_as_uint16(path, tokens[: VOCAB_CHECK_TOKENS // VOCAB_CHECK_RUNS])
     cut = len(tokens) - max(1, int(len(tokens) * heldout_fraction))
     return Corpus(tokens[:cut], tokens[cut:], vocab_size, described, more_train=more_train,
                   more_heldout=f"raise --heldout_fraction (now {heldout_fraction:g})")
+
+
+def _refuse_uint32_read_as_uint16(path: Path, first: Any) -> None:
+    """A ValueError where the file's first tokens, read as uint16, hold 0 at every odd place and something else
+    at an even one: the low and high halves of uint32 ids below 65536 (little-endian), which as uint16 would train
+    on every second token 0."""
+    pairs = np.asarray(first[: len(first) - len(first) % 2]).reshape(-1, 2)
+    if len(pairs) >= UINT32_CHECK_PAIRS and not pairs[:, 1].any() and pairs[:, 0].any():
+        raise ValueError(f"--data {path} reads as uint32 token ids (as uint16 every second id is 0): pass "
+                         "--token_dtype uint32")
 
 
 def batch(tokens: Any, *, micro_batch_size: int, seq_len: int,

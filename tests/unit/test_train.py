@@ -391,6 +391,11 @@ def test_token_file_trains_the_vocabulary_it_names(tmp_path):
     assert checked.corpus.vocab_size == 300
     assert len(checked.corpus.train) + len(checked.corpus.heldout) == 20_000
     assert int(checked.corpus.train[299]) == 299  # read as uint32, in order
+    # read as uint16 (the default): every second id 0, trained on silently
+    check(["--data", str(path), "--vocab_size", "300"], r"tokens.u32 reads as uint32 token ids \(as uint16 every "
+          r"second id is 0\): pass --token_dtype uint32")
+    # a vocabulary uint16 cannot hold: no id of any file could fail the vocabulary check
+    check(["--data", str(path), "--vocab_size", "128256"], r"--vocab_size 128256 has ids that uint16 cannot hold")
 
 
 @pytest.mark.usefixtures("single_process")
