@@ -105,6 +105,7 @@ class HDETEnsemble:
         self._range_start: RangeTestStart | None = None
         self.range_test_pick: float | None = None
         """The LR the run's range test picked (``auto_lr.range_test``), once it has run; None without one."""
+        self._range_test_picked = True  # False once a range test picked nothing: the LR stays the one given
         if state is None:
             self._start_from_weights()
         step_scoped = [explored for explored in self._explored if explored.knob.step_scoped]
@@ -404,6 +405,7 @@ class HDETEnsemble:
         start, self._range_start = self._range_start, None
         start.restore(self.adapter)
         self.range_test_pick = pick = start.test.pick()
+        self._range_test_picked = pick is not None
         if pick is None:
             warn("the LR range test saw too few finite losses to pick an LR; the run goes on at the LR it was given")
         scale = 1.0
@@ -558,12 +560,13 @@ class HDETEnsemble:
     def found_lr_factor(self) -> float | None:
         """The factor HDET found on the schedule's LR (first param group), by the range test or the controller: the
         LR it found over the one given. None where neither sets it (the controller off or with one replica, or
-        ``paper`` mode, which owns the LR) or while the range test runs."""
+        ``paper`` mode, which owns the LR, or a range test that picked nothing) or while the range test runs."""
         cfg = self.config.auto_lr
         if self.ramping:
             return None
-        picked = cfg.range_test  # the test's pick holds, whatever the replicas and the controller
-        if not picked and (not cfg.moves_lr or cfg.mode == "paper" or self.topology.num_replicas < 2):
+        if cfg.range_test:  # the test's pick holds, whatever the replicas and the controller
+            return self._lr_explored()[0].state.scale if self._range_test_picked else None
+        if not cfg.moves_lr or cfg.mode == "paper" or self.topology.num_replicas < 2:
             return None
         return self._lr_explored()[0].state.scale
 
@@ -589,6 +592,7 @@ class HDETEnsemble:
             "num_replicas": self.topology.num_replicas,
             "loss_sum": self._scorer.interval.total(),
             "loss_count": self._scorer.interval.count,
+            "range_test_picked": self._range_test_picked,
             "explored": {explored.name: explored.state_dict() for explored in self._explored},
         }
 
@@ -631,6 +635,7 @@ class HDETEnsemble:
         self._last_sync_step = None if last_sync is None else int(last_sync)
         self._scorer.reset()
         self._scorer.interval.restore(state["loss_sum"], state["loss_count"])
+        self._range_test_picked = bool(state.get("range_test_picked", True))  # earlier versions: it picked
 
     def _check_open(self, what: str) -> None:
         if self._closed:  # each would put the replicas' own values back into the model, or step them

@@ -136,7 +136,14 @@ def test_a_test_without_finite_losses_picks_nothing_and_says_so():
             hdet.step(float("nan"))
     assert not hdet.ramping and hdet.range_test_pick is None
     assert hdet.value("lr/0") == pytest.approx(0.1)
+    # no LR found, also once resumed (train.py ended with 'found LR 1e-01 (1 x --lr)' after saying none was picked)
+    assert hdet.found_lr_factor() is None
+    state = hdet.state_dict()
     hdet.close()
+    resumed = HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=15)), DDPAdapter(optimizer),
+                           topology=ReplicaTopology.single_process(), state=state)
+    assert resumed.found_lr_factor() is None
+    resumed.close()
 
 
 def test_a_first_group_at_lr_0_is_refused_in_one_line():
