@@ -321,6 +321,14 @@ def _check_replay(args: argparse.Namespace, ds_config: dict[str, Any] | None) ->
                          "values you want by hand (e.g. --dropout)")
     if "scheduler" in (ds_config or {}):
         raise ValueError("--replay_schedule and the DeepSpeed JSON's \"scheduler\" both set the LR: remove one")
+    replaced = ["lr", "warmup_steps", "min_lr_ratio"]
+    if any(optimizer_entry(name)[0] == "weight_decay" for name in schedule["values"]):
+        replaced.append("weight_decay")
+    given = [f"--{name}" for name in replaced if getattr(args, name) != OPTIMIZATION_DEFAULTS[name]]
+    if given:
+        raise ValueError(f"--replay_schedule {args.replay_schedule} sets every step's "
+                         f"{'LR and weight decay' if 'weight_decay' in replaced else 'LR'} itself: drop "
+                         f"{', '.join(given)}, which the replay would ignore")
 
 
 def _hdet_values(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:

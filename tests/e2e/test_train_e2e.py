@@ -178,12 +178,14 @@ def test_a_plain_run_replays_the_schedule_the_run_found(fsdp_runs, tmp_path):
     export = subprocess.run([sys.executable, "-m", "hdet_scale.tools.report", str(full / "hdet_metrics.jsonl"),
                              "--export-schedule", str(schedule)], capture_output=True, text=True, cwd=tmp_path)
     assert export.returncode == 0, export.stderr
-    at = command.index("--hdet_config")
     replay = tmp_path / "replay"
     replay.mkdir()
-    # Another --lr: only the file can give the run the HDET run's bases.
-    result = launch([*command[:at], *command[at + 2:], "--lr", "1e-5", "--replay_schedule", str(schedule),
-                     "--out", str(replay)], cwd=replay)
+    # without HDET, and without the flags of the schedule the file replaces (refused beside it)
+    dropped = {"--hdet_config", "--warmup_steps"}
+    plain = [word for index, word in enumerate(command) if not {word, command[index - 1]} & dropped]
+    refused = launch([*plain, "--lr", "1e-5", "--replay_schedule", str(schedule), "--out", str(replay)], cwd=replay)
+    assert refused.returncode == 2 and "sets every step's LR itself: drop --lr" in refused.stdout, refused.stdout
+    result = launch([*plain, "--replay_schedule", str(schedule), "--out", str(replay)], cwd=replay)
     assert result.returncode == 0, result.stdout[-5000:]
     assert applied_bases(replay) == applied_bases(full)
     assert len(applied_bases(full)) == STEPS

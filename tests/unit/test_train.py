@@ -364,6 +364,16 @@ def test_a_schedule_train_py_cannot_replay_is_refused_before_any_process_group(t
     # a replayed schedule replaces the warm-up: --warmup_steps (default 30) above its 10 steps is no matter
     schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
                                     "values": {"lr/0": [1e-3] * 10}}))
+    # and every step's LR: flags for them were accepted and ignored
+    check(["--replay_schedule", str(schedule), "--steps", "10", "--warmup_steps", "5", "--lr", "0.1"],
+          r"sets every step's LR itself: drop --lr, --warmup_steps, which the replay would ignore")
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
+                                    "values": {"lr/0": [1e-3] * 10, "weight_decay/0": [0.1] * 10}}))
+    check(["--replay_schedule", str(schedule), "--steps", "10", "--weight_decay", "0.3"],
+          r"sets every step's LR and weight decay itself: drop --weight_decay")
+    schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 10,
+                                    "values": {"lr/0": [1e-3] * 10}}))
+    assert plan(parse_args(["--replay_schedule", str(schedule), "--steps", "10", "--weight_decay", "0.3"]))
     # its metrics lines (the training loss) as often as an HDET run's, and at every checkpoint and evaluation
     assert plan(parse_args(["--replay_schedule", str(schedule), "--steps", "10"])).config.sync_interval == 1
     schedule.write_text(json.dumps({"format": SCHEDULE_FORMAT, "source": "x", "steps": 1500,
