@@ -273,6 +273,8 @@ def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
 
 TENSORBOARD = "tensorboard"
 """Where a run's TensorBoard events go, under ``--out`` (a fresh run's would mix with an earlier run's there)."""
+WANDB_ID_FILE = "wandb_run_id"
+"""The W&B run a resumed run logs into, under ``--out``: goes with the run it belongs to."""
 
 
 def previous_run(out: Path, metrics_path: str | None) -> list[Path]:
@@ -299,8 +301,11 @@ def out_state(out: Path, metrics_path: str | None) -> tuple[tuple[str, ...], int
 
 
 def remove_previous_run(out: Path, metrics_path: str | None) -> list[Path]:
-    """Removes what ``previous_run`` finds; returns what went."""
+    """Removes what ``previous_run`` finds, and its W&B run's id (a later run resuming with --wandb would log into
+    it); returns what went."""
     removed = previous_run(out, metrics_path)
+    if (out / WANDB_ID_FILE).is_file():
+        removed.append(out / WANDB_ID_FILE)
     for path in removed:
         if path.is_dir():
             shutil.rmtree(path)

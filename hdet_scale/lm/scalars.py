@@ -10,11 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hdet_scale.lm.checkpoints import TENSORBOARD
+from hdet_scale.lm.checkpoints import TENSORBOARD, WANDB_ID_FILE
 
 WANDB_STEP = "step"
 """The training step, logged with every W&B row; the x-axis of every chart."""
-WANDB_ID_FILE = "wandb_run_id"
 """In the output directory: the W&B run id, so a resumed run goes on logging into the same W&B run (a fresh
 run starts a W&B run of its own)."""
 

@@ -261,13 +261,14 @@ def test_overwrite_removes_the_previous_runs_checkpoints_model_metrics_and_event
     from hdet_scale.lm.checkpoints import remove_previous_run
 
     for left in ("checkpoints/latest/run.json", "final/config.json", "hdet_metrics.jsonl", "tensorboard/events",
-                 "notes.txt"):
+                 "wandb_run_id", "notes.txt"):
         (tmp_path / left).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / left).write_text("x")
     metrics = str(tmp_path / "hdet_metrics.jsonl")
     removed = remove_previous_run(tmp_path, metrics)
+    # the W&B run's id too: the next run, resumed with --wandb, logged into the replaced run's W&B run
     assert removed == [tmp_path / "checkpoints", tmp_path / "final", tmp_path / "tensorboard",
-                       tmp_path / "hdet_metrics.jsonl"]
+                       tmp_path / "hdet_metrics.jsonl", tmp_path / "wandb_run_id"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
 
 
