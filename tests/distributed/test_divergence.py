@@ -59,23 +59,34 @@ def run_and_check(rank: int, train_step: Callable[[int], None], full_weights: Ca
 
 
 # ------------------------------------------------------------------------------------------------ DDP
-def ddp_run(rank: int, world: int) -> list[list[int]]:
+def ddp_replicas(hdet_config: HDETConfig | None = None):
+    """DDP, a replica a rank (``config(1)`` unless given): the topology, the wrapped net, its AdamW and HDET."""
     from hdet_scale.engines.ddp import attach, wrap_model
     from hdet_scale.topology import ReplicaTopology
 
-    hdet_config = config(1)
+    hdet_config = hdet_config or config(1)
     topology = ReplicaTopology.build(hdet_config)
     model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    return topology, model, optimizer, attach(model, optimizer, hdet_config, topology=topology)
+
+
+def ddp_optimizer_step(model, optimizer, rank: int, step: int, factor: float = 1.0) -> torch.Tensor:
+    """One optimizer step on this rank's batch of ``step``, its loss times ``factor``; returns the loss (for
+    ``hdet.step``)."""
+    optimizer.zero_grad()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+    loss = model(x).pow(2).mean() * factor
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def ddp_run(rank: int, world: int) -> list[list[int]]:
+    topology, model, optimizer, hdet = ddp_replicas()
 
     def train_step(step: int):
-        optimizer.zero_grad()
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        return hdet.step(loss)
+        return hdet.step(ddp_optimizer_step(model, optimizer, rank, step))
 
     def poison() -> None:
         if topology.replica_index == 1:
@@ -195,22 +206,11 @@ def test_zero3_global_mode_survives_a_diverged_replica():
 def nan_loss_run(rank: int, world: int) -> dict:
     """DDP, 2 replicas, global gradients: replica 1's loss is NaN at step 3 (so is its gradient, which the
     replica-safe mean leaves out). Its weights and Adam state stay finite."""
-    from hdet_scale.engines.ddp import attach, wrap_model
-    from hdet_scale.topology import ReplicaTopology
-
-    hdet_config = config(1)
-    topology = ReplicaTopology.build(hdet_config)
-    model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    _, model, optimizer, hdet = ddp_replicas()
     report = None
     for step in range(1, SYNC_INTERVAL + 1):
-        optimizer.zero_grad()
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
-        loss = model(x).pow(2).mean() * (float("nan") if step == 3 and rank == 1 else 1.0)
-        loss.backward()
-        optimizer.step()
-        report = hdet.step(loss)
+        report = hdet.step(ddp_optimizer_step(model, optimizer, rank, step,
+                                              float("nan") if step == 3 and rank == 1 else 1.0))
     moments = gather_rows(torch.cat([state["exp_avg"].reshape(-1) for state in optimizer.state.values()]))
     # plain values only: a tensor sent back to the test process needs its rank alive until it is read
     return {"excluded": report.excluded_replicas, "losses": report.replica_losses, "weights": report.weights,
@@ -229,21 +229,10 @@ def test_a_non_finite_loss_alone_is_the_worst_score_not_an_exclusion():
 def left_out_run(rank: int, world: int) -> dict:
     """DDP, 2 replicas: replica 1's weights turn NaN in the sync step's optimizer step, after its loss (finite, and
     lower than replica 0's) was computed."""
-    from hdet_scale.engines.ddp import attach, wrap_model
-    from hdet_scale.topology import ReplicaTopology
-
-    hdet_config = config(1)
-    topology = ReplicaTopology.build(hdet_config)
-    model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    _, model, optimizer, hdet = ddp_replicas()
     report = None
     for step in range(1, SYNC_INTERVAL + 1):
-        optimizer.zero_grad()
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
-        loss = model(x).pow(2).mean() * (0.01 if rank == 1 else 1.0)
-        loss.backward()
-        optimizer.step()
+        loss = ddp_optimizer_step(model, optimizer, rank, step, 0.01 if rank == 1 else 1.0)
         if step == SYNC_INTERVAL and rank == 1:
             with torch.no_grad():
                 next(model.parameters())[0, 0] = float("nan")
@@ -263,26 +252,15 @@ def averaged_state_exclusion_run(rank: int, world: int) -> dict:
     its gradient and Adam moments do at step 3; the sync at step 4 leaves it out."""
     import dataclasses
 
-    from hdet_scale.engines.ddp import attach, wrap_model
-    from hdet_scale.topology import ReplicaTopology
-
-    hdet_config = dataclasses.replace(config(1), gradient_mode="local", average_optimizer_state=True)
-    topology = ReplicaTopology.build(hdet_config)
-    model = wrap_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), hdet_config, topology)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    hdet = attach(model, optimizer, hdet_config, topology=topology)
+    _, model, optimizer, hdet = ddp_replicas(dataclasses.replace(config(1), gradient_mode="local",
+                                                                 average_optimizer_state=True))
     moments = lambda: gather_rows(torch.cat([state[key].reshape(-1) for state in optimizer.state.values()  # noqa: E731
                                              for key in ("exp_avg", "exp_avg_sq")]))
     before: dict[int, torch.Tensor] = {}
     hdet.add_pre_sync_hook(lambda step: before.update({step: moments()}))
     report = None
     for step in range(1, SYNC_INTERVAL + 1):
-        optimizer.zero_grad()
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        report = hdet.step(loss)
+        report = hdet.step(ddp_optimizer_step(model, optimizer, rank, step))
         if step == POISONED_AFTER and rank == 1:
             with torch.no_grad():
                 next(model.parameters())[0, 0] = float("nan")
