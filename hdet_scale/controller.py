@@ -158,20 +158,26 @@ class Controller:
             return zscore_weights(losses, self.config.sigma)
         return softmax_weights(losses, self.config.sigma)
 
-    def update(self, state: ControllerState, *, weights: Sequence[float], replica_multipliers: Sequence[float],
-               trained_base: float, step: int, sync_interval: int,
+    def hypergradient(self, weights: Sequence[float], replica_multipliers: Sequence[float]) -> float:
+        """Eqs. 5-6 from eq. 4's ``weights``, ``replica_multipliers[r]`` being rho_{pi(r)}, the multiplier replica r
+        trained with: relative to the replicas' mean value (``scale`` and ``paper`` mode), in log units (``log``
+        mode). ``update`` takes it, or a step-weighted mean of several (an interval cut by extra syncs)."""
+        if self.config.mode == "log":
+            return log_hypergradient(weights, replica_multipliers)
+        return relative_hypergradient(weights, replica_multipliers)
+
+    def update(self, state: ControllerState, *, delta: float, trained_base: float, step: int, sync_interval: int,
                paper_decay: PaperDecay | None = None) -> ControllerState:
-        """One sync's update from eq. 4's ``weights``. ``replica_multipliers[r]`` is rho_{pi(r)}, the multiplier
-        replica r trained with; ``trained_base`` is the base the interval's last step trained with (eq. 5's
-        eta at kT over the multipliers; ``paper`` mode takes over from it at its first update)."""
+        """One sync's update from the interval's ``delta`` (``hypergradient``). ``trained_base`` is the base the
+        interval's last step trained with (eq. 5's eta at kT over the multipliers; ``paper`` mode takes over from it
+        at its first update)."""
         cfg = self.config
         if cfg.mode == "log":
-            delta_log = log_hypergradient(weights, replica_multipliers)
-            velocity = self._one_sided(momentum(state.velocity, delta_log, cfg.beta), step)
+            velocity = self._one_sided(momentum(state.velocity, delta, cfg.beta), step)
             log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
             scale = self._clamp(state.scale * math.exp(log_step))
-            return ControllerState(velocity=velocity, scale=scale, last_delta=delta_log)
-        delta_rel = relative_hypergradient(weights, replica_multipliers)
+            return ControllerState(velocity=velocity, scale=scale, last_delta=delta)
+        delta_rel = delta
         if cfg.mode == "scale":
             velocity = self._one_sided(momentum(state.velocity, delta_rel, cfg.beta), step)
             scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity))

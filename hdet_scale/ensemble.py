@@ -452,7 +452,8 @@ class HDETEnsemble:
         (e.g. before a final export or a preemption checkpoint). Such an extra sync averages, scores and
         re-assigns, and the interval starts over, but the controller moves at the regular syncs only (the
         multiples of ``sync_interval``), so a run's controller makes the same number of updates however often it
-        is checkpointed; the next regular sync stays at the next multiple of ``sync_interval``.
+        is checkpointed; the next regular sync stays at the next multiple of ``sync_interval``, and its update
+        weighs the scores of every part of the interval by the part's steps, as far as one uncut interval's.
         """
         self._check_open("sync")
         if self._range_start is not None:
@@ -518,30 +519,43 @@ class HDETEnsemble:
     def _update_values(self, scores: ReplicaScores) -> list[float] | None:
         """Moves every explored value's controller by eq. 4's weights; returns the weights, or None when the
         controller does not update at this sync (an extra sync, off, warming up, one replica, or a replica without
-        loss)."""
-        cfg = self.config.auto_lr
-        if not self._controller_moves_at(self._step):
-            return None
+        loss). An extra sync's weights are kept for the next regular update (``ExploredValue.score_part``)."""
+        cfg, interval = self.config.auto_lr, self.config.sync_interval
+        regular = self._step % interval == 0
+        if not regular and self.needs_probe:
+            return None  # the regular sync says what is missing
+        moves = self._controller_moves_at(-(-self._step // interval) * interval)  # at this or the next regular sync
+        weights = self._scored_weights(scores, warn_unscored=regular) if moves else None
+        for explored in self._explored:
+            if weights is None or (explored.is_lr and not cfg.moves_lr):  # the range test picked it: it holds
+                continue
+            controller = self._controllers["lr" if explored.is_lr else "other"]
+            if regular:
+                explored.update(controller, weights=weights, steps=self._steps_in_interval, step=self._step,
+                                sync_interval=interval)
+            else:
+                explored.score_part(controller, weights=weights, steps=self._steps_in_interval)
+        if regular:
+            for explored in self._explored:
+                explored.forget_parts()
+        return weights if regular else None
+
+    def _scored_weights(self, scores: ReplicaScores, *, warn_unscored: bool) -> list[float] | None:
+        """Eq. 4's weights of this sync's replica scores; None where some replica has none to compare."""
         if self.needs_probe:
             raise self.probe_missing_error("set one with hdet.set_probe before the first step")
         # a replica left out of the average scores worst, whatever its loss: its weights are what failed
-        signal = [loss if healthy else math.nan
-                  for loss, healthy in zip(scores.controller_signal(cfg.probe_weight), scores.healthy, strict=True)]
+        signal = [loss if healthy else math.nan for loss, healthy in
+                  zip(scores.controller_signal(self.config.auto_lr.probe_weight), scores.healthy, strict=True)]
         if not any(loss is not None and math.isfinite(loss) for loss in signal):
             return None  # no replica scored: nothing to compare (a non-finite score alone is the worst one)
         if any(loss is None for loss in signal):
-            if not self._warned_no_loss:
+            if warn_unscored and not self._warned_no_loss:
                 warn("HDET: step() got no loss on some replica during a sync interval; the auto-LR "
                      "controller skips updates until every replica reports losses")
                 self._warned_no_loss = True
             return None
-        weights = self._controllers["lr"].weights(signal)
-        for explored in self._explored:
-            if explored.is_lr and not cfg.moves_lr:  # the range test picked it: it holds
-                continue
-            explored.update(self._controllers["lr" if explored.is_lr else "other"], weights=weights,
-                            step=self._step, sync_interval=self.config.sync_interval)
-        return weights
+        return self._controllers["lr"].weights(signal)
 
     def _reassign(self) -> None:
         """Draws every explored value's next permutation and applies this replica's new values."""

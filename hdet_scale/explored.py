@@ -32,6 +32,10 @@ class ExploredValue:
     state: ControllerState = field(default_factory=ControllerState)
     applied_bases: list[float] = field(default_factory=list)
     """The base every optimizer step of the current interval used, in order (the replay's record)."""
+    earlier_delta_steps: float = 0.0
+    """The sum of steps x Delta over the parts of the interval that extra syncs ended (``score_part``)."""
+    earlier_steps: int = 0
+    """The steps of those parts: the next regular update takes the step-weighted mean of every part's Delta."""
 
     @classmethod
     def start(cls, knob: Knob, *, seed: int, num_replicas: int, alpha: float, spread: str = "linear",
@@ -112,11 +116,27 @@ class ExploredValue:
         return [self._on_base(base, replica) for replica in range(self.num_replicas)]
 
     # ------------------------------------------------------------------------------------ a sync
-    def update(self, controller: Controller, *, weights: Sequence[float], step: int, sync_interval: int) -> None:
-        """Moves the controller state by one sync from eq. 4's ``weights`` of the interval just ended."""
-        state = controller.update(self.state, weights=weights, replica_multipliers=self.replica_multipliers(),
-                                  trained_base=self.last_base(), step=step, sync_interval=sync_interval,
-                                  paper_decay=self.paper_decay)
+    def score_part(self, controller: Controller, *, weights: Sequence[float], steps: int) -> None:
+        """Keeps the Delta of eq. 4's ``weights`` over the ``steps`` since the last sync, which an extra sync ends
+        and the controller does not move at: the next regular update weighs it by its steps, so an interval cut into
+        parts by extra syncs moves the controller as far as a whole one (each part's own multipliers)."""
+        self.earlier_delta_steps += steps * controller.hypergradient(weights, self.replica_multipliers())
+        self.earlier_steps += steps
+
+    def forget_parts(self) -> None:
+        """Drops the kept parts (a regular sync where the controller does not move)."""
+        self.earlier_delta_steps, self.earlier_steps = 0.0, 0
+
+    def update(self, controller: Controller, *, weights: Sequence[float], steps: int, step: int,
+               sync_interval: int) -> None:
+        """Moves the controller state by one sync from eq. 4's ``weights`` over the last ``steps`` steps, with the
+        parts of the interval before them that extra syncs ended (``score_part``), each weighed by its steps."""
+        delta = controller.hypergradient(weights, self.replica_multipliers())
+        if self.earlier_steps:
+            delta = (self.earlier_delta_steps + steps * delta) / (self.earlier_steps + steps)
+        self.forget_parts()
+        state = controller.update(self.state, delta=delta, trained_base=self.last_base(), step=step,
+                                  sync_interval=sync_interval, paper_decay=self.paper_decay)
         self.state = self._scale_within_bounds(state)
 
     def _scale_within_bounds(self, state: ControllerState) -> ControllerState:
@@ -157,7 +177,8 @@ class ExploredValue:
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         state = {"permutation": list(self.permutation), "controller": self.state.state_dict(),
-                 "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases)}
+                 "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases),
+                 "earlier_delta_steps": self.earlier_delta_steps, "earlier_steps": self.earlier_steps}
         knob = self.knob.state()
         if knob:
             state["knob"] = knob
@@ -166,10 +187,13 @@ class ExploredValue:
     def load_state_dict(self, state: dict[str, Any], *, same_layout: bool) -> None:
         """Restores ``state_dict()``; with another replica count (``same_layout`` False) the permutation is
         drawn afresh from the restored stream. The bases of the interval's steps taken so far come back too (a
-        state saved between syncs; none in one of an earlier version), so the next sync records every step's."""
+        state saved between syncs; none in one of an earlier version), so the next sync records every step's, and so
+        do the parts of the interval extra syncs ended (a preemption checkpoint's sync)."""
         self.state = ControllerState.from_state_dict(state["controller"])
         self.knob.load_state(state.get("knob", {}))  # none in a state of an earlier version
         self.applied_bases = [float(base) for base in state.get("applied_bases", [])]
+        self.earlier_delta_steps = float(state.get("earlier_delta_steps", 0.0))  # none kept in earlier versions
+        self.earlier_steps = int(state.get("earlier_steps", 0))
         self.stream.load_state_dict(state["stream"])
         if same_layout:
             self.permutation = list(state["permutation"])

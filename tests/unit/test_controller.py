@@ -72,7 +72,7 @@ def test_past_rise_only_after_the_scale_only_rises(mode):
                                              rise_only_after=rise_only_after))
         state, seen = ControllerState(), []
         for step, weights in ((10, [0.8, 0.2]), (20, [0.8, 0.2]), (30, [0.2, 0.8])):
-            state = controller.update(state, weights=weights, replica_multipliers=rho, trained_base=1.0, step=step,
+            state = controller.update(state, delta=controller.hypergradient(weights, rho), trained_base=1.0, step=step,
                                       sync_interval=10)
             seen.append(state.scale)
         return seen
@@ -97,7 +97,7 @@ def test_paper_mode_takes_over_then_decays_with_velocity():
     controller = Controller(AutoLRConfig(mode="paper", beta=0.5, step_size=0.5))
     decay = PaperDecay(total_steps=1000, floor=1e-5)
     equal = [0.5, 0.5]
-    state = controller.update(ControllerState(), weights=equal, replica_multipliers=[0.9, 1.1],
+    state = controller.update(ControllerState(), delta=controller.hypergradient(equal, [0.9, 1.1]),
                               trained_base=1e-3, step=200, sync_interval=100, paper_decay=decay)
     gamma = 1 - (1e-5 / 1e-3) ** (1 / 8)  # K = (1000 - 200) / 100 = 8 remaining syncs
     assert state.gamma == pytest.approx(gamma)
@@ -105,29 +105,29 @@ def test_paper_mode_takes_over_then_decays_with_velocity():
     assert state.owned_base == pytest.approx(1e-3 * (1 - gamma))
     # Now the high-LR replica wins: Delta = b * sum w (rho - 1) = b * (0.25*-0.1 + 0.75*0.1) = 0.05 b
     base = state.owned_base
-    state = controller.update(state, weights=[0.25, 0.75], replica_multipliers=[0.9, 1.1],
+    state = controller.update(state, delta=controller.hypergradient([0.25, 0.75], [0.9, 1.1]),
                               trained_base=123.0, step=300, sync_interval=100, paper_decay=decay)
     assert state.last_delta == pytest.approx(0.05 * base)
     assert state.velocity == pytest.approx(0.5 * 0.05 * base)
     assert state.owned_base == pytest.approx(base * (1 - gamma) + 0.5 * 0.5 * 0.05 * base)
     with pytest.raises(ValueError, match="needs the base schedule's floor"):
-        controller.update(ControllerState(), weights=equal, replica_multipliers=[0.9, 1.1],
+        controller.update(ControllerState(), delta=controller.hypergradient(equal, [0.9, 1.1]),
                           trained_base=1e-3, step=0, sync_interval=10)
 
 
 def test_scale_mode_moves_relative_to_the_base_and_clamps():
     controller = Controller(AutoLRConfig(mode="scale", beta=0.9, step_size=0.5, scale_min=0.5, scale_max=2.0))
-    state = controller.update(ControllerState(), weights=[0.0, 1.0], replica_multipliers=[0.5, 1.5],
+    state = controller.update(ControllerState(), delta=controller.hypergradient([0.0, 1.0], [0.5, 1.5]),
                               trained_base=3.0, step=10, sync_interval=5)
     assert state.last_delta == pytest.approx(0.5)  # the 1.5x replica took all the weight
     assert state.velocity == pytest.approx(0.05)
     assert state.scale == pytest.approx(1.0 * (1 + 0.5 * 0.05))
     for _ in range(500):
-        state = controller.update(state, weights=[0.0, 1.0], replica_multipliers=[0.5, 1.5],
+        state = controller.update(state, delta=controller.hypergradient([0.0, 1.0], [0.5, 1.5]),
                                   trained_base=3.0, step=10, sync_interval=5)
     assert state.scale == 2.0
     for _ in range(500):
-        state = controller.update(state, weights=[1.0, 0.0], replica_multipliers=[0.5, 1.5],
+        state = controller.update(state, delta=controller.hypergradient([1.0, 0.0], [0.5, 1.5]),
                                   trained_base=3.0, step=10, sync_interval=5)
     assert state.scale == 0.5
 
@@ -160,18 +160,18 @@ def test_zscore_weights_by_hand():
 def test_log_mode_moves_the_log_scale_and_caps_the_step():
     controller = Controller(AutoLRConfig(mode="log", beta=0.5, step_size=2.0, max_log_step=0.25, sigma=1.0))
     rhos = [0.5, 2.0]  # log rho = -0.693, +0.693
-    state = controller.update(ControllerState(), weights=[0.25, 0.75], replica_multipliers=rhos,
+    state = controller.update(ControllerState(), delta=controller.hypergradient([0.25, 0.75], rhos),
                               trained_base=1.0, step=10, sync_interval=5)
     delta = 0.25 * math.log(0.5) + 0.75 * math.log(2.0)  # 0.3466
     assert log_hypergradient([0.25, 0.75], rhos) == pytest.approx(delta)
     assert state.last_delta == pytest.approx(delta)
     assert state.velocity == pytest.approx(0.5 * delta)  # 0.1733: lambda v = 0.3466 > 0.25, so capped
     assert state.scale == pytest.approx(math.exp(0.25))
-    state = controller.update(state, weights=[0.5, 0.5], replica_multipliers=rhos, trained_base=1.0, step=15,
+    state = controller.update(state, delta=controller.hypergradient([0.5, 0.5], rhos), trained_base=1.0, step=15,
                               sync_interval=5)
     assert state.velocity == pytest.approx(0.25 * delta)  # Delta 0: the momentum decays
     assert state.scale == pytest.approx(math.exp(0.25 + 2.0 * 0.25 * delta))  # 0.1733 < 0.25: not capped
-    down = controller.update(ControllerState(), weights=[0.75, 0.25], replica_multipliers=rhos, trained_base=1.0,
+    down = controller.update(ControllerState(), delta=controller.hypergradient([0.75, 0.25], rhos), trained_base=1.0,
                              step=10, sync_interval=5)
     assert down.scale == pytest.approx(math.exp(-0.25))  # down as far as up
     assert controller.weights([1.0, 2.0]) == pytest.approx(zscore_weights([1.0, 2.0], 1.0))
@@ -186,7 +186,7 @@ def test_the_sync_on_the_one_sided_phases_first_step_still_lowers():
     state = ControllerState()
     down = math.exp(0.8 * math.log(0.5) + 0.2 * math.log(2.0))  # Delta = 0.8 log 0.5 + 0.2 log 2
     for step, expected in ((63, down), (72, down)):
-        state = controller.update(state, weights=[0.8, 0.2], replica_multipliers=[0.5, 2.0], trained_base=1.0,
+        state = controller.update(state, delta=controller.hypergradient([0.8, 0.2], [0.5, 2.0]), trained_base=1.0,
                                   step=step, sync_interval=9)
         assert state.scale == pytest.approx(expected)
 
@@ -208,7 +208,7 @@ def test_the_hypergradient_is_measured_from_the_replicas_own_mean_on_either_spre
         controller = Controller(AutoLRConfig(mode=mode, beta=0.5, step_size=1.0))
         state = ControllerState()
         for step in range(100, 4100, 100):
-            state = controller.update(state, weights=controller.weights([2.0] * 3), replica_multipliers=rhos,
+            state = controller.update(state, delta=controller.hypergradient(controller.weights([2.0] * 3), rhos),
                                       trained_base=1e-3, step=step, sync_interval=100,
                                       paper_decay=PaperDecay(total_steps=10_000, floor=1e-5))
         assert state.velocity == pytest.approx(0.0, abs=1e-15) and state.scale == pytest.approx(1.0)
@@ -231,7 +231,7 @@ def test_a_step_size_past_the_largest_fall_is_refused_before_it_drops_the_scale_
     too_far = 1.0 / fall + 0.1
     # what the refusal prevents: the lowest replica winning every sync takes the scale to the floor at once
     controller = Controller(AutoLRConfig(mode="scale", beta=0.0, step_size=too_far, range_test=0))
-    state = controller.update(ControllerState(), weights=[1.0, 0.0], replica_multipliers=[0.5, 1.5],
+    state = controller.update(ControllerState(), delta=controller.hypergradient([1.0, 0.0], [0.5, 1.5]),
                               trained_base=1.0, step=100, sync_interval=1)
     assert state.scale == controller.config.scale_min
     layout = {"alpha": 0.5, "spread": "linear"}

@@ -547,9 +547,9 @@ def test_the_scale_of_a_bounded_value_stops_where_its_base_reaches_the_bound():
     top = explored.replica_multipliers().index(max(explored.replica_multipliers()))
     for step in range(10):
         weights = [1.0 if replica == top else 0.0 for replica in range(2)]
-        explored.update(controller, weights=weights, step=step, sync_interval=1)
+        explored.update(controller, weights=weights, steps=1, step=step, sync_interval=1)
     assert explored.state.scale == pytest.approx(1 / 0.3)  # base 1 - ulp: as far as the bound lets it
     assert explored.state.velocity == 0.0  # and no momentum outward, which would hold it there for syncs
-    explored.update(controller, weights=[0.0 if replica == top else 1.0 for replica in range(2)], step=10,
-                    sync_interval=1)
+    explored.update(controller, weights=[0.0 if replica == top else 1.0 for replica in range(2)], steps=1,
+                    step=10, sync_interval=1)
     assert explored.base() < 1.0 - 0.1  # back down at once

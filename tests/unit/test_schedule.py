@@ -279,7 +279,8 @@ def test_the_papers_controller_takes_over_from_the_base_the_intervals_last_step_
                                    paper_decay=PaperDecay(total_steps=1000, floor=1e-5))
     explored.applied_value(0, None, 0)  # the interval's last step trains at 1e-3
     knob.now = 2e-3  # then the scheduler steps
-    explored.update(Controller(AutoLRConfig(mode="paper")), weights=[0.5, 0.5], step=200, sync_interval=100)
+    explored.update(Controller(AutoLRConfig(mode="paper")), weights=[0.5, 0.5], steps=100, step=200,
+                    sync_interval=100)
     gamma = 1 - (1e-5 / 1e-3) ** (1 / 8)  # 8 syncs left, from 1e-3 down to the floor
     assert explored.state.owned_base == pytest.approx(1e-3 * (1 - gamma))
     # the report's scale is the owned base over the schedule's value now (the controller's own scale stays 1)

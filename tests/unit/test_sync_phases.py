@@ -49,7 +49,7 @@ def test_values_stay_inside_the_bounds():
 def test_update_moves_the_scale_by_the_weighted_multipliers():
     explored = lr_value(permutation=[0, 1, 2])  # replicas train at 0.5, 1.0, 1.5
     controller = Controller(AutoLRConfig(mode="scale", beta=0.5, step_size=2.0))
-    explored.update(controller, weights=[0.0, 0.25, 0.75], step=10, sync_interval=5)
+    explored.update(controller, weights=[0.0, 0.25, 0.75], steps=5, step=10, sync_interval=5)
     # Delta = 0.25 * 0 + 0.75 * 0.5 = 0.375; v = 0.5 * 0 + 0.5 * 0.375 = 0.1875; scale = 1 + 2 * 0.1875 = 1.375
     assert explored.state.last_delta == pytest.approx(0.375)
     assert explored.state.velocity == pytest.approx(0.1875)
@@ -59,6 +59,25 @@ def test_update_moves_the_scale_by_the_weighted_multipliers():
     assert report["base"] == pytest.approx(0.1375) and report["scale"] == pytest.approx(1.375)
     assert report["applied_bases"] == [0.1, 0.1] and report["replica_multipliers"] == [0.5, 1.0, 1.5]
     assert report["next_replica_values"] == pytest.approx([0.06875, 0.1375, 0.20625])
+
+
+def test_an_interval_cut_by_an_extra_sync_moves_the_controller_by_the_step_weighted_mean_of_its_parts():
+    """An extra sync 1 step into a 4-step interval, then the regular sync: the update rested on the last 3 steps
+    alone, at the whole interval's strength."""
+    explored = lr_value(permutation=[0, 1, 2])  # the first part trains at 0.5, 1.0, 1.5
+    controller = Controller(AutoLRConfig(mode="scale", beta=0.5, step_size=2.0))
+    explored.score_part(controller, weights=[0.0, 0.0, 1.0], steps=1)  # Delta 0.5
+    explored.permutation = [2, 1, 0]  # the extra sync's redraw: the rest at 1.5, 1.0, 0.5
+    saved = explored.state_dict()  # as a preemption checkpoint after the extra sync
+    explored = lr_value(permutation=[0, 1, 2])
+    explored.load_state_dict(saved, same_layout=True)
+    explored.update(controller, weights=[0.0, 0.5, 0.5], steps=3, step=20, sync_interval=4)  # Delta -0.25
+    # Delta = (1 x 0.5 + 3 x -0.25) / 4 = -0.0625; v = 0.5 x -0.0625 = -0.03125; scale = 1 - 2 x 0.03125
+    assert explored.state.last_delta == pytest.approx(-0.0625)
+    assert explored.state.velocity == pytest.approx(-0.03125)
+    assert explored.state.scale == pytest.approx(0.9375)
+    explored.update(controller, weights=[0.0, 0.5, 0.5], steps=4, step=24, sync_interval=4)  # the parts are used
+    assert explored.state.last_delta == pytest.approx(-0.25)
 
 
 def test_state_round_trips_and_redraws_on_another_layout():
