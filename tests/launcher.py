@@ -91,21 +91,24 @@ def deepspeed(nproc: int) -> list[str]:
 
 
 def launch(command: list[str], *, cwd: Path, sigterm_after_step: int | None = None,
-           metrics: Path | None = None, timeout: float = 420,
-           signal_number: int = signal.SIGTERM) -> subprocess.CompletedProcess:
+           metrics: Path | None = None, timeout: float = 420, signal_number: int = signal.SIGTERM,
+           sigterm_on_output: str | None = None) -> subprocess.CompletedProcess:
     """Runs a launcher in its own session; with ``sigterm_after_step``, sends SIGTERM (or ``signal_number``) to the
     whole session (as Slurm signals every process of a job step, or a terminal's Ctrl-C its foreground
-    processes) once the metrics show that sync."""
+    processes) once the metrics show that sync; with ``sigterm_on_output``, once the log shows that text."""
     with open(cwd / "log.txt", "w") as log:
         proc = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=ENV,
                                 start_new_session=True, text=True)
         deadline = time.monotonic() + timeout
-        signalled = sigterm_after_step is None
+        signalled = sigterm_after_step is None and sigterm_on_output is None
         while proc.poll() is None and time.monotonic() < deadline:
-            if not signalled and metrics is not None and metrics.is_file():
-                if any(json.loads(line)["step"] >= sigterm_after_step for line in metrics.read_text().splitlines()):
-                    os.killpg(proc.pid, signal_number)
-                    signalled = True
+            if not signalled and (
+                    sigterm_on_output is not None and sigterm_on_output in (cwd / "log.txt").read_text()
+                    or sigterm_after_step is not None and metrics is not None and metrics.is_file()
+                    and any(json.loads(line)["step"] >= sigterm_after_step
+                            for line in metrics.read_text().splitlines())):
+                os.killpg(proc.pid, signal_number)
+                signalled = True
             time.sleep(0.2)
         # A signalled launcher may die at once while its ranks still checkpoint: wait for the whole session.
         while session_alive(proc.pid) and time.monotonic() < deadline:

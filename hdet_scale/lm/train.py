@@ -18,7 +18,8 @@ OUT/hdet_metrics.jsonl --out plots` draws them.
 
 On SIGTERM (Slurm preemption or time limit) or SIGUSR1 (the Slurm templates' time guard) the ranks agree to stop,
 average the replicas (--on_signal sync_now, the default: one step later) or train on to the next regular sync
-(--on_signal next_sync: the resumed run is then bit-identical to an uninterrupted one), checkpoint, and exit with
+(--on_signal next_sync: the resumed run is then bit-identical to an uninterrupted one), checkpoint, write
+OUT/stopped_early (for the Slurm templates, which requeue a job stopped by a signal they did not send), and exit with
 code 0; rerun with
 --resume (a requeued job can always pass it: without a checkpoint the run starts at step 0, saying so where an
 earlier attempt left output, whose metrics it keeps aside). Without --checkpoint_interval the only checkpoints are
@@ -48,13 +49,20 @@ import torch.distributed as dist
 
 from hdet_scale.comm import cpu_group, free_port, on_rank0, shut_down, shut_down_and_exit
 from hdet_scale.config_checks import HDETConfigError
-from hdet_scale.durable import fsync_tree, replace_folder_durably, replacement_folders, start_replacement
+from hdet_scale.durable import (
+    fsync_tree,
+    replace_folder_durably,
+    replacement_folders,
+    start_replacement,
+    write_text_durably,
+)
 from hdet_scale.extras import MissingExtra
 from hdet_scale.lm import out_lock
 from hdet_scale.lm.agreement import RunFailed, agreed
 from hdet_scale.lm.backends import Backend, Batch, DeepSpeedBackend, FSDPBackend
 from hdet_scale.lm.checkpoints import (
     FINAL_MODEL,
+    STOPPED_EARLY,
     ResumePoint,
     check_free_space,
     checkpoint_dir,
@@ -335,8 +343,8 @@ def tidy_out(out: Path, metrics_path: str | None, *, overwrite: bool, resume: Re
     the plan continues this requeued Slurm job's own checkpoint; a run that starts at step 0 without it keeps what an
     earlier attempt left (``--resume`` without a checkpoint: the plan refuses such an ``out`` otherwise), and says
     that a ``--resume`` (``resume_asked``) found nothing to continue, unless it is a Slurm job's (the templates pass
-    it to every job, whose first start finds nothing); what an interrupted save left is settled. Returns one line
-    per change or finding. Rank 0 only."""
+    it to every job, whose first start finds nothing); what an interrupted save left is settled, and an earlier
+    run's ``stopped_early`` removed. Returns one line per change or finding. Rank 0 only."""
     if resume is not None:
         said = [f"--overwrite: this Slurm job was requeued after its checkpoint at step {resume.step}; it continues "
                 "from it instead of erasing it"] if overwrite else []
@@ -346,6 +354,7 @@ def tidy_out(out: Path, metrics_path: str | None, *, overwrite: bool, resume: Re
         said = start_without_checkpoint(out, metrics_path)
         if resume_asked and not said and "SLURM_JOB_ID" not in os.environ:
             said = [f"--resume: no checkpoint in {out / 'checkpoints'}: this run starts at step 0"]
+    (out / STOPPED_EARLY).unlink(missing_ok=True)  # the stop it said is this run's to continue or replace
     return said + settle_interrupted_save(out)
 
 
@@ -437,6 +446,7 @@ class Run:
         if self.backend.ensemble.single_replica_warning:
             self.progress.line(f"WARNING: {self.backend.ensemble.single_replica_warning}")
         if self.backend.ensemble.ramping and not self._range_test():
+            self._say_stopped_early()
             return
         self.progress.start(self.step, tokens_per_step)
         stop_at_sync = False
@@ -452,6 +462,7 @@ class Run:
             if stop_at_sync and self.step < args.steps and (args.on_signal == "sync_now"
                                                              or self.backend.ensemble.at_sync_point):
                 self._preempt()
+                self._say_stopped_early()
                 return
         self._finish()
 
@@ -571,6 +582,14 @@ class Run:
         path = self._checkpoint()
         self.progress.line(f"preempted at step {self.step}; checkpoint: {path}; rerun with --resume")
         self.progress.close()
+
+    def _say_stopped_early(self) -> None:
+        """Writes ``OUT/stopped_early``: the ranks exit 0 after a stop as after the end, and a Slurm template that
+        did not ask for the stop (sbatch's ``--signal=USR1@<s>`` signals the ranks alone) reads it and requeues the
+        job, which would otherwise end COMPLETED and start what waits for its success (``afterok``)."""
+        path = self.out / STOPPED_EARLY
+        agreed(f"writing {path}", lambda: on_rank0(
+            lambda: write_text_durably(path, f"step {self.step} of {self.args.steps}\n"), f"writing {path}"))
 
     def _finish(self) -> None:
         self._end_on_one_model()

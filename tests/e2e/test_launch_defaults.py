@@ -58,20 +58,22 @@ def test_a_job_started_afresh_continues_its_own_run_once_requeued(template):
     assert refused.returncode == 2 and "RESUME must be 1" in refused.stderr and "not 'yes'" in refused.stderr
 
 
-def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = False) -> None:
-    """Slurm's commands as the batch script calls them, on one node: ``squeue`` gives 5 s left (a time guard 1 s
-    before the limit), ``scancel --signal`` signals the stand-in step, which ends with ``step_status`` once
-    signalled (its checkpoint failed: 1), and ``scontrol requeue`` is recorded. ``failing_once``: ``squeue``,
-    ``scancel`` and ``scontrol show node`` fail their first call, as a busy controller's time out (``scontrol
-    show hostnames`` and ``requeue`` never do)."""
+def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = False, step: str | None = None,
+                   time_left: str = "0:05", requeue_fails: bool = False) -> None:
+    """Slurm's commands as the batch script calls them, on one node: ``squeue`` gives ``time_left`` (5 s: a time
+    guard 1 s before the limit), ``scancel --signal`` signals the stand-in step, which ends with ``step_status`` once
+    signalled (its checkpoint failed: 1), or runs ``step`` where given, and ``scontrol requeue`` is recorded (or
+    fails: ``requeue_fails``). ``failing_once``: ``squeue``, ``scancel`` and ``scontrol show node`` fail their first
+    call, as a busy controller's time out (``scontrol show hostnames`` and ``requeue`` never do)."""
     bin_dir.mkdir()
+    requeue = 'echo "slurm_requeue error: Requeue of job is not allowed" >&2; exit 1' if requeue_fails else (
+        'echo "requeue $2" >> "$REQUEUED"')
     scripts = {
-        "squeue": "echo 0:05",
+        "squeue": f"echo {time_left}",
         "scancel": 'kill "-${1#--signal=}" "$(cat "$STEP_PID")"',
-        "scontrol": 'case "$1" in show) echo "node1 NodeAddr=127.0.0.1";; requeue) echo "requeue $2" >> "$REQUEUED";; '
-                    "esac",
+        "scontrol": f'case "$1" in show) echo "node1 NodeAddr=127.0.0.1";; requeue) {requeue};; esac',
         "srun": f'echo $$ > "$STEP_PID"; echo "$*" > "$STEP_PID.args"; trap "exit {step_status}" TERM USR1; '
-                f'for _ in $(seq 200); do sleep 0.1; done',
+                + (step or 'for _ in $(seq 200); do sleep 0.1; done'),
     }
     for name, body in scripts.items():
         if failing_once and name != "srun":
@@ -134,3 +136,26 @@ def test_each_launcher_gets_the_cpus_of_the_smallest_node(template, tmp_path):
     assert done.returncode == 0, done.stderr
     srun_args = (tmp_path / "step.pid.args").read_text().split()
     assert "--cpus-per-task=48" in srun_args and "--ntasks=3" in srun_args
+
+
+@pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
+def test_ranks_stopped_by_a_signal_the_script_did_not_send_are_requeued_not_completed(template, tmp_path):
+    """sbatch's --signal=USR1@90 signals the ranks alone: they checkpointed and exited 0, and the job ended COMPLETED
+    before its --steps, starting what waited for its success (afterok). The run's OUT/stopped_early tells; a step that
+    ends 0 without it finished, and a requeue that fails ends the job FAILED."""
+    out = tmp_path / "out"
+    stop = 'mkdir -p "$OUT_DIR"; echo "step 30 of 100" > "$OUT_DIR/stopped_early"; exit 0'
+    for name, step, fails in (("stopped", stop, False), ("finished", "exit 0", False), ("unrequeued", stop, True)):
+        out.mkdir(exist_ok=True)
+        (out / "stopped_early").unlink(missing_ok=True)
+        stand_in_slurm(tmp_path / name, 0, step=step, time_left="UNLIMITED", requeue_fails=fails)
+        record = tmp_path / f"{name}.requeued"
+        done = run_template(template, tmp_path, tmp_path / name, record, OUT_DIR=str(out))
+        said = "the ranks stopped before the end of training (step 30 of 100) on a signal this script did not send"
+        if name == "stopped":
+            assert done.returncode == 0 and said in done.stderr, done.stderr
+            assert record.read_text() == "requeue 12345\n"
+        elif name == "finished":
+            assert done.returncode == 0 and "requeueing" not in done.stderr and not record.exists(), done.stderr
+        else:
+            assert done.returncode == 1 and "scontrol requeue failed 5 times: the job ends FAILED" in done.stderr

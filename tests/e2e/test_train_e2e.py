@@ -30,6 +30,7 @@ from launcher import SHORT, SHORT_BESIDE_JSON, STEPS, SYNC_INTERVAL, deepspeed, 
 
 from hdet_scale import multipliers
 from hdet_scale.lm import out_lock
+from hdet_scale.lm.checkpoints import STOPPED_EARLY
 from hdet_scale.lm.train import parse_args
 
 
@@ -72,9 +73,11 @@ def fsdp_runs(main_job, tmp_path_factory):
                "--checkpoint_interval", str(SYNC_INTERVAL)]  # the preemption lands on a checkpoint step
     preempted = launch(command, cwd=split, sigterm_after_step=SYNC_INTERVAL, metrics=split / "hdet_metrics.jsonl")
     preempted_metrics = metric_lines(split)
+    stopped_early = (split / STOPPED_EARLY).read_text() if (split / STOPPED_EARLY).exists() else None
     resumed = launch([*command, "--resume"], cwd=split)
     return {"full": main_job.out, "split": split, "uninterrupted": main_job.result, "preempted": preempted,
-            "preempted_metrics": preempted_metrics, "resumed": resumed, "command": main_job.command}
+            "preempted_metrics": preempted_metrics, "stopped_early": stopped_early, "resumed": resumed,
+            "command": main_job.command}
 
 
 def assert_two_replica_run(result: subprocess.CompletedProcess, out: Path, engine: str, *,
@@ -151,6 +154,10 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(fsdp_runs):
     saved = [line for line in preempted.stdout.splitlines() if line.startswith("checkpoint: ")]
     assert len(saved) == stopped // SYNC_INTERVAL  # one per checkpoint step: the preemption's step saved once
     assert max(line["step"] for line in fsdp_runs["preempted_metrics"]) == stopped
+    # what the Slurm templates read to requeue a job whose ranks a signal they did not send stopped; gone once the
+    # run resumed and finished (a job that ends then is not requeued)
+    assert fsdp_runs["stopped_early"] == f"step {stopped} of {STEPS}\n"
+    assert not (fsdp_runs["split"] / STOPPED_EARLY).exists() and not (fsdp_runs["full"] / STOPPED_EARLY).exists()
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     assert f"resumed from {fsdp_runs['split'] / 'checkpoints' / 'latest'} at step {stopped}" in resumed.stdout
     # The metrics file reads as one run: each sync once, in order.
@@ -391,6 +398,17 @@ def test_ctrl_c_checkpoints_like_sigterm(fsdp_runs, tmp_path):
     assert (tmp_path / "checkpoints" / "latest" / "run.json").is_file()
     assert "KeyboardInterrupt" not in result.stdout
     assert result.stdout.count("Traceback") <= 1  # torchrun's own report of the signal it received, at most
+
+
+@pytest.mark.e2e
+def test_a_run_stopped_during_its_lr_range_test_says_so_in_its_out(tmp_path):
+    """Stopped during the range test, a run saves nothing and exits 0: without OUT/stopped_early a Slurm template
+    took it for a run that had finished, and the job ended COMPLETED at step 0."""
+    out = tmp_path / "out"
+    command = [*one_rank(tmp_path, auto_lr={"range_test": 5000}), "--out", str(out)]
+    result = launch(command, cwd=tmp_path, sigterm_on_output="LR range test: up to 5000 steps")
+    assert result.returncode == 0 and "stopped during the LR range test" in result.stdout, result.stdout[-5000:]
+    assert (out / STOPPED_EARLY).read_text() == f"step 0 of {2 * SYNC_INTERVAL}\n"
 
 
 @pytest.mark.e2e
