@@ -453,7 +453,7 @@ class HDETEnsemble:
         re-assigns, and the interval starts over, but the controller moves at the regular syncs only (the
         multiples of ``sync_interval``), so a run's controller makes the same number of updates however often it
         is checkpointed; the next regular sync stays at the next multiple of ``sync_interval``, and its update
-        weighs the scores of every part of the interval by the part's steps, as far as one uncut interval's.
+        takes the Delta of every part of the interval, each weighed by its steps.
         """
         self._check_open("sync")
         if self._range_start is not None:
@@ -519,7 +519,8 @@ class HDETEnsemble:
     def _update_values(self, scores: ReplicaScores) -> list[float] | None:
         """Moves every explored value's controller by eq. 4's weights; returns the weights, or None when the
         controller does not update at this sync (an extra sync, off, warming up, one replica, or a replica without
-        loss). An extra sync's weights are kept for the next regular update (``ExploredValue.score_part``)."""
+        loss). An extra sync's weights are kept for the next regular update (``ExploredValue.score_part``), and
+        dropped where that one does not update."""
         cfg, interval = self.config.auto_lr, self.config.sync_interval
         regular = self._step % interval == 0
         if not regular and self.needs_probe:

@@ -118,8 +118,10 @@ class ExploredValue:
     # ------------------------------------------------------------------------------------ a sync
     def score_part(self, controller: Controller, *, weights: Sequence[float], steps: int) -> None:
         """Keeps the Delta of eq. 4's ``weights`` over the ``steps`` since the last sync, which an extra sync ends
-        and the controller does not move at: the next regular update weighs it by its steps, so an interval cut into
-        parts by extra syncs moves the controller as far as a whole one (each part's own multipliers)."""
+        and the controller does not move at: the next regular update weighs it by its steps, beside the other
+        parts' (each with its own multipliers), where it used the last part alone at a whole interval's weight. A
+        probe on averaged weights (``auto_lr.average_window``) scores a part that ends before the window the
+        interval's last steps span on the part's last weights."""
         self.earlier_delta_steps += steps * controller.hypergradient(weights, self.replica_multipliers())
         self.earlier_steps += steps
 

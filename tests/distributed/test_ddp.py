@@ -453,42 +453,48 @@ def test_a_sync_under_inference_mode_leaves_nothing_the_next_sync_cannot_write()
     assert run_ranks(sync_under_inference_mode, 2) == [True, True]
 
 
-def extra_sync_run(rank: int, world: int) -> list[tuple[int, bool, float, float, list[float], list[float]]]:
-    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=2, ranks_per_replica=1,
-                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0, sigma=0.05, step_size=2.0,
+def extra_sync_run(rank: int, world: int) -> tuple[list[tuple], list[int]]:
+    """T = 4, the controller moving up to step 8: extra syncs at steps 5 (inside its window) and 10 (past it)."""
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=4, ranks_per_replica=1,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, stop=8, range_test=0, sigma=0.05, step_size=2.0,
                                              beta=0.5))
     topology = ReplicaTopology.build(config)
     model = wrap_model(make_model(), config, topology)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     hdet = attach(model, optimizer, config, topology=topology)
-    reports = []
-    for step in range(1, 6):
+    reports, kept = [], []
+    for step in range(1, 13):
         train_steps(model, optimizer, hdet, loss_of, rank, range(step, step + 1))
         if hdet.last_report is not None and hdet.last_report.step == step:
             reports.append(hdet.last_report)
-        if step == 3:
+        if step in (5, 10):
             reports.append(hdet.sync())  # as before a preemption checkpoint
+            kept.append(hdet.state_dict()["explored"]["lr/0"]["earlier_steps"])
     return [(report.step, report.controller_updated, report.values["lr/0"]["scale"],
              report.values["lr/0"]["velocity"], report.replica_losses, report.values["lr/0"]["replica_multipliers"])
-            for report in reports]
+            for report in reports], kept
 
 
 def test_an_extra_sync_averages_but_the_controller_moves_at_regular_syncs_only():
     """An extra sync (a checkpoint's, an export's) also moved the controller, from the losses of part of an
     interval: a run checkpointed more often made more controller updates (in paper mode, one more decay each).
-    Then the regular update rested on the steps after the extra sync alone, as strong as a whole interval's: it
-    weighs each part's Delta by its steps, computed here from the reports' losses and multipliers."""
-    (regular, extra, after, *_), _ = run_ranks(extra_sync_run, 2)
-    assert [entry[:2] for entry in (regular, extra, after)] == [(2, True), (3, False), (4, True)]
+    Then the regular update rested on the 3 steps after the extra sync alone, as strong as a whole interval's: it
+    weighs each part's Delta by its steps, computed here from the reports' losses and multipliers. An extra sync
+    whose next regular sync is past the controller's window keeps nothing."""
+    ((regular, extra, after, late, last), kept), _ = run_ranks(extra_sync_run, 2)
+    assert [entry[:2] for entry in (regular, extra, after, late, last)] == [
+        (4, True), (5, False), (8, True), (10, False), (12, False)]
     assert extra[2] == regular[2] != 1.0  # the scale held at the extra sync
+    assert kept == [1, 0]
 
     def delta(losses: list[float], rhos: list[float]) -> float:  # eqs. 4-6, sigma 0.05, mean rho 1
         scores = [math.exp((sum(losses) / 2 - loss) / 0.05) for loss in losses]
         return sum(score / sum(scores) * (rho - 1.0) for score, rho in zip(scores, rhos, strict=True))
 
-    first, second = delta(*extra[4:]), delta(*after[4:])  # one step each
-    assert abs(first - second) > 1e-3  # the parts disagree: the last alone would give another scale
-    velocity = 0.5 * regular[3] + 0.5 * (first + second) / 2
+    first, rest = delta(*extra[4:]), delta(*after[4:])  # 1 step, then 3
+    weighed = (first + 3 * rest) / 4
+    assert abs(weighed - rest) > 1e-3 and abs(weighed - (first + rest) / 2) > 1e-3  # the weighing shows
+    velocity = 0.5 * regular[3] + 0.5 * weighed
     assert after[3] == pytest.approx(velocity, rel=1e-9)
     assert after[2] == pytest.approx(regular[2] * (1 + 2.0 * velocity), rel=1e-9)
 
