@@ -18,9 +18,9 @@ OUT/hdet_metrics.jsonl --out plots` draws them.
 
 On SIGTERM (Slurm preemption or time limit) or SIGUSR1 (the Slurm templates' time guard) the ranks agree to stop,
 average the replicas (--on_signal sync_now, the default: one step later) or train on to the next regular sync
-(--on_signal next_sync: the resumed run is then bit-identical to an uninterrupted one), checkpoint, write
-OUT/stopped_early (for the Slurm templates, which requeue a job stopped by a signal they did not send), and exit with
-code 0; rerun with
+(--on_signal next_sync: the resumed run is then bit-identical to an uninterrupted one), checkpoint (nothing during
+the LR range test), write OUT/stopped_early (for the Slurm templates, which requeue a job stopped by a signal they
+did not send), and exit with code 0; rerun with
 --resume (a requeued job can always pass it: without a checkpoint the run starts at step 0, saying so where an
 earlier attempt left output, whose metrics it keeps aside). Without --checkpoint_interval the only checkpoints are
 the one at the end and the one a signal asks for: a long job that can die without a signal (a lost node) needs one.
@@ -434,6 +434,7 @@ class Run:
     def _train(self) -> None:
         args, topo = self.args, self.backend.topology
         self._start_or_resume()
+        self.started_at = self.step
         tokens_per_step = (topo.world_size * self.backend.micro_batches * self.backend.micro_batch_size
                            * args.seq_len)
         self.progress.line(
@@ -584,12 +585,15 @@ class Run:
         self.progress.close()
 
     def _say_stopped_early(self) -> None:
-        """Writes ``OUT/stopped_early``: the ranks exit 0 after a stop as after the end, and a Slurm template that
-        did not ask for the stop (sbatch's ``--signal=USR1@<s>`` signals the ranks alone) reads it and requeues the
-        job, which would otherwise end COMPLETED and start what waits for its success (``afterok``)."""
+        """Writes ``OUT/stopped_early`` (the step, the run's --steps and the step this start began at): the ranks exit
+        0 after a stop as after the end, and a Slurm template that did not ask for the stop (sbatch's
+        ``--signal=USR1@<s>`` signals the ranks alone) reads it and requeues the job, which would otherwise end
+        COMPLETED and start what waits for its success (``afterok``), or fails it where the start made no progress
+        (requeued, it would stop there again)."""
         path = self.out / STOPPED_EARLY
         agreed(f"writing {path}", lambda: on_rank0(
-            lambda: write_text_durably(path, f"step {self.step} of {self.args.steps}\n"), f"writing {path}"))
+            lambda: write_text_durably(path, f"step {self.step} of {self.args.steps}, from step {self.started_at}\n"),
+            f"writing {path}"))
 
     def _finish(self) -> None:
         self._end_on_one_model()

@@ -56,6 +56,9 @@ def test_a_job_started_afresh_continues_its_own_run_once_requeued(template):
     assert given("0", 2, "--overw") == ["--out", "out", "--overw"]  # argparse's abbreviation of it
     refused = train_arguments(template, "yes", 0)
     assert refused.returncode == 2 and "RESUME must be 1" in refused.stderr and "not 'yes'" in refused.stderr
+    for own_out in (["--out", "x"], ["--ou=x"]):  # where the script would not find the run's stopped_early
+        refused = train_arguments(template, "1", 0, *own_out)
+        assert refused.returncode == 2 and "give the run's folder as OUT_DIR=<folder> instead" in refused.stderr
 
 
 def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = False, step: str | None = None,
@@ -141,21 +144,28 @@ def test_each_launcher_gets_the_cpus_of_the_smallest_node(template, tmp_path):
 @pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
 def test_ranks_stopped_by_a_signal_the_script_did_not_send_are_requeued_not_completed(template, tmp_path):
     """sbatch's --signal=USR1@90 signals the ranks alone: they checkpointed and exited 0, and the job ended COMPLETED
-    before its --steps, starting what waited for its success (afterok). The run's OUT/stopped_early tells; a step that
-    ends 0 without it finished, and a requeue that fails ends the job FAILED."""
+    before its --steps, starting what waited for its success (afterok). The run's OUT/stopped_early tells. A step
+    that ends 0 without it finished (one left before the step does not count); a start that trained no step before
+    the stop would stop there at every requeue, and a requeue that fails: both end the job FAILED; after scancel's
+    SIGTERM the job stays ended."""
     out = tmp_path / "out"
-    stop = 'mkdir -p "$OUT_DIR"; echo "step 30 of 100" > "$OUT_DIR/stopped_early"; exit 0'
-    for name, step, fails in (("stopped", stop, False), ("finished", "exit 0", False), ("unrequeued", stop, True)):
+    write = 'mkdir -p "$OUT_DIR"; echo "step {} of 100, from step 20" > "$OUT_DIR/stopped_early"; '
+    cases = {  # name: (the stand-in step, its requeue fails, exit status, what the script says, requeued)
+        "stopped": (write.format(30) + "exit 0", False, 0, "stopped before the end of training (step 30 of 100, "
+                    "from step 20) on a signal this script did not send; the job is requeued", True),
+        "finished": ("exit 0", False, 0, None, False),
+        "no_progress": (write.format(20) + "exit 0", False, 1, "with no step trained in this start: requeued, it "
+                        "would stop there again, so the job ends FAILED", False),
+        "unrequeued": (write.format(30) + "exit 0", True, 1, "scontrol requeue failed 5 times", False),
+        "cancelled": (write.format(30) + 'kill -TERM "$PPID"; for _ in $(seq 100); do sleep 0.1; done', False, 0,
+                      "SIGTERM: the ranks checkpoint and stop; the job is not requeued", False),
+    }
+    for name, (step, fails, status, said, requeued) in cases.items():
         out.mkdir(exist_ok=True)
-        (out / "stopped_early").unlink(missing_ok=True)
+        (out / "stopped_early").write_text("step 5 of 100, from step 0\n")  # an earlier run's, left behind
         stand_in_slurm(tmp_path / name, 0, step=step, time_left="UNLIMITED", requeue_fails=fails)
         record = tmp_path / f"{name}.requeued"
         done = run_template(template, tmp_path, tmp_path / name, record, OUT_DIR=str(out))
-        said = "the ranks stopped before the end of training (step 30 of 100) on a signal this script did not send"
-        if name == "stopped":
-            assert done.returncode == 0 and said in done.stderr, done.stderr
-            assert record.read_text() == "requeue 12345\n"
-        elif name == "finished":
-            assert done.returncode == 0 and "requeueing" not in done.stderr and not record.exists(), done.stderr
-        else:
-            assert done.returncode == 1 and "scontrol requeue failed 5 times: the job ends FAILED" in done.stderr
+        assert done.returncode == status, (name, done.stderr)
+        assert said in done.stderr if said else "requeueing" not in done.stderr, (name, done.stderr)
+        assert (record.read_text() if record.exists() else "") == ("requeue 12345\n" if requeued else ""), name

@@ -156,7 +156,7 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(fsdp_runs):
     assert max(line["step"] for line in fsdp_runs["preempted_metrics"]) == stopped
     # what the Slurm templates read to requeue a job whose ranks a signal they did not send stopped; gone once the
     # run resumed and finished (a job that ends then is not requeued)
-    assert fsdp_runs["stopped_early"] == f"step {stopped} of {STEPS}\n"
+    assert fsdp_runs["stopped_early"] == f"step {stopped} of {STEPS}, from step 0\n"
     assert not (fsdp_runs["split"] / STOPPED_EARLY).exists() and not (fsdp_runs["full"] / STOPPED_EARLY).exists()
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     assert f"resumed from {fsdp_runs['split'] / 'checkpoints' / 'latest'} at step {stopped}" in resumed.stdout
@@ -408,7 +408,7 @@ def test_a_run_stopped_during_its_lr_range_test_says_so_in_its_out(tmp_path):
     command = [*one_rank(tmp_path, auto_lr={"range_test": 5000}), "--out", str(out)]
     result = launch(command, cwd=tmp_path, sigterm_on_output="LR range test: up to 5000 steps")
     assert result.returncode == 0 and "stopped during the LR range test" in result.stdout, result.stdout[-5000:]
-    assert (out / STOPPED_EARLY).read_text() == f"step 0 of {2 * SYNC_INTERVAL}\n"
+    assert (out / STOPPED_EARLY).read_text() == f"step 0 of {2 * SYNC_INTERVAL}, from step 0\n"
 
 
 @pytest.mark.e2e
