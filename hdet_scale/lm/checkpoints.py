@@ -50,6 +50,8 @@ class ResumePoint:
     replicas: int
     changed: tuple[str, ...] = ()
     """The settings this run gives otherwise than the checkpoint's run did, as ``name old -> new``."""
+    heldout_split: dict[str, Any] | None = None
+    """Where the checkpoint's run held its data out (``Corpus.heldout_split``); None in one of an earlier version."""
 
     def changed_line(self) -> str:
         """One line: the changed settings that apply from the resumed step on, and those the checkpoint keeps."""
@@ -198,7 +200,8 @@ def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
                               f"resume from a complete checkpoint or remove {out / CHECKPOINTS} to start afresh")
     return ResumePoint(path=path, step=int(saved["step"]), saved_replicas=int(saved["replicas"]),
                        replicas=int(run["replicas"]), changed=changed_settings(saved.get("settings", {}),
-                                                                               run["settings"]))
+                                                                               run["settings"]),
+                       heldout_split=saved.get("heldout_split"))
 
 
 def written_before_this_requeue(out: Path) -> bool:

@@ -43,6 +43,11 @@ class Corpus:
     """How to get more training tokens out of this source, for an error that finds too few."""
     more_heldout: str = "give more data"
     """How to get more held-out tokens out of this source."""
+    heldout_split: dict[str, Any] | None = None
+    """Where the held-out tokens lie in the source, for a resumed run to check that it holds out none it trained on
+    (``held_out_but_trained``): ``{"source", "heldout_from_byte"}`` (a file held out from that byte on) or
+    ``{"source", "heldout_files", "trained_files"}`` (a directory's files, by their paths in it); None for the
+    embedded corpus, whose split is fixed."""
 
     def check_fits(self, *, seq_len: int, micro_batch_size: int) -> None:
         """Raises when the corpus cannot fill one batch of ``micro_batch_size`` windows of ``seq_len + 1`` (and
@@ -116,20 +121,25 @@ def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
 
 def _text_files(files: list[Path], root: Path, max_bytes: int | None) -> Corpus:
     """``files`` read as bytes: every ``HELDOUT_EVERY``-th held out whole, or one file's last tenth."""
+    source = str(root.resolve())
     if len(files) == 1:  # nothing can be held out whole: the file's last tenth is held out instead
         data = files[0].read_bytes()[:max_bytes]
         cut = len(data) - len(data) // 10
         train, heldout, read = [data[:cut]], [data[cut:]], 1
+        split = {"source": source, "heldout_from_byte": cut}
     else:
         held = set(range(HELDOUT_EVERY - 1, len(files), HELDOUT_EVERY)) or {len(files) - 1}
         train, heldout, total = [], [], 0
+        names: dict[bool, list[str]] = {True: [], False: []}
         for index, file in enumerate(files):
             if max_bytes is not None and total >= max_bytes:
                 break
             data = file.read_bytes()[: None if max_bytes is None else max_bytes - total]
             (heldout if index in held else train).append(data)
+            names[index in held].append(file.relative_to(root).as_posix())
             total += len(data)
         read = len(train) + len(heldout)
+        split = {"source": source, "heldout_files": names[True], "trained_files": names[False]}
     if root.is_file():
         description = f"the text file {root}"
     elif read == len(files):
@@ -137,7 +147,31 @@ def _text_files(files: list[Path], root: Path, max_bytes: int | None) -> Corpus:
     else:  # --max_data_mb stopped the reading
         description = f"the first {read} of {len(files)} text files in {root}"
     more = _more_text(max_bytes, read=sum(map(len, train)) + sum(map(len, heldout)), otherwise="give more text files")
-    return Corpus(byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout)), BYTE_VOCAB, description, more, more)
+    return Corpus(byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout)), BYTE_VOCAB, description, more, more,
+                  heldout_split=split)
+
+
+def held_out_but_trained(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> str | None:
+    """What of the held-out split ``now`` (``Corpus.heldout_split``) the run whose checkpoint recorded ``saved`` has
+    trained on, in words; None where nothing (or where the two are of different sources, or either has none)."""
+    if not saved or not now or saved.keys() != now.keys() or saved["source"] != now["source"]:
+        return None
+    if "heldout_from_byte" in now:
+        start, before = now["heldout_from_byte"], saved["heldout_from_byte"]
+        return (f"its held-out part now starts at byte {start:,}, and the run trained on bytes {start:,} to "
+                f"{before:,}" if start < before else None)
+    trained = sorted(set(saved["trained_files"]) & set(now["heldout_files"]))
+    return (f"{len(trained)} of the files it holds out now were trained on (the first: {trained[0]}): its held-out "
+            "files are every 20th in name order, which files added to it shift" if trained else None)
+
+
+def recorded_split(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The split a resumed run's checkpoints record: ``now``, with the files every run so far trained on (a
+    directory read shorter by --max_data_mb trained on fewer of them, but the earlier run's stay trained)."""
+    if not saved or not now or saved.keys() != now.keys() or saved["source"] != now["source"] \
+            or "trained_files" not in now:
+        return now
+    return {**now, "trained_files": sorted({*saved["trained_files"], *now["trained_files"]})}
 
 
 def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fraction: float,
@@ -187,7 +221,8 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
         _refuse_uint32_read_as_uint16(path, tokens[: VOCAB_CHECK_TOKENS // VOCAB_CHECK_RUNS])
     cut = len(tokens) - max(1, int(len(tokens) * heldout_fraction))
     return Corpus(tokens[:cut], tokens[cut:], vocab_size, described, more_train=more_train,
-                  more_heldout=f"raise --heldout_fraction (now {heldout_fraction:g})")
+                  more_heldout=f"raise --heldout_fraction (now {heldout_fraction:g})",
+                  heldout_split={"source": str(path.resolve()), "heldout_from_byte": cut * dtype.itemsize})
 
 
 def _refuse_uint32_read_as_uint16(path: Path, first: Any) -> None:

@@ -28,7 +28,15 @@ from hdet_scale.lm.checkpoints import (
     out_state,
     written_before_this_requeue,
 )
-from hdet_scale.lm.corpus import BYTE_VOCAB, TOKEN_FILE_DEFAULTS, Corpus, load_corpus, reads_bytes
+from hdet_scale.lm.corpus import (
+    BYTE_VOCAB,
+    TOKEN_FILE_DEFAULTS,
+    Corpus,
+    held_out_but_trained,
+    load_corpus,
+    reads_bytes,
+    recorded_split,
+)
 from hdet_scale.lm.model import PRESETS, check_preset
 from hdet_scale.metrics import writable_directory
 from hdet_scale.resolve import load_config, resolve, stuck_start_error
@@ -52,7 +60,8 @@ class Plan:
     world_size: int
     dtype: str
     run: dict[str, Any]
-    """What a checkpoint of this run records and a resumed run must share (``lm.checkpoints.identity``)."""
+    """What a checkpoint of this run records and a resumed run must share (``lm.checkpoints.identity``), and where
+    its data is held out (``heldout_split``: a resume may not hold out what it trained on)."""
     resume: ResumePoint | None
     """The checkpoint to continue from (``--resume`` and there is one, or this requeued Slurm job's own)."""
     out_state: tuple[tuple[str, ...], int | None]
@@ -164,7 +173,16 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--resume: {out} holds a finished run's model ({final[0]}) and no checkpoint to "
                          "continue from: pass --overwrite instead of --resume to start afresh over it (RESUME=0 "
                          "with the Slurm templates), or choose another --out")
-    return Plan(engine, config, corpus or read_corpus(), ds_config, world_size, dtype, run, resume, found)
+    corpus = corpus or read_corpus()
+    saved_split = resume.heldout_split if resume is not None else None
+    trained = held_out_but_trained(saved_split, corpus.heldout_split)
+    if trained:
+        raise ValueError(f"--resume: --data {args.data}: {trained}, so the held-out loss would be measured on "
+                         "training data; resume with the data, --max_data_mb and --heldout_fraction the run had (a "
+                         "larger --max_data_mb or a smaller --heldout_fraction is fine), or start a new run in another "
+                         "--out")
+    run = {**run, "heldout_split": recorded_split(saved_split, corpus.heldout_split)}
+    return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume, found)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -484,3 +484,46 @@ def test_a_promoted_checkpoint_is_on_the_disk_before_the_one_it_retired_goes(tmp
     said = settle_interrupted_save(tmp_path)
     assert said[0].startswith(f"promoted {newer}") and said[1].startswith(f"removed {root / 'latest.old'}")
     assert events.index(("flush", root)) < events.index(("remove", root / "latest.old"))
+
+
+def test_a_resume_that_would_hold_out_trained_tokens_is_refused_before_any_process_group(tmp_path, single_process):
+    """A resume with a larger --heldout_fraction (or a smaller --max_data_mb) moved the token file's held-out part
+    into the tokens the run had trained on, and its held-out loss was measured on training data."""
+    import numpy as np
+
+    data = tmp_path / "tokens.bin"
+    (np.arange(40_000) % 1000).astype(np.uint16).tofile(data)  # 80,000 bytes, held out from byte 79,200 (1%)
+    words = ["--out", str(tmp_path / "out"), "--data", str(data), "--vocab_size", "1000", "--seq_len", "32"]
+    saved = plan(parse_args(words)).run
+    assert saved["heldout_split"] == {"source": str(data.resolve()), "heldout_from_byte": 79_200}
+    fake_checkpoint(tmp_path / "out", saved)
+    with pytest.raises(ValueError, match=rf"--resume: --data {data}: its held-out part now starts at byte 76,000, "
+                                         r"and the run trained on bytes 76,000 to 79,200, so the held-out loss"):
+        plan(parse_args([*words, "--resume", "--heldout_fraction", "0.05"]))
+    with pytest.raises(ValueError, match="now starts at byte 39,600, and the run trained on bytes 39,600 to 79,200"):
+        plan(parse_args([*words, "--resume", "--max_data_mb", str(40_000 / 2**20)]))  # the first half of the file
+    assert not dist.is_initialized()
+    moved_on = plan(parse_args([*words, "--resume", "--heldout_fraction", "0.005"]))  # trains on more: fine
+    assert moved_on.run["heldout_split"]["heldout_from_byte"] == 79_600
+
+
+def test_a_resume_after_files_were_added_to_the_data_folder_is_refused_where_they_shift_the_held_out_files(
+        tmp_path, single_process):
+    """Every 20th file in name order is held out: a file added before the others shifted the choice onto files the
+    run had trained on. Files added after them keep it, and what every run trained on is recorded."""
+    folder = tmp_path / "text"
+    folder.mkdir()
+    for index in range(1, 41):
+        (folder / f"f{index:02d}.txt").write_text(f"file {index} " * 200)
+    words = ["--out", str(tmp_path / "out"), "--data", str(folder), "--seq_len", "32"]
+    saved = plan(parse_args(words)).run
+    assert saved["heldout_split"]["heldout_files"] == ["f20.txt", "f40.txt"]
+    fake_checkpoint(tmp_path / "out", saved)
+    (folder / "f41.txt").write_text("added " * 200)  # after the others: the same files held out
+    resumed = plan(parse_args([*words, "--resume"]))
+    assert resumed.run["heldout_split"]["trained_files"] == sorted({*saved["heldout_split"]["trained_files"],
+                                                                    "f41.txt"})
+    (folder / "f00.txt").write_text("added " * 200)  # before them: f19 and f39 held out, trained on before
+    with pytest.raises(ValueError, match=r"--data .*text: 2 of the files it holds out now were trained on \(the first: "
+                                         r"f19.txt\): its held-out files are every 20th in name order"):
+        plan(parse_args([*words, "--resume"]))
