@@ -7,7 +7,8 @@ Three modes (see ``AutoLRConfig.mode``):
 
 * ``scale``: values are ``schedule(t) * scale * rho``. The hypergradient is taken relative to the replicas'
   mean value, ``Delta_rel = (sum_r w_r rho_r - mean rho) / mean rho`` (eqs. 5-6 over eta bar); momentum smooths
-  it; ``scale <- scale * (1 + lambda * v)`` clamped to [scale_min, scale_max]. The base schedule keeps its shape.
+  it; ``scale <- scale * (1 + lambda * v)`` clamped to [scale_min, scale_max], where the velocity pointing past the
+  bound is dropped. The base schedule keeps its shape.
 * ``paper``: after the warm-up the controller owns the base value ``b``: ``Delta = b * Delta_rel``,
   ``v <- beta v + (1 - beta) Delta`` and ``b <- max(b (1 - gamma) + lambda v, floor)``, with gamma chosen so
   that ``(1 - gamma)^K = floor / b`` over the K remaining syncs. This is eqs. 5-7 on the replicas' mean value
@@ -19,8 +20,9 @@ Three modes (see ``AutoLRConfig.mode``):
   sigma))`` with ``s`` the replicas' loss standard deviation, so the temperature is in units of how much
   the replicas differ, not in nats; ``Delta_log = sum_r w_r log rho_r - mean log rho`` (a weighted mean of log
   multipliers from their plain mean, 0 when the weights are equal); ``v <- beta v + (1 - beta)
-  Delta_log``; ``log scale <- log scale + clip(lambda v, +-max_log_step)``. A step up and a step down by the
-  same factor weigh alike, and the signal keeps its strength where loss gaps shrink (low LRs).
+  Delta_log``; ``log scale <- log scale + clip(lambda v, +-max_log_step)``, clamped as in ``scale`` mode. A step
+  up and a step down by the same factor weigh alike, and the signal keeps its strength where loss gaps shrink (low
+  LRs).
 """
 
 from __future__ import annotations
@@ -167,20 +169,22 @@ class Controller:
         return relative_hypergradient(weights, replica_multipliers)
 
     def update(self, state: ControllerState, *, delta: float, trained_base: float, step: int, sync_interval: int,
-               paper_decay: PaperDecay | None = None) -> ControllerState:
+               paper_decay: PaperDecay | None = None,
+               value_bounds: tuple[float, float] | None = None) -> ControllerState:
         """One sync's update from the interval's ``delta`` (``hypergradient``). ``trained_base`` is the base the
         interval's last step trained with (eq. 5's eta at kT over the multipliers; ``paper`` mode takes over from it
-        at its first update)."""
+        at its first update). ``value_bounds``: the scales that put the base at its value's own bounds (a
+        probability's 0 and 1), kept within after [scale_min, scale_max] (``scale`` and ``log`` mode)."""
         cfg = self.config
         if cfg.mode == "log":
             velocity = self._one_sided(momentum(state.velocity, delta, cfg.beta), step)
             log_step = min(max(cfg.step_size * velocity, -cfg.max_log_step), cfg.max_log_step)
-            scale = self._clamp(state.scale * math.exp(log_step))
+            scale, velocity = self._clamp(state.scale * math.exp(log_step), velocity, value_bounds)
             return ControllerState(velocity=velocity, scale=scale, last_delta=delta)
         delta_rel = delta
         if cfg.mode == "scale":
             velocity = self._one_sided(momentum(state.velocity, delta_rel, cfg.beta), step)
-            scale = self._clamp(state.scale * (1.0 + cfg.step_size * velocity))
+            scale, velocity = self._clamp(state.scale * (1.0 + cfg.step_size * velocity), velocity, value_bounds)
             return ControllerState(velocity=velocity, scale=scale, last_delta=delta_rel)
         if paper_decay is None:
             raise ValueError(
@@ -205,8 +209,18 @@ class Controller:
             return velocity
         return max(velocity, 0.0) if share > self.config.rise_only_after else velocity
 
-    def _clamp(self, scale: float) -> float:
-        return min(max(scale, self.config.scale_min), self.config.scale_max)
+    def _clamp(self, scale: float, velocity: float,
+               value_bounds: tuple[float, float] | None) -> tuple[float, float]:
+        """``scale`` inside [scale_min, scale_max], then inside ``value_bounds``, and ``velocity`` with nothing left
+        pointing past a bound the scale stopped at: momentum that wound on there would hold the scale at the bound
+        for as many updates after the evidence turned as it took to unwind (a label smoothing's scale at 10 on a
+        base of 0.3, pinned below 1)."""
+        for low, high in ((self.config.scale_min, self.config.scale_max), *([value_bounds] if value_bounds else [])):
+            if scale >= high:
+                scale, velocity = high, min(velocity, 0.0)
+            elif scale <= low:
+                scale, velocity = low, max(velocity, 0.0)
+        return scale, velocity
 
 
 # ------------------------------------------------------------------------------------ the controller's window

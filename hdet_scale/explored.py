@@ -7,7 +7,6 @@ bounds. The ensemble owns one ``ExploredValue`` per explored hyperparameter and 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -137,24 +136,18 @@ class ExploredValue:
         if self.earlier_steps:
             delta = (self.earlier_delta_steps + steps * delta) / (self.earlier_steps + steps)
         self.forget_parts()
-        state = controller.update(self.state, delta=delta, trained_base=self.last_base(), step=step,
-                                  sync_interval=sync_interval, paper_decay=self.paper_decay)
-        self.state = self._scale_within_bounds(state)
+        self.state = controller.update(self.state, delta=delta, trained_base=self.last_base(), step=step,
+                                       sync_interval=sync_interval, paper_decay=self.paper_decay,
+                                       value_bounds=self._scale_bounds())
 
-    def _scale_within_bounds(self, state: ControllerState) -> ControllerState:
-        """``state`` with its scale no further than puts the base at the knob's bounds, and there no velocity
-        outward: past them the base stays clamped while the scale (or the momentum) would wind on, and a change of
-        direction would take as many syncs to come back as it went past (a label smoothing's scale at 10 on a base of
-        0.3, pinned below 1)."""
+    def _scale_bounds(self) -> tuple[float, float] | None:
+        """The scales that put the base at the knob's bounds on the schedule's value now: past them the base stays
+        clamped while the scale would wind on. None where the schedule gives 0 or no finite value."""
         scheduled = self.knob.scheduled()
-        if state.owned_base is not None or not math.isfinite(scheduled) or scheduled == 0.0:
-            return state
+        if not math.isfinite(scheduled) or scheduled == 0.0:
+            return None
         low, high = sorted((self.knob.bounds.low / scheduled, self.knob.bounds.high / scheduled))
-        if state.scale >= high:
-            return dataclasses.replace(state, scale=high, velocity=min(state.velocity, 0.0))
-        if state.scale <= low:
-            return dataclasses.replace(state, scale=low, velocity=max(state.velocity, 0.0))
-        return state
+        return low, high
 
     def redraw(self) -> None:
         """Draws the next interval's permutation (eq. 9's re-assignment)."""

@@ -252,3 +252,25 @@ def test_a_step_size_past_the_largest_fall_is_refused_before_it_drops_the_scale_
     with pytest.raises(HDETConfigError, match=r"auto_lr.step_size=2.5 with add_knob\('temperature', alpha=...\)=0.9 "):
         hdet.add_knob("temperature", lambda: 1.0, lambda value: None, alpha=0.9)
     assert not hdet.explores("temperature")
+
+
+@pytest.mark.parametrize("mode", ["scale", "log"])
+def test_the_velocity_does_not_wind_on_past_a_bound_the_scale_stopped_at(mode):
+    """beta 0.5, lambda 1, scale_max 1.1. The high replica wins (scale mode: Delta 0.5, v 0.25, scale 1.25; log mode:
+    Delta log 2, v log(2) / 2, scale sqrt 2), clamped to 1.1: the velocity pointing past it is dropped. Then the low
+    one wins: v = -Delta / 2 at once, where the wound-on velocity would have halved the fall."""
+    controller = Controller(AutoLRConfig(mode=mode, beta=0.5, step_size=1.0, scale_max=1.1, max_log_step=10.0))
+    rhos = [0.5, 1.5] if mode == "scale" else [0.5, 2.0]
+    up = controller.update(ControllerState(), delta=controller.hypergradient([0.0, 1.0], rhos), trained_base=1.0,
+                           step=10, sync_interval=5)
+    assert up.scale == 1.1 and up.velocity == 0.0
+    down = controller.update(up, delta=controller.hypergradient([1.0, 0.0], rhos), trained_base=1.0, step=15,
+                             sync_interval=5)
+    if mode == "scale":  # Delta -0.5: v -0.25, scale 1.1 x 0.75
+        assert down.velocity == pytest.approx(-0.25) and down.scale == pytest.approx(0.825)
+    else:  # Delta -log 2: v -log(2) / 2, scale 1.1 / sqrt 2
+        assert down.velocity == pytest.approx(-math.log(2) / 2) and down.scale == pytest.approx(1.1 / math.sqrt(2))
+    floor = Controller(AutoLRConfig(mode=mode, beta=0.5, step_size=1.0, scale_min=0.9, max_log_step=10.0))
+    low = floor.update(ControllerState(), delta=floor.hypergradient([1.0, 0.0], rhos), trained_base=1.0, step=10,
+                       sync_interval=5)
+    assert low.scale == 0.9 and low.velocity == 0.0
