@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -50,8 +50,9 @@ class ResumePoint:
     replicas: int
     changed: tuple[str, ...] = ()
     """The settings this run gives otherwise than the checkpoint's run did, as ``name old -> new``."""
-    heldout_split: dict[str, Any] | None = None
-    """Where the checkpoint's run held its data out (``Corpus.heldout_split``); None in one of an earlier version."""
+    trained_to: dict[str, int] = field(default_factory=dict)
+    """How far the checkpoint's run (and those it resumed) trained on each data file (``corpus.trained_so_far``);
+    empty in one of an earlier version."""
 
     def changed_line(self) -> str:
         """One line: the changed settings that apply from the resumed step on, and those the checkpoint keeps."""
@@ -201,7 +202,7 @@ def check_resume(out: Path, run: dict[str, Any]) -> ResumePoint | None:
     return ResumePoint(path=path, step=int(saved["step"]), saved_replicas=int(saved["replicas"]),
                        replicas=int(run["replicas"]), changed=changed_settings(saved.get("settings", {}),
                                                                                run["settings"]),
-                       heldout_split=saved.get("heldout_split"))
+                       trained_to=saved.get("trained_to", {}))
 
 
 def written_before_this_requeue(out: Path) -> bool:

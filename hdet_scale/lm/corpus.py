@@ -7,14 +7,15 @@ than memory costs nothing to open. Every source is checked when loaded, before a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from hdet_scale.lm.data import byte_tokens, stdlib_corpus
+from hdet_scale.lm.data import byte_tokens, stdlib_files, stdlib_root
 
 BYTE_VOCAB = 256
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".xml", ".tex"}
@@ -43,11 +44,11 @@ class Corpus:
     """How to get more training tokens out of this source, for an error that finds too few."""
     more_heldout: str = "give more data"
     """How to get more held-out tokens out of this source."""
-    heldout_split: dict[str, Any] | None = None
-    """Where the held-out tokens lie in the source, for a resumed run to check that it holds out none it trained on
-    (``held_out_but_trained``): ``{"source", "heldout_from_byte"}`` (a file held out from that byte on) or
-    ``{"source", "heldout_files", "trained_files"}`` (a directory's files, by their paths in it); None for the
-    embedded corpus, whose split is fixed."""
+    held_from: dict[str, int] = field(default_factory=dict)
+    """For every file (``file_key``) held out, the byte it is held out from (0: the whole file), for a resumed run to
+    check that it holds out nothing it trained on (``held_out_but_trained``)."""
+    trained_to: dict[str, int] = field(default_factory=dict)
+    """For every file trained on, the byte training reads it up to."""
 
     def check_fits(self, *, seq_len: int, micro_batch_size: int) -> None:
         """Raises when the corpus cannot fill one batch of ``micro_batch_size`` windows of ``seq_len + 1`` (and
@@ -89,9 +90,11 @@ def load_corpus(source: str, *, token_dtype: str = TOKEN_FILE_DEFAULTS["token_dt
             ``heldout_fraction`` is held out.
     """
     if source == "stdlib":
-        train, heldout = stdlib_corpus(max_bytes)
-        more = _more_text(max_bytes, read=len(train) + len(heldout), otherwise="give a directory of text files")
-        return Corpus(train, heldout, BYTE_VOCAB, "the standard library's source (embedded)", more, more)
+        corpus = _text_files(stdlib_files(), stdlib_root(), max_bytes, keys="stdlib")
+        more = _more_text(max_bytes, read=len(corpus.train) + len(corpus.heldout),
+                          otherwise="give a directory of text files")
+        return dataclasses.replace(corpus, description="the standard library's source (embedded)", more_train=more,
+                                   more_heldout=more)
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {source}: no such file or directory (use 'stdlib', a text file or a "
@@ -119,27 +122,30 @@ def _text_directory(root: Path, max_bytes: int | None) -> Corpus:
     return _text_files(files, root, max_bytes)
 
 
-def _text_files(files: list[Path], root: Path, max_bytes: int | None) -> Corpus:
-    """``files`` read as bytes: every ``HELDOUT_EVERY``-th held out whole, or one file's last tenth."""
-    source = str(root.resolve())
+def _text_files(files: list[Path], root: Path, max_bytes: int | None, *, keys: str | None = None) -> Corpus:
+    """``files`` read as bytes: every ``HELDOUT_EVERY``-th held out whole, or one file's last tenth. ``keys``: the
+    name the files' keys start with (``file_key``), ``root``'s own by default."""
     if len(files) == 1:  # nothing can be held out whole: the file's last tenth is held out instead
         data = files[0].read_bytes()[:max_bytes]
         cut = len(data) - len(data) // 10
         train, heldout, read = [data[:cut]], [data[cut:]], 1
-        split = {"source": source, "heldout_from_byte": cut}
+        key = file_key(files[0], root, keys)
+        held_from, trained_to = {key: cut}, {key: cut}
     else:
         held = set(range(HELDOUT_EVERY - 1, len(files), HELDOUT_EVERY)) or {len(files) - 1}
         train, heldout, total = [], [], 0
-        names: dict[bool, list[str]] = {True: [], False: []}
+        held_from, trained_to = {}, {}
         for index, file in enumerate(files):
             if max_bytes is not None and total >= max_bytes:
                 break
             data = file.read_bytes()[: None if max_bytes is None else max_bytes - total]
             (heldout if index in held else train).append(data)
-            names[index in held].append(file.relative_to(root).as_posix())
+            if index in held:
+                held_from[file_key(file, root, keys)] = 0
+            else:
+                trained_to[file_key(file, root, keys)] = len(data)
             total += len(data)
         read = len(train) + len(heldout)
-        split = {"source": source, "heldout_files": names[True], "trained_files": names[False]}
     if root.is_file():
         description = f"the text file {root}"
     elif read == len(files):
@@ -148,30 +154,34 @@ def _text_files(files: list[Path], root: Path, max_bytes: int | None) -> Corpus:
         description = f"the first {read} of {len(files)} text files in {root}"
     more = _more_text(max_bytes, read=sum(map(len, train)) + sum(map(len, heldout)), otherwise="give more text files")
     return Corpus(byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout)), BYTE_VOCAB, description, more, more,
-                  heldout_split=split)
+                  held_from=held_from, trained_to=trained_to)
 
 
-def held_out_but_trained(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> str | None:
-    """What of the held-out split ``now`` (``Corpus.heldout_split``) the run whose checkpoint recorded ``saved`` has
-    trained on, in words; None where nothing (or where the two are of different sources, or either has none)."""
-    if not saved or not now or saved.keys() != now.keys() or saved["source"] != now["source"]:
+def file_key(file: Path, root: Path, keys: str | None = None) -> str:
+    """How the held-out split names ``file`` of the source ``root``: a file given itself by its name and size (a
+    file of that name replaced by another is not compared), a folder's (or the embedded corpus's) by its path in it
+    after the folder's name (or ``keys``), so that a copy of the data elsewhere (a job's local disk) is still
+    compared."""
+    if file == root:
+        return f"{root.name} ({root.stat().st_size} bytes)"
+    return f"{keys or root.name}/{file.relative_to(root).as_posix()}"
+
+
+def held_out_but_trained(held_from: dict[str, int], trained_before: dict[str, int]) -> str | None:
+    """What of a corpus's held-out part (``Corpus.held_from``) runs before trained on (``trained_before``, the
+    ``Corpus.trained_to`` of each, merged by ``trained_so_far``), in words; None where nothing."""
+    trained = [(key, start, trained_before[key]) for key, start in sorted(held_from.items())
+               if start < trained_before.get(key, 0)]
+    if not trained:
         return None
-    if "heldout_from_byte" in now:
-        start, before = now["heldout_from_byte"], saved["heldout_from_byte"]
-        return (f"its held-out part now starts at byte {start:,}, and the run trained on bytes {start:,} to "
-                f"{before:,}" if start < before else None)
-    trained = sorted(set(saved["trained_files"]) & set(now["heldout_files"]))
-    return (f"{len(trained)} of the files it holds out now were trained on (the first: {trained[0]}): its held-out "
-            "files are every 20th in name order, which files added to it shift" if trained else None)
+    (key, start, end), more = trained[0], len(trained) - 1
+    return (f"{key} is held out from byte {start:,} now, and the run trained on it up to byte {end:,}"
+            + (f" ({more} more file(s) alike)" if more else ""))
 
 
-def recorded_split(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The split a resumed run's checkpoints record: ``now``, with the files every run so far trained on (a
-    directory read shorter by --max_data_mb trained on fewer of them, but the earlier run's stay trained)."""
-    if not saved or not now or saved.keys() != now.keys() or saved["source"] != now["source"] \
-            or "trained_files" not in now:
-        return now
-    return {**now, "trained_files": sorted({*saved["trained_files"], *now["trained_files"]})}
+def trained_so_far(trained_before: dict[str, int], trained_to: dict[str, int]) -> dict[str, int]:
+    """How far every file was trained on by the runs before (``trained_before``) and this one (``trained_to``)."""
+    return {**trained_before, **{key: max(end, trained_before.get(key, 0)) for key, end in trained_to.items()}}
 
 
 def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fraction: float,
@@ -222,7 +232,8 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
     cut = len(tokens) - max(1, int(len(tokens) * heldout_fraction))
     return Corpus(tokens[:cut], tokens[cut:], vocab_size, described, more_train=more_train,
                   more_heldout=f"raise --heldout_fraction (now {heldout_fraction:g})",
-                  heldout_split={"source": str(path.resolve()), "heldout_from_byte": cut * dtype.itemsize})
+                  held_from={file_key(path, path): cut * dtype.itemsize},
+                  trained_to={file_key(path, path): cut * dtype.itemsize})
 
 
 def _refuse_uint32_read_as_uint16(path: Path, first: Any) -> None:

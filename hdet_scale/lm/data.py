@@ -10,9 +10,14 @@ import torch
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
+def stdlib_root() -> Path:
+    """Where the standard library's source is."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_files() -> list[Path]:
     """The standard library's .py files, test suites and installed packages excluded, in a stable order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     files = [path for path in root.rglob("*.py")
              if not _SKIPPED_DIRS.intersection(path.relative_to(root).parts[:-1])]
     if not files:

@@ -22,6 +22,7 @@ from hdet_scale.engines.deepspeed_settings import check_ds_config, zero_section
 from hdet_scale.extras import require
 from hdet_scale.lm.checkpoints import (
     FINAL_MODEL,
+    ResumeError,
     ResumePoint,
     check_resume,
     identity,
@@ -35,7 +36,7 @@ from hdet_scale.lm.corpus import (
     held_out_but_trained,
     load_corpus,
     reads_bytes,
-    recorded_split,
+    trained_so_far,
 )
 from hdet_scale.lm.model import PRESETS, check_preset
 from hdet_scale.metrics import writable_directory
@@ -60,8 +61,8 @@ class Plan:
     world_size: int
     dtype: str
     run: dict[str, Any]
-    """What a checkpoint of this run records and a resumed run must share (``lm.checkpoints.identity``), and where
-    its data is held out (``heldout_split``: a resume may not hold out what it trained on)."""
+    """What a checkpoint of this run records and a resumed run must share (``lm.checkpoints.identity``), and how far
+    it trained on each data file (``trained_to``: a resume may not hold out what it trained on)."""
     resume: ResumePoint | None
     """The checkpoint to continue from (``--resume`` and there is one, or this requeued Slurm job's own)."""
     out_state: tuple[tuple[str, ...], int | None]
@@ -174,14 +175,14 @@ def plan(args: argparse.Namespace) -> Plan:
                          "continue from: pass --overwrite instead of --resume to start afresh over it (RESUME=0 "
                          "with the Slurm templates), or choose another --out")
     corpus = corpus or read_corpus()
-    saved_split = resume.heldout_split if resume is not None else None
-    trained = held_out_but_trained(saved_split, corpus.heldout_split)
+    trained_before = resume.trained_to if resume is not None else {}
+    trained = held_out_but_trained(corpus.held_from, trained_before)
     if trained:
-        raise ValueError(f"--resume: --data {args.data}: {trained}, so the held-out loss would be measured on "
-                         "training data; resume with the data, --max_data_mb and --heldout_fraction the run had (a "
-                         "larger --max_data_mb or a smaller --heldout_fraction is fine), or start a new run in another "
-                         "--out")
-    run = {**run, "heldout_split": recorded_split(saved_split, corpus.heldout_split)}
+        raise ResumeError(f"--resume: --data {args.data}: {trained}, so the held-out loss would be measured on "
+                          "training data; resume with the data as the run had it (the same files, --max_data_mb and "
+                          "--heldout_fraction: a larger --max_data_mb, a smaller --heldout_fraction or files added "
+                          "after the others in name order are fine), or start a new run in another --out")
+    run = {**run, "trained_to": trained_so_far(trained_before, corpus.trained_to)}
     return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume, found)
 
 

@@ -8,6 +8,7 @@ tests/distributed/test_resume_distributed.py.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -488,42 +489,75 @@ def test_a_promoted_checkpoint_is_on_the_disk_before_the_one_it_retired_goes(tmp
 
 def test_a_resume_that_would_hold_out_trained_tokens_is_refused_before_any_process_group(tmp_path, single_process):
     """A resume with a larger --heldout_fraction (or a smaller --max_data_mb) moved the token file's held-out part
-    into the tokens the run had trained on, and its held-out loss was measured on training data."""
+    into the tokens the run had trained on, and its held-out loss was measured on training data. A copy of the file
+    elsewhere (a job's local disk) is the same data."""
     import numpy as np
 
     data = tmp_path / "tokens.bin"
     (np.arange(40_000) % 1000).astype(np.uint16).tofile(data)  # 80,000 bytes, held out from byte 79,200 (1%)
-    words = ["--out", str(tmp_path / "out"), "--data", str(data), "--vocab_size", "1000", "--seq_len", "32"]
-    saved = plan(parse_args(words)).run
-    assert saved["heldout_split"] == {"source": str(data.resolve()), "heldout_from_byte": 79_200}
+    words = ["--out", str(tmp_path / "out"), "--vocab_size", "1000", "--seq_len", "32"]
+    saved = plan(parse_args([*words, "--data", str(data)])).run
+    assert saved["trained_to"] == {"tokens.bin (80000 bytes)": 79_200}
     fake_checkpoint(tmp_path / "out", saved)
-    with pytest.raises(ValueError, match=rf"--resume: --data {data}: its held-out part now starts at byte 76,000, "
-                                         r"and the run trained on bytes 76,000 to 79,200, so the held-out loss"):
-        plan(parse_args([*words, "--resume", "--heldout_fraction", "0.05"]))
-    with pytest.raises(ValueError, match="now starts at byte 39,600, and the run trained on bytes 39,600 to 79,200"):
-        plan(parse_args([*words, "--resume", "--max_data_mb", str(40_000 / 2**20)]))  # the first half of the file
+    (tmp_path / "scratch").mkdir()
+    copy = tmp_path / "scratch" / "tokens.bin"
+    copy.write_bytes(data.read_bytes())
+    for source, flags, start in ((data, ["--heldout_fraction", "0.05"], "76,000"), (copy, ["--heldout_fraction",
+                                 "0.05"], "76,000"), (data, ["--max_data_mb", str(40_000 / 2**20)], "39,600")):
+        with pytest.raises(ResumeError, match=rf"--resume: --data {re.escape(str(source))}: tokens.bin \(80000 "
+                                              rf"bytes\) is held out from byte {start} now, and the run trained on it "
+                                              r"up to byte 79,200, so the held-out loss would be measured on training"):
+            plan(parse_args([*words, "--data", str(source), "--resume", *flags]))
     assert not dist.is_initialized()
-    moved_on = plan(parse_args([*words, "--resume", "--heldout_fraction", "0.005"]))  # trains on more: fine
-    assert moved_on.run["heldout_split"]["heldout_from_byte"] == 79_600
+    moved_on = plan(parse_args([*words, "--data", str(data), "--resume", "--heldout_fraction", "0.005"]))
+    assert moved_on.run["trained_to"] == {"tokens.bin (80000 bytes)": 79_600}  # trains on more: fine
+
+
+def text_folder(folder: Path, names: list[str], size: int = 1000) -> None:
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / name).write_text(name[0] * size)
 
 
 def test_a_resume_after_files_were_added_to_the_data_folder_is_refused_where_they_shift_the_held_out_files(
         tmp_path, single_process):
     """Every 20th file in name order is held out: a file added before the others shifted the choice onto files the
-    run had trained on. Files added after them keep it, and what every run trained on is recorded."""
+    run had trained on. Files added after them keep it; every run's trained files are recorded, and the record goes
+    on over a resume from other data."""
     folder = tmp_path / "text"
-    folder.mkdir()
-    for index in range(1, 41):
-        (folder / f"f{index:02d}.txt").write_text(f"file {index} " * 200)
-    words = ["--out", str(tmp_path / "out"), "--data", str(folder), "--seq_len", "32"]
-    saved = plan(parse_args(words)).run
-    assert saved["heldout_split"]["heldout_files"] == ["f20.txt", "f40.txt"]
+    text_folder(folder, [f"f{index:02d}.txt" for index in range(1, 41)])
+    words = ["--out", str(tmp_path / "out"), "--seq_len", "32"]
+    saved = plan(parse_args([*words, "--data", str(folder)])).run
+    assert saved["trained_to"] == {f"text/f{index:02d}.txt": 1000 for index in range(1, 41) if index % 20}
     fake_checkpoint(tmp_path / "out", saved)
-    (folder / "f41.txt").write_text("added " * 200)  # after the others: the same files held out
-    resumed = plan(parse_args([*words, "--resume"]))
-    assert resumed.run["heldout_split"]["trained_files"] == sorted({*saved["heldout_split"]["trained_files"],
-                                                                    "f41.txt"})
-    (folder / "f00.txt").write_text("added " * 200)  # before them: f19 and f39 held out, trained on before
-    with pytest.raises(ValueError, match=r"--data .*text: 2 of the files it holds out now were trained on \(the first: "
-                                         r"f19.txt\): its held-out files are every 20th in name order"):
+    text_folder(folder, ["f41.txt"])  # after the others: the same files held out
+    resumed = plan(parse_args([*words, "--data", str(folder), "--resume"])).run
+    assert resumed["trained_to"] == {**saved["trained_to"], "text/f41.txt": 1000}
+    on_stdlib = plan(parse_args([*words, "--resume", "--max_data_mb", "1"])).run  # resumed on other data
+    assert on_stdlib["trained_to"].items() > saved["trained_to"].items() and "stdlib/__future__.py" in on_stdlib[
+        "trained_to"]
+    (tmp_path / "out" / "checkpoints").rename(tmp_path / "first")
+    fake_checkpoint(tmp_path / "out", on_stdlib)
+    text_folder(folder, ["f00.txt"])  # before them: f19 and f39 held out, trained on before
+    with pytest.raises(ResumeError, match=r"text/f19.txt is held out from byte 0 now, and the run trained on it up "
+                                          r"to byte 1,000 \(1 more file\(s\) alike\)"):
+        plan(parse_args([*words, "--data", str(folder), "--resume"]))
+
+
+def test_a_folder_of_one_file_given_a_second_is_refused_where_the_trained_file_becomes_held_out(
+        tmp_path, single_process):
+    """One file: its last tenth is held out; a second file sorting after it is held out whole instead, and the first
+    (trained up to byte 900) is trained on whole: fine. One sorting before it holds out the first whole."""
+    folder = tmp_path / "one"
+    text_folder(folder, ["m.txt"], size=20_000)
+    words = ["--out", str(tmp_path / "out"), "--seq_len", "32", "--data", str(folder)]
+    saved = plan(parse_args(words)).run
+    assert saved["trained_to"] == {"one/m.txt": 18_000}
+    fake_checkpoint(tmp_path / "out", saved)
+    text_folder(folder, ["z.txt"], size=20_000)
+    assert plan(parse_args([*words, "--resume"])).run["trained_to"] == {"one/m.txt": 20_000}
+    (folder / "z.txt").unlink()
+    text_folder(folder, ["a.txt"], size=20_000)
+    with pytest.raises(ResumeError, match=r"one/m.txt is held out from byte 0 now, and the run trained on it up to "
+                                          r"byte 18,000, so"):
         plan(parse_args([*words, "--resume"]))
