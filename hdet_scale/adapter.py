@@ -36,7 +36,7 @@ class AveragedBuffers:
     that held a non-finite value when HDET attached, such as an additive attention mask's -inf (rebuilt or not), which
     an average or the probe's running mean would turn to NaN and which would mark every replica as diverged at every
     sync. One that turns all finite on every rank (a quantization observer's +-inf start, filled in by the forward)
-    is averaged from the sync after the one that finds it so (``refresh``). Call it for the buffers averaged now."""
+    is averaged from the sync that finds it so on (``refresh``). Call it for the buffers averaged now."""
 
     def __init__(self, module: nn.Module | None) -> None:
         self._module = module
@@ -51,18 +51,21 @@ class AveragedBuffers:
         return [buffer for name, buffer in self._module.named_buffers()
                 if buffer.is_floating_point() and name not in self._constants]
 
-    def refresh(self) -> None:
+    def refresh(self) -> list[torch.Tensor]:
         """Takes as averaged from now on every constant that is all finite now on every rank, or gone (collective
-        where the process group is up: at the end of a sync, for the interval that starts). Every rank must average
-        the same tensors; a constant finite on some ranks only stays one."""
+        where the process group is up: at the end of a sync, for the interval that starts), and returns those still
+        there, in the same order on every rank, for the sync to average them now: the replicas are then one model
+        until the next. Every rank must average the same tensors; a constant finite on some ranks only stays one."""
         if not self._constants:
-            return
+            return []
         buffers = dict(self._module.named_buffers())
         finite = torch.tensor([name not in buffers or bool(torch.isfinite(buffers[name]).all())
                                for name in self._constants], dtype=torch.int32, device=collective_device())
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        self._constants = [name for name, now in zip(self._constants, finite.tolist(), strict=True) if not now]
+        turned = [name for name, now in zip(self._constants, finite.tolist(), strict=True) if now]
+        self._constants = [name for name in self._constants if name not in turned]
+        return [buffers[name] for name in turned if name in buffers]
 
 
 @dataclass(frozen=True)
@@ -108,10 +111,10 @@ class EngineAdapter(ABC):
     averaged_buffers: AveragedBuffers | None = None
     """The model's buffers the replicas average, for adapters that average any."""
 
-    def refresh_averaged_buffers(self) -> None:
-        """At the end of a sync, for the next interval: see ``AveragedBuffers.refresh``."""
-        if self.averaged_buffers is not None:
-            self.averaged_buffers.refresh()
+    def refresh_averaged_buffers(self) -> list[torch.Tensor]:
+        """At the end of a sync, for the next interval: see ``AveragedBuffers.refresh``; returns the buffers it
+        turned from constants into averaged ones, to average now."""
+        return [] if self.averaged_buffers is None else self.averaged_buffers.refresh()
 
     def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """This rank's floating-point optimizer state (moments; not step counters), in parameter order, as

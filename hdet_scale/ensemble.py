@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hdet_scale.adapter import EngineAdapter
-from hdet_scale.averaging import average_healthy
+from hdet_scale.averaging import average_healthy, average_tensors
 from hdet_scale.comm import bits_fingerprint, gather_rows
 from hdet_scale.config import HDETConfig, HDETConfigError
 from hdet_scale.config_rules import PROBE_ONLY_KNOBS, check_scale_step, check_spread_alpha
@@ -487,7 +487,12 @@ class HDETEnsemble:
             explored.applied_bases = []
         self._reassign()
         self._scorer.reset()
-        self.adapter.refresh_averaged_buffers()  # for the next interval: its window of weights starts now
+        # for the next interval, whose window of weights starts now; a buffer turned finite on every rank is
+        # averaged at once, not left as each replica has it until the next sync (a checkpoint now would take replica
+        # 0's)
+        turned = self.adapter.refresh_averaged_buffers()  # the same on every rank
+        if turned:
+            average_tensors(turned, self.topology.cross_replica_group, bucket_bytes=int(self.config.bucket_mb * 2**20))
         self._last_sync_step = self._step
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,

@@ -370,17 +370,20 @@ def masked_run(rank: int, world: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     hdet = attach(model, optimizer, hdet_config, topology=topology)
     hdet.set_probe(batch_probe(model, torch.ones(4, 8), lambda m, x: m(x)[:, 0].mean()))
-    reports = []
-    for step in range(2 * SYNC_INTERVAL):  # the observer is averaged from the second sync on
+    reports, after_first_sync = [], None
+    for step in range(2 * SYNC_INTERVAL):  # the observer is averaged from the first sync, which finds it finite
         optimizer.zero_grad()
         loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step)))[:, 0].mean()
         loss.backward()
         optimizer.step()
         reports.append(hdet.step(loss))
+        if step == SYNC_INTERVAL - 1:
+            after_first_sync = gather_rows(model.module.seen_min.reshape(1)).reshape(-1).tolist()
         if step == SYNC_INTERVAL:  # the mask rebuilt, -inf elsewhere: still a constant
             model.module.mask.copy_(torch.tensor([0.0, -math.inf, 0.0, 0.0]))
     inner = model.module
     return {"excluded": reports[-1].excluded_replicas, "probe": reports[-1].probe_losses,
+            "seen_min_after_first_sync": after_first_sync,
             "mask": inner.mask.tolist(), "running_mean": gather_rows(inner.norm.running_mean).tolist(),
             "seen_min": gather_rows(inner.seen_min.reshape(1)).reshape(-1).tolist(),
             "rank_0_min": gather_rows(inner.rank_0_min.reshape(1)).reshape(-1).tolist()}
@@ -392,8 +395,11 @@ def test_a_buffer_non_finite_from_the_start_is_a_constant_until_it_changes():
     assert first["mask"] == second["mask"] == [0.0, -math.inf, 0.0, 0.0]  # as rebuilt, never averaged
     rows = first["running_mean"]
     assert rows[0] == rows[1]  # the statistics, finite, are averaged across the replicas
-    # the observer changed since the start: averaged too, so the replicas are one model again
+    # the observer changed since the start: averaged too, so the replicas are one model again, from the sync that
+    # found it finite on (it was left as each replica had it until the next)
     low = first["seen_min"]
+    assert math.isfinite(low[0]) and low[0] == low[1]
+    low = first["seen_min_after_first_sync"]
     assert math.isfinite(low[0]) and low[0] == low[1]
     # finite on rank 0 alone: a constant still on both (rank 0 averaging it alone would misalign the buckets)
     low = first["rank_0_min"]
