@@ -93,7 +93,8 @@ class AutoLRConfig:
     """lambda: how far one sync moves the base along the velocity (eq. 7), >= 0."""
 
     scale_min: float = 0.1
-    """Floor of the scale (``scale`` and ``log`` mode), relative to the base schedule."""
+    """Floor of the scale (``scale`` and ``log`` mode), relative to the base schedule; at it, the controller's
+    velocity pointing lower is dropped."""
 
     range_test: int | None = None
     """Steps of the LR range test the run starts with, 0 (none) or at least 13 (``hdet_scale.range_test``): the run
@@ -107,7 +108,8 @@ class AutoLRConfig:
     climbs from there), else 1."""
 
     scale_max: float = 10.0
-    """Ceiling of the scale (``scale`` and ``log`` mode), >= scale_min."""
+    """Ceiling of the scale (``scale`` and ``log`` mode), >= scale_min; at it, the velocity pointing higher is
+    dropped."""
 
     max_log_step: float = 0.5
     """``log`` mode: the largest change of log(scale) at one sync (0.5: x1.65 or /1.65), > 0."""

@@ -215,11 +215,14 @@ class Controller:
         pointing past a bound the scale stopped at: momentum that wound on there would hold the scale at the bound
         for as many updates after the evidence turned as it took to unwind (a label smoothing's scale at 10 on a
         base of 0.3, pinned below 1)."""
-        for low, high in ((self.config.scale_min, self.config.scale_max), *([value_bounds] if value_bounds else [])):
+        bounds = ((self.config.scale_min, self.config.scale_max), *([value_bounds] if value_bounds else []))
+        for low, high in bounds:
+            scale = min(max(scale, low), high)
+        for low, high in bounds:  # where a value's bounds lie outside the controller's, the scale ends past both
             if scale >= high:
-                scale, velocity = high, min(velocity, 0.0)
+                velocity = min(velocity, 0.0)
             elif scale <= low:
-                scale, velocity = low, max(velocity, 0.0)
+                velocity = max(velocity, 0.0)
         return scale, velocity
 
 

@@ -274,3 +274,21 @@ def test_the_velocity_does_not_wind_on_past_a_bound_the_scale_stopped_at(mode):
     low = floor.update(ControllerState(), delta=floor.hypergradient([1.0, 0.0], rhos), trained_base=1.0, step=10,
                        sync_interval=5)
     assert low.scale == 0.9 and low.velocity == 0.0
+
+
+def test_a_values_own_bounds_clamp_after_the_controllers_and_stop_the_velocity_too():
+    """Scale mode, beta 0.5, lambda 1: a raise (v 0.25, scale 1.25) inside scale_max 2 stops at the value's bound
+    1.1 (a probability at 0.9 on a schedule of 0.8, say) with no velocity outward; a fall past its lower bound 0.95
+    likewise. A value whose bounds lie wholly above the controller's (3 to 4, scale_max 2) ends at 3 with no velocity
+    upward either: past scale_max too."""
+    controller = Controller(AutoLRConfig(mode="scale", beta=0.5, step_size=1.0, scale_max=2.0))
+    raise_, lower = controller.hypergradient([0.0, 1.0], [0.5, 1.5]), controller.hypergradient([1.0, 0.0], [0.5, 1.5])
+    up = controller.update(ControllerState(), delta=raise_, trained_base=1.0, step=10, sync_interval=5,
+                           value_bounds=(0.95, 1.1))
+    assert up.scale == 1.1 and up.velocity == 0.0
+    down = controller.update(ControllerState(), delta=lower, trained_base=1.0, step=10, sync_interval=5,
+                             value_bounds=(0.95, 1.1))
+    assert down.scale == 0.95 and down.velocity == 0.0
+    apart = controller.update(ControllerState(), delta=raise_, trained_base=1.0, step=10, sync_interval=5,
+                              value_bounds=(3.0, 4.0))
+    assert apart.scale == 3.0 and apart.velocity == 0.0
