@@ -158,13 +158,12 @@ def _text_files(files: list[Path], root: Path, max_bytes: int | None, *, keys: s
 
 
 def file_key(file: Path, root: Path, keys: str | None = None) -> str:
-    """How the held-out split names ``file`` of the source ``root``: a file given itself by its name and size (a
-    file of that name replaced by another is not compared), a folder's (or the embedded corpus's) by its path in it
-    after the folder's name (or ``keys``), so that a copy of the data elsewhere (a job's local disk) is still
-    compared."""
+    """How the held-out split names ``file`` of the source ``root``: a file given itself by its name, a folder's (or
+    the embedded corpus's) by its path in it after the folder's name (or ``keys``), so that a copy of the data
+    elsewhere (a job's local disk) is still compared, where it keeps its name."""
     if file == root:
-        return f"{root.name} ({root.stat().st_size} bytes)"
-    return f"{keys or root.name}/{file.relative_to(root).as_posix()}"
+        return root.resolve().name
+    return f"{keys or root.resolve().name}/{file.relative_to(root).as_posix()}"
 
 
 def held_out_but_trained(held_from: dict[str, int], trained_before: dict[str, int]) -> str | None:

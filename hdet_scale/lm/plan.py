@@ -181,7 +181,8 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ResumeError(f"--resume: --data {args.data}: {trained}, so the held-out loss would be measured on "
                           "training data; resume with the data as the run had it (the same files, --max_data_mb and "
                           "--heldout_fraction: a larger --max_data_mb, a smaller --heldout_fraction or files added "
-                          "after the others in name order are fine), or start a new run in another --out")
+                          "after the others in name order are fine; other data under the same name: rename it), "
+                          "or start a new run in another --out")
     run = {**run, "trained_to": trained_so_far(trained_before, corpus.trained_to)}
     return Plan(engine, config, corpus, ds_config, world_size, dtype, run, resume, found)
 

@@ -36,3 +36,14 @@ def test_windows_are_next_byte_targets():
     assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(targets - inputs, torch.ones(3, 10).long())
     with pytest.raises(ValueError, match="too short"):
         random_windows(tokens[:5], batch_size=1, seq_len=10, generator=torch.Generator())
+
+
+def test_train_py_reads_the_embedded_corpus_as_stdlib_corpus_splits_it():
+    """train.py reads it through the text-folder path (which names its files for the resume's held-out check):
+    the same bytes, trained and held out, as ``stdlib_corpus`` (the demo's and the docs' split)."""
+    from hdet_scale.lm.corpus import load_corpus
+
+    for max_bytes in (1 << 20, 3 << 20):
+        corpus, (train, heldout) = load_corpus("stdlib", max_bytes=max_bytes), stdlib_corpus(max_bytes)
+        assert torch.equal(corpus.train, train) and torch.equal(corpus.heldout, heldout)
+        assert len(corpus.held_from) == len(stdlib_files()[: len(corpus.trained_to) + len(corpus.held_from)]) // 20

@@ -497,20 +497,20 @@ def test_a_resume_that_would_hold_out_trained_tokens_is_refused_before_any_proce
     (np.arange(40_000) % 1000).astype(np.uint16).tofile(data)  # 80,000 bytes, held out from byte 79,200 (1%)
     words = ["--out", str(tmp_path / "out"), "--vocab_size", "1000", "--seq_len", "32"]
     saved = plan(parse_args([*words, "--data", str(data)])).run
-    assert saved["trained_to"] == {"tokens.bin (80000 bytes)": 79_200}
+    assert saved["trained_to"] == {"tokens.bin": 79_200}
     fake_checkpoint(tmp_path / "out", saved)
     (tmp_path / "scratch").mkdir()
     copy = tmp_path / "scratch" / "tokens.bin"
     copy.write_bytes(data.read_bytes())
     for source, flags, start in ((data, ["--heldout_fraction", "0.05"], "76,000"), (copy, ["--heldout_fraction",
                                  "0.05"], "76,000"), (data, ["--max_data_mb", str(40_000 / 2**20)], "39,600")):
-        with pytest.raises(ResumeError, match=rf"--resume: --data {re.escape(str(source))}: tokens.bin \(80000 "
-                                              rf"bytes\) is held out from byte {start} now, and the run trained on it "
-                                              r"up to byte 79,200, so the held-out loss would be measured on training"):
+        with pytest.raises(ResumeError, match=rf"--resume: --data {re.escape(str(source))}: tokens.bin is held out "
+                                              rf"from byte {start} now, and the run trained on it up to byte 79,200, "
+                                              r"so the held-out loss would be measured on training"):
             plan(parse_args([*words, "--data", str(source), "--resume", *flags]))
     assert not dist.is_initialized()
     moved_on = plan(parse_args([*words, "--data", str(data), "--resume", "--heldout_fraction", "0.005"]))
-    assert moved_on.run["trained_to"] == {"tokens.bin (80000 bytes)": 79_600}  # trains on more: fine
+    assert moved_on.run["trained_to"] == {"tokens.bin": 79_600}  # trains on more: fine
 
 
 def text_folder(folder: Path, names: list[str], size: int = 1000) -> None:
@@ -561,3 +561,15 @@ def test_a_folder_of_one_file_given_a_second_is_refused_where_the_trained_file_b
     with pytest.raises(ResumeError, match=r"one/m.txt is held out from byte 0 now, and the run trained on it up to "
                                           r"byte 18,000, so"):
         plan(parse_args([*words, "--resume"]))
+
+
+def test_a_text_file_given_itself_is_checked_by_its_name(tmp_path, single_process):
+    """A text file's last tenth is held out: a smaller --max_data_mb moves it into the bytes trained on."""
+    text_folder(tmp_path / "data", ["book.txt"], size=40_000)
+    words = ["--out", str(tmp_path / "out"), "--seq_len", "32", "--data", str(tmp_path / "data" / "book.txt")]
+    saved = plan(parse_args(words)).run
+    assert saved["trained_to"] == {"book.txt": 36_000}
+    fake_checkpoint(tmp_path / "out", saved)
+    with pytest.raises(ResumeError, match="book.txt is held out from byte 18,000 now, and the run trained on it up to "
+                                          "byte 36,000"):
+        plan(parse_args([*words, "--resume", "--max_data_mb", str(20_000 / 2**20)]))
