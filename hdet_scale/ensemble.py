@@ -138,9 +138,7 @@ class HDETEnsemble:
             add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
             self._last_sync_step = None  # the replicas differ until the first sync
         if config.auto_lr.range_test:
-            self._range_start = RangeTestStart(RangeTest(config.auto_lr.range_test),
-                                               [tensor.detach().clone() for tensor in adapter.averaged_tensors()],
-                                               adapter.peak_lrs())
+            self._range_start = RangeTestStart.before(RangeTest(config.auto_lr.range_test), adapter)
 
     def weights_loaded(self, what: str = "loading weights after HDET attached") -> bool:
         """Takes weights loaded into every replica alike after HDET attached, without HDET's state (``what``: the

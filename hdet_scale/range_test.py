@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -140,6 +140,17 @@ class RangeTestStart:
     test: RangeTest
     snapshot: list[torch.Tensor]
     peaks: list[float]
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Every buffer of the module as it was, by name: those the replicas do not average too (BatchNorm's
+    ``num_batches_tracked``, a quantization observer's running range) would keep what the test's LRs made them."""
+
+    @classmethod
+    def before(cls, test: RangeTest, adapter: EngineAdapter) -> RangeTestStart:
+        """The start of ``test``: a copy of the weights and buffers every replica holds now, and the peak LRs."""
+        module = adapter.module
+        buffers = {} if module is None else {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+        return cls(test, [tensor.detach().clone() for tensor in adapter.averaged_tensors()], adapter.peak_lrs(),
+                   buffers)
 
     def lr(self, group_index: int, step: int) -> float:
         """Param group ``group_index``'s LR at 0-based ``step`` of the test."""
@@ -161,8 +172,12 @@ class RangeTestStart:
 
     @torch.no_grad()
     def restore(self, adapter: EngineAdapter) -> None:
-        """Every replica back to the weights it had before the test, with a fresh optimizer state."""
+        """Every replica back to the weights and buffers it had before the test, with a fresh optimizer state."""
         for tensor, saved in zip(adapter.averaged_tensors(), self.snapshot, strict=True):
             tensor.copy_(saved)
+        if adapter.module is not None:
+            for name, buffer in adapter.module.named_buffers():
+                if name in self.buffers and buffer.shape == self.buffers[name].shape:
+                    buffer.copy_(self.buffers[name])
         adapter.after_average()
         adapter.restart_optimizer_state()

@@ -4,8 +4,11 @@ The norm and the parameter count d are taken over the whole model, across the sh
 replica draws its own noise and all ranks of a replica draw the same: the flattened parameter ``i`` is cut
 into fixed chunks of ``NOISE_CHUNK`` elements, chunk ``k``'s noise comes from a generator seeded by (config
 seed, replica, ``i``, ``k``), and every rank draws only the chunks its part overlaps. The noise of a replica
-therefore depends on nothing but those, whatever the engine and however it shards, and a rank's time and
-memory follow its own shard, not the largest parameter.
+therefore depends on nothing but those, however the engine shards (ZeRO stage, ranks per replica), and a rank's
+time and memory follow its own shard, not the largest parameter. ``i`` counts the parameters in the engine's order
+(``warm_init_shards``): the optimizer's param groups under DDP and FSDP2, the module's under ZeRO, so a model whose
+optimizer lists its parameters otherwise than the module (decay and no-decay groups) draws other noise under
+ZeRO than under DDP or FSDP2, from the same distribution.
 """
 
 from __future__ import annotations

@@ -209,3 +209,26 @@ def test_a_loop_bounded_by_epochs_gets_the_epochs_the_test_takes_on_top():
     assert epochs_with_test(1, run_steps=7, test_steps=20, steps_per_epoch=5) == 6  # 27 steps over epochs of 5
     assert epochs_with_test(2, run_steps=10, test_steps=0, steps_per_epoch=5) == 2
     assert epochs_with_test(10, run_steps=7, test_steps=20, steps_per_epoch=5) == 10  # it has more already
+
+
+def test_the_test_gives_back_every_buffer_too():
+    """The weights came back after the test, but the buffers the replicas do not average kept what its LRs made them:
+    BatchNorm's num_batches_tracked counted the test's steps, and an observer (+inf at the start, a constant) its
+    activations."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model.register_buffer("seen_max", torch.tensor(-float("inf")))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(auto_lr=AutoLRConfig(mode="scale", range_test=15)), DDPAdapter(optimizer, model),
+                        topology=ReplicaTopology.single_process())
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    generator = torch.Generator().manual_seed(0)
+    while hdet.ramping:
+        optimizer.zero_grad()
+        out = model(torch.randn(8, 3, generator=generator))
+        model.seen_max.copy_(torch.maximum(model.seen_max, out.max().detach()))
+        loss = out.pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        hdet.step(loss)
+    after = dict(model.named_buffers())
+    assert all(torch.equal(after[name], buffer) for name, buffer in before.items()), after

@@ -90,9 +90,12 @@ def test_state_round_trips_and_redraws_on_another_layout():
     assert same.permutation == explored.permutation and same.state == explored.state
     same.redraw()
     assert same.permutation == expected_next  # the stream continues where the saved one was
-    other = ExploredValue.start(lr_value().knob, seed=99, num_replicas=3, alpha=0.5)
+    other = ExploredValue.start(lr_value().knob, seed=99, num_replicas=4, alpha=0.5)  # a replica more
     other.load_state_dict(saved, same_layout=False)
-    assert other.permutation == expected_next
+    stream = PermutationStream("lr/0", 0)
+    stream.load_state_dict(saved["stream"])
+    assert other.permutation == stream.draw(4) and sorted(other.permutation) == [0, 1, 2, 3]  # drawn afresh from it
+    assert other.state == explored.state
 
 
 OLD_CONTROLLER_FIELDS = {"updates": 12, "log_scale_sum": 0.7, "scales_averaged": 3, "anchor": 0.4}
