@@ -80,8 +80,9 @@ def fresh_trainer(out_dir: str, stage: int | None = None, seed: int = 0, **overr
     AcceleratorState._reset_state(reset_partial_state=False)
     deepspeed = None if stage is None else overrides.pop("deepspeed", zero_config(stage))
     eval_dataset = overrides.pop("eval_dataset", None)
+    train_dataset = overrides.pop("train_dataset", None) or token_dataset()
     return Trainer(model=tiny_llama(seed), args=training_args(out_dir, deepspeed, **overrides),
-                   train_dataset=token_dataset(), eval_dataset=eval_dataset)
+                   train_dataset=train_dataset, eval_dataset=eval_dataset)
 
 
 def hdet_settings(out_dir: str, mode: str, per_replica: int, metrics: str = "metrics.jsonl") -> dict:
@@ -890,3 +891,34 @@ def test_a_run_starts_with_an_lr_range_test(tmp_path, stage):
     logged = results[0]["logged"]
     assert [log["step"] for log in logged] == list(range(1, MAX_STEPS + 1))
     assert abs(logged[0]["loss"] - math.log(VOCAB)) < 0.7, logged[0]
+
+
+def evaluated_weights_worker(rank: int, world: int, out_dir: str, strategy: str) -> list[tuple[int, bool]]:
+    """DDP, 2 replicas; the Trainer evaluates every 2 steps (``strategy`` "steps"), or at each epoch's end, every 2
+    steps too ("epoch": 16 rows, 2 ranks x 2 rows x 2 micro-batches), syncs come every 3: at each evaluation, whether
+    every rank held the same weights."""
+    from transformers import TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    seen = []
+
+    class RecordEvaluatedWeights(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            rows = gathered(torch.cat([p.detach().reshape(-1) for p in kwargs["model"].parameters()]))
+            seen.append((state.global_step, bool(torch.equal(rows[0], rows[1]))))
+
+    trainer = fresh_trainer(out_dir, seed=rank, eval_strategy=strategy, eval_steps=2, eval_dataset=token_dataset(4),
+                            train_dataset=token_dataset(16) if strategy == "epoch" else None)
+    add_hdet(trainer, hdet_settings(out_dir, "global", 1))
+    trainer.add_callback(RecordEvaluatedWeights())
+    trainer.train()
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_an_evaluation_between_syncs_scores_the_one_model(tmp_path, strategy):
+    """Evaluations every 2 steps and syncs every 3: the evaluation at step 2 scored each rank's own replica (and early
+    stopping or the best-model choice acted on their mix); it gets a sync first, as a checkpoint does."""
+    seen, _ = run_ranks(evaluated_weights_worker, 2, str(tmp_path), strategy)
+    assert seen[:3] == [(2, True), (4, True), (6, True)] and all(same for _, same in seen), seen
