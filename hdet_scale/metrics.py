@@ -79,14 +79,15 @@ class SyncReport:
         return dataclasses.asdict(self)
 
     def scalars(self) -> dict[str, float]:
-        """This sync as named scalars for loggers (TensorBoard, W&B, Lightning's): the replicas' mean loss and
-        each replica's, and per explored value (``lr/0``, ``weight_decay/0``, ...) its base, the controller's
-        scale after the sync, and each replica's value at the interval's last step."""
+        """This sync as named scalars for loggers (TensorBoard, W&B, Lightning's), all under ``hdet/`` (beside a
+        training loop's own ``train/loss``): the replicas' mean interval loss and each replica's, and per explored
+        value (``lr/0``, ``weight_decay/0``, ...) its base, the controller's scale after the sync, and each replica's
+        value at the interval's last step."""
         losses = [loss for loss in self.replica_losses if loss is not None and math.isfinite(loss)]
-        scalars = {"train/loss": sum(losses) / len(losses) if losses else math.nan}
+        scalars = {"hdet/loss": sum(losses) / len(losses) if losses else math.nan}
         for replica, loss in enumerate(self.replica_losses):
             if loss is not None and math.isfinite(loss):  # an excluded replica has no loss to show
-                scalars[f"train/replica_{replica}_loss"] = loss
+                scalars[f"hdet/replica_{replica}_loss"] = loss
         for name, value in self.values.items():
             scalars[f"hdet/{name}/base"] = value["base"]
             scalars[f"hdet/{name}/scale"] = value["scale"]

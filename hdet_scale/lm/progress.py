@@ -97,7 +97,7 @@ class Progress:
         lr = report.values.get("lr/0", {})
         scale = lr.get("scale", 1.0)
         scalars = report.scalars()
-        mean = scalars["train/loss"]
+        mean = scalars["hdet/loss"]
         if self._sync_lines:
             self.line(f"sync step {report.step}  loss {mean:.4f}  replica losses "
                       f"[{', '.join('nan' if loss is None else f'{loss:.4f}' for loss in report.replica_losses)}]  "

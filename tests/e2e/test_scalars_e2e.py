@@ -33,7 +33,7 @@ def test_wandb_gets_the_sync_scalars_and_a_resumed_run_continues_it(tmp_path, mo
     files = list(tmp_path.glob(f"wandb/offline-run-*/run-{run_id}.wandb"))
     assert len(files) == 2  # both parts logged into the one W&B run (W&B names the folders)
     rows = sorted((row for path in files for row in wandb_records.history(path)), key=lambda row: row["step"])
-    syncs = [row for row in rows if "train/loss" in row]
+    syncs = [row for row in rows if "hdet/loss" in row]
     assert [row["step"] for row in syncs] == [5, 10, 15]
     for row, sync in zip(syncs, reports, strict=True):
         expected = sync.scalars()
@@ -60,7 +60,7 @@ def test_steps_logged_again_after_a_resume_reach_wandb(tmp_path, monkeypatch):
     progress.close()
     wandb.teardown()
     rows = [row for path in tmp_path.glob("wandb/offline-run-*/run-*.wandb") for row in wandb_records.history(path)]
-    assert [(row["step"], row["train/loss"]) for row in rows if "train/loss" in row] == [
+    assert [(row["step"], row["hdet/loss"]) for row in rows if "hdet/loss" in row] == [
         (5, 2.5), (10, 2.0), (15, 1.5), (10, 1.9)]
 
 

@@ -518,7 +518,7 @@ def test_deepspeed_time_guard_stop_syncs_now_and_resumes(deepspeed_runs):
     out = deepspeed_runs["local"]
     run_id = (out / "wandb_run_id").read_text().strip()
     rows = [row for path in out.glob(f"wandb/offline-run-*/run-{run_id}.wandb") for row in wandb_records.history(path)]
-    losses = {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
+    losses = {row["step"]: row["hdet/loss"] for row in rows if "hdet/loss" in row}
     for line in metric_lines(out):
         if line["step"] > stopped:
             assert losses[line["step"]] == pytest.approx(sum(line["replica_losses"]) / 2)

@@ -31,20 +31,20 @@ def report(step: int, losses: list[float | None], scale: float) -> SyncReport:
 
 def test_sync_report_scalars_by_hand():
     assert report(10, [2.0, 3.0], 1.5).scalars() == pytest.approx({
-        "train/loss": 2.5, "train/replica_0_loss": 2.0, "train/replica_1_loss": 3.0,
+        "hdet/loss": 2.5, "hdet/replica_0_loss": 2.0, "hdet/replica_1_loss": 3.0,
         "hdet/lr/0/base": 0.0045, "hdet/lr/0/scale": 1.5, "hdet/lr/0/replica_0": 0.003, "hdet/lr/0/replica_1": 0.006,
         "hdet/weight_decay/0/base": 0.1, "hdet/weight_decay/0/scale": 1.0,
         "hdet/weight_decay/0/replica_0": 0.05, "hdet/weight_decay/0/replica_1": 0.15})
     excluded = report(10, [2.0, None], 1.0).scalars()  # a non-finite replica, left out of the average
-    assert excluded["train/loss"] == 2.0 and "train/replica_1_loss" not in excluded
-    assert math.isnan(report(10, [None, None], 1.0).scalars()["train/loss"])
+    assert excluded["hdet/loss"] == 2.0 and "hdet/replica_1_loss" not in excluded
+    assert math.isnan(report(10, [None, None], 1.0).scalars()["hdet/loss"])
 
 
 def tensorboard_losses(out: Path) -> dict[int, float]:
-    """The ``train/loss`` curve TensorBoard shows for ``out``, step by step (a step shown twice fails)."""
+    """The ``hdet/loss`` curve TensorBoard shows for ``out``, step by step (a step shown twice fails)."""
     accumulator = EventAccumulator(str(out / TENSORBOARD))
     accumulator.Reload()
-    events = accumulator.Scalars("train/loss")
+    events = accumulator.Scalars("hdet/loss")
     assert len({event.step for event in events}) == len(events)
     return {event.step: event.value for event in events}
 
