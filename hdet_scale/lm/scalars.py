@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hdet_scale.durable import write_text_durably
 from hdet_scale.lm.checkpoints import TENSORBOARD, WANDB_ID_FILE
 
 WANDB_STEP = "step"
@@ -35,10 +36,11 @@ class ScalarSinks:
         if wandb_project:
             import wandb
 
-            id_file = out / WANDB_ID_FILE
-            run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None  # None: W&B draws one
+            self._id_file = out / WANDB_ID_FILE
+            run_id = (self._id_file.read_text().strip() if resumed and self._id_file.is_file()
+                      else None)  # None: W&B draws one
             self._wandb = wandb.init(project=wandb_project, id=run_id, resume="allow", dir=str(out), config=config)
-            id_file.write_text(self._wandb.id + "\n")
+            self._keep_wandb_id()
             # The training step is a metric every chart is drawn over, not W&B's own step, which drops a row below
             # the highest logged: a resumed run logs again the steps after its checkpoint that an attempt logged.
             self._wandb.define_metric(WANDB_STEP)
@@ -47,8 +49,15 @@ class ScalarSinks:
     def start(self, step: int) -> None:
         """The run starts, or resumes, at ``step`` (it logs the steps after it): TensorBoard drops what an earlier
         attempt in this directory logged after ``step`` (a run interrupted past its last checkpoint, or requeued
-        before its first), so the curves go on without steps logged twice."""
+        before its first), so the curves go on without steps logged twice. The W&B run's id is kept again: an
+        ``--overwrite`` removed the replaced run's, and the file with it, after W&B started."""
         self._open_board(purge_step=step + 1)
+        self._keep_wandb_id()
+
+    def _keep_wandb_id(self) -> None:
+        """Writes the W&B run's id where a resumed run finds it (``WANDB_ID_FILE``)."""
+        if self._wandb is not None:
+            write_text_durably(self._id_file, self._wandb.id + "\n")
 
     def _open_board(self, purge_step: int | None) -> None:
         if self._board is None and self._board_class is not None:

@@ -12,6 +12,7 @@ import wandb
 import wandb_records
 from test_scalars import report
 
+from hdet_scale.lm.checkpoints import remove_previous_run
 from hdet_scale.lm.progress import Progress
 from hdet_scale.lm.scalars import WANDB_ID_FILE
 
@@ -45,6 +46,20 @@ def test_wandb_gets_the_sync_scalars_and_a_resumed_run_continues_it(tmp_path, mo
     fresh.close()
     wandb.teardown()
     assert (tmp_path / WANDB_ID_FILE).read_text().strip() != run_id
+
+
+def test_a_run_started_with_overwrite_keeps_its_own_wandb_id(tmp_path, monkeypatch):
+    """W&B starts before --overwrite removes the replaced run, its id file with it: the new run's id went too, and
+    a resume of the new run logged into a W&B run of its own."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    progress = Progress(tmp_path, enabled=True, bar=False, total=15, metrics_path=None, wandb_project="hdet-test")
+    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    assert remove_previous_run(tmp_path, None) == [tmp_path / WANDB_ID_FILE]  # what train.py's --overwrite does
+    progress.start(0, 1)
+    progress.close()
+    wandb.teardown()
+    assert (tmp_path / WANDB_ID_FILE).read_text().strip() == run_id
 
 
 def test_steps_logged_again_after_a_resume_reach_wandb(tmp_path, monkeypatch):
