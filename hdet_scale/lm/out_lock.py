@@ -92,12 +92,8 @@ def take(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     holder: dict[str, Any] | None = {}
     for _ in range(3):  # again where the lock was released or taken over meanwhile
-        try:
-            with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as file:
-                json.dump(me, file)
+        if _create(path, me):
             return
-        except FileExistsError:
-            pass
         holder = _holder(path)
         if holder is None:
             continue
@@ -126,6 +122,34 @@ def take(out: Path) -> None:
             f"more, remove {path})")
     raise OutInUse(f"--out {out} is in use by another run ({who}): wait for it to end or choose another --out; if "
                    f"no run uses it any more (one killed on another machine), remove {path}")
+
+
+def _create(path: Path, me: dict[str, Any]) -> bool:
+    """Creates the lock ``path`` holding ``me``, whole or not at all; False where it exists. Written beside it
+    first, on the disk, then linked to its name (which fails where the name is taken): a lock created empty and then
+    written would be left empty, unreadable and so never taken over, by a kill or a crash in between. Where the file
+    system has no hard links, it is created and written in place."""
+    draft = path.with_name(f"{LOCK}.draft.{me['host']}.{me['pid']}")
+    try:
+        with open(draft, "w") as file:
+            json.dump(me, file)
+            file.flush()
+            os.fsync(file.fileno())
+        try:
+            os.link(draft, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (some FUSE and SMB mounts)
+            pass
+        try:
+            with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as file:
+                json.dump(me, file)
+            return True
+        except FileExistsError:
+            return False
+    finally:
+        draft.unlink(missing_ok=True)
 
 
 def _same_srun_step(holder: dict[str, Any], me: dict[str, Any]) -> bool:

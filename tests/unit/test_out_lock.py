@@ -158,6 +158,21 @@ def test_an_unreadable_lock_is_refused_and_a_run_releases_only_its_own(tmp_path)
     assert held_by(tmp_path)["host"] == "node-7"
 
 
+def test_a_run_killed_while_it_writes_the_lock_leaves_none(tmp_path, monkeypatch):
+    """The lock was created empty and then written: a kill (or a crash before the page cache reached the disk) in
+    between left an empty lock, unreadable, which every later run refused, the same job requeued included."""
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as a kill would end the writing
+
+    monkeypatch.setattr(out_lock.json, "dump", killed)
+    with pytest.raises(KeyboardInterrupt):
+        out_lock.take(tmp_path)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+    out_lock.take(tmp_path)
+    assert held_by(tmp_path)["pid"] == os.getpid()
+
+
 def test_a_lock_that_cannot_be_removed_is_left_without_an_error(tmp_path, monkeypatch):
     out_lock.take(tmp_path)
 
