@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hdet_scale.notices import warn
+
 
 def writable_directory(path: str | os.PathLike[str], argument: str) -> Path:
     """``path``, checked to be a directory this process can create or write to, creating nothing; a ValueError
@@ -40,24 +42,45 @@ def json_safe(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends records to a JSON-lines file; a no-op when ``path`` is None or this is not rank 0."""
+    """Appends records to a JSON-lines file; a no-op when ``path`` is None or this is not rank 0.
+
+    A write that fails (a full disk or quota, a network file system's error) leaves the file as it was and keeps
+    the lines for the next write, with one warning: it runs on rank 0 alone, in the middle of a sync, where raising
+    would leave the other ranks waiting in the next collective until their timeout, with no checkpoint taken."""
 
     def __init__(self, path: str | None, *, is_writer: bool) -> None:
         self.path = Path(path) if path and is_writer else None
         self._line_ended = False  # whether what the file held before this writer's first line ends in a newline
+        self._pending: list[str] = []  # lines a failed write kept
+        self._warned = False
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.path is None:
             return
-        with self.path.open("ab+") as handle:
-            if not self._line_ended and handle.tell():  # a run killed while writing its last line left part of it
-                handle.seek(-1, os.SEEK_END)
-                if handle.read(1) != b"\n":
-                    handle.write(b"\n")
-            self._line_ended = True
-            handle.write((json.dumps(json_safe(record)) + "\n").encode())
+        self._pending.append(json.dumps(json_safe(record)) + "\n")
+        try:
+            with self.path.open("ab+") as handle:
+                size = handle.tell()
+                try:
+                    if not self._line_ended and size:  # a run killed while writing its last line left part of it
+                        handle.seek(-1, os.SEEK_END)
+                        if handle.read(1) != b"\n":
+                            handle.write(b"\n")
+                    handle.write("".join(self._pending).encode())
+                    handle.flush()
+                except OSError:
+                    handle.truncate(size)  # no part of a line: the lines go again, whole, at the next write
+                    raise
+        except OSError as error:
+            if not self._warned:
+                warn(f"could not write {self.path} ({error}): its lines wait in memory for the next write; the run "
+                     "goes on")
+                self._warned = True
+            return
+        self._line_ended = True
+        self._pending = []
 
 
 @dataclass

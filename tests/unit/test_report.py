@@ -332,6 +332,24 @@ def test_a_line_cut_short_before_a_resumed_runs_lines_is_skipped(tmp_path):
     assert report_runs.loss_curve(run) == ([1, 2, 3], [2.0, 1.5, 1.25])
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file whose every write fails")
+def test_a_metrics_write_that_fails_keeps_its_lines_and_the_run_going(tmp_path):
+    """A full disk (or quota) raised on rank 0 alone, in the middle of a sync: the other ranks waited in the next
+    collective until their timeout, and the run ended without a checkpoint."""
+    from hdet_scale.notices import HDETWarning
+
+    path = tmp_path / "metrics.jsonl"
+    path.symlink_to("/dev/full")  # every write: "No space left on device"
+    writer = MetricsWriter(str(path), is_writer=True)
+    with pytest.warns(HDETWarning, match=r"could not write .*metrics\.jsonl \(.*No space left on device.*\): its "
+                                         r"lines wait in memory for the next write; the run goes on"):
+        writer.write({"step": 1})
+    writer.write({"step": 2})  # one warning only
+    path.unlink()  # room again
+    writer.write({"step": 3})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
 def test_a_step_a_loop_without_hdet_wrote_twice_counts_its_later_line(tmp_path):
     """A plain loop resumed from its checkpoint at step 20 writes step 30 again: the interrupted run's line was
     plotted beside it. Lines may come in any step order."""
