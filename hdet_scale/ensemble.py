@@ -675,15 +675,21 @@ class HDETEnsemble:
                  "the factor (no query projection of their own, or a query norm whose output does not scale with its "
                  "weights); multiply their `scaling` by it after loading")
 
-    def close(self) -> None:
-        """Removes the optimizer hooks and gives every replica the base value of each knob set outside the optimizer
-        step (``base``: what the controller found, e.g. the attention scale the weights trained at); the optimizer
-        then trains at the scheduled values."""
-        self._step_scoped.remove()
-        self._closed = True
+    def apply_base_values(self) -> None:
+        """Gives every replica the base value of each knob set outside the optimizer step (``base``: what the
+        controller found, e.g. the attention scale the weights trained at) until the next sync gives each its own
+        again: for an evaluation or an export at the end of training, where each rank would otherwise score with its
+        replica's value."""
         for explored in self._explored:
             if not explored.knob.step_scoped:
                 explored.knob.apply(explored.base())
+
+    def close(self) -> None:
+        """Removes the optimizer hooks and gives every replica the base value of each knob set outside the optimizer
+        step (``apply_base_values``); the optimizer then trains at the scheduled values."""
+        self._step_scoped.remove()
+        self._closed = True
+        self.apply_base_values()
         self._buckets.clear()
         self.adapter.optimizer._hdet_attached = False
 

@@ -35,6 +35,18 @@ SYNC_INTERVAL = 5
 BATCHES_PER_EPOCH = 10
 
 
+class Scale(nn.Module):
+    """A float ``scaling`` on the output, as transformers attention modules have one: HDET's attention_scale knob
+    explores it (--explore_scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaling = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scaling
+
+
 class Regression(pl.LightningModule):
     def __init__(self, sharded: bool = False, probe: bool = False, coupled_decay: bool = False) -> None:
         super().__init__()
@@ -42,7 +54,7 @@ class Regression(pl.LightningModule):
         self.probe = probe
         self.coupled_decay = coupled_decay
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1), Scale())
         self.losses: list[float] = []
         self.validated: list[tuple[int, torch.Tensor]] = []
 
@@ -143,6 +155,7 @@ def main() -> None:
     parser.add_argument("--sync_interval", type=int, default=SYNC_INTERVAL)
     parser.add_argument("--validate", action="store_true", help="validate at every epoch end")
     parser.add_argument("--coupled_decay", action="store_true", help="Adam with weight decay instead of AdamW")
+    parser.add_argument("--explore_scale", action="store_true", help="explore the output's scaling (local mode)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     world = int(__import__("os").environ["WORLD_SIZE"])
@@ -153,7 +166,8 @@ def main() -> None:
                          "ranks_per_replica": args.ranks_per_replica, "metrics_path": str(args.out / "hdet.jsonl"),
                          # one run whatever --epochs (no shares of the run); the probe scores the last iterate
                          "auto_lr": {"start": args.sync_interval, "stop": 100, "mode": "log", "sigma": 1.0,
-                                     "average_window": 0, "range_test": 0}})
+                                     "average_window": 0, "range_test": 0},
+                         **({"explore": {"attention_scale": {"alpha": 0.5}}} if args.explore_scale else {})})
     recorder = Recorder(hdet)
     checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=-1)
     # Lightning's mesh only splits the data here (every rank its own batches); HDET shards inside its replicas.
@@ -170,10 +184,13 @@ def main() -> None:
     losses = [None] * world
     dist.all_gather_object(losses, module.losses)
     final = rows(module)
+    scalings = [None] * world  # each rank's output scaling after fit(): what validate() or test() would score with
+    dist.all_gather_object(scalings, module.net[-1].scaling)
     if trainer.global_rank == 0:
         torch.save({"after": recorder.after, "before_sync": recorder.before_sync, "losses": losses, "final": final,
                     "hdet_step": hdet.ensemble.global_step, "held_out_before_sync": recorder.held_out_before_sync,
-                    "validated": module.validated},
+                    "validated": module.validated, "scalings": scalings,
+                    "scale_found": hdet.ensemble.base("attention_scale") if args.explore_scale else None},
                    args.out / "record.pt")
     shut_down_and_exit()
 

@@ -240,6 +240,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
         self.trainer.lr_scheduler = unheld(self.trainer.lr_scheduler)  # held where it stopped during the range test
         if self.sync_at_end and self._ensemble is not None and not self.ramping and not self.at_sync_point:
             self.sync()
+        if self._ensemble is not None and not self.ramping:  # trainer.evaluate() and save_model() after train()
+            self._ensemble.apply_base_values()
 
     @property
     def ramping(self) -> bool:

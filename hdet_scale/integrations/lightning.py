@@ -283,6 +283,8 @@ class HDETCallback(pl.Callback, HDETHandle):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._release_schedulers(trainer)  # none left held, unless the fit stopped during the range test
         self._sync_if_apart(trainer)
+        if self._ensemble is not None and not self.ramping:  # trainer.validate() or test() after fit()
+            self._ensemble.apply_base_values()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Lightning restores a checkpoint's callback state for validate, test and predict too: a later fit is a run

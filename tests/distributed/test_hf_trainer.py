@@ -922,3 +922,24 @@ def test_an_evaluation_between_syncs_scores_the_one_model(tmp_path, strategy):
     stopping or the best-model choice acted on their mix); it gets a sync first, as a checkpoint does."""
     seen, _ = run_ranks(evaluated_weights_worker, 2, str(tmp_path), strategy)
     assert seen[:3] == [(2, True), (4, True), (6, True)] and all(same for _, same in seen), seen
+
+
+def explored_attention_worker(rank: int, world: int, out_dir: str) -> dict:
+    """DDP, 2 replicas exploring the attention scale: each rank's scaling after train()."""
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    trainer = fresh_trainer(out_dir, seed=rank)
+    settings = {**hdet_settings(out_dir, "local", 1), "explore": {"attention_scale": {"alpha": 0.5}}}
+    callback = add_hdet(trainer, settings)
+    trainer.train()
+    scaling = next(module.scaling for module in trainer.model.modules() if isinstance(getattr(module, "scaling", None),
+                                                                                       float))
+    return {"scaling": gathered(torch.tensor([scaling])).reshape(-1).tolist(),
+            "base": callback.ensemble.base("attention_scale") * (32 // 4) ** -0.5}
+
+
+def test_after_training_every_replica_evaluates_at_the_values_found(tmp_path):
+    """The last sync gave each replica its own value for the next interval: trainer.evaluate() after train() scored
+    each rank's share of the data at its replica's attention scale (and save_model wrote one of them)."""
+    result, _ = run_ranks(explored_attention_worker, 2, str(tmp_path))
+    assert result["scaling"][0] == result["scaling"][1] == pytest.approx(result["base"])

@@ -68,6 +68,7 @@ def runs(tmp_path_factory) -> dict:
                                  str(root / "fsdp2" / "checkpoints" / first_epoch)),
         # epochs of 10 steps at T = 3: each epoch's validation falls between syncs
         "validated": run_job(root / "validated", "--epochs", "2", "--sync_interval", "3", "--validate"),
+        "explored": run_job(root / "explored", "--epochs", "1", "--mode", "local", "--explore_scale"),
         "root": root,
     }
 
@@ -296,3 +297,11 @@ def test_a_fit_of_max_steps_starts_with_an_lr_range_test(range_runs):
     torch.testing.assert_close(saved, weights[0], rtol=0, atol=0)
     (state,) = [value for key, value in checkpoint["callbacks"].items() if key.startswith("HDETCallback")]
     assert state["step"] == state["last_sync_step"] == 7
+
+
+@pytest.mark.e2e
+def test_after_fit_every_replica_scores_at_the_values_found(runs):
+    """The last sync gave each replica its own value of an explored knob for the next interval: a validate() or
+    test() after fit() scored each rank's share of the data at its replica's value."""
+    record = runs["explored"]
+    assert record["scalings"] == [pytest.approx(record["scale_found"])] * 4
