@@ -120,6 +120,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         self.deepspeed: Any = None
         self._step_in_range_test = False  # the Trainer's current optimizer step is one of the LR range test's
         self._counts_before_test: tuple[int, float] = (0, 0.0)  # the Trainer's tokens and flos before the test
+        self._logged_report: SyncReport | None = None  # the last sync report given to the Trainer's loggers
 
     # ------------------------------------------------------------------------------------ reporting
     def _attached(self) -> HDETEnsemble:
@@ -178,6 +179,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
             control.should_log = control.should_evaluate = control.should_save = False
         elif control.should_evaluate and not self.at_sync_point:  # the epoch's evaluation: of the one model
             self.sync()
+            self._log_sync(self.ensemble)
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           **kwargs: Any) -> None:
@@ -204,6 +206,16 @@ class HDETCallback(TrainerCallback, HDETHandle):
         ending = control.should_training_stop or state.global_step >= state.max_steps
         if (control.should_save or control.should_evaluate or ending and self.sync_at_end) and not self.at_sync_point:
             self.sync()
+        self._log_sync(ensemble)
+
+    def _log_sync(self, ensemble: HDETEnsemble) -> None:
+        """Gives a sync's scalars (``SyncReport.scalars``: the replicas' losses, each explored value's base, scale and
+        replica values) to the Trainer's loggers (``report_to``), once: the LR the Trainer logs is its schedule's,
+        not the one the run trains at."""
+        report = ensemble.last_report
+        if report is not None and report is not self._logged_report:
+            self._logged_report = report
+            self.trainer.log(report.scalars())
 
     def _save_checkpoint(self, trial: Any) -> None:
         """Writes HDET's files into the checkpoint the Trainer is about to take, before its own: the Trainer deletes
@@ -218,6 +230,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
                 "over (the callback's `ramping` is False)")
         if not self.at_sync_point:
             self.sync()
+            self._log_sync(self.ensemble)
         if self.engine == "deepspeed":
             return
         trainer, ensemble = self.trainer, self.ensemble
@@ -241,6 +254,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if self.sync_at_end and self._ensemble is not None and not self.ramping and not self.at_sync_point:
             self.sync()
         if self._ensemble is not None and not self.ramping:  # trainer.evaluate() and save_model() after train()
+            self._log_sync(self._ensemble)
             self._ensemble.apply_base_values()
 
     @property

@@ -943,3 +943,32 @@ def test_after_training_every_replica_evaluates_at_the_values_found(tmp_path):
     each rank's share of the data at its replica's attention scale (and save_model wrote one of them)."""
     result, _ = run_ranks(explored_attention_worker, 2, str(tmp_path))
     assert result["scaling"][0] == result["scaling"][1] == pytest.approx(result["base"])
+
+
+def logged_worker(rank: int, world: int, out_dir: str) -> list[tuple[int, float, float]]:
+    """DDP, 2 replicas, syncs every 3 of 7 steps: what the Trainer's loggers get of HDET's syncs."""
+    from transformers import TrainerCallback
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    logged = []
+
+    class RecordLogs(TrainerCallback):  # as report_to's integrations see the logs
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "hdet/loss" in logs:
+                logged.append((state.global_step, logs["hdet/loss"], logs["hdet/lr/0/base"]))
+
+    trainer = fresh_trainer(out_dir, seed=rank)
+    callback = add_hdet(trainer, hdet_settings(out_dir, "global", 1))
+    trainer.add_callback(RecordLogs())
+    trainer.train()
+    lines = [json.loads(line) for line in Path(callback.config.metrics_path).read_text().splitlines()]
+    return [(line["step"], sum(line["replica_losses"]) / 2, line["values"]["lr/0"]["base"]) for line in lines], logged
+
+
+def test_the_trainers_loggers_get_each_syncs_scalars(tmp_path):
+    """The Trainer's report_to (W&B, TensorBoard) got nothing of HDET: not the replicas' losses, not the LR the run
+    trains at (its own learning_rate is the schedule's), not the controller's scale."""
+    (synced, logged), _ = run_ranks(logged_worker, 2, str(tmp_path))
+    assert [step for step, _, _ in synced] == [3, 6, 7]  # the last one: the end, between syncs
+    assert logged == [pytest.approx(entry) for entry in synced]
