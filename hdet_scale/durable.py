@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 from hdet_scale.notices import warn
@@ -105,3 +106,40 @@ def start_replacement(target: Path) -> None:
     at ``target.tmp`` goes."""
     recover_replaced_folder(target)
     clear_folder(replacement_folders(target)[0])
+
+
+FOLDER_TOKEN = ".made_for_this_save"
+"""The file ``start_fresh_folder`` marks a staging folder with: a token, new for every save."""
+
+
+def start_fresh_folder(folder: Path) -> str:
+    """Makes the folder ``folder`` (its name free) and marks it with a new token, on the disk; returns the token, for
+    every node to check with ``see_fresh_folder`` before it writes there."""
+    folder.mkdir(parents=True)
+    token = uuid.uuid4().hex
+    write_text_durably(folder / FOLDER_TOKEN, token)
+    fsync_path(folder.parent)
+    return token
+
+
+def see_fresh_folder(folder: Path, token: str, *, patience_s: float = 90.0) -> None:
+    """Waits until this node's view of ``folder`` is the one ``start_fresh_folder`` made (``token``): for up to a
+    minute after a rename a network file system may show another node the folder the name had before (the previous
+    save's staging, renamed into the checkpoint), and the files written through it would go into the live checkpoint.
+    An OSError once ``patience_s`` passed."""
+    waited, pause = 0.0, 0.5
+    while True:
+        try:
+            if (folder / FOLDER_TOKEN).read_text() == token:
+                return
+        except OSError:
+            pass
+        if waited >= patience_s:
+            raise OSError(f"{folder} is not, on this node, the folder just made there for this save, after "
+                          f"{waited:.0f} s (a network file system's stale view of a folder renamed since): mount it "
+                          "with lookupcache=none, or checkpoint to a file system every node sees at once (Lustre, "
+                          "GPFS)")
+        time.sleep(pause)
+        waited += pause
+        pause = min(2 * pause, 8.0)
+        os.listdir(folder.parent)  # look the names up again

@@ -46,6 +46,8 @@ from hdet_scale.durable import (
     recover_replaced_folder,
     replace_folder_durably,
     replacement_folders,
+    see_fresh_folder,
+    start_fresh_folder,
     start_replacement,
     write_text_durably,
 )
@@ -289,6 +291,9 @@ class HDETDeepSpeed(HDETHandle):
         on_rank0(lambda: start_replacement(target), f"preparing the checkpoint {tag}")
         replacing = on_rank0(target.exists, f"looking for the checkpoint {tag}", share_result=True)
         written = replacement_folders(target)[0] if replacing else target
+        if replacing:  # a tag saved into again stages under one name: each node first sees this save's folder there
+            token = on_rank0(lambda: start_fresh_folder(written), f"preparing the checkpoint {tag}", share_result=True)
+            file_work_together(lambda: see_fresh_folder(written, token), f"opening {written} on every node")
 
         def make_folders() -> None:  # DeepSpeed makes save_dir on rank 0 alone before its first barrier: every rank
             os.makedirs(written, exist_ok=True)

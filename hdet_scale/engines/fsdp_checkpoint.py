@@ -6,9 +6,11 @@ identical shards) and consolidates into one unsharded model. Optimizer states ca
 ranks: saved under shared keys they would come back as a mix of replicas. Where they differ each replica's
 optimizer state is therefore saved under its own key; where they are alike, under replica 0's, which DCP writes
 once. The HDET state is identical on every rank at a sync point; rank 0 writes it
-next to the shards. A checkpoint is written to ``PATH.tmp`` and renamed into place once complete, so a run
-killed mid-save leaves the previous checkpoint intact; killed between the two renames, it leaves no ``PATH``,
-and the next ``has_checkpoint``, ``load_checkpoint`` or ``save_checkpoint`` puts the newer checkpoint there.
+next to the shards. A checkpoint is written to ``PATH.tmp`` and renamed into place once complete (every shard
+DCP's metadata names there), so a run killed mid-save leaves the previous checkpoint intact; killed between the
+two renames, it leaves no ``PATH``, and the next ``has_checkpoint``, ``load_checkpoint`` or ``save_checkpoint``
+puts the newer checkpoint there. Every node writes only once it sees this save's ``PATH.tmp`` (a token rank 0
+writes there), not the last save's folder a network file system may still show under that name.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from hdet_scale.comm import on_rank0
+from hdet_scale.comm import file_work_together, on_rank0
 from hdet_scale.durable import (
     fsync_path,
     recover_replaced_folder,
     replace_folder_durably,
     replacement_folders,
+    see_fresh_folder,
+    start_fresh_folder,
     start_replacement,
 )
 from hdet_scale.engines.fsdp import HDETFSDP, handle_of
@@ -68,10 +72,19 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     saved_as = hdet.topology.replica_index if ensemble.optimizer_states_differ() else 0
     final = Path(path)
     staging = replacement_folders(final)[0]
-    on_rank0(lambda: start_replacement(final), f"clearing {staging}")
+
+    def fresh_staging() -> str:
+        start_replacement(final)
+        return start_fresh_folder(staging)
+
+    token = on_rank0(fresh_staging, f"clearing {staging}", share_result=True)
+    # every save writes through the same staging name: each node first sees this save's folder under it, not the
+    # last save's, which is the checkpoint now
+    file_work_together(lambda: see_fresh_folder(staging, token), f"opening {staging} on every node")
     dcp.save(_sharded_state(model, optimizer, saved_as), checkpoint_id=staging)
 
     def complete() -> None:
+        _check_shards(staging)
         # DCP wrote its files to the disk (fsync); these too, before anything vouches for them or the older
         # checkpoint goes, so that a node crash cannot leave only a checkpoint with truncated files
         for name, state in ((HDET_STATE_FILE, hdet_state), (EXTRA_STATE_FILE, dict(extra_state or {}))):
@@ -83,6 +96,16 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         replace_folder_durably(staging, final)
 
     on_rank0(complete, f"writing the checkpoint {final}")
+
+
+def _check_shards(folder: Path) -> None:
+    """An OSError unless every file DCP's metadata in ``folder`` names is there, as long as it says: a rank whose
+    files went elsewhere (a stale view of the folder) would leave a checkpoint that cannot be loaded."""
+    for info in dcp.FileSystemReader(folder).read_metadata().storage_data.values():
+        file = folder / info.relative_path
+        if not file.is_file() or file.stat().st_size < info.offset + info.length:
+            raise OSError(f"the checkpoint {folder} lacks {info.relative_path} (or holds less of it than was written): "
+                          "a rank's files did not reach the folder every rank saved to")
 
 
 def _saved_optimizer_states(path: Path) -> int:

@@ -49,7 +49,8 @@ class Injector:
         import torch.distributed.checkpoint.filesystem as filesystem
 
         self._wrap(torch, "save", lambda args: args[1])
-        self._wrap(filesystem.FileSystem, "create_stream", lambda args: args[1])
+        # a stream opened to write (DCP's reader opens them too, for the check of a complete checkpoint)
+        self._wrap(filesystem.FileSystem, "create_stream", lambda args: args[1] if "w" in args[2] else None)
         for method in ("write_text", "replace", "rename"):
             self._wrap(pathlib.Path, method, lambda args: args[0])
         self._wrap(os, "fsync", lambda args: os.readlink(f"/proc/self/fd/{args[0]}"))

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 
 import pytest
 
 from hdet_scale import durable
+from hdet_scale.durable import FOLDER_TOKEN, see_fresh_folder, start_fresh_folder
 
 
 def test_a_folder_the_file_system_cannot_flush_is_let_be_and_a_file_is_not(tmp_path, monkeypatch):
@@ -120,3 +123,48 @@ def test_a_retired_folder_that_can_be_neither_deleted_nor_moved_leaves_the_repla
                                          r"remove .*ckpt\.old by hand before the next save there"):
         durable.replace_folder_durably(tmp_path / "ckpt.tmp", tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "which").read_text() == "newer"
+
+
+def test_a_node_writes_into_the_staging_folder_only_once_it_sees_this_saves(tmp_path):
+    """Every save stages under one name: a network file system may show a node, for a while after a rename, the
+    folder the name had before (the last save's staging, now the checkpoint), and its files would go there."""
+    staging = tmp_path / "latest.tmp"
+    token = start_fresh_folder(staging)
+    see_fresh_folder(staging, token)  # this node sees it
+    checkpoint = tmp_path / "latest"
+    staging.rename(checkpoint)
+    stale = start_fresh_folder(tmp_path / "stale")  # what a stale view shows: a folder of another save's token
+    (tmp_path / "stale").rename(staging)
+    with pytest.raises(OSError, match=r"latest.tmp is not, on this node, the folder just made there for this save, "
+                                      r"after \d+ s \(a network file system's stale view"):
+        see_fresh_folder(staging, token, patience_s=1.0)
+    assert stale != token
+
+    def view_turns_fresh() -> None:
+        time.sleep(0.7)
+        (staging / FOLDER_TOKEN).write_text(token)  # the node's cache runs out: it sees the new folder
+
+    thread = threading.Thread(target=view_turns_fresh)
+    thread.start()
+    see_fresh_folder(staging, token, patience_s=10.0)
+    thread.join()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_missing_a_shard_dcp_wrote_is_not_put_in_place(tmp_path):
+    """A rank's shard written elsewhere (a stale view of the staging folder): the manifest listed what rank 0 saw,
+    and the checkpoint, complete to every check, could not be loaded."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hdet_scale.engines.fsdp_checkpoint import _check_shards
+
+    dcp.save({"weight": torch.arange(6.0)}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    _check_shards(tmp_path / "ckpt")
+    shard = next((tmp_path / "ckpt").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(OSError, match=rf"lacks {shard.name} \(or holds less of it than was written\)"):
+        _check_shards(tmp_path / "ckpt")
+    shard.unlink()
+    with pytest.raises(OSError, match=rf"the checkpoint .*ckpt lacks {shard.name}"):
+        _check_shards(tmp_path / "ckpt")
