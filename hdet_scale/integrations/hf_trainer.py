@@ -329,7 +329,9 @@ class HDETCallback(TrainerCallback, HDETHandle):
         """A micro-batch's loss as HDET observes it. Trainer scales each to its share of the step (divided by the
         accumulation steps, or by the step's token count), and the shares sum to the step's loss it logs; HDET
         takes a step's loss as the mean of what it observes, so each share counts once per micro-batch."""
-        return loss * self.trainer.current_gradient_accumulation_steps
+        # older transformers releases have no current_gradient_accumulation_steps (nor a shorter last window)
+        return loss * getattr(self.trainer, "current_gradient_accumulation_steps",
+                              self.trainer.args.gradient_accumulation_steps)
 
     def _saved_state(self, state: TrainerState) -> dict[str, Any]:
         """HDET's state saved in the Trainer checkpoint this run resumes from (noted by ``train``, which every
@@ -423,9 +425,9 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
     save_checkpoint = trainer._save_checkpoint
 
     @functools.wraps(save_checkpoint)
-    def save_checkpoint_with_hdet(model: Any, trial: Any = None) -> None:
+    def save_checkpoint_with_hdet(model: Any, trial: Any = None, *args: Any, **kwargs: Any) -> None:
         callback._save_checkpoint(trial)
-        save_checkpoint(model, trial)
+        save_checkpoint(model, trial, *args, **kwargs)  # older transformers releases pass metrics too
 
     trainer._save_checkpoint = save_checkpoint_with_hdet
     train = trainer.train
