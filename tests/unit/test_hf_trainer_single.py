@@ -77,3 +77,19 @@ def test_a_model_transformers_loaded_sharded_is_refused_when_hdet_is_added(tmp_p
             trainer.is_distributed_loading_by_transformers = True
         with pytest.raises(HDETConfigError, match="a model loaded sharded by transformers .* is not supported"):
             add_hdet(trainer, {"sync_interval": 2})
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_trainer_without_a_current_accumulation_count_gives_its_configured_one(tmp_path):
+    """Older transformers releases set no ``current_gradient_accumulation_steps`` (this one sets it only once the loop
+    runs): the loss share read it and raised at the first micro-batch."""
+    from transformers import Trainer, TrainingArguments
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    trainer = Trainer(model=Regression(), train_dataset=Sums(),
+                      args=TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=4, use_cpu=True,
+                                             report_to=[], max_steps=2))
+    callback = add_hdet(trainer, {"sync_interval": 1})
+    assert not hasattr(trainer, "current_gradient_accumulation_steps")
+    assert float(callback._step_share(torch.tensor(0.25))) == 1.0  # a quarter of the step's loss, observed whole
