@@ -70,7 +70,7 @@ class HDETScheduler(HDETHandle):
                                  paper_decay=paper_decay, total_steps=total_steps,
                                  state=None if state is None else state["hdet"])
         if state is not None:
-            scheduler.load_state_dict(state["scheduler"])
+            self._load_scheduler(state["scheduler"])
 
     def _attached(self) -> HDETEnsemble:
         return self.hdet
@@ -90,8 +90,16 @@ class HDETScheduler(HDETHandle):
         return {"scheduler": self.scheduler.state_dict(), "hdet": self.hdet.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        self._load_scheduler(state["scheduler"])
         self.hdet.load_state_dict(state["hdet"])
+
+    def _load_scheduler(self, state: dict[str, Any]) -> None:
+        """Loads the base schedule's state and puts its LRs into the param groups: torch's scheduler keeps them in
+        its state, but building it set the groups to its first step's, which an optimizer state loaded before it
+        no longer overrides: the first resumed step trained there."""
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
 
 
 class HDETOneCycleLR(OneCycleLR, HDETHandle):
@@ -142,7 +150,7 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
                                  total_steps=self.total_steps,
                                  state=None if state is None else state["hdet_state"])
         if state is not None:
-            OneCycleLR.load_state_dict(self, {key: value for key, value in state.items() if key != "hdet_state"})
+            self._load_one_cycle({key: value for key, value in state.items() if key != "hdet_state"})
 
     def _attached(self) -> HDETEnsemble:
         if self.hdet is None:
@@ -164,8 +172,17 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
         hdet_state = state.pop("hdet_state")
-        super().load_state_dict(state)
+        self._load_one_cycle(state)
         self.hdet.load_state_dict(hdet_state)
+
+    def _load_one_cycle(self, state: dict[str, Any]) -> None:
+        """OneCycleLR's state, and its LR and momentum of the restored step in the param groups: building it set the
+        groups to its first step's (max_lr / div_factor), which an optimizer state loaded before it no longer
+        overrides, and the first resumed step trained there. OneCycleLR computes a step's values from its count
+        alone: the restored count's are computed again."""
+        OneCycleLR.load_state_dict(self, state)
+        self.last_epoch -= 1
+        OneCycleLR.step(self)
 
 
 class ReplaySchedule(LRScheduler):

@@ -27,8 +27,12 @@ def two_group_optimizer(kind: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=1e-3, momentum=0.9)
 
 
+def parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
 def train_step(optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = parameters(optimizer)
     optimizer.zero_grad()
     loss = sum((p**2).sum() for p in params)
     loss.backward()
@@ -85,10 +89,13 @@ def test_a_group_held_at_lr_0_is_onecyclelrs_outside_paper_mode():
 
 
 def test_state_dict_resumes_onecycle_and_hdet():
-    def run(steps, scheduler_state=None, optimizer_state=None):
+    def run(steps, scheduler_state=None, optimizer_state=None, weights=None):
         optimizer = two_group_optimizer("adam")
         if optimizer_state:
             optimizer.load_state_dict(optimizer_state)
+            with torch.no_grad():
+                for param, weight in zip(parameters(optimizer), weights, strict=True):
+                    param.copy_(weight)
         scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=40, sync_interval=5,
                                    auto_lr={"range_test": 0})
         if scheduler_state:
@@ -99,11 +106,15 @@ def test_state_dict_resumes_onecycle_and_hdet():
             lrs.append(scheduler.get_last_lr())
         return lrs, scheduler, optimizer
 
-    straight, _, _ = run(30)
+    straight, _, straight_optimizer = run(30)
     first, scheduler, optimizer = run(13)
-    second, resumed, _ = run(17, scheduler.state_dict(), optimizer.state_dict())
+    second, resumed, resumed_optimizer = run(17, scheduler.state_dict(), optimizer.state_dict(),
+                                             [param.detach().clone() for param in parameters(optimizer)])
     assert first + second == straight
     assert resumed.hdet.global_step == 30
+    # the weights too: the first resumed step trained at OneCycleLR's first LR and momentum, not step 14's
+    pairs = zip(parameters(resumed_optimizer), parameters(straight_optimizer), strict=True)
+    assert all(torch.equal(param, straight_param) for param, straight_param in pairs)
 
 
 def test_multipliers_never_compound_with_a_chainable_scheduler():
@@ -303,3 +314,22 @@ def test_a_sync_where_the_replicas_are_one_model_already_does_nothing(tmp_path):
     scheduler.step(1.0)
     assert scheduler.hdet.sync().step == 9  # one step later the replicas may differ: a sync
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [4, 8, 9]
+
+
+def test_a_wrapped_scheduler_resumed_after_its_optimizer_trains_at_the_restored_lr():
+    """Building LambdaLR set the groups to its first step's LR, over the one the optimizer's state restored: the first
+    resumed step trained at base_lr x f(0)."""
+    def build() -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+    optimizer, torch_scheduler = build()
+    scheduler = HDETScheduler(torch_scheduler, auto_lr=LR_HELD_AT_GIVEN)
+    for _ in range(3):
+        train_step(optimizer)
+        scheduler.step(0.0)
+    saved_optimizer, saved = optimizer.state_dict(), scheduler.state_dict()
+    optimizer, torch_scheduler = build()
+    optimizer.load_state_dict(saved_optimizer)  # then the scheduler is built: LambdaLR sets its first LR
+    resumed = HDETScheduler(torch_scheduler, auto_lr=LR_HELD_AT_GIVEN, state=saved)
+    assert optimizer.param_groups[0]["lr"] == resumed.get_last_lr()[0] == pytest.approx(0.1 / 4)
