@@ -97,6 +97,7 @@ class HDETEnsemble:
         self._warned_no_loss = False
         self._probing = False  # value("label_smoothing") reads 0 while the probe runs
         self._closed = False
+        self._at_base = False  # apply_base_values gave every replica the base values, until the next sync
         self._pre_sync_hooks: list[Callable[[int], None]] = []
         self._buckets: list[torch.Tensor] = []  # the sync's bucket memory, reused from one sync to the next
         self._last_report: SyncReport | None = None
@@ -220,6 +221,8 @@ class HDETEnsemble:
         explored = self._explored_named(name)
         if self._closed:  # its hooks are gone: the optimizer steps with the schedule's values, the rest hold the base
             return explored.knob.scheduled() if explored.knob.step_scoped else explored.base()
+        if self._at_base and not explored.knob.step_scoped:  # apply_base_values, until the next sync
+            return explored.base()
         if self._probing and name == "label_smoothing":
             return 0.0
         ramp = self._range_test_lr(explored)
@@ -252,6 +255,7 @@ class HDETEnsemble:
 
     def _apply_knobs(self) -> None:
         """Gives this replica its values of the knobs that are not set inside ``optimizer.step()``."""
+        self._at_base = False
         for explored in self._explored:
             if not explored.knob.step_scoped:
                 explored.knob.apply(explored.value(self.topology.replica_index))
@@ -679,10 +683,11 @@ class HDETEnsemble:
         """Gives every replica the base value of each knob set outside the optimizer step (``base``: what the
         controller found, e.g. the attention scale the weights trained at) until the next sync gives each its own
         again: for an evaluation or an export at the end of training, where each rank would otherwise score with its
-        replica's value."""
+        replica's value. ``value`` says the base meanwhile (a loss that reads ``value("label_smoothing")``)."""
         for explored in self._explored:
             if not explored.knob.step_scoped:
                 explored.knob.apply(explored.base())
+        self._at_base = True
 
     def close(self) -> None:
         """Removes the optimizer hooks and gives every replica the base value of each knob set outside the optimizer

@@ -98,6 +98,22 @@ def test_each_knob_changes_what_each_replica_computes():
     assert all(len(values) == REPLICAS for values in seen.values()), seen  # every replica its own value
 
 
+def test_after_training_every_replica_reads_and_holds_the_base_values():
+    """apply_base_values (an integration's end of training) put the base into the modules, but value() still said
+    the replica's own: a loss reading value("label_smoothing") evaluated each rank at its replica's."""
+    model = tiny_llama()
+    config = HDETConfig.from_dict({"alpha": 0.3, "gradient_mode": "local", "explore": EXPLORE,
+                                   "auto_lr": LR_HELD_AT_GIVEN})
+    hdet = HDETEnsemble(config, DDPAdapter(two_groups(model), model),
+                        topology=ReplicaTopology(rank=1, world_size=REPLICAS, ranks_per_replica=1))
+    attention = next(module for module in model.modules() if type(module).__name__ == "LlamaAttention")
+    assert hdet.value("label_smoothing") != pytest.approx(0.1) and attention.scaling != pytest.approx(8 ** -0.5)
+    hdet.apply_base_values()
+    assert hdet.value("label_smoothing") == pytest.approx(hdet.base("label_smoothing")) == pytest.approx(0.1)
+    assert attention.scaling == pytest.approx(8 ** -0.5) and attention.attention_dropout == pytest.approx(0.1)
+    assert hdet.value("lr/matrices") == pytest.approx(1e-3 * expected_multiplier("lr/matrices", 1, 0.3))  # stepped
+
+
 def test_knob_guard_rails_and_clear_errors():
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # SGD has weight_decay; 0 stays 0
