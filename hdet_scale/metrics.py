@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -61,18 +62,7 @@ class MetricsWriter:
             return
         self._pending.append(json.dumps(json_safe(record)) + "\n")
         try:
-            with self.path.open("ab+") as handle:
-                size = handle.tell()
-                try:
-                    if not self._line_ended and size:  # a run killed while writing its last line left part of it
-                        handle.seek(-1, os.SEEK_END)
-                        if handle.read(1) != b"\n":
-                            handle.write(b"\n")
-                    handle.write("".join(self._pending).encode())
-                    handle.flush()
-                except OSError:
-                    handle.truncate(size)  # no part of a line: the lines go again, whole, at the next write
-                    raise
+            self._append("".join(self._pending).encode())
         except OSError as error:
             if not self._warned:
                 warn(f"could not write {self.path} ({error}): its lines wait in memory for the next write; the run "
@@ -81,6 +71,26 @@ class MetricsWriter:
             return
         self._line_ended = True
         self._pending = []
+
+    def _append(self, data: bytes) -> None:
+        """Appends ``data`` whole or not at all (a write that fails part way is cut back), unbuffered, so that what
+        failed is known here."""
+        descriptor = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(descriptor).st_size
+            try:
+                # a run killed while writing its last line left part of it
+                if not self._line_ended and size and os.pread(descriptor, 1, size - 1) != b"\n":
+                    data = b"\n" + data
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(descriptor, view):]
+            except OSError:
+                with contextlib.suppress(OSError):  # a part left all the same stays a line of its own (see above)
+                    os.ftruncate(descriptor, size)
+                raise
+        finally:
+            os.close(descriptor)
 
 
 @dataclass

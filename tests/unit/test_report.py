@@ -350,6 +350,31 @@ def test_a_metrics_write_that_fails_keeps_its_lines_and_the_run_going(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
 
 
+LIMITED_WRITER = """
+import json, resource, signal, sys, warnings
+from hdet_scale.metrics import MetricsWriter
+
+warnings.simplefilter("ignore")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of ending the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))  # room for 3 lines of 30 bytes
+writer = MetricsWriter(sys.argv[1], is_writer=True)
+for step in range(1, 6):
+    writer.write({"step": step, "pad": "x" * 8})
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # room again
+writer.write({"step": 6, "pad": "x" * 8})
+"""
+
+
+def test_a_metrics_write_that_fails_part_way_leaves_no_part_of_a_line(tmp_path):
+    """The 4th line fits in part: what of it was written is cut back, and the next write, with room, writes the
+    waiting lines whole and once (a buffered file's truncate flushed, failed again, and left half a line)."""
+    import subprocess
+
+    path = tmp_path / "metrics.jsonl"
+    subprocess.run([sys.executable, "-c", LIMITED_WRITER, str(path)], check=True, timeout=60)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_step_a_loop_without_hdet_wrote_twice_counts_its_later_line(tmp_path):
     """A plain loop resumed from its checkpoint at step 20 writes step 30 again: the interrupted run's line was
     plotted beside it. Lines may come in any step order."""
