@@ -46,8 +46,8 @@ Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_ste
 HDET's state (under DDP in ``hdet_state.pt``, and where the replicas' optimizer states differ from rank 0's, as in
 ``local`` gradient mode, also each other replica's; under DeepSpeed in the engine's checkpoint, which
 ``hdet_scale.engines.deepspeed`` writes with each replica's files), which ``train(resume_from_checkpoint=...)``
-restores; a checkpoint without it is refused. An evaluation the Trainer takes between syncs (``eval_steps`` or
-epochs that are no multiple of ``sync_interval``) gets a sync first too, so it scores the one model. At
+restores; a checkpoint without it is refused. An evaluation during training between syncs (``eval_steps`` or
+epochs that are no multiple of ``sync_interval``, a callback's) gets a sync first too, so it scores the one model. At
 the end of training the replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the
 ensemble's model.
 """
@@ -177,9 +177,6 @@ class HDETCallback(TrainerCallback, HDETHandle):
                      **kwargs: Any) -> None:
         if self.ramping:  # an epoch of the range test's batches: its end is none of the run's
             control.should_log = control.should_evaluate = control.should_save = False
-        elif control.should_evaluate and not self.at_sync_point:  # the epoch's evaluation: of the one model
-            self.sync()
-            self._log_sync(self.ensemble)
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           **kwargs: Any) -> None:
@@ -201,12 +198,19 @@ class HDETCallback(TrainerCallback, HDETHandle):
             if not ensemble.ramping:
                 self._end_range_test()
             return
-        # DefaultFlowCallback (which runs first) asks for evaluations, saves and the stop here: each of one model
-        # (an evaluation between syncs would score each rank's own replica, and early stopping act on their mix).
+        # DefaultFlowCallback (which runs first) asks for the final save and the stop here: end on one model.
         ending = control.should_training_stop or state.global_step >= state.max_steps
-        if (control.should_save or control.should_evaluate or ending and self.sync_at_end) and not self.at_sync_point:
+        if (control.should_save or ending and self.sync_at_end) and not self.at_sync_point:
             self.sync()
         self._log_sync(ensemble)
+
+    def _before_evaluation(self) -> None:
+        """Every ``trainer.evaluate()`` during training (the Trainer's own, at ``eval_steps`` or an epoch's end, or a
+        callback's) first syncs between syncs, as a checkpoint does: it scored each rank's own replica, and early
+        stopping and the best-model choice acted on their mix."""
+        if self._ensemble is not None and not self.ramping and not self.at_sync_point:
+            self.sync()
+            self._log_sync(self._ensemble)
 
     def _log_sync(self, ensemble: HDETEnsemble) -> None:
         """Gives a sync's scalars (``SyncReport.scalars``: the replicas' losses, each explored value's base, scale and
@@ -430,6 +434,14 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
         save_checkpoint(model, trial, *args, **kwargs)  # older transformers releases pass metrics too
 
     trainer._save_checkpoint = save_checkpoint_with_hdet
+    evaluate = trainer.evaluate
+
+    @functools.wraps(evaluate)
+    def evaluate_one_model(*args: Any, **kwargs: Any) -> Any:
+        callback._before_evaluation()
+        return evaluate(*args, **kwargs)
+
+    trainer.evaluate = evaluate_one_model
     train = trainer.train
 
     @functools.wraps(train)

@@ -895,8 +895,8 @@ def test_a_run_starts_with_an_lr_range_test(tmp_path, stage):
 
 def evaluated_weights_worker(rank: int, world: int, out_dir: str, strategy: str) -> list[tuple[int, bool]]:
     """DDP, 2 replicas; the Trainer evaluates every 2 steps (``strategy`` "steps"), or at each epoch's end, every 2
-    steps too ("epoch": 16 rows, 2 ranks x 2 rows x 2 micro-batches), syncs come every 3: at each evaluation, whether
-    every rank held the same weights."""
+    steps too ("epoch": 16 rows, 2 ranks x 2 rows x 2 micro-batches), or where a callback added after HDET's asks
+    ("callback"), syncs come every 3: at each evaluation, whether every rank held the same weights."""
     from transformers import TrainerCallback
 
     from hdet_scale.integrations.hf_trainer import add_hdet
@@ -908,15 +908,22 @@ def evaluated_weights_worker(rank: int, world: int, out_dir: str, strategy: str)
             rows = gathered(torch.cat([p.detach().reshape(-1) for p in kwargs["model"].parameters()]))
             seen.append((state.global_step, bool(torch.equal(rows[0], rows[1]))))
 
-    trainer = fresh_trainer(out_dir, seed=rank, eval_strategy=strategy, eval_steps=2, eval_dataset=token_dataset(4),
+    class AskToEvaluate(TrainerCallback):  # added after HDET's: it asks once HDET's on_step_end has run
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_evaluate = state.global_step % 2 == 0
+
+    trainer = fresh_trainer(out_dir, seed=rank, eval_strategy="no" if strategy == "callback" else strategy,
+                            eval_steps=2, eval_dataset=token_dataset(4),
                             train_dataset=token_dataset(16) if strategy == "epoch" else None)
     add_hdet(trainer, hdet_settings(out_dir, "global", 1))
     trainer.add_callback(RecordEvaluatedWeights())
+    if strategy == "callback":
+        trainer.add_callback(AskToEvaluate())
     trainer.train()
     return seen
 
 
-@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+@pytest.mark.parametrize("strategy", ["steps", "epoch", "callback"])
 def test_an_evaluation_between_syncs_scores_the_one_model(tmp_path, strategy):
     """Evaluations every 2 steps and syncs every 3: the evaluation at step 2 scored each rank's own replica (and early
     stopping or the best-model choice acted on their mix); it gets a sync first, as a checkpoint does."""
