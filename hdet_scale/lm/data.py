@@ -25,24 +25,6 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda path: path.relative_to(root).as_posix())
 
 
-def stdlib_corpus(max_bytes: int | None = None, *, holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) uint8 byte tokens (vocabulary 256) of the stdlib source, up to ``max_bytes`` in all.
-
-    Every ``holdout_every``-th file is held out whole, so the held-out text is spread over the library
-    instead of being one corner of it, and no held-out file is also trained on.
-    """
-    if holdout_every < 2:
-        raise ValueError(f"holdout_every must be >= 2, got {holdout_every}")
-    train, heldout, total = [], [], 0
-    for index, path in enumerate(stdlib_files()):
-        if max_bytes is not None and total >= max_bytes:
-            break
-        data = path.read_bytes()[: None if max_bytes is None else max_bytes - total]
-        (heldout if index % holdout_every == holdout_every - 1 else train).append(data)
-        total += len(data)
-    return byte_tokens(b"".join(train)), byte_tokens(b"".join(heldout))
-
-
 def byte_tokens(data: bytes) -> torch.Tensor:
     """``data`` as a uint8 tensor of byte tokens (a copy: the tensor owns writable memory)."""
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)

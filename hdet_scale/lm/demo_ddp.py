@@ -21,7 +21,8 @@ import torch.distributed as dist
 from hdet_scale import HDETOneCycleLR, ReplicaTopology, add_hdet_args, load_config
 from hdet_scale.engines.ddp import wrap_model
 from hdet_scale.extras import require
-from hdet_scale.lm.data import random_windows, stdlib_corpus
+from hdet_scale.lm.corpus import load_corpus
+from hdet_scale.lm.data import random_windows
 from hdet_scale.lm.model import next_token_loss
 
 DEMO_DEFAULTS = {"sync_interval": 25}
@@ -74,7 +75,8 @@ def main() -> None:
     if rank == 0 and config.metrics_path:
         Path(config.metrics_path).unlink(missing_ok=True)  # a fresh run, not appended to the last one
 
-    train_tokens, heldout_tokens = stdlib_corpus(int(args.corpus_mb * 2**20))  # every 20th file held out
+    corpus = load_corpus("stdlib", max_bytes=int(args.corpus_mb * 2**20))  # every 20th file held out
+    train_tokens, heldout_tokens = corpus.train, corpus.heldout
     model = wrap_model(build_model(args.seed).to(device), config, topology)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.max_lr, weight_decay=0.01)
     scheduler = HDETOneCycleLR(optimizer, max_lr=args.max_lr, total_steps=args.steps, hdet_config=config,
