@@ -52,20 +52,25 @@ class AveragedBuffers:
                 if buffer.is_floating_point() and name not in self._constants]
 
     def refresh(self) -> list[torch.Tensor]:
-        """Takes as averaged from now on every constant that is all finite now on every rank, or gone (collective
-        where the process group is up: at the end of a sync, for the interval that starts), and returns those still
-        there, in the same order on every rank, for the sync to average them now: the replicas are then one model
-        until the next. Every rank must average the same tensors; a constant finite on some ranks only stays one."""
+        """Takes as averaged from now on every constant that is all finite now on every rank (collective where the
+        process group is up: at the end of a sync, for the interval that starts), and returns them, in the same order
+        on every rank, for the sync to average them now: the replicas are then one model until the next. Every rank
+        must average the same tensors: a constant finite on some ranks only, or there on some only, stays one; one
+        gone from every rank is forgotten."""
         if not self._constants:
             return []
         buffers = dict(self._module.named_buffers())
-        finite = torch.tensor([name not in buffers or bool(torch.isfinite(buffers[name]).all())
+        # per constant: 0 gone, 1 non-finite, 2 all finite; the lowest and (negated) the highest over the ranks
+        states = torch.tensor([0 if name not in buffers else 1 + bool(torch.isfinite(buffers[name]).all())
                                for name in self._constants], dtype=torch.int32, device=collective_device())
+        extremes = torch.cat([states, -states])
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        turned = [name for name, now in zip(self._constants, finite.tolist(), strict=True) if now]
-        self._constants = [name for name in self._constants if name not in turned]
-        return [buffers[name] for name in turned if name in buffers]
+            dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
+        lowest, highest = extremes[:len(states)].tolist(), (-extremes[len(states):]).tolist()
+        turned = [name for name, low in zip(self._constants, lowest, strict=True) if low == 2]
+        self._constants = [name for name, low, high in zip(self._constants, lowest, highest, strict=True)
+                           if low < 2 and high > 0]  # gone from every rank: nothing left to keep apart
+        return [buffers[name] for name in turned]
 
 
 @dataclass(frozen=True)

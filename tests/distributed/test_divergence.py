@@ -404,3 +404,46 @@ def test_a_buffer_non_finite_from_the_start_is_a_constant_until_it_changes():
     # finite on rank 0 alone: a constant still on both (rank 0 averaging it alone would misalign the buckets)
     low = first["rank_0_min"]
     assert math.isfinite(low[0]) and low[1] == math.inf
+
+
+class DroppingNet(nn.Module):
+    """An observer buffer, +inf at the start, that rank 0's forward fills in and rank 1's removes (a module that
+    rebuilds its buffers on its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.register_buffer("seen_min", torch.tensor(math.inf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 0:
+            self.seen_min.copy_(torch.minimum(self.seen_min, x.min()))
+        elif "seen_min" in self._buffers:
+            del self._buffers["seen_min"]
+        return self.linear(x)
+
+
+def dropped_buffer_run(rank: int, world: int) -> list[float]:
+    from hdet_scale.engines.ddp import attach, wrap_model
+    from hdet_scale.topology import ReplicaTopology
+
+    config = HDETConfig(spread="linear", alpha=0.5, sync_interval=SYNC_INTERVAL,
+                        auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0))
+    topology = ReplicaTopology.build(config)
+    model = wrap_model(DroppingNet(), config, topology, broadcast_buffers=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    hdet = attach(model, optimizer, config, topology=topology)
+    for step in range(2 * SYNC_INTERVAL):
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        hdet.step(loss)
+    return [float(buffer) for buffer in model.module.buffers()]
+
+
+def test_a_constant_gone_from_some_ranks_stays_one_on_all():
+    """Gone on rank 1, filled in on rank 0: rank 1 took the missing buffer as finite, both ranks turned it into an
+    averaged one, and rank 0 averaged it alone, waiting for rank 1 in an all-reduce it never joined."""
+    first, second = run_ranks(dropped_buffer_run, 2, timeout=120)
+    assert len(first) == 1 and math.isfinite(first[0]) and second == []  # each kept its own, nothing averaged
