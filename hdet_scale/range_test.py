@@ -141,16 +141,20 @@ class RangeTestStart:
     snapshot: list[torch.Tensor]
     peaks: list[float]
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Every buffer of the module as it was, by name: those the replicas do not average too (BatchNorm's
-    ``num_batches_tracked``, a quantization observer's running range) would keep what the test's LRs made them."""
+    """The module's buffers the replicas do not average, as they were, by name, on the CPU (a large attention mask
+    need not take the accelerator's memory twice): they would keep what the test's LRs made them (BatchNorm's
+    ``num_batches_tracked``, a quantization observer's running range)."""
 
     @classmethod
     def before(cls, test: RangeTest, adapter: EngineAdapter) -> RangeTestStart:
         """The start of ``test``: a copy of the weights and buffers every replica holds now, and the peak LRs."""
+        snapshot = [tensor.detach().clone() for tensor in adapter.averaged_tensors()]
+        averaged = {tensor.data_ptr() for tensor in adapter.averaged_tensors()}
         module = adapter.module
-        buffers = {} if module is None else {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
-        return cls(test, [tensor.detach().clone() for tensor in adapter.averaged_tensors()], adapter.peak_lrs(),
-                   buffers)
+        buffers = {} if module is None else {name: buffer.detach().to("cpu", copy=True)
+                                             for name, buffer in module.named_buffers()
+                                             if buffer.data_ptr() not in averaged}
+        return cls(test, snapshot, adapter.peak_lrs(), buffers)
 
     def lr(self, group_index: int, step: int) -> float:
         """Param group ``group_index``'s LR at 0-based ``step`` of the test."""
