@@ -526,7 +526,7 @@ class HDETEnsemble:
     def _update_values(self, scores: ReplicaScores) -> list[float] | None:
         """Moves every explored value's controller by eq. 4's weights; returns the weights, or None when the
         controller does not update at this sync (an extra sync, off, warming up, one replica, or a replica without
-        loss). An extra sync's weights are kept for the next regular update (``ExploredValue.score_part``), and
+        loss). An extra sync's weights are kept for the next regular update (``ExploredValue.keep_part``), and
         dropped where that one does not update."""
         cfg, interval = self.config.auto_lr, self.config.sync_interval
         regular = self._step % interval == 0
@@ -542,7 +542,7 @@ class HDETEnsemble:
                 explored.update(controller, weights=weights, steps=self._steps_in_interval, step=self._step,
                                 sync_interval=interval)
             else:
-                explored.score_part(controller, weights=weights, steps=self._steps_in_interval)
+                explored.keep_part(controller, weights=weights, steps=self._steps_in_interval)
         if regular:
             for explored in self._explored:
                 explored.forget_parts()

@@ -31,9 +31,9 @@ class ExploredValue:
     state: ControllerState = field(default_factory=ControllerState)
     applied_bases: list[float] = field(default_factory=list)
     """The base every optimizer step of the current interval used, in order (the replay's record)."""
-    earlier_delta_steps: float = 0.0
-    """The sum of steps x Delta over the parts of the interval that extra syncs ended (``score_part``)."""
-    earlier_steps: int = 0
+    parts_delta_x_steps: float = 0.0
+    """The sum of steps x Delta over the parts of the interval that extra syncs ended (``keep_part``)."""
+    parts_steps: int = 0
     """The steps of those parts: the next regular update takes the step-weighted mean of every part's Delta."""
 
     @classmethod
@@ -115,26 +115,26 @@ class ExploredValue:
         return [self._on_base(base, replica) for replica in range(self.num_replicas)]
 
     # ------------------------------------------------------------------------------------ a sync
-    def score_part(self, controller: Controller, *, weights: Sequence[float], steps: int) -> None:
+    def keep_part(self, controller: Controller, *, weights: Sequence[float], steps: int) -> None:
         """Keeps the Delta of eq. 4's ``weights`` over the ``steps`` since the last sync, which an extra sync ends
-        and the controller does not move at: the next regular update weighs it by its steps, beside the other
-        parts' (each with its own multipliers), where it used the last part alone at a whole interval's weight. A
-        probe on averaged weights (``auto_lr.average_window``) scores a part that ends before the window the
+        and the controller does not move at: the next regular update weighs it by its steps beside the interval's
+        other parts (each with its own multipliers), so a cut interval moves the controller on all of its evidence.
+        A probe on averaged weights (``auto_lr.average_window``) scores a part that ends before the window the
         interval's last steps span on the part's last weights."""
-        self.earlier_delta_steps += steps * controller.hypergradient(weights, self.replica_multipliers())
-        self.earlier_steps += steps
+        self.parts_delta_x_steps += steps * controller.hypergradient(weights, self.replica_multipliers())
+        self.parts_steps += steps
 
     def forget_parts(self) -> None:
         """Drops the kept parts (a regular sync where the controller does not move)."""
-        self.earlier_delta_steps, self.earlier_steps = 0.0, 0
+        self.parts_delta_x_steps, self.parts_steps = 0.0, 0
 
     def update(self, controller: Controller, *, weights: Sequence[float], steps: int, step: int,
                sync_interval: int) -> None:
         """Moves the controller state by one sync from eq. 4's ``weights`` over the last ``steps`` steps, with the
-        parts of the interval before them that extra syncs ended (``score_part``), each weighed by its steps."""
+        parts of the interval before them that extra syncs ended (``keep_part``), each weighed by its steps."""
         delta = controller.hypergradient(weights, self.replica_multipliers())
-        if self.earlier_steps:
-            delta = (self.earlier_delta_steps + steps * delta) / (self.earlier_steps + steps)
+        if self.parts_steps:
+            delta = (self.parts_delta_x_steps + steps * delta) / (self.parts_steps + steps)
         self.forget_parts()
         self.state = controller.update(self.state, delta=delta, trained_base=self.last_base(), step=step,
                                        sync_interval=sync_interval, paper_decay=self.paper_decay,
@@ -173,7 +173,7 @@ class ExploredValue:
     def state_dict(self) -> dict[str, Any]:
         state = {"permutation": list(self.permutation), "controller": self.state.state_dict(),
                  "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases),
-                 "earlier_delta_steps": self.earlier_delta_steps, "earlier_steps": self.earlier_steps}
+                 "parts_delta_x_steps": self.parts_delta_x_steps, "parts_steps": self.parts_steps}
         knob = self.knob.state()
         if knob:
             state["knob"] = knob
@@ -187,8 +187,8 @@ class ExploredValue:
         self.state = ControllerState.from_state_dict(state["controller"])
         self.knob.load_state(state.get("knob", {}))  # none in a state of an earlier version
         self.applied_bases = [float(base) for base in state.get("applied_bases", [])]
-        self.earlier_delta_steps = float(state.get("earlier_delta_steps", 0.0))  # none kept in earlier versions
-        self.earlier_steps = int(state.get("earlier_steps", 0))
+        self.parts_delta_x_steps = float(state.get("parts_delta_x_steps", 0.0))  # none kept in earlier versions
+        self.parts_steps = int(state.get("parts_steps", 0))
         self.stream.load_state_dict(state["stream"])
         if same_layout:
             self.permutation = list(state["permutation"])

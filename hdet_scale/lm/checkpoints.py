@@ -280,8 +280,9 @@ TENSORBOARD = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 """The W&B run a resumed run logs into, under ``--out``: goes with the run it belongs to."""
 STOPPED_EARLY = "stopped_early"
-"""Under ``--out``, what a run that a signal stopped before its ``--steps`` leaves ("step N of M"), and a run there
-removes when it starts: the Slurm templates requeue a job whose ranks stopped so without their asking."""
+"""Under ``--out``, what a run that a signal stopped before its ``--steps`` leaves ("step N of M, from step K": K the
+step that start began at), and a run there removes when it starts: the Slurm templates requeue a job whose ranks
+stopped so without their asking, where the start trained a step."""
 
 
 def previous_run(out: Path, metrics_path: str | None) -> list[Path]:

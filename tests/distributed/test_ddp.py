@@ -469,7 +469,7 @@ def extra_sync_run(rank: int, world: int) -> tuple[list[tuple], list[int]]:
             reports.append(hdet.last_report)
         if step in (5, 10):
             reports.append(hdet.sync())  # as before a preemption checkpoint
-            kept.append(hdet.state_dict()["explored"]["lr/0"]["earlier_steps"])
+            kept.append(hdet.state_dict()["explored"]["lr/0"]["parts_steps"])
     return [(report.step, report.controller_updated, report.values["lr/0"]["scale"],
              report.values["lr/0"]["velocity"], report.replica_losses, report.values["lr/0"]["replica_multipliers"])
             for report in reports], kept

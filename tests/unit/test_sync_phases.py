@@ -66,7 +66,7 @@ def test_an_interval_cut_by_an_extra_sync_moves_the_controller_by_the_step_weigh
     alone, at the whole interval's strength."""
     explored = lr_value(permutation=[0, 1, 2])  # the first part trains at 0.5, 1.0, 1.5
     controller = Controller(AutoLRConfig(mode="scale", beta=0.5, step_size=2.0))
-    explored.score_part(controller, weights=[0.0, 0.0, 1.0], steps=1)  # Delta 0.5
+    explored.keep_part(controller, weights=[0.0, 0.0, 1.0], steps=1)  # Delta 0.5
     explored.permutation = [2, 1, 0]  # the extra sync's redraw: the rest at 1.5, 1.0, 0.5
     saved = explored.state_dict()  # as a preemption checkpoint after the extra sync
     explored = lr_value(permutation=[0, 1, 2])
