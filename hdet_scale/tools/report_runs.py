@@ -89,7 +89,8 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     except UnicodeDecodeError:
         raise ReportError(f"{path}: not a text file (expected JSON lines)") from None
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
-    records: list[dict[str, Any]] = []
+    kept: list[dict[str, Any] | None] = []  # None: a line a later one for its step replaced
+    latest: dict[tuple[str, int], int] = {}  # a repeatable line's kind and step: where its latest is in ``kept``
     not_json: list[str] = []
     for number, line in numbered:
         where = f"{path}, line {number}"
@@ -100,11 +101,16 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
             warn(f"{where}: not valid JSON, skipped (a line cut short: the run was stopped while writing it, or is "
                  "writing it now)")
             continue
-        if records and _resumes_at(record, records):
-            records = [kept for kept in records if kept["step"] < record["step"]]
-        elif _plain_loss_step(record) is not None:  # a loop without HDET resumed: its later line for the step
-            records = [kept for kept in records if _plain_loss_step(kept) != record["step"]]
-        records.append(record)
+        if _resumes_at(record, kept):
+            kept = [earlier for earlier in kept if earlier is not None and earlier["step"] < record["step"]]
+            latest = {key: index for index, earlier in enumerate(kept) if (key := _repeat_key(earlier))}
+        key = _repeat_key(record)
+        if key in latest:  # a loop without HDET resumed: its later line for the step counts
+            kept[latest[key]] = None
+        if key:
+            latest[key] = len(kept)
+        kept.append(record)
+    records = [record for record in kept if record is not None]
     if not records:
         raise ReportError(not_json[0] + ", and no line is: not a metrics file" if not_json
                           else f"{path}: no metrics lines (the file is empty)")
@@ -112,18 +118,24 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     return Run(label=label or path.stem, path=path, records=records)
 
 
-def _resumes_at(record: dict[str, Any], before: list[dict[str, Any]]) -> bool:
+def _resumes_at(record: dict[str, Any], before: list[dict[str, Any] | None]) -> bool:
     """Whether ``record``, read after ``before``, starts a resumed run's lines: an HDET sync line at or before the
     step of the last sync line (a run writes them in step order, one a step; other lines may come in any order)."""
     if "replica_losses" not in record:
         return False
-    last_sync = next((earlier["step"] for earlier in reversed(before) if "replica_losses" in earlier), None)
+    last_sync = next((earlier["step"] for earlier in reversed(before)
+                      if earlier is not None and "replica_losses" in earlier), None)
     return last_sync is not None and record["step"] <= last_sync
 
 
-def _plain_loss_step(record: dict[str, Any]) -> int | None:
-    """The step of a training loss line written without HDET (``loss``, no ``replica_losses``), else None."""
-    return record["step"] if "loss" in record and "replica_losses" not in record else None
+def _repeat_key(record: dict[str, Any]) -> tuple[str, int] | None:
+    """A line a resumed loop may write again for its step, whose later line counts: a training loss written without
+    HDET (``loss``, no ``replica_losses``) or a held-out loss alone; None for any other."""
+    if "replica_losses" in record:
+        return None
+    if "loss" in record:
+        return ("loss", record["step"])
+    return ("heldout_loss", record["step"]) if "heldout_loss" in record else None
 
 
 def default_labels(paths: Sequence[Path]) -> list[str]:

@@ -375,6 +375,17 @@ def test_a_metrics_write_that_fails_part_way_leaves_no_part_of_a_line(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_held_out_loss_a_resumed_loop_wrote_again_counts_its_later_line(tmp_path):
+    """A loop resumed from its checkpoint at step 20 evaluates step 20 again: both lines were plotted, and the
+    held-out curve went back and forth at that step."""
+    path = write_lines(tmp_path / "plain.jsonl", [{"step": 10, "loss": 3.0}, {"step": 20, "heldout_loss": 2.9},
+                                                  {"step": 20, "loss": 2.5}, {"step": 20, "heldout_loss": 2.8},
+                                                  {"step": 30, "loss": 2.0}, {"step": 30, "heldout_loss": 2.6}])
+    run = report_runs.load_run(path)
+    assert report_runs.heldout_curve(run) == ([20, 30], [2.8, 2.6])
+    assert report_runs.loss_curve(run) == ([10, 20, 30], [3.0, 2.5, 2.0])
+
+
 def test_a_step_a_loop_without_hdet_wrote_twice_counts_its_later_line(tmp_path):
     """A plain loop resumed from its checkpoint at step 20 writes step 30 again: the interrupted run's line was
     plotted beside it. Lines may come in any step order."""
