@@ -185,6 +185,10 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
         OneCycleLR.step(self)
 
 
+FROM_THE_FILE = ("values", "_entries", "steps")
+"""``ReplaySchedule`` attributes read from its file, not from a saved state."""
+
+
 class ReplaySchedule(LRScheduler):
     """Replays the schedule an HDET run discovered, without HDET: step k of this run uses, per param group, the
     base LR (and weight decay, where it was explored) that step k of the HDET run used: the centre of its
@@ -248,7 +252,12 @@ class ReplaySchedule(LRScheduler):
 
     def state_dict(self) -> dict[str, Any]:
         """The position and torch's scheduler state, without the schedule itself (it stays in its file)."""
-        return {key: value for key, value in super().state_dict().items() if key not in ("values", "_entries")}
+        return {key: value for key, value in super().state_dict().items() if key not in FROM_THE_FILE}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the position; what the file says (its length, its values) stays the file's, also from a state
+        saved by an earlier version, which held its length."""
+        super().load_state_dict({key: value for key, value in state_dict.items() if key not in FROM_THE_FILE})
 
     def value(self, name: str) -> float:
         """The replayed base of any explored value (e.g. ``"label_smoothing"``) for the step about to run."""

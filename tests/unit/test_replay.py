@@ -124,6 +124,25 @@ def test_replay_resumes_from_its_state_dict_without_storing_the_schedule(tmp_pat
     assert resumed_optimizer.param_groups[0]["lr"] == 0.3
 
 
+def test_a_replay_resumed_on_a_longer_file_replays_all_of_it(tmp_path):
+    """The state held the file's length: a resume on the file of a run trained longer held its 3rd value from step 4
+    on, as if the file ended there."""
+    optimizer = named_optimizer()
+    scheduler = ReplaySchedule(optimizer, write_schedule(SCHEDULE, tmp_path / "schedule.json"))
+    applied_per_step(optimizer, scheduler, 1)
+    longer = {**SCHEDULE, "steps": 5, "values": {name: [*values, values[-1] * 2, values[-1] * 4]
+                                                 for name, values in SCHEDULE["values"].items()}}
+    resumed_optimizer = named_optimizer()
+    resumed = ReplaySchedule(resumed_optimizer, write_schedule(longer, tmp_path / "longer.json"))
+    for state in (scheduler.state_dict(), {**scheduler.state_dict(), "steps": 3}):  # and one of an earlier version
+        resumed.load_state_dict(state)
+        assert resumed.steps == 5 and resumed.value("label_smoothing") == 0.1
+    for _ in range(3):
+        resumed.step()
+    assert resumed_optimizer.param_groups[0]["lr"] == pytest.approx(0.3 * 4)  # step 5's, the file's last
+    assert resumed.value("label_smoothing") == pytest.approx(0.8)
+
+
 def test_replay_refuses_other_param_groups_and_other_files(tmp_path):
     path = write_schedule(SCHEDULE, tmp_path / "schedule.json")
     plain = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=1.0)
