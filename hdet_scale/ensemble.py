@@ -356,6 +356,13 @@ class HDETEnsemble:
                 f"syncs (every {self.config.sync_interval} steps): take it right after one, or sync first "
                 "(hdet.sync(); engine.hdet.sync() under DeepSpeed)")
 
+    def check_one_model(self, what: str) -> None:
+        """Refuses ``what`` (an export of the model) between syncs, where each replica holds a model of its own and
+        rank 0's would stand for the ensemble's, silently; with one replica there is one model anyway."""
+        error = self.apart_error(what)
+        if self.topology.num_replicas > 1 and error is not None:
+            raise RuntimeError(error)
+
     def observe(self, loss: LossLike) -> None:
         """Records one micro-batch loss; the step's loss is the mean of the micro-batches observed."""
         self._check_open("observe")

@@ -69,12 +69,8 @@ class HDETHandle(ABC):
         return self._attached().sync()
 
     def check_one_model(self, what: str) -> None:
-        """Refuses ``what`` (an export of the model) between syncs, where each replica holds a model of its own and
-        rank 0's would stand for the ensemble's, silently; with one replica there is one model anyway."""
-        ensemble = self._attached()
-        error = ensemble.apart_error(what)
-        if ensemble.topology.num_replicas > 1 and error is not None:
-            raise RuntimeError(error)
+        """Refuses ``what`` (an export of the model) between syncs (``HDETEnsemble.check_one_model``)."""
+        self._attached().check_one_model(what)
 
     def set_probe(self, probe: Callable[[], LossLike] | None) -> None:
         """Scores the replicas on a held-out batch at each sync (``HDETEnsemble.set_probe``)."""

@@ -25,3 +25,23 @@ def test_the_handles_whose_loop_steps_hdet_refuse_a_step_or_a_loss_of_their_own(
         for call in ("step", "observe"):
             with pytest.raises(RuntimeError, match=f"{where}.*: do not call {call}\\(\\)"):
                 getattr(handle, call)(object.__new__(handle), 1.0)
+
+
+def test_the_ensemble_answers_every_call_of_the_handle():
+    """DDP's attach hands back the ensemble itself, registered as a handle: the handle's check_one_model was missing
+    on it (an AttributeError in code written against the handle)."""
+    import torch
+    from torch import nn
+
+    from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
+    from hdet_scale.engines.ddp import DDPAdapter
+
+    calls = [name for name in dir(HDETHandle) if not name.startswith("_") and name != "loop_feeds_hdet"]
+    assert [name for name in calls if not hasattr(HDETEnsemble, name)] == []
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    hdet = HDETEnsemble(HDETConfig(auto_lr={"range_test": 0}), DDPAdapter(optimizer),
+                        topology=ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1))
+    assert isinstance(hdet, HDETHandle)
+    with pytest.raises(RuntimeError, match="an export is taken where the replicas are one model, and before the "
+                                           "first step warm init keeps their starts apart"):
+        hdet.check_one_model("an export")
