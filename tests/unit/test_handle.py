@@ -9,6 +9,7 @@ tests/distributed/test_handle_distributed.py.
 from __future__ import annotations
 
 import pytest
+from settings import LR_HELD_AT_GIVEN
 
 from hdet_scale.handle import HDETHandle
 
@@ -39,9 +40,11 @@ def test_the_ensemble_answers_every_call_of_the_handle():
     calls = [name for name in dir(HDETHandle) if not name.startswith("_") and name != "loop_feeds_hdet"]
     assert [name for name in calls if not hasattr(HDETEnsemble, name)] == []
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
-    hdet = HDETEnsemble(HDETConfig(auto_lr={"range_test": 0}), DDPAdapter(optimizer),
+    hdet = HDETEnsemble(HDETConfig(auto_lr=LR_HELD_AT_GIVEN), DDPAdapter(optimizer),
                         topology=ReplicaTopology(rank=1, world_size=2, ranks_per_replica=1))
     assert isinstance(hdet, HDETHandle)
-    with pytest.raises(RuntimeError, match="an export is taken where the replicas are one model, and before the "
-                                           "first step warm init keeps their starts apart"):
+    hdet.check_one_model("an export")  # at the start: one model
+    hdet.step(1.0)
+    with pytest.raises(RuntimeError, match="an export is taken at sync points, where the replicas are one model; step "
+                                           "1 is between syncs"):
         hdet.check_one_model("an export")
