@@ -63,6 +63,11 @@ class HDETScheduler(HDETHandle):
                  topology: ReplicaTopology | None = None, paper_decay: list[PaperDecay] | None = None,
                  total_steps: int | None = None, state: Mapping[str, Any] | None = None,
                  **hdet_fields: Any) -> None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError("HDETScheduler steps its scheduler after every optimizer step, with no metric, and "
+                            "ReduceLROnPlateau steps on one: keep calling plateau.step(metric) where you evaluate, and "
+                            "attach HDET with hdet_scale.engines.ddp.attach(model, optimizer, config), calling "
+                            "hdet.step(loss) after each optimizer step")
         config = resolve_config(hdet_config, hdet_fields)
         check_gradient_mean(model, config)
         self.scheduler = scheduler

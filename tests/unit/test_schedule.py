@@ -333,3 +333,14 @@ def test_a_wrapped_scheduler_resumed_after_its_optimizer_trains_at_the_restored_
     optimizer.load_state_dict(saved_optimizer)  # then the scheduler is built: LambdaLR sets its first LR
     resumed = HDETScheduler(torch_scheduler, auto_lr=LR_HELD_AT_GIVEN, state=saved)
     assert optimizer.param_groups[0]["lr"] == resumed.get_last_lr()[0] == pytest.approx(0.1 / 4)
+
+
+def test_a_plateau_scheduler_is_refused_with_the_way_that_works():
+    """ReduceLROnPlateau steps on a metric HDETScheduler does not have: its first step raised a bare TypeError, after
+    HDET's hooks were on the optimizer."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    with pytest.raises(TypeError, match=r"ReduceLROnPlateau steps on one: keep calling plateau.step\(metric\) .*"
+                                        r"hdet_scale.engines.ddp.attach"):
+        HDETScheduler(plateau, auto_lr=LR_HELD_AT_GIVEN)
+    assert not getattr(optimizer, "_hdet_attached", False)
