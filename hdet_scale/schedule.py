@@ -203,7 +203,8 @@ class ReplaySchedule(LRScheduler):
     LR scheduler: call ``step()`` after ``optimizer.step()``. Param groups are matched by name (their ``name``
     entry, else their index), and every group needs its ``lr/<group>``. Past the file's last step the last
     values hold, with one warning. Other explored values (``dropout``, ``label_smoothing``) are not optimizer
-    entries: read them with ``value(name)``.
+    entries: read them with ``value(name)``. Momentum is not in the file (OneCycleLR's cycling of it is not
+    replayed): the optimizer's own holds.
 
     Args:
         optimizer: the optimizer whose param groups it sets.
