@@ -4,6 +4,7 @@ that came back truncated, after the previous checkpoint was deleted."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -123,10 +124,10 @@ def start_fresh_folder(folder: Path) -> str:
 
 
 def see_fresh_folder(folder: Path, token: str, *, patience_s: float = 90.0) -> None:
-    """Waits until this node's view of ``folder`` is the one ``start_fresh_folder`` made (``token``): for up to a
-    minute after a rename a network file system may show another node the folder the name had before (the previous
-    save's staging, renamed into the checkpoint), and the files written through it would go into the live checkpoint.
-    An OSError once ``patience_s`` passed."""
+    """Waits until this node's view of ``folder`` is the one ``start_fresh_folder`` made (``token``): for a while
+    after a rename (its attribute cache's time, up to a minute by default) a network file system may show another
+    node the folder the name had before (the previous save's staging, renamed into the checkpoint), and the files
+    written through it would go into the live checkpoint. An OSError once ``patience_s`` passed."""
     waited, pause = 0.0, 0.5
     while True:
         try:
@@ -142,4 +143,5 @@ def see_fresh_folder(folder: Path, token: str, *, patience_s: float = 90.0) -> N
         time.sleep(pause)
         waited += pause
         pause = min(2 * pause, 8.0)
-        os.listdir(folder.parent)  # look the names up again
+        with contextlib.suppress(OSError):
+            os.listdir(folder.parent)  # look the names up again

@@ -221,10 +221,10 @@ class HDETEnsemble:
         explored = self._explored_named(name)
         if self._closed:  # its hooks are gone: the optimizer steps with the schedule's values, the rest hold the base
             return explored.knob.scheduled() if explored.knob.step_scoped else explored.base()
-        if self._at_base and not explored.knob.step_scoped:  # apply_base_values, until the next sync
-            return explored.base()
         if self._probing and name == "label_smoothing":
             return 0.0
+        if self._at_base and not explored.knob.step_scoped:  # apply_base_values, until the next sync
+            return explored.base()
         ramp = self._range_test_lr(explored)
         return explored.value(self.topology.replica_index) if ramp is None else ramp
 

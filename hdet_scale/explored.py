@@ -187,7 +187,7 @@ class ExploredValue:
         self.state = ControllerState.from_state_dict(state["controller"])
         self.knob.load_state(state.get("knob", {}))  # none in a state of an earlier version
         self.applied_bases = [float(base) for base in state.get("applied_bases", [])]
-        self.parts_delta_x_steps = float(state.get("parts_delta_x_steps", 0.0))  # none kept in earlier versions
+        self.parts_delta_x_steps = float(state.get("parts_delta_x_steps", 0.0))  # a state saved at a regular sync
         self.parts_steps = int(state.get("parts_steps", 0))
         self.stream.load_state_dict(state["stream"])
         if same_layout:

@@ -64,6 +64,7 @@ class MetricsWriter:
         try:
             self._append("".join(self._pending).encode())
         except OSError as error:
+            self._line_ended = False  # a part it left, if cutting it back failed too, gets a line of its own
             if not self._warned:
                 warn(f"could not write {self.path} ({error}): its lines wait in memory for the next write; the run "
                      "goes on")
@@ -75,7 +76,7 @@ class MetricsWriter:
     def _append(self, data: bytes) -> None:
         """Appends ``data`` whole or not at all (a write that fails part way is cut back), unbuffered, so that what
         failed is known here."""
-        descriptor = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        descriptor = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             size = os.fstat(descriptor).st_size
             try:
@@ -86,7 +87,7 @@ class MetricsWriter:
                 while view:
                     view = view[os.write(descriptor, view):]
             except OSError:
-                with contextlib.suppress(OSError):  # a part left all the same stays a line of its own (see above)
+                with contextlib.suppress(OSError):  # a part left all the same: the next write starts a new line
                     os.ftruncate(descriptor, size)
                 raise
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -99,12 +99,27 @@ class HDETScheduler(HDETHandle):
         self.hdet.load_state_dict(state["hdet"])
 
     def _load_scheduler(self, state: dict[str, Any]) -> None:
-        """Loads the base schedule's state and puts its LRs into the param groups: torch's scheduler keeps them in
-        its state, but building it set the groups to its first step's, which an optimizer state loaded before it
-        no longer overrides: the first resumed step trained there."""
+        """Loads the base schedule's state and puts its values into the param groups (``restore_group_values``)."""
         self.scheduler.load_state_dict(state)
-        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+        restore_group_values(self.scheduler)
+
+
+def restore_group_values(scheduler: LRScheduler, step: Callable[[], None] | None = None) -> None:
+    """Puts a just-loaded ``scheduler``'s values of its restored step into its optimizer's param groups: building it
+    set the groups to its first step's, over what an optimizer state loaded before it had restored, and the first
+    resumed step would train there. The LRs are in its state; a scheduler that cycles momentum too (OneCycleLR,
+    CyclicLR) computes both from its step count alone, so that step's are computed again, the count left as it was
+    (torch's own order check, which warns, included). ``step``: the scheduler's own step, where its class adds to
+    it."""
+    if not getattr(scheduler, "cycle_momentum", False):
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
+        return
+    count = scheduler._step_count
+    scheduler.last_epoch -= 1
+    scheduler._step_count = max(count, 2)  # past torch's check of a first step taken before optimizer.step()
+    (step or scheduler.step)()
+    scheduler._step_count = count
 
 
 class HDETOneCycleLR(OneCycleLR, HDETHandle):
@@ -181,13 +196,10 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
         self.hdet.load_state_dict(hdet_state)
 
     def _load_one_cycle(self, state: dict[str, Any]) -> None:
-        """OneCycleLR's state, and its LR and momentum of the restored step in the param groups: building it set the
-        groups to its first step's (max_lr / div_factor), which an optimizer state loaded before it no longer
-        overrides, and the first resumed step trained there. OneCycleLR computes a step's values from its count
-        alone: the restored count's are computed again."""
+        """OneCycleLR's state, and its LR and momentum of the restored step in the param groups
+        (``restore_group_values``)."""
         OneCycleLR.load_state_dict(self, state)
-        self.last_epoch -= 1
-        OneCycleLR.step(self)
+        restore_group_values(self, lambda: OneCycleLR.step(self))  # not HDET's step too
 
 
 FROM_THE_FILE = ("values", "_entries", "steps")
@@ -261,9 +273,13 @@ class ReplaySchedule(LRScheduler):
         return {key: value for key, value in super().state_dict().items() if key not in FROM_THE_FILE}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the position; what the file says (its length, its values) stays the file's, also from a state
+        """Restores the position, and the restored step's LRs and weight decays in the param groups
+        (``restore_group_values``); what the file says (its length, its values) stays the file's, also from a state
         saved by an earlier version, which held its length."""
         super().load_state_dict({key: value for key, value in state_dict.items() if key not in FROM_THE_FILE})
+        restore_group_values(self)
+        for index, bases in self._entries["weight_decay"]:
+            self.optimizer.param_groups[index]["weight_decay"] = self._at(bases)
 
     def value(self, name: str) -> float:
         """The replayed base of any explored value (e.g. ``"label_smoothing"``) for the step about to run."""

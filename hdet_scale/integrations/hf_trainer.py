@@ -121,6 +121,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         self._step_in_range_test = False  # the Trainer's current optimizer step is one of the LR range test's
         self._counts_before_test: tuple[int, float] = (0, 0.0)  # the Trainer's tokens and flos before the test
         self._logged_report: SyncReport | None = None  # the last sync report given to the Trainer's loggers
+        self._training = False  # between on_train_begin and on_train_end
 
     # ------------------------------------------------------------------------------------ reporting
     def _attached(self) -> HDETEnsemble:
@@ -143,6 +144,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         check_saving(args, self._given_config)  # a hyperparameter_search trial may set save_steps
+        self._training = True
         if self.engine == "deepspeed":
             if self.deepspeed is None:
                 raise RuntimeError("the DeepSpeed engine was built without HDET: call trainer.train() on the "
@@ -206,9 +208,10 @@ class HDETCallback(TrainerCallback, HDETHandle):
 
     def _before_evaluation(self) -> None:
         """Every ``trainer.evaluate()`` during training (the Trainer's own, at ``eval_steps`` or an epoch's end, or a
-        callback's) first syncs between syncs, as a checkpoint does: it scored each rank's own replica, and early
-        stopping and the best-model choice acted on their mix."""
-        if self._ensemble is not None and not self.ramping and not self.at_sync_point:
+        callback's) first syncs between syncs, as a checkpoint does, so that it scores the one model, not each rank's
+        replica (early stopping and the best-model choice act on it). After ``train()`` nothing is synced
+        (``sync_at_end`` said whether the replicas end as one)."""
+        if self._training and not self.ramping and not self.at_sync_point:
             self.sync()
             self._log_sync(self._ensemble)
 
@@ -254,6 +257,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._training = False
         self.trainer.lr_scheduler = unheld(self.trainer.lr_scheduler)  # held where it stopped during the range test
         if self.sync_at_end and self._ensemble is not None and not self.ramping and not self.at_sync_point:
             self.sync()

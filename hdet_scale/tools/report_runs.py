@@ -78,9 +78,9 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
 def load_run(path: str | Path, label: str | None = None) -> Run:
     """Reads and checks one metrics file; errors name the file and line. A run that resumed from a checkpoint and
     appended to the file writes a sync line at or before the step of the last one: what the interrupted run wrote
-    from that step on is dropped, as the resumed run replaced it; a loop without HDET that wrote a step's loss
-    twice counts the later line. A line cut short (a run killed while writing it, or writing it now) is skipped,
-    with a warning; a file with no valid line is refused."""
+    from that step on is dropped, as the resumed run replaced it; a line a resumed loop wrote again for its step (a
+    training loss without HDET, a held-out loss) counts the later one. A line cut short (a run killed while writing
+    it, or writing it now) is skipped, with a warning; a file with no valid line is refused."""
     path = Path(path)
     if not path.is_file():
         raise ReportError(f"{path}: no such file")
@@ -105,7 +105,7 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
             kept = [earlier for earlier in kept if earlier is not None and earlier["step"] < record["step"]]
             latest = {key: index for index, earlier in enumerate(kept) if (key := _repeat_key(earlier))}
         key = _repeat_key(record)
-        if key in latest:  # a loop without HDET resumed: its later line for the step counts
+        if key in latest:  # a resumed loop's later line for the step counts
             kept[latest[key]] = None
         if key:
             latest[key] = len(kept)

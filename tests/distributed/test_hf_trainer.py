@@ -979,3 +979,22 @@ def test_the_trainers_loggers_get_each_syncs_scalars(tmp_path):
     (synced, logged), _ = run_ranks(logged_worker, 2, str(tmp_path))
     assert [step for step, _, _ in synced] == [3, 6, 7]  # the last one: the end, between syncs
     assert logged == [pytest.approx(entry) for entry in synced]
+
+
+def kept_apart_worker(rank: int, world: int, out_dir: str) -> bool:
+    """DDP, 2 replicas, syncs every 3 of 7 steps, sync_at_end off: whether the replicas are still apart after a
+    trainer.evaluate() that follows train()."""
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    trainer = fresh_trainer(out_dir, seed=rank, eval_dataset=token_dataset(4))
+    add_hdet(trainer, hdet_settings(out_dir, "global", 1), sync_at_end=False)
+    trainer.train()
+    trainer.evaluate()
+    rows = gathered(torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]))
+    return not torch.equal(rows[0], rows[1])
+
+
+def test_an_evaluation_after_training_leaves_replicas_kept_apart_as_they_are(tmp_path):
+    """The evaluation sync was not limited to training: with sync_at_end=False (the replicas kept apart on purpose) an
+    evaluate() after train() averaged them."""
+    assert run_ranks(kept_apart_worker, 2, str(tmp_path)) == [True, True]

@@ -12,7 +12,7 @@ def test_corpus_is_the_stdlib_without_its_tests():
 
 
 def test_held_out_files_are_spread_and_disjoint():
-    budget = 4_000_000
+    budget = 8_000_000
     corpus = load_corpus("stdlib", max_bytes=budget)
     assert len(corpus.train) + len(corpus.heldout) == budget and corpus.train.dtype == torch.uint8
     # built again from the files: every 20th file whole in the held-out part, the others in training, in order,

@@ -118,9 +118,13 @@ def test_replay_resumes_from_its_state_dict_without_storing_the_schedule(tmp_pat
     state = scheduler.state_dict()
     assert "values" not in state and state["last_epoch"] == 1
     resumed_optimizer = named_optimizer()
+    resumed_optimizer.load_state_dict(optimizer.state_dict())  # before the schedule is built, which sets step 1's
     resumed = ReplaySchedule(resumed_optimizer, path)
     resumed.load_state_dict(state)
-    resumed.step()  # what a resumed loop's first step sees: the state after step 1, then one scheduler step ahead
+    # what the resumed loop's first step trains at: the run's second step's values
+    assert [group["lr"] for group in resumed_optimizer.param_groups] == [0.2, 2.0]
+    assert resumed_optimizer.param_groups[1]["weight_decay"] == 0.02
+    resumed.step()
     assert resumed_optimizer.param_groups[0]["lr"] == 0.3
 
 

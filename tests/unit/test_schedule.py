@@ -319,8 +319,10 @@ def test_a_sync_where_the_replicas_are_one_model_already_does_nothing(tmp_path):
 def test_a_wrapped_scheduler_resumed_after_its_optimizer_trains_at_the_restored_lr():
     """Building LambdaLR set the groups to its first step's LR, over the one the optimizer's state restored: the first
     resumed step trained at base_lr x f(0)."""
-    def build() -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    def build(optimizer_state: dict | None = None) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)  # then the scheduler is built: LambdaLR sets its first LR
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
 
     optimizer, torch_scheduler = build()
@@ -329,8 +331,7 @@ def test_a_wrapped_scheduler_resumed_after_its_optimizer_trains_at_the_restored_
         train_step(optimizer)
         scheduler.step(0.0)
     saved_optimizer, saved = optimizer.state_dict(), scheduler.state_dict()
-    optimizer, torch_scheduler = build()
-    optimizer.load_state_dict(saved_optimizer)  # then the scheduler is built: LambdaLR sets its first LR
+    optimizer, torch_scheduler = build(saved_optimizer)
     resumed = HDETScheduler(torch_scheduler, auto_lr=LR_HELD_AT_GIVEN, state=saved)
     assert optimizer.param_groups[0]["lr"] == resumed.get_last_lr()[0] == pytest.approx(0.1 / 4)
 
@@ -344,3 +345,26 @@ def test_a_plateau_scheduler_is_refused_with_the_way_that_works():
                                         r"hdet_scale.engines.ddp.attach"):
         HDETScheduler(plateau, auto_lr=LR_HELD_AT_GIVEN)
     assert not getattr(optimizer, "_hdet_attached", False)
+
+
+def test_a_wrapped_cycling_scheduler_resumes_its_momentum_and_its_step_count():
+    """OneCycleLR under HDETScheduler: the LR came back, the momentum stayed at max_momentum, where building the
+    scheduler put it (0.95 where the run was at 0.861)."""
+    def build(optimizer_state: dict | None = None) -> tuple[torch.optim.Optimizer, OneCycleLR]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)  # then the scheduler is built: its first step's values
+        return optimizer, OneCycleLR(optimizer, max_lr=0.1, total_steps=20)
+
+    optimizer, torch_scheduler = build()
+    scheduler = HDETScheduler(torch_scheduler, auto_lr=LR_HELD_AT_GIVEN)
+    for _ in range(8):
+        train_step(optimizer)
+        scheduler.step(0.0)
+    group, count = dict(optimizer.param_groups[0]), torch_scheduler._step_count
+    saved_optimizer, saved = optimizer.state_dict(), scheduler.state_dict()
+    optimizer, torch_scheduler = build(saved_optimizer)
+    HDETScheduler(torch_scheduler, auto_lr=LR_HELD_AT_GIVEN, state=saved)
+    resumed = optimizer.param_groups[0]
+    assert (resumed["lr"], resumed["momentum"]) == pytest.approx((group["lr"], group["momentum"]))
+    assert resumed["momentum"] != pytest.approx(0.95) and torch_scheduler._step_count == count
