@@ -222,7 +222,10 @@ class HDETCallback(TrainerCallback, HDETHandle):
         report = ensemble.last_report
         if report is not None and report is not self._logged_report:
             self._logged_report = report
+            control = self.trainer.control
+            should_log = control.should_log
             self.trainer.log(report.scalars())
+            control.should_log = should_log  # the callbacks' on_log clears it: the Trainer's own log of the step comes
 
     def _save_checkpoint(self, trial: Any) -> None:
         """Writes HDET's files into the checkpoint the Trainer is about to take, before its own: the Trainer deletes

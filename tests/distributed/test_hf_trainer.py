@@ -854,7 +854,10 @@ def test_a_run_starts_with_an_lr_range_test(tmp_path, stage):
     test = lines[0]["range_test"]
     test_steps, pick, scale, lr = len(test["lrs"]), test["picked_lr"], test["scale"], results[0]["lr"]
     assert lines[0]["step"] == 0 and pick is not None and pick == results[0]["pick"]
-    assert [line["step"] for line in lines[1:]] == [SYNC_INTERVAL, 2 * SYNC_INTERVAL, MAX_STEPS]
+    # the regular syncs, the end's, and one before each evaluation between them (each epoch's end)
+    evaluated = {step for step, _ in results[0]["record"]["evaluations"]}
+    assert [line["step"] for line in lines[1:]] == sorted({SYNC_INTERVAL, 2 * SYNC_INTERVAL, MAX_STEPS} | evaluated)
+    assert evaluated - {SYNC_INTERVAL, 2 * SYNC_INTERVAL, MAX_STEPS}  # some between syncs
     for result in results:
         record = result["record"]
         # Every optimizer step: the test's (it may stop early, once the loss diverges), then all the run's.
@@ -952,7 +955,7 @@ def test_after_training_every_replica_evaluates_at_the_values_found(tmp_path):
     assert result["scaling"][0] == result["scaling"][1] == pytest.approx(result["base"])
 
 
-def logged_worker(rank: int, world: int, out_dir: str) -> list[tuple[int, float, float]]:
+def logged_worker(rank: int, world: int, out_dir: str) -> tuple[list, list, list[int]]:
     """DDP, 2 replicas, syncs every 3 of 7 steps: what the Trainer's loggers get of HDET's syncs."""
     from transformers import TrainerCallback
 
@@ -970,15 +973,18 @@ def logged_worker(rank: int, world: int, out_dir: str) -> list[tuple[int, float,
     trainer.add_callback(RecordLogs())
     trainer.train()
     lines = [json.loads(line) for line in Path(callback.config.metrics_path).read_text().splitlines()]
-    return [(line["step"], sum(line["replica_losses"]) / 2, line["values"]["lr/0"]["base"]) for line in lines], logged
+    own = [log["step"] for log in trainer.state.log_history if "loss" in log]  # the Trainer's own, every step
+    return [(line["step"], sum(line["replica_losses"]) / 2, line["values"]["lr/0"]["base"]) for line in lines], \
+        logged, own
 
 
 def test_the_trainers_loggers_get_each_syncs_scalars(tmp_path):
     """The Trainer's report_to (W&B, TensorBoard) got nothing of HDET: not the replicas' losses, not the LR the run
     trains at (its own learning_rate is the schedule's), not the controller's scale."""
-    (synced, logged), _ = run_ranks(logged_worker, 2, str(tmp_path))
+    (synced, logged, own), _ = run_ranks(logged_worker, 2, str(tmp_path))
     assert [step for step, _, _ in synced] == [3, 6, 7]  # the last one: the end, between syncs
     assert logged == [pytest.approx(entry) for entry in synced]
+    assert own == list(range(1, 8))  # beside them, not in their place (a log clears the Trainer's should_log)
 
 
 def kept_apart_worker(rank: int, world: int, out_dir: str) -> bool:
