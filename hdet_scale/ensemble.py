@@ -176,6 +176,13 @@ class HDETEnsemble:
                                        alpha=self.config.spread_alpha(lr=knob.is_lr) if knob.alpha is None
                                        else knob.alpha,
                                        spread=self.config.spread, paper_decay=paper_decay)
+        top = max(explored.multipliers)
+        past = knob.past_probability(top)
+        if past is not None:
+            raise HDETConfigError(
+                f"explore.{knob.name}: the replica at the top of its spread (x{top:.3g}) would train with {past}, a "
+                "probability of 1 or more (held just below 1: a dropout drops every unit, a label smoothing leaves "
+                f"no label): lower explore.{knob.name}.alpha, or the value it multiplies")
         if explored.is_lr:  # one replica has no controller to climb from a low start
             explored.state = ControllerState(scale=self.config.auto_lr.initial_scale
                                              if self.topology.num_replicas > 1 else 1.0)

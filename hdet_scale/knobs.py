@@ -71,6 +71,11 @@ class Knob:
     def apply(self, value: float) -> None:
         """Gives this replica ``value`` (called at the start and after every sync)."""
 
+    def past_probability(self, factor: float) -> str | None:
+        """Where the knob is a probability: what ``factor`` times its value would set at 1 or more, in words (a
+        dropout that drops every unit once clamped below 1); None where nothing, or where it is no probability."""
+        return None
+
     def state(self) -> dict[str, Any]:
         """What HDET's state keeps of the knob itself, for a resume: what it read from the model when it was made,
         which a resumed model no longer holds ({}: nothing)."""
@@ -133,6 +138,12 @@ class ModuleFactorKnob(Knob):
     def scheduled(self) -> float:
         return 1.0
 
+    def past_probability(self, factor: float) -> str | None:
+        if self.value_bounds is not PROBABILITY:
+            return None
+        return next((f"{type(module).__name__}.{attribute} = {original:g} x {factor:.3g} = {original * factor:.3g}"
+                     for module, attribute, original, _ in self.targets if original * factor >= 1), None)
+
     def apply(self, value: float) -> None:
         applied = []
         for module, attribute, original, written in self.targets:
@@ -180,6 +191,10 @@ class ValueKnob(Knob):
 
     def scheduled(self) -> float:
         return self.base
+
+    def past_probability(self, factor: float) -> str | None:
+        value = self.base * factor
+        return f"a {self.name.replace('_', ' ')} of {value:.3g}" if self.bounds is PROBABILITY and value >= 1 else None
 
     def apply(self, value: float) -> None:
         self.current = value

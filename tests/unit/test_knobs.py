@@ -115,7 +115,7 @@ def test_after_training_every_replica_reads_and_holds_the_base_values():
 
 
 def test_knob_guard_rails_and_clear_errors():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.6))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # SGD has weight_decay; 0 stays 0
     config = HDETConfig.from_dict({"spread": "linear", "gradient_mode": "local", "explore": {"dropout": {"alpha": 0.5}},
                                    "auto_lr": LR_HELD_AT_GIVEN})
@@ -124,9 +124,18 @@ def test_knob_guard_rails_and_clear_errors():
         topology = ReplicaTopology(rank=replica, world_size=REPLICAS, ranks_per_replica=1)
         hdet = HDETEnsemble(config, DDPAdapter(optimizer, model), topology=topology)
         values.add(model[1].p)
-        assert 0.0 <= model[1].p < 1.0  # 0.9 * 1.5 is clamped inside [0, 1)
         hdet.close()
-    assert len(values) == REPLICAS - 1 and max(values) < 1.0  # the two multipliers above 1/0.9 both clamp
+    assert sorted(values) == pytest.approx([0.6 * rho for rho in multipliers(REPLICAS, 0.5, "linear")])
+    # 0.9 x 1.5: the top replica would drop every unit (its p held just below 1), and two replicas trained alike
+    with pytest.raises(HDETConfigError, match=r"explore.dropout: the replica at the top of its spread \(x1.5\) would "
+                                              r"train with Dropout.p = 0.9 x 1.5 = 1.35, a probability of 1 or more .*"
+                                              r"lower explore.dropout.alpha, or the value it multiplies"):
+        HDETEnsemble(config, DDPAdapter(optimizer, nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.9))),
+                     topology=topology)
+    smoothing = HDETConfig.from_dict({"spread": "linear", "gradient_mode": "local", "auto_lr": LR_HELD_AT_GIVEN,
+                                      "explore": {"label_smoothing": {"base": 0.8, "alpha": 0.5}}})
+    with pytest.raises(HDETConfigError, match=r"would train with a label smoothing of 1.2, a probability of 1 or more"):
+        HDETEnsemble(smoothing, DDPAdapter(optimizer, model), topology=topology)
     resting = torch.optim.SGD(model.parameters(), lr=0.0)  # e.g. a warm-up's first step: 0 stays 0
     assert HDETEnsemble(HDETConfig(sync_interval=5, auto_lr={"range_test": 0}), DDPAdapter(resting),
                         topology=topology, total_steps=100).current_lrs() == [0.0]
