@@ -148,12 +148,13 @@ class RangeTestStart:
     @classmethod
     def before(cls, test: RangeTest, adapter: EngineAdapter) -> RangeTestStart:
         """The start of ``test``: a copy of the weights and buffers every replica holds now, and the peak LRs."""
-        snapshot = [tensor.detach().clone() for tensor in adapter.averaged_tensors()]
-        averaged = {tensor.data_ptr() for tensor in adapter.averaged_tensors()}
+        averaged = adapter.averaged_tensors()
+        snapshot = [tensor.detach().clone() for tensor in averaged]
+        averaged_at = {tensor.data_ptr() for tensor in averaged}
         module = adapter.module
         buffers = {} if module is None else {name: buffer.detach().to("cpu", copy=True)
                                              for name, buffer in module.named_buffers()
-                                             if buffer.data_ptr() not in averaged}
+                                             if buffer.data_ptr() not in averaged_at}
         return cls(test, snapshot, adapter.peak_lrs(), buffers)
 
     def lr(self, group_index: int, step: int) -> float:
