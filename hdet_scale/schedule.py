@@ -265,6 +265,10 @@ class ReplaySchedule(LRScheduler):
     def step(self, epoch: int | None = None) -> None:
         """Moves to the next step: LRs through torch's scheduler machinery, weight decays alongside."""
         super().step(epoch)
+        self._set_weight_decays()
+
+    def _set_weight_decays(self) -> None:
+        """The replayed weight decays of the step about to run, in their param groups."""
         for index, bases in self._entries["weight_decay"]:
             self.optimizer.param_groups[index]["weight_decay"] = self._at(bases)
 
@@ -278,8 +282,7 @@ class ReplaySchedule(LRScheduler):
         saved by an earlier version, which held its length."""
         super().load_state_dict({key: value for key, value in state_dict.items() if key not in FROM_THE_FILE})
         restore_group_values(self)
-        for index, bases in self._entries["weight_decay"]:
-            self.optimizer.param_groups[index]["weight_decay"] = self._at(bases)
+        self._set_weight_decays()
 
     def value(self, name: str) -> float:
         """The replayed base of any explored value (e.g. ``"label_smoothing"``) for the step about to run."""
