@@ -204,7 +204,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         ending = control.should_training_stop or state.global_step >= state.max_steps
         if (control.should_save or ending and self.sync_at_end) and not self.at_sync_point:
             self.sync()
-        self._log_sync(ensemble)
+        self._log_sync()
 
     def _before_evaluation(self) -> None:
         """Every ``trainer.evaluate()`` during training (the Trainer's own, at ``eval_steps`` or an epoch's end, or a
@@ -213,13 +213,13 @@ class HDETCallback(TrainerCallback, HDETHandle):
         (``sync_at_end`` said whether the replicas end as one)."""
         if self._training and not self.ramping and not self.at_sync_point:
             self.sync()
-            self._log_sync(self._ensemble)
+            self._log_sync()
 
-    def _log_sync(self, ensemble: HDETEnsemble) -> None:
+    def _log_sync(self) -> None:
         """Gives a sync's scalars (``SyncReport.scalars``: the replicas' losses, each explored value's base, scale and
         replica values) to the Trainer's loggers (``report_to``), once: the LR the Trainer logs is its schedule's,
         not the one the run trains at."""
-        report = ensemble.last_report
+        report = self.ensemble.last_report
         if report is not None and report is not self._logged_report:
             self._logged_report = report
             control = self.trainer.control
@@ -240,7 +240,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
                 "over (the callback's `ramping` is False)")
         if not self.at_sync_point:
             self.sync()
-            self._log_sync(self.ensemble)
+            self._log_sync()
         if self.engine == "deepspeed":
             return
         trainer, ensemble = self.trainer, self.ensemble
@@ -265,7 +265,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         if self.sync_at_end and self._ensemble is not None and not self.ramping and not self.at_sync_point:
             self.sync()
         if self._ensemble is not None and not self.ramping:  # trainer.evaluate() and save_model() after train()
-            self._log_sync(self._ensemble)
+            self._log_sync()
             self._ensemble.apply_base_values()
 
     @property
