@@ -486,6 +486,7 @@ class HDETEnsemble:
         for hook in self._pre_sync_hooks:
             hook(self._step)
         started = time.perf_counter()
+        bucket_bytes = int(self.config.bucket_mb * 2**20)
         tensors = self._sync_tensors()
         averages_state = self.config.average_optimizer_state
         state = [] if averages_state else self.adapter.optimizer_state_tensors()
@@ -493,7 +494,7 @@ class HDETEnsemble:
                                state_layout=self.adapter.optimizer_state_layout() if averages_state else 0)
         scores, sent = average_healthy(tensors, row, self.topology,
                                        self.adapter, step=self._step, with_probe=self._scorer.probe is not None,
-                                       bucket_bytes=int(self.config.bucket_mb * 2**20), memory=self._buckets,
+                                       bucket_bytes=bucket_bytes, memory=self._buckets,
                                        with_optimizer_state=self.config.average_optimizer_state)
         trained_with = {explored.name: explored.trained_values() for explored in self._explored}
         applied = {explored.name: (explored.applied_bases, explored.replica_multipliers())
@@ -508,7 +509,7 @@ class HDETEnsemble:
         # 0's)
         turned = self.adapter.refresh_averaged_buffers()  # the same on every rank
         if turned:
-            average_tensors(turned, self.topology.cross_replica_group, bucket_bytes=int(self.config.bucket_mb * 2**20))
+            average_tensors(turned, self.topology.cross_replica_group, bucket_bytes=bucket_bytes)
         self._last_sync_step = self._step
         report = SyncReport(step=self._step, replica_losses=scores.losses, probe_losses=scores.probe_losses,
                             excluded_replicas=scores.excluded, weights=weights, controller_updated=weights is not None,
