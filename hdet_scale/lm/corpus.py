@@ -229,10 +229,10 @@ def _token_file(path: Path, token_dtype: str, vocab_size: int | None, heldout_fr
     if dtype.itemsize == 2:
         _refuse_uint32_read_as_uint16(path, tokens[: VOCAB_CHECK_TOKENS // VOCAB_CHECK_RUNS])
     cut = len(tokens) - max(1, int(len(tokens) * heldout_fraction))
+    split = {file_key(path, path): cut * dtype.itemsize}  # held out from the byte training reads it up to
     return Corpus(tokens[:cut], tokens[cut:], vocab_size, described, more_train=more_train,
                   more_heldout=f"raise --heldout_fraction (now {heldout_fraction:g})",
-                  held_from={file_key(path, path): cut * dtype.itemsize},
-                  trained_to={file_key(path, path): cut * dtype.itemsize})
+                  held_from=split, trained_to=dict(split))
 
 
 def _refuse_uint32_read_as_uint16(path: Path, first: Any) -> None:
