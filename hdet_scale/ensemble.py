@@ -41,11 +41,11 @@ from hdet_scale.range_test import MEAN_LR_OVER_PICK, RangeTest, RangeTestStart
 from hdet_scale.resolve import (
     check_attachable,
     few_updates_warning,
-    idle_controller_warning,
     late_start_warning,
     resolve,
     run_length_error,
     single_replica_warning,
+    unread_settings_warnings,
 )
 from hdet_scale.scorer import ReplicaScorer
 from hdet_scale.scores import LossLike, ReplicaScores
@@ -387,6 +387,11 @@ class HDETEnsemble:
         if self._awaited_knobs:
             raise RuntimeError(f"the loaded HDET state explores {sorted(self._awaited_knobs)} with add_knob: call "
                                "add_knob for each on every rank before the first step")
+        if not self._stepped and self.topology.rank == 0:  # the first step: every add_knob is in
+            lr_spread = any(len(set(explored.multipliers)) > 1 for explored in self._lr_explored())
+            for line in unread_settings_warnings(self.config, self.topology.num_replicas, lr_spread=lr_spread,
+                                                 explores_others=self._explores_others):
+                warn(line)
         self._stepped = True
         if self._range_start is not None:
             self._range_test_step(loss)
@@ -411,11 +416,6 @@ class HDETEnsemble:
     def _range_test_step(self, loss: LossLike | Sequence[LossLike] | None) -> None:
         """One step of the run's range test; at its end every replica back to its first weights and the LR's
         scale from the pick: the replicas' mean LR at ``MEAN_LR_OVER_PICK`` times it."""
-        if not self._range_start.test.lrs and self.topology.rank == 0:  # its first: every add_knob is in
-            idle = idle_controller_warning(self.config, self.topology.num_replicas,
-                                           explores_others=self._explores_others)
-            if idle:
-                warn(idle)
         if not self._range_start.add_step(self._scorer.interval, loss, self.topology.world_size):
             return
         start, self._range_start = self._range_start, None

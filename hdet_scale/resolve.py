@@ -154,25 +154,50 @@ CONTROLLER_ONLY_FIELDS = ("mode", "beta", "sigma", "step_size", "rise_only_after
                           "max_log_step", "average_window", "probe_weight")
 """The auto-LR fields that act on nothing but the controller's moves (``start`` and ``stop`` are left out: once a run
 places them, given and default look alike)."""
+READ_WITH_THE_CONTROLLER_OFF = ("average_window",)
+"""Of ``CONTROLLER_ONLY_FIELDS``, those a run reads with the controller off: the probe's scores (in the metrics) come
+from the weights averaged over ``average_window``."""
 
 
-def idle_controller_warning(config: HDETConfig, num_replicas: int, *, explores_others: bool) -> str | None:
-    """What the controller's own fields (``CONTROLLER_ONLY_FIELDS``) set away from their defaults do in a run whose LR
-    range test picks the LR, which then holds, with nothing else explored: nothing; else None. ``config`` has its
-    mode's defaults filled in (``for_run``), so a field that differs from them was given."""
+def _given_fields(lr: Any, names: Sequence[str]) -> list[str]:
+    """Those of the auto-LR ``names`` that ``lr`` (its mode's defaults filled in) holds away from their defaults:
+    given by the user."""
+    mode_defaults = MODE_DEFAULTS.get(lr.mode, {})
+    field_defaults = {field.name: field.default for field in dataclasses.fields(lr)}
+    return [f"auto_lr.{name}" for name in names if getattr(lr, name) != mode_defaults.get(name, field_defaults[name])]
+
+
+def unread_settings_warnings(config: HDETConfig, num_replicas: int, *, explores_others: bool,
+                             lr_spread: bool) -> list[str]:
+    """What the controller's settings do in a run whose controller moves nothing, or whose mode does not read one
+    of them: nothing, said with the fix (empty where each is read). ``config`` has its mode's defaults filled in
+    (``for_run``), so a field that differs from them was given; ``explores_others``: a value besides the LR is
+    explored; ``lr_spread``: the replicas' LRs differ. With one replica ``single_replica_warning`` says it all."""
     cfg = config.auto_lr
-    if not (cfg.enabled and cfg.range_test) or explores_others or num_replicas == 1:
-        return None
-    mode_defaults = MODE_DEFAULTS[cfg.mode]
-    field_defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
-    given = [f"auto_lr.{name}" for name in CONTROLLER_ONLY_FIELDS
-             if getattr(cfg, name) != mode_defaults.get(name, field_defaults[name])]
-    if not given:
-        return None
-    return (f"{', '.join(given)} set for the auto-LR controller, which moves nothing in this run: the LR range test "
-            f"(auto_lr.range_test={cfg.range_test}; it runs unless set to 0) picks the LR, which then holds, and no "
-            "other value is explored (explore, add_knob). Set auto_lr.range_test to 0 for the controller to move the "
-            "LR, or remove them")
+    if num_replicas == 1:
+        return []
+    if not cfg.enabled:
+        given = _given_fields(cfg, [name for name in CONTROLLER_ONLY_FIELDS
+                                    if name not in READ_WITH_THE_CONTROLLER_OFF])
+        return [f"{', '.join(given)} set for the auto-LR controller, which is off (auto_lr.enabled is false): they do "
+                "nothing in this run; remove them, or set auto_lr.enabled to true"] if given else []
+    if not cfg.moves_any(explores_others):
+        given = _given_fields(cfg, CONTROLLER_ONLY_FIELDS)
+        return [f"{', '.join(given)} set for the auto-LR controller, which moves nothing in this run: the LR range "
+                f"test (auto_lr.range_test={cfg.range_test}; it runs unless set to 0) picks the LR, which then holds, "
+                "and no other value is explored (explore, add_knob). Set auto_lr.range_test to 0 for the controller "
+                "to move the LR, or remove them"] if given else []
+    warnings = []
+    if (cfg.moves_lr and not lr_spread and not explores_others and cfg.mode != "paper"
+            and cfg.scale_min < cfg.scale_max):  # paper mode decays the LR still (eq. 8); a pinned scale is meant
+        warnings.append(
+            f"alpha={config.spread_alpha(lr=True):g} gives every replica the same LR, so the auto-LR controller has "
+            "no losses to compare and no other value is explored: it moves nothing in this run, and the LR stays the "
+            "one given. Set alpha above 0 for the controller to move the LR, or auto_lr.enabled to false")
+    if cfg.mode != "log" and _given_fields(cfg, ("max_log_step",)):
+        warnings.append(f"auto_lr.max_log_step={cfg.max_log_step:g} is read in 'log' mode only, and auto_lr.mode is "
+                        f"'{cfg.mode}': it does nothing in this run; remove it, or set auto_lr.mode to 'log'")
+    return warnings
 
 
 def check_attachable(config: HDETConfig, adapter: EngineAdapter, topology: ReplicaTopology,

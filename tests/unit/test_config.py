@@ -20,7 +20,7 @@ from hdet_scale import (
 from hdet_scale.config import AutoLRConfig
 from hdet_scale.controller import controller_updates, sync_interval_for_run, updates_to_climb, window_share
 from hdet_scale.engines.ddp import DDPAdapter
-from hdet_scale.resolve import resolve, stuck_start_error
+from hdet_scale.resolve import resolve, stuck_start_error, unread_settings_warnings
 from hdet_scale.schedule import resolve_config
 from hdet_scale.topology import check_world_size, with_replica_size
 
@@ -609,3 +609,59 @@ def test_a_stop_before_the_start_is_refused_and_says_how_ints_and_floats_read():
         assert HDETConfig.from_dict({"auto_lr": auto_lr}).for_run(300).auto_lr.start == 100
     with pytest.raises(HDETConfigError, match="auto_lr.stop=0.25 comes before auto_lr.start=100"):  # weight decay
         HDETConfig.from_dict({"auto_lr": {"start": 100}, "explore": {"weight_decay": {}}}).for_run(300)
+
+
+@pytest.mark.parametrize("values, explores_others, lr_spread, said", [
+    # the controller off: its own fields do nothing (average_window still sets the probe's scored weights)
+    ({"auto_lr": {"enabled": False, "beta": 0.8, "mode": "scale", "average_window": 0.2}}, False, True,
+     ["auto_lr.mode, auto_lr.beta set for the auto-LR controller, which is off (auto_lr.enabled is false): they do "
+      "nothing in this run; remove them, or set auto_lr.enabled to true"]),
+    ({"auto_lr": {"enabled": False}}, False, True, []),
+    # the range test picks the LR, which holds, and nothing else is explored
+    ({"auto_lr": {"mode": "scale", "step_size": 1.0}}, False, False,
+     ["auto_lr.mode, auto_lr.step_size set for the auto-LR controller, which moves nothing in this run: the LR range "
+      "test (auto_lr.range_test=100; it runs unless set to 0) picks the LR, which then holds, and no other value is "
+      "explored (explore, add_knob). Set auto_lr.range_test to 0 for the controller to move the LR, or remove them"]),
+    ({"auto_lr": {"mode": "scale", "step_size": 1.0}}, True, False, []),  # it moves the other value
+    ({"auto_lr": {"range_test": 50}}, False, False, []),  # nothing given for a controller
+    # no spread of LRs and nothing else explored: the controller has nothing to compare
+    ({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0}}, False, False,
+     ["alpha=0 gives every replica the same LR, so the auto-LR controller has no losses to compare and no other value "
+      "is explored: it moves nothing in this run, and the LR stays the one given. Set alpha above 0 for the "
+      "controller to move the LR, or auto_lr.enabled to false"]),
+    ({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0}}, True, False, []),  # the other value moves
+    ({"alpha": 0, "auto_lr": {"mode": "paper"}}, False, False, []),  # eq. 8 decays the LR still
+    ({"alpha": 0, "auto_lr": {"range_test": 0, "initial_scale": 0.5, "scale_min": 0.5, "scale_max": 0.5}}, False,
+     False, []),  # held where it is given, on purpose
+    # a field of another mode
+    ({"auto_lr": {"mode": "scale", "range_test": 0, "max_log_step": 0.2}}, False, True,
+     ["auto_lr.max_log_step=0.2 is read in 'log' mode only, and auto_lr.mode is 'scale': it does nothing in this run; "
+      "remove it, or set auto_lr.mode to 'log'"]),
+    ({"auto_lr": {"range_test": 0, "max_log_step": 0.2}}, False, True, []),
+])
+def test_settings_that_do_nothing_in_the_run_are_named_with_the_fix(values, explores_others, lr_spread, said):
+    """A controller setting that a run does not read was taken without a word: the controller turned off with its
+    fields left in, a scale-mode step size under the range test's held LR, alpha 0 with nothing else to compare,
+    ``max_log_step`` outside ``log`` mode."""
+    config = resolve(HDETConfig.from_dict({"ranks_per_replica": 1, **values}), total_steps=1000)
+    assert unread_settings_warnings(config, 2, explores_others=explores_others, lr_spread=lr_spread) == said
+    assert unread_settings_warnings(config, 1, explores_others=explores_others, lr_spread=lr_spread) == []
+
+
+def test_the_first_step_says_what_the_runs_settings_do_not_move():
+    """The ensemble reads the LR's spread from its replicas' multipliers at the first step (after every add_knob)
+    and warns on rank 0, once."""
+    config = HDETConfig.from_dict({"alpha": 0, "sync_interval": 100, "ranks_per_replica": 1,
+                                   "auto_lr": {"mode": "scale", "range_test": 0}})
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    hdet = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=1000,
+                        topology=ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hdet.step(1.0)
+        hdet.step(1.0)
+    assert [str(warning.message) for warning in caught] == [
+        "alpha=0 gives every replica the same LR, so the auto-LR controller has no losses to compare and no other "
+        "value is explored: it moves nothing in this run, and the LR stays the one given. Set alpha above 0 for the "
+        "controller to move the LR, or auto_lr.enabled to false"]
+    hdet.close()
