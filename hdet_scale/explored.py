@@ -141,12 +141,15 @@ class ExploredValue:
                                        value_bounds=self._scale_bounds())
 
     def _scale_bounds(self) -> tuple[float, float] | None:
-        """The scales that put the base at the knob's bounds on the schedule's value now: past them the base stays
-        clamped while the scale would wind on. None where the schedule gives 0 or no finite value."""
+        """The scales, on the schedule's value now, that put the base at the knob's low bound and the top replica's
+        value at its high one (``Knob.highest_base``): past them a value stays clamped while the scale would wind
+        on, and the controller would credit a replica with a multiplier it does not train at. None where the
+        schedule gives 0 or no finite value."""
         scheduled = self.knob.scheduled()
         if not math.isfinite(scheduled) or scheduled == 0.0:
             return None
-        low, high = sorted((self.knob.bounds.low / scheduled, self.knob.bounds.high / scheduled))
+        highest = self.knob.highest_base() / max(self.multipliers)
+        low, high = sorted((self.knob.bounds.low / scheduled, highest / scheduled))
         return low, high
 
     def redraw(self) -> None:

@@ -76,6 +76,11 @@ class Knob:
         dropout that drops every unit once clamped below 1); None where nothing, or where it is no probability."""
         return None
 
+    def highest_base(self) -> float:
+        """The base at which some value the knob sets reaches the top of its bounds: a base above it would be
+        clamped there, training at less than it says."""
+        return self.bounds.high
+
     def state(self) -> dict[str, Any]:
         """What HDET's state keeps of the knob itself, for a resume: what it read from the model when it was made,
         which a resumed model no longer holds ({}: nothing)."""
@@ -143,6 +148,10 @@ class ModuleFactorKnob(Knob):
             return None
         return next((f"{type(module).__name__}.{attribute} = {original:g} x {factor:.3g} = {original * factor:.3g}"
                      for module, attribute, original, _ in self.targets if original * factor >= 1), None)
+
+    def highest_base(self) -> float:
+        return min((self.value_bounds.high / original for _, _, original, _ in self.targets if original > 0),
+                   default=math.inf)
 
     def apply(self, value: float) -> None:
         applied = []

@@ -558,9 +558,10 @@ def test_an_export_after_runs_on_one_model_carries_every_runs_attention_scale():
     assert _scales_with_its_parameters(norm, {"weight": norm.weight.detach().to(torch.bfloat16)}, 0.8123)
 
 
-def test_the_scale_of_a_bounded_value_stops_where_its_base_reaches_the_bound():
+def test_the_scale_of_a_bounded_value_stops_where_its_top_replica_reaches_the_bound():
     """A label smoothing of 0.3 whose top replica kept winning wound its scale on to 10 while the base stayed
-    pinned below 1: when the lower replica then won, the values did not move for several syncs."""
+    pinned below 1: when the lower replica then won, the values did not move for several syncs. Its top replica
+    (x3) was clamped below 1 from a base of 1/3 on, while the controller credited it with 3 times the base."""
     from hdet_scale.config import AutoLRConfig
     from hdet_scale.controller import Controller
     from hdet_scale.explored import ExploredValue
@@ -573,8 +574,32 @@ def test_the_scale_of_a_bounded_value_stops_where_its_base_reaches_the_bound():
     for step in range(10):
         weights = [1.0 if replica == top else 0.0 for replica in range(2)]
         explored.update(controller, weights=weights, steps=1, step=step, sync_interval=1)
-    assert explored.state.scale == pytest.approx(1 / 0.3)  # base 1 - ulp: as far as the bound lets it
+    assert explored.state.scale == pytest.approx(1 / (0.3 * 3))  # the top replica at 1 - ulp: as far as it may go
+    assert explored.value(top) == pytest.approx(explored.base() * 3) == pytest.approx(1.0)  # at its multiplier still
     assert explored.state.velocity == 0.0  # and no momentum outward, which would hold it there for syncs
     explored.update(controller, weights=[0.0 if replica == top else 1.0 for replica in range(2)], steps=1,
                     step=10, sync_interval=1)
     assert explored.base() < 1.0 - 0.1  # back down at once
+
+
+def test_an_explored_dropout_stops_where_its_highest_dropout_reaches_1():
+    """The controller's scale bounds came from the factor's own bounds (any positive factor), not the dropouts it
+    multiplies: a factor the top replica's evidence kept raising ended with that replica's p = 0.5 x factor x 1.5
+    clamped just below 1 (every unit dropped) while the controller credited it with 1.5 times the base factor."""
+    from hdet_scale.config import AutoLRConfig
+    from hdet_scale.controller import Controller
+    from hdet_scale.explored import ExploredValue
+    from hdet_scale.knobs import PROBABILITY, ModuleFactorKnob
+
+    model = nn.Sequential(nn.Dropout(0.2), nn.Linear(2, 2), nn.Dropout(0.5))
+    knob = ModuleFactorKnob("dropout", [(model[0], "p"), (model[2], "p")], PROBABILITY)
+    explored = ExploredValue.start(knob, seed=0, num_replicas=2, alpha=0.5, spread="linear")
+    controller = Controller(AutoLRConfig(mode="log", beta=0.9, step_size=10.0, max_log_step=0.5, scale_max=10.0))
+    top = explored.replica_multipliers().index(1.5)
+    for step in range(10):
+        weights = [1.0 if replica == top else 0.0 for replica in range(2)]
+        explored.update(controller, weights=weights, steps=1, step=step, sync_interval=1)
+    assert explored.state.scale == pytest.approx(1 / (0.5 * 1.5)) and explored.state.velocity == 0.0
+    knob.apply(explored.value(top))
+    assert model[2].p == pytest.approx(0.5 * explored.base() * 1.5) == pytest.approx(1.0)
+    assert model[0].p == pytest.approx(0.2 * explored.base() * 1.5)
