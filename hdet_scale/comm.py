@@ -18,12 +18,14 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hdet_scale.durable import see_fresh_folder, start_fresh_folder
 from hdet_scale.topology import built_once, collective_device, forget_built
 
 T = TypeVar("T")
@@ -271,6 +273,21 @@ def on_rank0(work: Callable[[], T], what: str, *, share_result: bool = False) ->
     if outcome[0] is not None:
         raise PeerFailed(what, 0, outcome[0])
     return outcome[1] if share_result else result
+
+
+def open_fresh_folder(folder: Path, what: str, *, prepare: Callable[[], object] | None = None) -> None:
+    """Rank 0 runs ``prepare()`` (where given) and makes ``folder`` with a new token (``start_fresh_folder``); then
+    every rank waits until its node sees that folder (``see_fresh_folder``): a name saved through again by every save
+    may show a node, on a network file system, the folder it had before. Collective; ``what`` names the save in
+    errors, which every rank raises together."""
+
+    def start() -> str:
+        if prepare is not None:
+            prepare()
+        return start_fresh_folder(folder)
+
+    token = on_rank0(start, f"preparing {what}", share_result=True)
+    file_work_together(lambda: see_fresh_folder(folder, token), f"opening {folder} on every node")
 
 
 @torch.no_grad()

@@ -38,7 +38,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hdet_scale.averaging import average_replica_gradients
-from hdet_scale.comm import broadcast_from_rank0, cpu_group, file_work_together, on_rank0, raise_together
+from hdet_scale.comm import (
+    broadcast_from_rank0,
+    cpu_group,
+    file_work_together,
+    on_rank0,
+    open_fresh_folder,
+    raise_together,
+)
 from hdet_scale.config import HDETConfig
 from hdet_scale.controller import PaperDecay
 from hdet_scale.durable import (
@@ -46,8 +53,6 @@ from hdet_scale.durable import (
     recover_replaced_folder,
     replace_folder_durably,
     replacement_folders,
-    see_fresh_folder,
-    start_fresh_folder,
     start_replacement,
     write_text_durably,
 )
@@ -292,8 +297,7 @@ class HDETDeepSpeed(HDETHandle):
         replacing = on_rank0(target.exists, f"looking for the checkpoint {tag}", share_result=True)
         written = replacement_folders(target)[0] if replacing else target
         if replacing:  # a tag saved into again stages under one name: each node first sees this save's folder there
-            token = on_rank0(lambda: start_fresh_folder(written), f"preparing the checkpoint {tag}", share_result=True)
-            file_work_together(lambda: see_fresh_folder(written, token), f"opening {written} on every node")
+            open_fresh_folder(written, f"the checkpoint {tag}")
 
         def make_folders() -> None:  # DeepSpeed makes save_dir on rank 0 alone before its first barrier: every rank
             os.makedirs(written, exist_ok=True)

@@ -31,14 +31,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from hdet_scale.comm import file_work_together, on_rank0
+from hdet_scale.comm import on_rank0, open_fresh_folder
 from hdet_scale.durable import (
     fsync_path,
     recover_replaced_folder,
     replace_folder_durably,
     replacement_folders,
-    see_fresh_folder,
-    start_fresh_folder,
     start_replacement,
 )
 from hdet_scale.engines.fsdp import HDETFSDP, handle_of
@@ -72,15 +70,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     saved_as = hdet.topology.replica_index if ensemble.optimizer_states_differ() else 0
     final = Path(path)
     staging = replacement_folders(final)[0]
-
-    def fresh_staging() -> str:
-        start_replacement(final)
-        return start_fresh_folder(staging)
-
-    token = on_rank0(fresh_staging, f"clearing {staging}", share_result=True)
     # every save writes through the same staging name: each node first sees this save's folder under it, not the
     # last save's, which is the checkpoint now
-    file_work_together(lambda: see_fresh_folder(staging, token), f"opening {staging} on every node")
+    open_fresh_folder(staging, f"the checkpoint {final}", prepare=lambda: start_replacement(final))
     dcp.save(_sharded_state(model, optimizer, saved_as), checkpoint_id=staging)
 
     def complete() -> None:
