@@ -50,7 +50,7 @@ from hdet_scale.resolve import (
 from hdet_scale.scorer import ReplicaScorer
 from hdet_scale.scores import LossLike, ReplicaScores
 from hdet_scale.topology import ReplicaTopology
-from hdet_scale.warm_init import add_warm_noise
+from hdet_scale.warm_init import WarmNoise, add_warm_noise
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class HDETEnsemble:
         self.range_test_pick: float | None = None
         """The LR the run's range test picked (``auto_lr.range_test``), once it has run; None without one."""
         self._range_test_picked = True  # False once a range test picked nothing: the LR stays the one given
+        self._warm_noise: WarmNoise | None = None  # the noise the fresh start added, for a start afresh to replace
         if state is None:
             self._start_from_weights()
         step_scoped = [explored for explored in self._explored if explored.knob.step_scoped]
@@ -136,7 +137,8 @@ class HDETEnsemble:
         config, adapter = self.config, self.adapter
         self._last_sync_step = 0  # the start counts: replicas are identical there (unless noised)
         if config.warm_init.enabled:
-            add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed)
+            self._warm_noise = add_warm_noise(adapter, self.topology, nu=config.warm_init.nu, seed=config.seed,
+                                              replacing=self._warm_noise)
             self._last_sync_step = None  # the replicas differ until the first sync
         if config.auto_lr.range_test:
             self._range_start = RangeTestStart.before(RangeTest(config.auto_lr.range_test), adapter)
@@ -144,10 +146,10 @@ class HDETEnsemble:
     def weights_loaded(self, what: str = "loading weights after HDET attached") -> bool:
         """Takes weights loaded into every replica alike after HDET attached, without HDET's state (``what``: the
         load, for the error). Before the first step (of the range test or the run) the run starts afresh from them
-        (collective with warm init): each replica's warm-init noise (on weights the load left as they were, a
-        second draw), and the LR range test comes back to them, not to the weights HDET attached to. During the
-        range test a RuntimeError: it would come back to the earlier weights. Later nothing: the next sync
-        averages the replicas as they are. Returns whether the run started afresh."""
+        (collective with warm init): each replica's warm-init noise in place of the first one's (taken out of the
+        parts the load left as they were), and the LR range test comes back to them, not to the weights HDET
+        attached to. During the range test a RuntimeError: it would come back to the earlier weights. Later
+        nothing: the next sync averages the replicas as they are. Returns whether the run started afresh."""
         self._check_open("weights_loaded")
         if self._range_start is not None and self._range_start.test.lrs:
             raise RuntimeError(f"{what} during the LR range test (auto_lr.range_test), which would put back the "

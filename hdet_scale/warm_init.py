@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hdet_scale.adapter import EngineAdapter, ParameterShard
+from hdet_scale.comm import bits_fingerprint
 from hdet_scale.spread import stream_seed
 from hdet_scale.topology import ReplicaTopology, collective_device
 
@@ -53,15 +55,31 @@ def replica_noise(numel: int, start: int, stop: int, *, seed: int, replica_index
     return torch.cat(pieces) if pieces else torch.empty(0)
 
 
-@torch.no_grad()
-def add_warm_noise(adapter: EngineAdapter, topology: ReplicaTopology, *, nu: float, seed: int) -> float:
-    """Adds this replica's eq. 10 noise to the engine's master parameters in place; returns the std used.
+@dataclass(frozen=True)
+class WarmNoise:
+    """The noise ``add_warm_noise`` added on a rank: its std, and the fingerprint of each shard's local part right
+    after it (``comm.bits_fingerprint``), by which a later start finds the parts a load left holding it."""
 
-    Collective over the replica when the engine shards parameters (one all-reduce of two numbers); call it
-    on every rank, after the engine has broadcast the starting weights. The low-precision copies the forward
-    pass uses are refreshed afterwards (``adapter.after_average()``).
+    std: float
+    fingerprints: tuple[int, ...]
+
+
+@torch.no_grad()
+def add_warm_noise(adapter: EngineAdapter, topology: ReplicaTopology, *, nu: float, seed: int,
+                   replacing: WarmNoise | None = None) -> WarmNoise:
+    """Adds this replica's eq. 10 noise to the engine's master parameters in place; returns what it added.
+
+    ``replacing``: the noise an earlier call added, on a start afresh from weights loaded since; it is first taken
+    out of every part the load left as it was (else such a part would end at theta_0 + 2 eps), and the new std is
+    that of the weights then. Collective over the replica when the engine shards parameters (one all-reduce of two
+    numbers); call it on every rank, after the engine has broadcast the starting weights. The low-precision copies
+    the forward pass uses are refreshed afterwards (``adapter.after_average()``).
     """
     shards = adapter.warm_init_shards()
+    if replacing is not None:
+        for index, shard in enumerate(shards):
+            if index < len(replacing.fingerprints) and bits_fingerprint([shard.local]) == replacing.fingerprints[index]:
+                _add_noise(shard, index, -replacing.std, seed=seed, replica_index=topology.replica_index)
     count = sum(math.prod(shard.full_shape) for shard in shards)
     square_sum, held = _square_sum_and_count(shards, topology if adapter.shards_parameters else None)
     if held != count:
@@ -71,17 +89,21 @@ def add_warm_noise(adapter: EngineAdapter, topology: ReplicaTopology, *, nu: flo
         )
     std = noise_std(square_sum, count, nu)
     for index, shard in enumerate(shards):
-        # A parameter in another memory format (channels_last) takes its noise in its logical element order.
-        contiguous = shard.local.contiguous()
-        local = contiguous.view(-1)
-        for at, piece in noise_pieces(math.prod(shard.full_shape), shard.flat_offset,
-                                      shard.flat_offset + local.numel(), seed=seed,
-                                      replica_index=topology.replica_index, index=index):
-            local[at: at + piece.numel()].add_(piece.to(device=local.device, dtype=local.dtype), alpha=std)
-        if contiguous is not shard.local:
-            shard.local.copy_(contiguous)
+        _add_noise(shard, index, std, seed=seed, replica_index=topology.replica_index)
     adapter.after_average()
-    return std
+    return WarmNoise(std, tuple(bits_fingerprint([shard.local]) for shard in shards))
+
+
+def _add_noise(shard: ParameterShard, index: int, std: float, *, seed: int, replica_index: int) -> None:
+    """Adds ``std`` times the replica's noise of parameter ``index`` to the shard's local part."""
+    # A parameter in another memory format (channels_last) takes its noise in its logical element order.
+    contiguous = shard.local.contiguous()
+    local = contiguous.view(-1)
+    for at, piece in noise_pieces(math.prod(shard.full_shape), shard.flat_offset, shard.flat_offset + local.numel(),
+                                  seed=seed, replica_index=replica_index, index=index):
+        local[at: at + piece.numel()].add_(piece.to(device=local.device, dtype=local.dtype), alpha=std)
+    if contiguous is not shard.local:
+        shard.local.copy_(contiguous)
 
 
 def _square_sum_and_count(shards: list[ParameterShard], topology: ReplicaTopology | None) -> tuple[float, int]:

@@ -77,3 +77,31 @@ def test_a_sync_before_the_first_step_leaves_the_warm_noise_alone():
     optimizer.step()
     hdet.step(1.0)
     assert hdet.sync() is not None and hdet.at_sync_point
+
+
+def test_a_start_afresh_from_a_partial_load_noises_every_weight_once():
+    """weights_loaded() after a load that left some parameters as they were (``strict=False``) added the same noise
+    to them again: theta_0 + 2 eps. Each ends at its weights before the noise (loaded, or as they were) plus one
+    eps, at the std of those weights (eq. 10), computed here independently from the noise streams."""
+    from torch import nn
+
+    from hdet_scale import HDETConfig, HDETEnsemble, ReplicaTopology
+    from hdet_scale.engines.ddp import DDPAdapter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    config = HDETConfig.from_dict({"seed": SEED, "warm_init": {"enabled": True, "nu": NU},
+                                   "auto_lr": {"enabled": False, "range_test": 0}})
+    hdet = HDETEnsemble(config, DDPAdapter(torch.optim.SGD(model.parameters(), lr=0.1), model),
+                        topology=ReplicaTopology.single_process())
+    loaded = {"0.weight": torch.full((3, 4), 0.5), "0.bias": torch.full((3,), -0.25)}
+    model.load_state_dict(loaded, strict=False)  # the second layer keeps its (noised) weights
+    assert hdet.weights_loaded()
+    start = [loaded["0.weight"], loaded["0.bias"], before[2], before[3]]
+    flat = torch.cat([tensor.reshape(-1).double() for tensor in start])
+    std = NU * flat.square().mean().sqrt().item()
+    for index, (parameter, theta) in enumerate(zip(model.parameters(), start, strict=True)):
+        noise = warm_init.replica_noise(theta.numel(), 0, theta.numel(), seed=SEED, replica_index=0, index=index)
+        assert torch.allclose(parameter.detach(), theta + std * noise.view_as(theta), rtol=0, atol=1e-6)
+    hdet.close()
