@@ -398,18 +398,28 @@ class HDETEnsemble:
         if self._range_start is not None:
             self._range_test_step(loss)
             return None
-        steps_in_interval = self._steps_in_interval + 1
         steps_to_sync = -(self._step + 1) % self.config.sync_interval
         self._scorer.add_step(loss, steps_to_sync, self.adapter.averaged_tensors)  # first: it may refuse the loss
+        self.record_step_bases()
         self._step += 1
-        for explored in self._explored:
-            # Values set at syncs held their base for the whole step. A step-scoped value's base was recorded in
-            # optimizer.step(), unless that step did not run (an AMP overflow skip): then its base as of now.
-            if len(explored.applied_bases) < steps_in_interval:
-                explored.applied_bases.append(explored.base())
         if self._step % self.config.sync_interval == 0:
             return self.sync()
         return None
+
+    def record_step_bases(self) -> None:
+        """Records, for the optimizer step about to run or just skipped (an AMP overflow), the base of each explored
+        value as of now, where that step has not recorded its own: values set at syncs hold theirs for the whole
+        step, and a value set inside ``optimizer.step()`` records its base there, which a step that runs still does
+        after this. ``step()`` calls it; call it earlier where a schedule advances between a skipped step and
+        ``step()`` (``HDETScheduler`` and the Lightning callback do), else the skipped step is recorded at the next
+        step's base. Nothing during the LR range test, whose steps are none of the run's."""
+        self._check_open("record_step_bases")
+        if self._range_start is not None:
+            return
+        steps_in_interval = self._steps_in_interval + 1
+        for explored in self._explored:
+            if len(explored.applied_bases) < steps_in_interval:
+                explored.applied_bases.append(explored.base())
 
     @property
     def _explores_others(self) -> bool:

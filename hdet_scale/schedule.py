@@ -84,6 +84,7 @@ class HDETScheduler(HDETHandle):
         """Advances the base schedule, then HDET (which syncs every ``sync_interval`` calls). While an LR range
         test runs (``auto_lr.range_test``) the schedule holds: the run starts again after it."""
         if not self.hdet.ramping:
+            self.hdet.record_step_bases()  # a step an AMP scaler skipped trained (would have) at the base before
             self.scheduler.step()
         return self.hdet.step(loss)
 
@@ -181,6 +182,8 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
         """Advances OneCycleLR, then HDET (which syncs every ``sync_interval`` calls); OneCycleLR holds while an
         LR range test runs (``auto_lr.range_test``)."""
         if self.hdet is None or not self.hdet.ramping:
+            if self.hdet is not None:
+                self.hdet.record_step_bases()  # a step an AMP scaler skipped trained (would have) at the base before
             super().step()
         return self.hdet.step(loss) if self.hdet is not None else None
 

@@ -213,6 +213,9 @@ class HDETCallback(pl.Callback, HDETHandle):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         self._stepped = True
+        # Lightning steps its schedulers after the optimizer, also where an AMP scaler skipped it, and before the
+        # batch's end, where HDET steps: this step's base is the one of now.
+        self._attached().record_step_bases()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:

@@ -414,3 +414,43 @@ def test_lightnings_slurm_requeue_saves_at_the_end_of_the_step_not_inside_its_si
     state = hdet_state_in(tmp_path / "hpc_ckpt_1.ckpt")
     assert saved["global_step"] == state["step"] == state["last_sync_step"] == 8  # the step's end, one model
     assert requeued.read_text() == "requeue 4242\n"
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_skipped_optimizer_step_is_recorded_at_its_own_base_not_the_next(tmp_path):
+    """Lightning steps its schedulers after the optimizer step, also one an AMP scaler skipped (no optimizer.step()
+    call, so no base recorded there), and before the batch's end, where HDET steps: that step was recorded at the
+    next step's LR, and a replay ran one value early there. The precision plugin here skips the second step as
+    Lightning's mixed precision does on an overflow (the closure and its hooks run, ``optimizer.step`` does not)."""
+    import json
+
+    from lightning.pytorch.plugins.precision import Precision
+
+    from hdet_scale.integrations.lightning import HDETCallback
+
+    scheduled = []
+
+    class SkipsTheSecondStep(Precision):
+        def optimizer_step(self, optimizer, model, closure, **kwargs):
+            scheduled.append(optimizer.param_groups[0]["lr"])
+            if len(scheduled) != 2:
+                return super().optimizer_step(optimizer, model, closure, **kwargs)
+            result = closure()
+            self._after_closure(model, optimizer)
+            return result
+
+    module = regression()
+
+    def configure_optimizers():
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+        decay = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+    module.configure_optimizers = configure_optimizers
+    metrics = tmp_path / "metrics.jsonl"
+    hdet = HDETCallback({"sync_interval": 3, "metrics_path": str(metrics),
+                         "auto_lr": {"enabled": False, "range_test": 0}})
+    one_device_fit(hdet, module, max_epochs=1, limit_train_batches=3, plugins=[SkipsTheSecondStep()])
+    assert len(set(scheduled)) == 3
+    line = json.loads(metrics.read_text().splitlines()[-1])
+    assert line["step"] == 3 and line["values"]["lr/0"]["applied_bases"] == pytest.approx(scheduled)

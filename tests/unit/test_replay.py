@@ -183,6 +183,33 @@ def test_a_step_without_an_optimizer_step_still_gets_its_base(tmp_path):
     assert json.loads(metrics.read_text())["values"]["lr/0"]["applied_bases"] == [0.1, 0.2, 0.3]
 
 
+def test_a_skipped_step_under_a_scheduler_gets_its_own_base_not_the_next(tmp_path):
+    """HDETScheduler and HDETOneCycleLR step their schedule before HDET: a step an AMP overflow skipped was recorded
+    at the base the schedule had moved on to, the next step's, and a replay ran one value early there."""
+    from torch.optim.lr_scheduler import ExponentialLR
+
+    from hdet_scale import HDETOneCycleLR, HDETScheduler
+
+    for make in ("exponential", "one_cycle"):
+        metrics = tmp_path / f"{make}.jsonl"
+        optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
+        settings = {"sync_interval": 3, "metrics_path": str(metrics), "auto_lr": {"range_test": 0, "enabled": False},
+                    "topology": ReplicaTopology.single_process()}
+        if make == "exponential":
+            scheduler = HDETScheduler(ExponentialLR(optimizer, gamma=0.5), **settings)
+        else:
+            scheduler = HDETOneCycleLR(optimizer, max_lr=0.1, total_steps=10, **settings)
+        scheduled = []
+        for skipped in (False, True, False):
+            scheduled.append(optimizer.param_groups[0]["lr"])
+            if not skipped:
+                optimizer.step()
+            scheduler.step(1.0)
+        scheduler.hdet.close()
+        assert json.loads(metrics.read_text())["values"]["lr/0"]["applied_bases"] == pytest.approx(scheduled)
+        assert len(set(scheduled)) == 3
+
+
 def test_an_optimizer_stepped_several_times_a_step_records_one_base_per_step(tmp_path):
     """ZeRO-3 steps the optimizer once per sub-group, every param group in each call: still one base per step."""
     metrics = tmp_path / "metrics.jsonl"
