@@ -381,11 +381,17 @@ class HDETDeepSpeed(HDETHandle):
                                                                 weights_from_latest),
                                   "checking the checkpoint's HDET state", share_result=True)
         self._saved_replicas_given = found_replicas
+        failure, path, client_state = None, None, None
         try:
             with replica_groups(self.engine.mpu):
                 path, client_state = self._deepspeed_load(str(load_dir), tag=tag, **kwargs)
+        except Exception as error:  # every rank learns of it; the failing rank raises it as it is
+            failure = error
         finally:
             self._saved_replicas_given = None
+        # A file only some ranks read (a replica's own optimizer state, a rank's shard) failing there: every rank
+        # stops here, none goes on to train and wait in a collective the failing ones never reach.
+        raise_together(failure, f"loading the checkpoint {tag}")
         if path is None:
             return None, None
         client_state = dict(client_state or {})

@@ -498,6 +498,34 @@ def test_a_zero3_load_without_optimizer_states_of_a_tag_latest_does_not_name_is_
         assert second == "loaded"
 
 
+def load_with_one_replicas_file_broken(rank: int, world: int, directory: str) -> str:
+    hdet = {"sync_interval": 1, "gradient_mode": "local", "auto_lr": {"enabled": False, "range_test": 0}}
+    engine = build(ds_config(2, hdet=hdet), seed=0)
+    train_step(engine, rank, 1)
+    engine.save_checkpoint(directory, tag="saved")
+    dist.barrier()
+    own_files = sorted((Path(directory) / "saved" / hdet_deepspeed.REPLICA_FOLDER).glob("*optim_states*"))
+    if rank == 1:  # replica 1's own optimizer state, which rank 1 alone reads
+        assert own_files
+        for path in own_files:
+            path.write_bytes(path.read_bytes()[:100])
+    dist.barrier()
+    try:
+        engine.load_checkpoint(directory, tag="saved")
+    except PeerFailed as error:
+        return f"PeerFailed: {error}"
+    except Exception as error:
+        return f"own: {type(error).__name__}"
+    return "loaded"
+
+
+def test_a_load_failing_on_one_rank_stops_every_rank(tmp_path):
+    """A file only one rank reads (its replica's own optimizer state) that fails to load raised there alone: the
+    other ranks loaded and went on, to wait in the first collective of the run for a rank that never came."""
+    own, peer = run_ranks(load_with_one_replicas_file_broken, 2, str(tmp_path), timeout=240)[::-1]
+    assert own.startswith("own: ") and peer.startswith("PeerFailed: loading the checkpoint saved failed on rank 1")
+
+
 def save_after_close(rank: int, world: int, directory: str) -> tuple[str, list[str]]:
     engine = build(ds_config(0, hdet={"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}), seed=0)
     train_step(engine, rank, 1)
