@@ -227,22 +227,24 @@ class HDETCallback(TrainerCallback, HDETHandle):
             self.trainer.log(report.scalars())
             control.should_log = should_log  # the callbacks' on_log clears it: the Trainer's own log of the step comes
 
-    def _save_checkpoint(self, trial: Any) -> None:
+    def _save_checkpoint(self, trial: Any) -> bool:
         """Writes HDET's files into the checkpoint the Trainer is about to take, before its own: the Trainer deletes
         its older checkpoints (``save_total_limit``) at the end of the same call, so a kill after it must find them
         in the newest. First a sync between the regular ones, so the checkpoint holds the one model of the
         ensemble. Under DeepSpeed the engine's checkpoint, which the Trainer takes, holds HDET's state and each
-        replica's files. Refused, before anything is written, during the LR range test."""
+        replica's files. Returns whether the Trainer takes its checkpoint: not during the LR range test (a warning
+        says so), which a resumed run could not take up again."""
         if self.ramping:
-            raise RuntimeError(
-                "a callback asked the Trainer for a checkpoint (control.should_save) during HDET's LR range test "
-                "(auto_lr.range_test), which a resumed run could not take up again: checkpoint once the test is "
-                "over (the callback's `ramping` is False)")
+            if self.ensemble.topology.rank == 0:
+                warn("HDETCallback: no checkpoint is written during the LR range test (auto_lr.range_test), which a "
+                     "resumed run could not take up again (a callback set control.should_save); a run started again "
+                     "now starts over, having trained none of its own steps yet")
+            return False
         if not self.at_sync_point:
             self.sync()
             self._log_sync()
         if self.engine == "deepspeed":
-            return
+            return True
         trainer, ensemble = self.trainer, self.ensemble
         args = trainer.args
         # the Trainer's own folder rule: a hyperparameter search trial has a run folder
@@ -257,6 +259,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(ensemble.adapter.optimizer.state_dict(),
                        folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
+        return True
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -437,8 +440,8 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
 
     @functools.wraps(save_checkpoint)
     def save_checkpoint_with_hdet(model: Any, trial: Any = None, *args: Any, **kwargs: Any) -> None:
-        callback._save_checkpoint(trial)
-        save_checkpoint(model, trial, *args, **kwargs)  # older transformers releases pass metrics too
+        if callback._save_checkpoint(trial):
+            save_checkpoint(model, trial, *args, **kwargs)  # older transformers releases pass metrics too
 
     trainer._save_checkpoint = save_checkpoint_with_hdet
     evaluate = trainer.evaluate

@@ -93,3 +93,35 @@ def test_a_trainer_without_a_current_accumulation_count_gives_its_configured_one
     callback = add_hdet(trainer, {"sync_interval": 1})
     assert not hasattr(trainer, "current_gradient_accumulation_steps")
     assert float(callback._step_share(torch.tensor(0.25))) == 1.0  # a quarter of the step's loss, observed whole
+
+
+def test_a_checkpoint_a_callback_asks_for_during_the_range_test_is_skipped_with_a_warning(tmp_path):
+    """A callback setting ``control.should_save`` during the range test stopped the run with an error (Lightning's
+    callback skips such a checkpoint with a warning): the Trainer now writes no checkpoint then, and the run goes
+    on to save its own after the test."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+    from hdet_scale.notices import HDETWarning
+
+    class SavesEveryStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_save = True
+
+    model = Regression()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=4,
+                             save_strategy="no", report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Sums())
+    trainers_save, saved_while_ramping = trainer._save_checkpoint, []
+
+    def save_checkpoint(*args, **kwargs):
+        saved_while_ramping.append(hdet.ramping)
+        return trainers_save(*args, **kwargs)
+
+    trainer._save_checkpoint = save_checkpoint  # the Trainer's own, which HDET's wraps
+    hdet = add_hdet(trainer, {"sync_interval": 5, "auto_lr": {"range_test": 15}}, probe=False)
+    trainer.add_callback(SavesEveryStep())  # after HDET's: it asks during the range test too
+    with pytest.warns(HDETWarning, match="no checkpoint is written during the LR range test"):
+        trainer.train()
+    assert not hdet.ramping and trainer.state.global_step == 20
+    assert saved_while_ramping == [False] * 21  # the step the test ended at (the run's step 0), then every step
