@@ -92,6 +92,7 @@ class HDETEnsemble:
         self._metrics = MetricsWriter(config.metrics_path, is_writer=self.topology.rank == 0)
         self._step = 0
         self._stepped = False  # any step taken, of the range test or of the run
+        self._settings_said = False  # the first step (also of a resumed run) warns of settings the run does not read
         self._last_sync_step: int | None = 0  # set by _start_from_weights, or by a loaded state
         self._scorer = ReplicaScorer(config.auto_lr, config.sync_interval)
         self._warned_no_loss = False
@@ -389,7 +390,8 @@ class HDETEnsemble:
         if self._awaited_knobs:
             raise RuntimeError(f"the loaded HDET state explores {sorted(self._awaited_knobs)} with add_knob: call "
                                "add_knob for each on every rank before the first step")
-        if not self._stepped and self.topology.rank == 0:  # the first step: every add_knob is in
+        if not self._settings_said and self.topology.rank == 0:  # the first step: every add_knob is in
+            self._settings_said = True
             lr_spread = any(len(set(explored.multipliers)) > 1 for explored in self._lr_explored())
             for line in unread_settings_warnings(self.config, self.topology.num_replicas, lr_spread=lr_spread,
                                                  explores_others=self._explores_others):

@@ -154,9 +154,9 @@ CONTROLLER_ONLY_FIELDS = ("mode", "beta", "sigma", "step_size", "rise_only_after
                           "max_log_step", "average_window", "probe_weight")
 """The auto-LR fields that act on nothing but the controller's moves (``start`` and ``stop`` are left out: once a run
 places them, given and default look alike)."""
-READ_WITH_THE_CONTROLLER_OFF = ("average_window",)
-"""Of ``CONTROLLER_ONLY_FIELDS``, those a run reads with the controller off: the probe's scores (in the metrics) come
-from the weights averaged over ``average_window``."""
+READ_WITHOUT_THE_CONTROLLER = ("average_window",)
+"""Of ``CONTROLLER_ONLY_FIELDS``, those a run reads where the controller moves nothing: a probe's scores (in the
+metrics) come from the weights averaged over ``average_window``."""
 
 
 def _given_fields(lr: Any, names: Sequence[str]) -> list[str]:
@@ -176,13 +176,13 @@ def unread_settings_warnings(config: HDETConfig, num_replicas: int, *, explores_
     cfg = config.auto_lr
     if num_replicas == 1:
         return []
+    unread = [name for name in CONTROLLER_ONLY_FIELDS if name not in READ_WITHOUT_THE_CONTROLLER]
     if not cfg.enabled:
-        given = _given_fields(cfg, [name for name in CONTROLLER_ONLY_FIELDS
-                                    if name not in READ_WITH_THE_CONTROLLER_OFF])
+        given = _given_fields(cfg, unread)
         return [f"{', '.join(given)} set for the auto-LR controller, which is off (auto_lr.enabled is false): they do "
                 "nothing in this run; remove them, or set auto_lr.enabled to true"] if given else []
     if not cfg.moves_any(explores_others):
-        given = _given_fields(cfg, CONTROLLER_ONLY_FIELDS)
+        given = _given_fields(cfg, unread)
         return [f"{', '.join(given)} set for the auto-LR controller, which moves nothing in this run: the LR range "
                 f"test (auto_lr.range_test={cfg.range_test}; it runs unless set to 0) picks the LR, which then holds, "
                 "and no other value is explored (explore, add_knob). Set auto_lr.range_test to 0 for the controller "

@@ -624,6 +624,7 @@ def test_a_stop_before_the_start_is_refused_and_says_how_ints_and_floats_read():
       "explored (explore, add_knob). Set auto_lr.range_test to 0 for the controller to move the LR, or remove them"]),
     ({"auto_lr": {"mode": "scale", "step_size": 1.0}}, True, False, []),  # it moves the other value
     ({"auto_lr": {"range_test": 50}}, False, False, []),  # nothing given for a controller
+    ({"auto_lr": {"average_window": 0.2}}, False, False, []),  # the probe's scores read it
     # no spread of LRs and nothing else explored: the controller has nothing to compare
     ({"alpha": 0, "auto_lr": {"mode": "scale", "range_test": 0}}, False, False,
      ["alpha=0 gives every replica the same LR, so the auto-LR controller has no losses to compare and no other value "
@@ -664,4 +665,15 @@ def test_the_first_step_says_what_the_runs_settings_do_not_move():
         "alpha=0 gives every replica the same LR, so the auto-LR controller has no losses to compare and no other "
         "value is explored: it moves nothing in this run, and the LR stays the one given. Set alpha above 0 for the "
         "controller to move the LR, or auto_lr.enabled to false"]
+    state = hdet.state_dict()
     hdet.close()
+    resumed = HDETEnsemble(config, DDPAdapter(optimizer), total_steps=1000, state=state,
+                           topology=ReplicaTopology(world_size=2, rank=0, ranks_per_replica=1))
+    with warnings.catch_warnings(record=True) as caught:  # a resumed run is told too
+        warnings.simplefilter("always")
+        resumed.step(1.0)
+    assert [str(warning.message) for warning in caught] == [
+        "alpha=0 gives every replica the same LR, so the auto-LR controller has no losses to compare and no other "
+        "value is explored: it moves nothing in this run, and the LR stays the one given. Set alpha above 0 for the "
+        "controller to move the LR, or auto_lr.enabled to false"]
+    resumed.close()
