@@ -413,8 +413,9 @@ class HDETEnsemble:
         value as of now, where that step has not recorded its own: values set at syncs hold theirs for the whole
         step, and a value set inside ``optimizer.step()`` records its base there, which a step that runs still does
         after this. ``step()`` calls it; call it earlier where a schedule advances between a skipped step and
-        ``step()`` (``HDETScheduler`` and the Lightning callback do), else the skipped step is recorded at the next
-        step's base. Nothing during the LR range test, whose steps are none of the run's."""
+        ``step()`` (``HDETScheduler``, ``HDETOneCycleLR`` and the Lightning callback do; a loop of your own with an
+        AMP scaler calls it before ``scheduler.step()``), else the skipped step is recorded at the next step's base.
+        Nothing during the LR range test, whose steps are none of the run's."""
         self._check_open("record_step_bases")
         if self._range_start is not None:
             return

@@ -16,8 +16,8 @@ from hdet_scale.scores import LossLike
 
 class HDETHandle(ABC):
     """``step(loss)``, ``sync()``, ``set_probe(fn)``, ``value(name)``, ``add_knob(...)``, ``close()``,
-    ``state_dict()``, ``load_state_dict()``, ``last_report``, ``global_step``, ``ramping``, ``found_lr_factor()``
-    and ``ensemble`` on every engine. A
+    ``state_dict()``, ``load_state_dict()``, ``last_report``, ``global_step``, ``ramping``, ``found_lr_factor()``,
+    ``record_step_bases()`` and ``ensemble`` on every engine. A
     subclass says where its ensemble is (``_attached``); one whose loop steps HDET itself (DeepSpeed's
     ``engine.step()``, the integrations) refuses ``step`` and ``observe``."""
 
@@ -38,6 +38,12 @@ class HDETHandle(ABC):
         """Call after every ``optimizer.step()``: HDET's step (a sync every ``sync_interval`` calls)."""
         self._refuse_where_the_loop_feeds_hdet("step")
         return self._attached().step(loss)
+
+    def record_step_bases(self) -> None:
+        """With an AMP scaler, which skips a step on an overflow: call before ``scheduler.step()``, so that a
+        skipped step is recorded (metrics, replay) at its own base, not the next step's
+        (``HDETEnsemble.record_step_bases``)."""
+        self._attached().record_step_bases()
 
     def observe(self, loss: LossLike) -> None:
         """Adds a micro-batch loss to the step under way, for ``step()`` without a loss (gradient accumulation)."""

@@ -210,6 +210,30 @@ def test_a_skipped_step_under_a_scheduler_gets_its_own_base_not_the_next(tmp_pat
         assert len(set(scheduled)) == 3
 
 
+def test_a_loop_of_ones_own_records_a_skipped_step_at_its_base_when_it_says_so_before_the_schedule(tmp_path):
+    """The README's loop steps its scheduler, then HDET: with an AMP scaler, ``record_step_bases()`` before
+    ``scheduler.step()`` keeps a skipped step at its own LR (without it, the next step's)."""
+    from torch.optim.lr_scheduler import ExponentialLR
+
+    for says_so in (True, False):
+        metrics = tmp_path / f"{says_so}.jsonl"
+        optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+        hdet = HDETEnsemble(HDETConfig(sync_interval=3, metrics_path=str(metrics),
+                                       auto_lr=AutoLRConfig(enabled=False, range_test=0)),
+                            DDPAdapter(optimizer), topology=ReplicaTopology.single_process())
+        scheduler = ExponentialLR(optimizer, gamma=0.5)
+        for skipped in (False, True, False):
+            if not skipped:
+                optimizer.step()
+            if says_so:
+                hdet.record_step_bases()
+            scheduler.step()
+            hdet.step(1.0)
+        hdet.close()
+        recorded = json.loads(metrics.read_text())["values"]["lr/0"]["applied_bases"]
+        assert recorded == pytest.approx([0.1, 0.05, 0.025] if says_so else [0.1, 0.025, 0.025])
+
+
 def test_an_optimizer_stepped_several_times_a_step_records_one_base_per_step(tmp_path):
     """ZeRO-3 steps the optimizer once per sub-group, every param group in each call: still one base per step."""
     metrics = tmp_path / "metrics.jsonl"
