@@ -173,8 +173,9 @@ class Controller:
                value_bounds: tuple[float, float] | None = None) -> ControllerState:
         """One sync's update from the interval's ``delta`` (``hypergradient``). ``trained_base`` is the base the
         interval's last step trained with (eq. 5's eta at kT over the multipliers; ``paper`` mode takes over from it
-        at its first update). ``value_bounds``: the scales that put the base at its value's own bounds (a
-        probability's 0 and 1), kept within after [scale_min, scale_max] (``scale`` and ``log`` mode)."""
+        at its first update). ``value_bounds``: the scales that keep every replica's value inside its own bounds
+        (the base at the low one, the top replica at the high one: a probability's 0 and 1), kept within after
+        [scale_min, scale_max] (``scale`` and ``log`` mode)."""
         cfg = self.config
         if cfg.mode == "log":
             velocity = self._one_sided(momentum(state.velocity, delta, cfg.beta), step)
