@@ -122,6 +122,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         self._counts_before_test: tuple[int, float] = (0, 0.0)  # the Trainer's tokens and flos before the test
         self._logged_report: SyncReport | None = None  # the last sync report given to the Trainer's loggers
         self._training = False  # between on_train_begin and on_train_end
+        self._said_no_save = False  # a checkpoint asked for during this train()'s range test was warned about
 
     # ------------------------------------------------------------------------------------ reporting
     def _attached(self) -> HDETEnsemble:
@@ -144,7 +145,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         check_saving(args, self._given_config)  # a hyperparameter_search trial may set save_steps
-        self._training = True
+        self._training, self._said_no_save = True, False
         if self.engine == "deepspeed":
             if self.deepspeed is None:
                 raise RuntimeError("the DeepSpeed engine was built without HDET: call trainer.train() on the "
@@ -233,12 +234,14 @@ class HDETCallback(TrainerCallback, HDETHandle):
         in the newest. First a sync between the regular ones, so the checkpoint holds the one model of the
         ensemble. Under DeepSpeed the engine's checkpoint, which the Trainer takes, holds HDET's state and each
         replica's files. Returns whether the Trainer takes its checkpoint: not during the LR range test (a warning
-        says so), which a resumed run could not take up again."""
+        says so, once a train()), which a resumed run could not take up again; the Trainer's ``on_save`` callbacks
+        are called all the same."""
         if self.ramping:
-            if self.ensemble.topology.rank == 0:
+            if self.ensemble.topology.rank == 0 and not self._said_no_save:
                 warn("HDETCallback: no checkpoint is written during the LR range test (auto_lr.range_test), which a "
-                     "resumed run could not take up again (a callback set control.should_save); a run started again "
-                     "now starts over, having trained none of its own steps yet")
+                     "resumed run could not take up again: a callback set control.should_save; have it wait until "
+                     "the callback's `ramping` is False")
+            self._said_no_save = True
             return False
         if not self.at_sync_point:
             self.sync()

@@ -121,7 +121,8 @@ def test_a_checkpoint_a_callback_asks_for_during_the_range_test_is_skipped_with_
     trainer._save_checkpoint = save_checkpoint  # the Trainer's own, which HDET's wraps
     hdet = add_hdet(trainer, {"sync_interval": 5, "auto_lr": {"range_test": 15}}, probe=False)
     trainer.add_callback(SavesEveryStep())  # after HDET's: it asks during the range test too
-    with pytest.warns(HDETWarning, match="no checkpoint is written during the LR range test"):
+    with pytest.warns(HDETWarning, match="no checkpoint is written during the LR range test") as said:
         trainer.train()
+    assert len([warning for warning in said if "no checkpoint" in str(warning.message)]) == 1  # once, not each step
     assert not hdet.ramping and trainer.state.global_step == 20
     assert saved_while_ramping == [False] * 21  # the step the test ended at (the run's step 0), then every step
