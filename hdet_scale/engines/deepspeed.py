@@ -389,8 +389,9 @@ class HDETDeepSpeed(HDETHandle):
             failure = error
         finally:
             self._saved_replicas_given = None
-        # A file only some ranks read (a replica's own optimizer state, a rank's shard) failing there: every rank
-        # stops here, none goes on to train and wait in a collective the failing ones never reach.
+        # A file only some ranks read (a replica's own optimizer state) or see (a stale network file system view)
+        # failing there: every rank stops here, none goes on to train and wait in a collective the failing ones never
+        # reach (where DeepSpeed's own load runs no collective after the failure).
         raise_together(failure, f"loading the checkpoint {tag}")
         if path is None:
             return None, None

@@ -432,6 +432,37 @@ def test_a_load_follows_rank_0s_finding_that_there_is_no_checkpoint(tmp_path):
     assert run_ranks(latest_seen_by_one_rank, 2, str(tmp_path), timeout=120) == [[None, None]] * 2
 
 
+def checkpoint_unseen_by_one_rank(rank: int, world: int, directory: str) -> str:
+    import shutil
+
+    engine = build(ds_config(0, hdet={"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}), seed=0)
+    train_step(engine, rank, 1)
+    engine.save_checkpoint(f"{directory}/shared", tag="saved")
+    dist.barrier()
+    own = Path(directory) / f"rank{rank}" / "checkpoints"
+    shutil.copytree(f"{directory}/shared", own)
+    if rank == 1:  # rank 1's view of the file system lacks the checkpoint's files; rank 0's has them
+        for path in (own / "saved").glob("*model_states*"):
+            path.unlink()
+    dist.barrier()
+    os.chdir(own.parent)
+    try:
+        engine.load_checkpoint("checkpoints", tag="saved")
+    except PeerFailed as error:
+        return f"PeerFailed: {error}"
+    except Exception as error:
+        return f"own: {type(error).__name__}"
+    return "loaded"
+
+
+def test_a_checkpoint_one_rank_does_not_see_stops_every_rank(tmp_path):
+    """DeepSpeed failed an assertion on a rank whose view of the file system lacked the checkpoint's files rank 0
+    found: rank 0 loaded and went on, to wait in the first collective of the run."""
+    first, second = run_ranks(checkpoint_unseen_by_one_rank, 2, str(tmp_path), timeout=120)
+    assert second == "own: AssertionError"
+    assert first.startswith("PeerFailed: loading the checkpoint saved failed on rank 1"), first
+
+
 def tags_as_deepspeed_takes_them(rank: int, world: int, directory: str) -> list:
     hdet = {"sync_interval": 1, "auto_lr": {"enabled": False, "range_test": 0}}
     engine = build(ds_config(0, hdet=hdet), seed=0)
