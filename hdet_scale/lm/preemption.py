@@ -41,18 +41,20 @@ class StopSignal:
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.finishing:
-            print(f"rank {rank}: received {signal.Signals(number).name} while the run finishes; it writes its last "
-                  "checkpoint and model first", file=sys.stderr, flush=True)
-            self.received = self.received or number
-        elif self.received is None:
-            print(f"rank {rank}: received {signal.Signals(number).name}; stopping at the next safe point to "
-                  "checkpoint" + (" (Ctrl-C again: stop now, without one)" if number == signal.SIGINT else ""),
-                  file=sys.stderr, flush=True)
-            self.received, self._first = number, time.monotonic()
-        elif number == signal.SIGINT and time.monotonic() - self._first > self.REPEAT_SECONDS:
+        if (self.received is not None and number == signal.SIGINT
+                and time.monotonic() - self._first > self.REPEAT_SECONDS):  # also while the run finishes
             print(f"rank {rank}: SIGINT again; stopping now, without a checkpoint", file=sys.stderr, flush=True)
             os._exit(130)
+        if self.received is not None:
+            return
+        self.received, self._first = number, time.monotonic()
+        again = " (Ctrl-C again: stop now, without them)" if number == signal.SIGINT else ""
+        if self.finishing:
+            print(f"rank {rank}: received {signal.Signals(number).name} while the run finishes; it writes its last "
+                  f"checkpoint and model first{again}", file=sys.stderr, flush=True)
+        else:
+            print(f"rank {rank}: received {signal.Signals(number).name}; stopping at the next safe point to "
+                  f"checkpoint{again.replace('them', 'one')}", file=sys.stderr, flush=True)
 
     def poll(self) -> bool:
         """Call once per step on every rank: True when some rank had been signalled by the previous poll."""

@@ -68,3 +68,25 @@ def test_a_sigterm_while_the_run_finishes_waits_for_its_last_checkpoint():
     assert result.returncode == 0, result.stderr
     assert "wrote the last checkpoint and model" in result.stdout
     assert "received SIGTERM while the run finishes; it writes its last checkpoint and model first" in result.stderr
+
+
+STOPPING = textwrap.dedent("""
+    import os, signal, time
+    from hdet_scale.lm.preemption import StopSignal
+
+    stop = StopSignal(group=None)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the ranks agree on a stop, then write the checkpoint
+    stop.stop_polling()
+    time.sleep(StopSignal.REPEAT_SECONDS + 0.5)
+    os.kill(os.getpid(), signal.SIGINT)  # pressed again while that checkpoint is written
+    time.sleep(5)
+    print("still running", flush=True)
+""")
+
+
+def test_a_second_ctrl_c_while_the_stop_checkpoints_stops_at_once():
+    """Once the ranks agreed on the stop (its checkpoint can take minutes), a second Ctrl-C was only noted, and the
+    run went on: the docs promise that it aborts at once."""
+    result = subprocess.run([sys.executable, "-c", STOPPING], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130 and "still running" not in result.stdout, result.stderr
+    assert "SIGINT again; stopping now, without a checkpoint" in result.stderr
