@@ -31,19 +31,29 @@ def floating_state(entry: dict[str, Any]) -> list[torch.Tensor]:
             if isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point() and key != "step"]
 
 
+AVERAGEABLE_MAGNITUDE = torch.finfo(torch.float32).max / 2**12
+"""The largest magnitude a buffer averaged across replicas may hold: the average sums the replicas' values in fp32,
+and a mask filled with a dtype's lowest value (``torch.finfo(dtype).min``) would add up past it to -inf."""
+
+
+def averageable(buffer: torch.Tensor) -> bool:
+    """Whether the replicas can average ``buffer``: all finite, and small enough to sum (``AVERAGEABLE_MAGNITUDE``)."""
+    return bool((buffer.abs() <= AVERAGEABLE_MAGNITUDE).all())
+
+
 class AveragedBuffers:
     """A model's floating-point buffers the replicas average (BatchNorm's statistics), less the constants: those
-    that held a non-finite value when HDET attached, such as an additive attention mask's -inf (rebuilt or not), which
-    an average or the probe's running mean would turn to NaN and which would mark every replica as diverged at every
-    sync. One that turns all finite on every rank (a quantization observer's +-inf start, filled in by the forward)
-    is averaged from the sync that finds it so on (``refresh``). Call it for the buffers averaged now."""
+    that held a value they cannot average when HDET attached (``averageable``), such as an additive attention mask's
+    -inf or ``finfo.min`` (rebuilt or not), which an average would turn to -inf or NaN and which would mark every
+    replica as diverged at every sync. One that turns averageable on every rank (a quantization observer's +-inf
+    start, filled in by the forward) is averaged from the sync that finds it so on (``refresh``). Call it for the
+    buffers averaged now."""
 
     def __init__(self, module: nn.Module | None) -> None:
         self._module = module
         # the same names on every rank: read while the replicas are alike, then changed only by agreement
         self._constants: list[str] = [] if module is None else [
-            name for name, buffer in module.named_buffers()
-            if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all())]
+            name for name, buffer in module.named_buffers() if buffer.is_floating_point() and not averageable(buffer)]
 
     def __call__(self) -> list[torch.Tensor]:
         if self._module is None:
@@ -52,16 +62,16 @@ class AveragedBuffers:
                 if buffer.is_floating_point() and name not in self._constants]
 
     def refresh(self) -> list[torch.Tensor]:
-        """Takes as averaged from now on every constant that is all finite now on every rank (collective where the
+        """Takes as averaged from now on every constant that is averageable now on every rank (collective where the
         process group is up: at the end of a sync, for the interval that starts), and returns them, in the same order
         on every rank, for the sync to average them now: the replicas are then one model until the next. Every rank
-        must average the same tensors: a constant finite on some ranks only, or there on some only, stays one; one
-        gone from every rank is forgotten."""
+        must average the same tensors: a constant averageable on some ranks only, or there on some only, stays one;
+        one gone from every rank is forgotten."""
         if not self._constants:
             return []
         buffers = dict(self._module.named_buffers())
-        # per constant: 0 gone, 1 non-finite, 2 all finite; the lowest and (negated) the highest over the ranks
-        states = torch.tensor([0 if name not in buffers else 1 + bool(torch.isfinite(buffers[name]).all())
+        # per constant: 0 gone, 1 not averageable, 2 averageable; the lowest and (negated) the highest over the ranks
+        states = torch.tensor([0 if name not in buffers else 1 + averageable(buffers[name])
                                for name in self._constants], dtype=torch.int32, device=collective_device())
         extremes = torch.cat([states, -states])
         if dist.is_available() and dist.is_initialized():

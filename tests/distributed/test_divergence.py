@@ -347,6 +347,7 @@ class MaskedNet(nn.Module):
         super().__init__()
         self.linear, self.norm = nn.Linear(8, 4), nn.BatchNorm1d(4)
         self.register_buffer("mask", torch.tensor([0.0, 0.0, -math.inf, 0.0]))
+        self.register_buffer("floor_mask", torch.tensor([0.0, torch.finfo(torch.float32).min, 0.0, 0.0]))
         self.register_buffer("seen_min", torch.tensor(math.inf))
         self.register_buffer("rank_0_min", torch.tensor(math.inf))  # an observer only rank 0's forward reaches
 
@@ -355,7 +356,7 @@ class MaskedNet(nn.Module):
             self.seen_min.copy_(torch.minimum(self.seen_min, x.min()))
             if dist.get_rank() == 0:
                 self.rank_0_min.copy_(torch.minimum(self.rank_0_min, x.min()))
-        return (self.norm(self.linear(x)) + self.mask).softmax(-1)
+        return (self.norm(self.linear(x)) + self.mask + self.floor_mask).softmax(-1)
 
 
 def masked_run(rank: int, world: int) -> dict:
@@ -384,7 +385,7 @@ def masked_run(rank: int, world: int) -> dict:
     inner = model.module
     return {"excluded": reports[-1].excluded_replicas, "probe": reports[-1].probe_losses,
             "seen_min_after_first_sync": after_first_sync,
-            "mask": inner.mask.tolist(), "running_mean": gather_rows(inner.norm.running_mean).tolist(),
+            "mask": inner.mask.tolist(), "floor_mask": inner.floor_mask.tolist(), "running_mean": gather_rows(inner.norm.running_mean).tolist(),
             "seen_min": gather_rows(inner.seen_min.reshape(1)).reshape(-1).tolist(),
             "rank_0_min": gather_rows(inner.rank_0_min.reshape(1)).reshape(-1).tolist()}
 
@@ -393,6 +394,8 @@ def test_a_buffer_non_finite_from_the_start_is_a_constant_until_it_changes():
     first, second = run_ranks(masked_run, 2)
     assert first["excluded"] == [] and all(math.isfinite(loss) for loss in first["probe"])
     assert first["mask"] == second["mask"] == [0.0, -math.inf, 0.0, 0.0]  # as rebuilt, never averaged
+    # a mask of the dtype's lowest value: its replicas' sum overflowed to -inf, then every replica was excluded
+    assert first["floor_mask"] == second["floor_mask"] == [0.0, torch.finfo(torch.float32).min, 0.0, 0.0]
     rows = first["running_mean"]
     assert rows[0] == rows[1]  # the statistics, finite, are averaged across the replicas
     # the observer changed since the start: averaged too, so the replicas are one model again, from the sync that
