@@ -385,7 +385,8 @@ def masked_run(rank: int, world: int) -> dict:
     inner = model.module
     return {"excluded": reports[-1].excluded_replicas, "probe": reports[-1].probe_losses,
             "seen_min_after_first_sync": after_first_sync,
-            "mask": inner.mask.tolist(), "floor_mask": inner.floor_mask.tolist(), "running_mean": gather_rows(inner.norm.running_mean).tolist(),
+            "mask": inner.mask.tolist(), "floor_mask": inner.floor_mask.tolist(),
+            "running_mean": gather_rows(inner.norm.running_mean).tolist(),
             "seen_min": gather_rows(inner.seen_min.reshape(1)).reshape(-1).tolist(),
             "rank_0_min": gather_rows(inner.rank_0_min.reshape(1)).reshape(-1).tolist()}
 
