@@ -8,11 +8,12 @@ multipliers. Between syncs it does no communication.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -718,6 +719,21 @@ class HDETEnsemble:
             if not explored.knob.step_scoped:
                 explored.knob.apply(explored.base())
         self._at_base = True
+
+    @contextlib.contextmanager
+    def one_model_values(self) -> Iterator[None]:
+        """Inside the block every replica holds the base value of each knob set outside the optimizer step
+        (``apply_base_values``) and ``value("label_smoothing")`` reads 0; after it, each replica its own values
+        again (unless they were at the base before). For an evaluation of the one model a sync point holds: scored
+        at the values an export carries, on the plain loss, not at each rank's replica's."""
+        was_at_base, self._probing = self._at_base, True
+        self.apply_base_values()
+        try:
+            yield
+        finally:
+            self._probing = False
+            if not was_at_base and not self._closed:
+                self._apply_knobs()
 
     def close(self) -> None:
         """Removes the optimizer hooks and gives every replica the base value of each knob set outside the optimizer

@@ -540,13 +540,15 @@ class Run:
 
     def _evaluate(self, tokens: Any) -> float:
         """Mean loss over ``eval_batches`` fixed batches per rank, averaged over all ranks (at a sync point,
-        where the replicas are one model)."""
+        where the replicas are one model), at the explored values that model is exported with and without label
+        smoothing (``HDETEnsemble.one_model_values``)."""
         generator = torch.Generator().manual_seed(_mix(self.args.seed, -1, self.rank))
         self.backend.train(False)
         total = torch.zeros((), dtype=torch.float64, device=self.backend.device)
-        for _ in range(self.args.eval_batches):
-            total += self.backend.loss(batch(tokens, micro_batch_size=self.backend.micro_batch_size,
-                                             seq_len=self.args.seq_len, generator=generator)).double()
+        with self.backend.ensemble.one_model_values():
+            for _ in range(self.args.eval_batches):
+                total += self.backend.loss(batch(tokens, micro_batch_size=self.backend.micro_batch_size,
+                                                 seq_len=self.args.seq_len, generator=generator)).double()
         self.backend.train(True)
         dist.all_reduce(total)
         return float(total) / (self.args.eval_batches * dist.get_world_size())

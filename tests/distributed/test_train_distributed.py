@@ -98,6 +98,40 @@ def test_a_final_model_that_fails_to_write_stops_every_rank_in_one_line(tmp_path
                              "No space left on device (rank 0)\n")
 
 
+def smoothing_evaluated_with(rank: int, world: int, directory: str) -> list[float]:
+    """The label smoothing each of train.py's evaluations scored with, on a run that explores it."""
+    import json
+
+    from hdet_scale.lm.backends import FSDPBackend
+    from hdet_scale.lm.train import parse_args
+
+    loss, seen = FSDPBackend.loss, []
+
+    def recording_loss(self, batch):
+        seen.append(self.label_smoothing())
+        return loss(self, batch)
+
+    FSDPBackend.loss = recording_loss
+    settings = Path(directory) / "hdet.json"
+    if rank == 0:
+        settings.write_text(json.dumps({"gradient_mode": "local", "sync_interval": 5, "auto_lr": {"enabled": False},
+                                        "explore": {"label_smoothing": {"base": 0.1, "alpha": 0.5}}}))
+    dist.barrier()
+    args = parse_args(["--preset", "tiny", "--steps", "10", "--seq_len", "16", "--micro_batch_size", "2",
+                       "--max_data_mb", "1", "--warmup_steps", "2", "--no_progress", "--eval_batches", "1",
+                       "--eval_interval", "5", "--hdet_config", str(settings), "--out", str(Path(directory) / "run")])
+    code, said = exit_status_and_errors(args)
+    assert code == 0, said
+    return seen
+
+
+def test_the_held_out_loss_is_the_one_models_plain_loss(tmp_path):
+    """Each rank scored the held-out loss with its replica's label smoothing (0.1 x its multiplier): a smoothed loss,
+    of values no exported model has, and not comparable with a run that explores none."""
+    for seen in run_ranks(smoothing_evaluated_with, 2, str(tmp_path), timeout=300):
+        assert len(seen) >= 3 and set(seen) == {0.0}, seen
+
+
 def signalled_while_building(rank: int, world: int, directory: str) -> dict:
     """train.py's run, where rank 1 gets a SIGTERM (the cluster preempting the job) while the model is wrapped."""
     import os

@@ -603,3 +603,26 @@ def test_an_explored_dropout_stops_where_its_highest_dropout_reaches_1():
     knob.apply(explored.value(top))
     assert model[2].p == pytest.approx(0.5 * explored.base() * 1.5) == pytest.approx(1.0)
     assert model[0].p == pytest.approx(0.2 * explored.base() * 1.5)
+
+
+def test_an_evaluation_of_the_one_model_scores_it_at_the_base_values_on_the_plain_loss():
+    """train.py's held-out loss was scored with each rank's replica's attention scale and label smoothing (a loss
+    smoothed by a value that differs from rank to rank, of a model none of them exports): inside
+    ``one_model_values`` every replica holds the base and the loss reads no smoothing, and after it each replica its
+    own values again."""
+    model = tiny_llama()
+    config = HDETConfig.from_dict({"alpha": 0.3, "gradient_mode": "local", "explore": EXPLORE,
+                                   "auto_lr": LR_HELD_AT_GIVEN})
+    hdet = HDETEnsemble(config, DDPAdapter(two_groups(model), model),
+                        topology=ReplicaTopology(rank=1, world_size=REPLICAS, ranks_per_replica=1))
+    attention = next(module for module in model.modules() if type(module).__name__ == "LlamaAttention")
+    own = (hdet.value("label_smoothing"), attention.scaling)
+    assert own[0] != pytest.approx(0.1) and own[1] != pytest.approx(8 ** -0.5)
+    with hdet.one_model_values():
+        assert hdet.value("label_smoothing") == 0.0 and attention.scaling == pytest.approx(8 ** -0.5)
+    assert (hdet.value("label_smoothing"), attention.scaling) == own
+    hdet.apply_base_values()  # the end of training: the base stays after an evaluation
+    with hdet.one_model_values():
+        pass
+    assert hdet.value("label_smoothing") == pytest.approx(0.1) and attention.scaling == pytest.approx(8 ** -0.5)
+    hdet.close()
