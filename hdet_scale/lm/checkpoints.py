@@ -263,6 +263,11 @@ def _check_same(where: str, saved: dict[str, Any], run: dict[str, Any]) -> None:
                           "saved optimizer and LR schedule state, which would ignore them; resume with the values it "
                           "was trained with, or start a new run in another --out")
     saved_settings = saved.get("settings", {})
+    if "dropout" in run["explored"] and saved_settings.get("dropout", run["settings"]["dropout"]) \
+            != run["settings"]["dropout"]:
+        raise ResumeError(f"{where} explores the dropout as a factor on --dropout {saved_settings['dropout']}, which "
+                          f"its HDET state keeps, and this run gives --dropout {run['settings']['dropout']}: resume "
+                          f"with --dropout {saved_settings['dropout']}, or start a new run in another --out")
     if "replay_schedule" in saved_settings and ((saved_settings["replay_schedule"] is None)
                                                 != (run["settings"].get("replay_schedule") is None)):
         kind = "on a replayed schedule" if saved_settings["replay_schedule"] else "on train.py's own schedule"

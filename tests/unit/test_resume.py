@@ -573,3 +573,19 @@ def test_a_text_file_given_itself_is_checked_by_its_name(tmp_path, single_proces
     with pytest.raises(ResumeError, match="book.txt is held out from byte 18,000 now, and the run trained on it up to "
                                           "byte 36,000"):
         plan(parse_args([*words, "--resume", "--max_data_mb", str(20_000 / 2**20)]))
+
+
+def test_a_new_dropout_is_refused_where_the_checkpoint_explores_it(tmp_path, single_process):
+    """With explore.dropout the checkpoint's HDET state keeps the dropout its factor multiplies: the resume line said
+    --dropout 0.1 -> 0.2 applies from the resumed step on, and the run trained at the factor on 0.1."""
+    hdet = tmp_path / "hdet.json"
+    hdet.write_text(json.dumps({"gradient_mode": "local", "explore": {"dropout": {"alpha": 0.3}}}))
+    words = ["--out", str(tmp_path / "out"), "--max_data_mb", "1", "--hdet_config", str(hdet), "--dropout", "0.1"]
+    fake_checkpoint(tmp_path / "out", plan(parse_args(words)).run)
+    with pytest.raises(ResumeError, match=r"explores the dropout as a factor on --dropout 0.1, which its HDET state "
+                                          r"keeps, and this run gives --dropout 0.2: resume with --dropout 0.1"):
+        plan(parse_args([*words, "--resume", "--dropout", "0.2"]))
+    hdet.write_text(json.dumps({"gradient_mode": "local"}))  # not explored: the new dropout applies (said so)
+    fake_checkpoint(tmp_path / "other", plan(parse_args([*words, "--out", str(tmp_path / "other")])).run)
+    assert plan(parse_args([*words, "--out", str(tmp_path / "other"), "--resume", "--dropout", "0.2"])
+                ).resume.changed == ("dropout 0.1 -> 0.2",)
