@@ -61,21 +61,29 @@ def test_a_job_started_afresh_continues_its_own_run_once_requeued(template):
         assert refused.returncode == 2 and "give the run's folder as OUT_DIR=<folder> instead" in refused.stderr
 
 
+PROGRESSED = "step 30 of 100, from step 20"
+"""What train.py leaves in OUT/stopped_early when a signal stopped it after it trained steps 21 to 30."""
+
+
 def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = False, step: str | None = None,
-                   time_left: str = "0:05", requeue_fails: bool = False) -> None:
+                   time_left: str = "0:05", requeue_fails: bool = False, stopped_early: str | None = None) -> None:
     """Slurm's commands as the batch script calls them, on one node: ``squeue`` gives ``time_left`` (5 s: a time
     guard 1 s before the limit), ``scancel --signal`` signals the stand-in step, which ends with ``step_status`` once
-    signalled (its checkpoint failed: 1), or runs ``step`` where given, and ``scontrol requeue`` is recorded (or
-    fails: ``requeue_fails``). ``failing_once``: ``squeue``, ``scancel`` and ``scontrol show node`` fail their first
-    call, as a busy controller's time out (``scontrol show hostnames`` and ``requeue`` never do)."""
+    signalled (its checkpoint failed: 1), first writing ``stopped_early`` into ``$OUT_DIR/stopped_early`` where
+    given (as train.py does when a signal stops it before its end), or runs ``step`` where given, and ``scontrol
+    requeue`` is recorded (or fails: ``requeue_fails``). ``failing_once``: ``squeue``, ``scancel`` and ``scontrol
+    show node`` fail their first call, as a busy controller's time out (``scontrol show hostnames`` and ``requeue``
+    never do)."""
     bin_dir.mkdir()
+    says_stopped = f'mkdir -p "$OUT_DIR"; echo "{stopped_early}" > "$OUT_DIR/stopped_early"; ' if stopped_early else ""
     requeue = 'echo "slurm_requeue error: Requeue of job is not allowed" >&2; exit 1' if requeue_fails else (
         'echo "requeue $2" >> "$REQUEUED"')
     scripts = {
         "squeue": f"echo {time_left}",
         "scancel": 'kill "-${1#--signal=}" "$(cat "$STEP_PID")"',
         "scontrol": f'case "$1" in show) echo "node1 NodeAddr=127.0.0.1";; requeue) {requeue};; esac',
-        "srun": f'echo $$ > "$STEP_PID"; echo "$*" > "$STEP_PID.args"; trap "exit {step_status}" TERM USR1; '
+        "srun": f'echo $$ > "$STEP_PID"; echo "$*" > "$STEP_PID.args"; trap \'{says_stopped}exit {step_status}\' '
+                'TERM USR1; '
                 + (step or 'for _ in $(seq 200); do sleep 0.1; done'),
     }
     for name, body in scripts.items():
@@ -86,6 +94,26 @@ def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = Fals
                     f'exit 1; fi\n{body}')
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
+def test_the_time_guard_requeues_a_start_that_trained_and_ends_one_that_did_not_or_finished(template, tmp_path):
+    """The guard's signal requeued the job whatever the start did: one whose LR range test (which saves nothing)
+    outlasted the time a start has stopped there at every start, requeued without end; one that finished as the
+    guard fired was requeued to write its model again, delaying what waits for its success."""
+    cases = {  # name: (what the ranks leave, exit status, what the script says, requeued)
+        "trained": (PROGRESSED, 0, "requeueing job 12345", True),
+        "no_progress": ("step 20 of 100, from step 20", 1, "with no step trained in this start: requeued, it would "
+                        "stop there again, so the job ends FAILED", False),
+        "finished": (None, 0, "the training finished as the time guard fired; the job is not requeued", False),
+    }
+    for name, (stopped_early, status, said, requeued) in cases.items():
+        stand_in_slurm(tmp_path / name, 0, stopped_early=stopped_early)
+        record = tmp_path / f"{name}.requeued"
+        done = run_template(template, tmp_path, tmp_path / name, record, OUT_DIR=str(tmp_path / f"{name}.out"))
+        assert done.returncode == status, (name, done.stderr)
+        assert said in done.stderr + done.stdout, (name, done.stdout, done.stderr)
+        assert (record.read_text() if record.exists() else "") == ("requeue 12345\n" if requeued else ""), name
 
 
 def run_template(template: str, tmp_path: Path, bin_dir: Path, record: Path,
@@ -106,9 +134,9 @@ def test_a_step_that_fails_after_the_time_guard_is_not_requeued(template, tmp_pa
     disk) requeued the job at every start, without end."""
     requeued = {}
     for status in (0, 1):
-        stand_in_slurm(tmp_path / f"bin{status}", status)
+        stand_in_slurm(tmp_path / f"bin{status}", status, stopped_early=PROGRESSED)
         record = tmp_path / f"requeued{status}"
-        done = run_template(template, tmp_path, tmp_path / f"bin{status}", record)
+        done = run_template(template, tmp_path, tmp_path / f"bin{status}", record, OUT_DIR=str(tmp_path / f"{status}"))
         assert done.returncode == status, done.stderr
         requeued[status] = record.read_text() if record.exists() else ""
         if status:
@@ -120,9 +148,9 @@ def test_a_step_that_fails_after_the_time_guard_is_not_requeued(template, tmp_pa
 def test_slurm_commands_that_time_out_once_are_tried_again(template, tmp_path):
     """One timed-out squeue left the job without its time guard, one timed-out scancel left the ranks unsignalled:
     either way the job ran into its time limit and was not requeued."""
-    stand_in_slurm(tmp_path / "bin", 0, failing_once=True)
+    stand_in_slurm(tmp_path / "bin", 0, failing_once=True, stopped_early=PROGRESSED)
     record = tmp_path / "requeued"
-    done = run_template(template, tmp_path, tmp_path / "bin", record)
+    done = run_template(template, tmp_path, tmp_path / "bin", record, OUT_DIR=str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     assert "checkpoint and requeue 1 s before the limit" in done.stdout
     assert record.read_text() == "requeue 12345\n"
