@@ -273,8 +273,8 @@ def _refuse_flags_json_sets(args: argparse.Namespace, ds_config: dict[str, Any])
         where.update(lr="optimizer.params.lr", weight_decay="optimizer.params.weight_decay")
     if "scheduler" in ds_config:
         where.update(warmup_steps="scheduler", min_lr_ratio="scheduler")
-        if "warmup_max_lr" in ((ds_config["scheduler"] or {}).get("params") or {}):
-            where["lr"] = "scheduler.params.warmup_max_lr"
+        if scheduler_lr(ds_config) is not None:
+            where["lr"] = f"scheduler.params.{SCHEDULER_LR_KEYS[ds_config['scheduler']['type']][0]}"
     given = [name for name, default in OPTIMIZATION_DEFAULTS.items()
              if name in where and getattr(args, name) != default]
     if given:
@@ -437,13 +437,34 @@ def built_weight_decay(ds_config: dict[str, Any]) -> float:
     return 0.01 if params.get("torch_adam", False) and adamw else 0.0
 
 
+SCHEDULER_LR_KEYS: dict[str, tuple[str, float | None]] = {
+    "WarmupLR": ("warmup_max_lr", None), "WarmupDecayLR": ("warmup_max_lr", 0.001),
+    "OneCycle": ("cycle_max_lr", None), "LRRangeTest": ("lr_range_test_min_lr", 1e-3)}
+"""DeepSpeed's schedulers that set the LR themselves (``WarmupCosineLR`` scales the optimizer's): the key of their
+params that sets it, and DeepSpeed's default for it (None: the optimizer's LR where the key is left out)."""
+
+
+def scheduler_lr(ds_config: dict[str, Any]) -> tuple[float, str] | None:
+    """The LR the DeepSpeed JSON's scheduler trains at instead of the optimizer's, and where it comes from; None
+    where there is no scheduler or it takes the optimizer's LR."""
+    scheduler = ds_config.get("scheduler") or {}
+    kind = scheduler.get("type")
+    if kind not in SCHEDULER_LR_KEYS:
+        return None
+    key, default = SCHEDULER_LR_KEYS[kind]
+    value = (scheduler.get("params") or {}).get(key)
+    if isinstance(value, (int, float)):
+        return float(value), f"the DeepSpeed JSON's {key}"
+    return None if default is None else (default, f"DeepSpeed's default {key} of {kind}")
+
+
 def given_peak_lr(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> tuple[float, str]:
     """The peak LR the run was given, and where: the DeepSpeed JSON's scheduler or optimizer where it sets one,
     else ``--lr``. The LR HDET finds is said as a multiple of it."""
     config = ds_config or {}
-    scheduled = ((config.get("scheduler") or {}).get("params") or {}).get("warmup_max_lr")
-    if isinstance(scheduled, (int, float)):
-        return float(scheduled), "the DeepSpeed JSON's warmup_max_lr"
+    scheduled = scheduler_lr(config)
+    if scheduled is not None:
+        return scheduled
     optimizer = ((config.get("optimizer") or {}).get("params") or {}).get("lr")
     if isinstance(optimizer, (int, float)):  # WarmupCosineLR's peak too
         return float(optimizer), "the DeepSpeed JSON's lr"

@@ -468,8 +468,15 @@ def test_the_peak_lr_the_found_lr_is_said_against():
     assert given_peak_lr(args, {"scheduler": {"type": "WarmupCosineLR", "params": {}}}) == (0.002, "--lr")
     assert given_peak_lr(args, {"optimizer": {"params": {"lr": 3e-4}}}) == (3e-4, "the DeepSpeed JSON's lr")
     assert given_peak_lr(args, {"optimizer": {"params": {"lr": 3e-4}},
-                                "scheduler": {"params": {"warmup_max_lr": 1e-3}}}) == (
+                                "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}) == (
         1e-3, "the DeepSpeed JSON's warmup_max_lr")
+    # WarmupLR without its peak warms up to the optimizer's LR; WarmupDecayLR to DeepSpeed's default of 0.001, and
+    # OneCycle to its cycle_max_lr, whatever --lr says
+    assert given_peak_lr(args, {"scheduler": {"type": "WarmupLR", "params": {}}}) == (0.002, "--lr")
+    assert given_peak_lr(args, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 9}}}) == (
+        0.001, "DeepSpeed's default warmup_max_lr of WarmupDecayLR")
+    assert given_peak_lr(args, {"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.03}}}) == (
+        0.03, "the DeepSpeed JSON's cycle_max_lr")
 
 
 @pytest.mark.usefixtures("single_process")
@@ -579,6 +586,11 @@ def test_settings_that_would_fail_or_do_nothing_after_the_process_group_are_refu
           "there and drop the flag")
     for name, value in (("micro_batch_size", "4"), ("dtype", "fp32"), ("grad_clip", "0.5")):
         check(["--deepspeed_config", zero3, "--steps", "300000", f"--{name}", value], f"--{name} ")
+    # a scheduler that sets the LR itself, with train.py's optimizer: WarmupDecayLR warms up to its own default
+    scheduled = tmp_path / "scheduled.json"
+    scheduled.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 0},
+                                     "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 300}}}))
+    check(["--deepspeed_config", str(scheduled), "--lr", "1e-4"], r"--lr \(its scheduler.params.warmup_max_lr\)")
     assert plan(parse_args(["--deepspeed_config", zero3, "--steps", "300000"])).engine == "deepspeed"
     written = tmp_path / "ds.json"
     for bad, message in (([1], "must hold a JSON object"),
