@@ -271,6 +271,17 @@ def start_process_group(engine: str, cuda: bool, *, own_world: bool) -> None:
 def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.device) -> None:
     """The run, holding ``--out`` for itself; a ``RunFailed`` on any rank exits every rank with status 1 after
     rank 0 has said why, as ranks that disagree on the replica size exit with status 2 (bad input)."""
+    # Caught from the process group on: a signal while --out is taken or the model is built, wrapped and resumed
+    # (minutes for a large one) stops the run at its first steps, with a checkpoint, where it was lost.
+    stop = StopSignal(cpu_group())
+    try:
+        _train_holding_out(args, checked, device, stop)
+    finally:
+        stop.close()  # no signal all-reduce left in flight
+
+
+def _train_holding_out(args: argparse.Namespace, checked: Plan, device: torch.device, stop: StopSignal) -> None:
+    """``train_on_every_rank`` once its signals are caught (``stop``)."""
     try:  # each node's launcher counts its own ranks: only the ranks together can tell
         check_same_replica_size(checked.config.ranks_per_replica, dist.get_rank(), dist.get_world_size())
     except HDETConfigError as error:  # on every rank
@@ -281,9 +292,6 @@ def train_on_every_rank(args: argparse.Namespace, checked: Plan, device: torch.d
     out = Path(args.out)
     try:
         take_out(out, checked)
-        # Caught from here on: a signal while the model is built, wrapped and resumed (minutes for a large one)
-        # stops the run at its first steps, with a checkpoint, where it was lost.
-        stop = StopSignal(cpu_group())
         try:
             Run(args, checked, device, stop).train()
         finally:

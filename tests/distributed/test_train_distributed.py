@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 
 from distributed import run_ranks
@@ -132,24 +133,30 @@ def test_the_held_out_loss_is_the_one_models_plain_loss(tmp_path):
         assert len(seen) >= 3 and set(seen) == {0.0}, seen
 
 
-def signalled_while_building(rank: int, world: int, directory: str) -> dict:
-    """train.py's run, where rank 1 gets a SIGTERM (the cluster preempting the job) while the model is wrapped."""
+def signalled_while_building(rank: int, world: int, directory: str, where: str) -> dict:
+    """train.py's run, where rank 1 gets a SIGTERM (the cluster preempting the job) while the model is wrapped, or
+    the time guard's SIGUSR1 while the run takes ``--out`` (``where``)."""
     import os
     import signal
 
     import torch
 
+    from hdet_scale.lm import train
     from hdet_scale.lm.backends import FSDPBackend
     from hdet_scale.lm.train import parse_args, plan, train_on_every_rank
 
-    wrap = FSDPBackend.__init__
+    def signalled_in(work, number):
+        def work_and_get_signalled(*args, **kwargs):
+            if rank == 1:
+                os.kill(os.getpid(), number)
+            return work(*args, **kwargs)
 
-    def wrap_and_get_signalled(self, *args, **kwargs):
-        if rank == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        wrap(self, *args, **kwargs)
+        return work_and_get_signalled
 
-    FSDPBackend.__init__ = wrap_and_get_signalled
+    if where == "wrap":
+        FSDPBackend.__init__ = signalled_in(FSDPBackend.__init__, signal.SIGTERM)
+    else:
+        train.take_out = signalled_in(train.take_out, signal.SIGUSR1)
     out = Path(directory) / "run"
     hdet_config = Path(directory) / f"hdet{rank}.json"  # no LR range test: a stop during it saves nothing
     hdet_config.write_text('{"alpha": 0.5, "sync_interval": 2, "auto_lr": {"range_test": 0}}')
@@ -162,11 +169,13 @@ def signalled_while_building(rank: int, world: int, directory: str) -> dict:
     return {"said": said.getvalue(), "final": (out / "final").exists()}
 
 
-def test_a_signal_while_the_model_is_built_stops_the_run_at_its_first_steps_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("where", ["wrap", "take_out"])
+def test_a_signal_while_the_model_is_built_stops_the_run_at_its_first_steps_with_a_checkpoint(tmp_path, where):
     """The ranks caught the signals only once the model was built and wrapped (minutes for a large one): a SIGTERM
     before then killed the rank (or, ignored as the Slurm templates start them, was lost, and the run trained on
-    until Slurm's SIGKILL)."""
-    first, _ = run_ranks(signalled_while_building, 2, str(tmp_path), timeout=180)
+    until Slurm's SIGKILL). A SIGUSR1 while the run took --out (its lock, the checks of a shared file system) killed
+    the rank too: caught from the moment the process group is up, as the docs say."""
+    first, _ = run_ranks(signalled_while_building, 2, str(tmp_path), where, timeout=180)
     stopped = re.search(r"^preempted at step (\d+); checkpoint: (\S+); rerun with --resume$", first["said"],
                         re.MULTILINE)
     assert stopped and int(stopped.group(1)) <= 2, first["said"]
