@@ -417,10 +417,11 @@ class Run:
         self.step = 0
         self.stop = stop
         self.cpu_group = stop.group  # the signal's votes and the checkpoints' random streams, off the GPU
-        self.progress = Progress(self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
-                                 metrics_path=self.config.metrics_path, wandb_project=args.wandb,
-                                 resumed=checked.resume is not None, sync_lines=not args.replay_schedule,
-                                 config={"train": _plain(vars(args)), "hdet": self.config.to_dict()})
+        # W&B's start can fail on rank 0 alone (not logged in, no network): every rank stops, none left waiting
+        self.progress = agreed("starting the run's logs (--wandb, TensorBoard)", lambda: Progress(
+            self.out, enabled=self.rank == 0, bar=not args.no_progress, total=args.steps,
+            metrics_path=self.config.metrics_path, wandb_project=args.wandb, resumed=checked.resume is not None,
+            sync_lines=not args.replay_schedule, config={"train": _plain(vars(args)), "hdet": self.config.to_dict()}))
         self.engine = checked.engine
 
     def _set_probe(self) -> None:

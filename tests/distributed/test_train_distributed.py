@@ -99,6 +99,33 @@ def test_a_final_model_that_fails_to_write_stops_every_rank_in_one_line(tmp_path
                              "No space left on device (rank 0)\n")
 
 
+def logs_failing_on_rank_0(rank: int, world: int, directory: str) -> tuple[int, str]:
+    """train.py's run, where rank 0's W&B start fails (not logged in, say)."""
+    from hdet_scale.lm import progress
+    from hdet_scale.lm.train import parse_args
+
+    class FailingSinks:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("wandb.errors.UsageError: api_key not configured (no-tty)")
+
+    if rank == 0:
+        progress.ScalarSinks = FailingSinks
+    args = parse_args(["--preset", "tiny", "--steps", "10", "--seq_len", "16", "--micro_batch_size", "2",
+                       "--max_data_mb", "1", "--warmup_steps", "2", "--no_progress", "--eval_batches", "1",
+                       "--out", str(Path(directory) / "run")])
+    return exit_status_and_errors(args)
+
+
+def test_logs_that_fail_to_start_on_rank_0_stop_every_rank_in_one_line(tmp_path):
+    """W&B's start failing on rank 0 printed a traceback there while the other ranks waited in the next collective
+    until the launcher's timeout."""
+    (first_code, first_said), (second_code, second_said) = run_ranks(logs_failing_on_rank_0, 2, str(tmp_path),
+                                                                     timeout=120)
+    assert (first_code, second_code, second_said) == (1, 1, "")
+    assert first_said == ("train.py: error: starting the run's logs (--wandb, TensorBoard): RuntimeError: "
+                          "wandb.errors.UsageError: api_key not configured (no-tty) (rank 0)\n")
+
+
 def smoothing_evaluated_with(rank: int, world: int, directory: str) -> list[float]:
     """The label smoothing each of train.py's evaluations scored with, on a run that explores it."""
     import json
