@@ -15,8 +15,6 @@ from hdet_scale.lm.checkpoints import TENSORBOARD, WANDB_ID_FILE
 
 WANDB_STEP = "step"
 """The training step, logged with every W&B row; the x-axis of every chart."""
-"""In the output directory: the W&B run id, so a resumed run goes on logging into the same W&B run (a fresh
-run starts a W&B run of its own)."""
 
 
 class ScalarSinks:
