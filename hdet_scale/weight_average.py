@@ -68,26 +68,31 @@ class WindowAverage:
     @torch.no_grad()
     def swapped_in(self, tensors: Sequence[torch.Tensor], refresh: Callable[[], None]) -> Iterator[bool]:
         """Inside the block ``tensors`` hold the mean (``refresh()`` is called after writing them, e.g. to update
-        low-precision copies), after it their own values again; yields whether a mean was swapped in (not
-        when no step of this interval fell in the window, e.g. at an early sync)."""
+        low-precision copies), after it their own values again, also where the swap or ``refresh()`` raised;
+        yields whether a mean was swapped in (not when no step of this interval fell in the window, e.g. at an early
+        sync)."""
         if self.count == 0:
             yield False
             return
-        self._swap(tensors)  # the tensors hold the mean, the mean's memory their own values
-        refresh()
+        swapped: list[torch.Tensor] = []  # those holding the mean, their own values in its memory
         try:
+            self._swap(tensors, swapped)
+            refresh()
             yield True
         finally:
-            self._swap(tensors)
+            self._swap(swapped)
             refresh()
 
-    def _swap(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Exchanges the values of ``tensors`` and the mean one tensor at a time, so a swap needs memory for the
-        largest tensor only, not a third copy of them all."""
-        for tensor, mean in zip(tensors, self._mean, strict=True):
+    def _swap(self, tensors: Sequence[torch.Tensor], swapped: list[torch.Tensor] | None = None) -> None:
+        """Exchanges the values of ``tensors`` (the first of the mean's, in order) and the mean one tensor at a
+        time, so a swap needs memory for the largest tensor only, not a third copy of them all; appends each to
+        ``swapped`` once done."""
+        for tensor, mean in zip(tensors, self._mean[:len(tensors)], strict=True):
             held = tensor.clone()
             tensor.copy_(mean)
             mean.copy_(held)
+            if swapped is not None:
+                swapped.append(tensor)
 
     def reset(self) -> None:
         """Starts a new interval (the memory of the mean is kept for the next one)."""

@@ -9,6 +9,7 @@ tests/distributed/test_averaged_probe_distributed.py.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from settings import LR_HELD_AT_GIVEN
 from torch import nn
@@ -76,3 +77,26 @@ def test_after_an_extra_sync_the_probe_scores_the_last_steps_before_the_regular_
             hdet.sync()  # an extra sync, one step into the second interval
     # the regular syncs at steps 4 and 8 score the mean of their last 2 steps; the extra one at 5, step 5 alone
     assert probed == [3.5, 5.0, 7.5]
+
+
+def test_a_refresh_that_raises_leaves_the_tensors_their_own_values():
+    """A refresh after the mean was swapped in that raised (ZeRO's all-gather of the low-precision copies failing)
+    left the weights at the window's mean, and the mean's memory holding them."""
+    window = WindowAverage(WINDOW, SYNC_INTERVAL)
+    tensors = [torch.zeros(3), torch.zeros(2)]
+    for since_sync, value in enumerate([1.0, 2.0, 4.0, 8.0], start=1):
+        for tensor in tensors:
+            tensor.fill_(value)
+        window.observe(SYNC_INTERVAL - since_sync, lambda: tensors)
+    calls = []
+
+    def refresh_failing_first():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("all-gather failed")
+
+    with pytest.raises(RuntimeError, match="all-gather failed"), window.swapped_in(tensors, refresh_failing_first):
+        pytest.fail("the block runs only once the mean is in place")
+    assert all(torch.equal(tensor, torch.full_like(tensor, 8.0)) for tensor in tensors) and len(calls) == 2
+    with window.swapped_in(tensors, lambda: None):  # the mean is intact
+        assert all(torch.equal(tensor, torch.full_like(tensor, 6.0)) for tensor in tensors)
