@@ -123,6 +123,7 @@ class HDETCallback(TrainerCallback, HDETHandle):
         self._logged_report: SyncReport | None = None  # the last sync report given to the Trainer's loggers
         self._training = False  # between on_train_begin and on_train_end
         self._said_no_save = False  # a checkpoint asked for during this train()'s range test was warned about
+        self._in_checkpoint = False  # the Trainer's model is saved into one of its checkpoints, not exported
 
     # ------------------------------------------------------------------------------------ reporting
     def _attached(self) -> HDETEnsemble:
@@ -263,6 +264,18 @@ class HDETCallback(TrainerCallback, HDETHandle):
             torch.save(ensemble.adapter.optimizer.state_dict(),
                        folder / REPLICA_OPTIMIZER_FILE.format(topology.replica_index))
         return True
+
+    def _exported_state(self, state: dict | None) -> dict | None:
+        """The state dict the Trainer saves its model with (``save_model``; None: the model's own): outside a
+        checkpoint, with the attention scale the run found folded into the query weights where it is explored
+        (``HDETEnsemble.fold_found_attention_scale``), since the saved config rebuilds each module's own scale.
+        A checkpoint keeps the weights as they are: its HDET state gives the scale back on resume."""
+        ensemble = self._ensemble
+        if self._in_checkpoint or ensemble is None or not ensemble.explores("attention_scale"):
+            return state
+        folded = dict(self.trainer.model.state_dict() if state is None else state)
+        ensemble.fold_found_attention_scale(self.trainer.model, folded)
+        return folded
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -444,9 +457,21 @@ def add_hdet(trainer: Trainer, hdet_config: HDETConfig | Mapping[str, Any] | str
     @functools.wraps(save_checkpoint)
     def save_checkpoint_with_hdet(model: Any, trial: Any = None, *args: Any, **kwargs: Any) -> None:
         if callback._save_checkpoint(trial):
-            save_checkpoint(model, trial, *args, **kwargs)  # older transformers releases pass metrics too
+            callback._in_checkpoint = True
+            try:
+                save_checkpoint(model, trial, *args, **kwargs)  # older transformers releases pass metrics too
+            finally:
+                callback._in_checkpoint = False
 
     trainer._save_checkpoint = save_checkpoint_with_hdet
+    save = trainer._save
+
+    @functools.wraps(save)
+    def save_with_found_attention_scale(output_dir: str | None = None, state_dict: dict | None = None,
+                                        *args: Any, **kwargs: Any) -> None:
+        save(output_dir, callback._exported_state(state_dict), *args, **kwargs)
+
+    trainer._save = save_with_found_attention_scale
     evaluate = trainer.evaluate
 
     @functools.wraps(evaluate)

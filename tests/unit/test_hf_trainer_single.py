@@ -126,3 +126,52 @@ def test_a_checkpoint_a_callback_asks_for_during_the_range_test_is_skipped_with_
     assert len([warning for warning in said if "no checkpoint" in str(warning.message)]) == 1  # once, not each step
     assert not hdet.ramping and trainer.state.global_step == 20
     assert saved_while_ramping == [False] * 21  # the step the test ended at (the run's step 0), then every step
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_trainers_saved_model_computes_at_the_attention_scale_found_and_its_checkpoints_resume_as_they_were(
+        tmp_path):
+    """``trainer.save_model()`` wrote the weights as they were, and the saved config rebuilds each attention module's
+    own softmax scale: the reloaded model computed at the scale the run started from, not the one it found (the
+    docs asked the user to fold it in by hand). A checkpoint keeps its weights as they are (its HDET state gives the
+    scale back on resume)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from hdet_scale.integrations.hf_trainer import add_hdet
+
+    class ScaleFound(TrainerCallback):  # as a controller would have moved it, before the checkpoint at step 4
+        def on_step_begin(self, args, state, control, **kwargs):
+            hdet.ensemble._explored_named("attention_scale").state.scale = 1.5
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=2,
+                             save_strategy="steps", save_steps=4, report_to=[], use_cpu=True, logging_strategy="no",
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    hdet = add_hdet(trainer, {"sync_interval": 2, "gradient_mode": "local", "explore": {"attention_scale": {}},
+                              "auto_lr": {"enabled": False}}, probe=False)
+    trainer.add_callback(ScaleFound())
+    trainer.train()
+    checkpoint = LlamaForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-4")
+    assert all(torch.equal(saved, now) for saved, now in zip(checkpoint.state_dict().values(),
+                                                            model.state_dict().values(), strict=True))
+    attention = model.model.layers[0].self_attn
+    assert attention.scaling == pytest.approx(1.5 * 8 ** -0.5)
+    trainer.save_model(str(tmp_path / "exported"))
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "exported")
+    assert exported.model.layers[0].self_attn.scaling == pytest.approx(8 ** -0.5)  # the config's own
+    tokens = torch.arange(8).unsqueeze(0)
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(exported(tokens).logits, model(tokens).logits, atol=1e-5)
