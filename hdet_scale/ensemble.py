@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -443,7 +442,7 @@ class HDETEnsemble:
         scale = 1.0
         for explored in self._lr_explored():
             if pick is not None:
-                scale = MEAN_LR_OVER_PICK * pick / (start.peaks[0] * statistics.fmean(explored.multipliers))
+                scale = MEAN_LR_OVER_PICK * pick / (start.peaks[0] * explored.mean_multiplier())
             explored.state = ControllerState(scale=scale)
         self._metrics.write({"step": self._step, "range_test": {"lrs": start.test.lrs, "smoothed": start.test.smoothed,
                                                                 "picked_lr": pick, "scale": scale}})
@@ -689,6 +688,13 @@ class HDETEnsemble:
         self._scorer.reset()
         self._scorer.interval.restore(state["loss_sum"], state["loss_count"])
         self._range_test_picked = bool(state.get("range_test_picked", True))  # earlier versions: it picked
+        if self.config.auto_lr.range_test and self._range_test_picked:
+            # The LR the test picked holds at the replicas' mean: it stays there on another replica count or spread,
+            # whose mean multiplier differs (on a log spread)
+            for explored in self._lr_explored():
+                saved_mean = saved[explored.name].get("mean_multiplier")  # none in a state of an earlier version
+                if saved_mean is not None:
+                    explored.state.scale *= saved_mean / explored.mean_multiplier()
 
     def _check_open(self, what: str) -> None:
         if self._closed:  # each would put the replicas' own values back into the model, or step them

@@ -81,6 +81,11 @@ class ExploredValue:
         self.applied_bases.append(base)
         return self._on_base(base, replica)
 
+    def mean_multiplier(self) -> float:
+        """The replicas' mean multiplier: their mean value over the base (1 on a linear spread; above 1 on a log
+        spread, by how much depending on the replica count)."""
+        return math.fsum(self.multipliers) / len(self.multipliers)
+
     def replica_multipliers(self) -> list[float]:
         """Every replica's multiplier for the current interval, by replica."""
         return [self.multiplier(replica) for replica in range(self.num_replicas)]
@@ -176,7 +181,8 @@ class ExploredValue:
     def state_dict(self) -> dict[str, Any]:
         state = {"permutation": list(self.permutation), "controller": self.state.state_dict(),
                  "stream": self.stream.state_dict(), "applied_bases": list(self.applied_bases),
-                 "parts_delta_x_steps": self.parts_delta_x_steps, "parts_steps": self.parts_steps}
+                 "parts_delta_x_steps": self.parts_delta_x_steps, "parts_steps": self.parts_steps,
+                 "mean_multiplier": self.mean_multiplier()}
         knob = self.knob.state()
         if knob:
             state["knob"] = knob

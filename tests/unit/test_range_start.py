@@ -232,3 +232,30 @@ def test_the_test_gives_back_every_buffer_too():
         hdet.step(loss)
     after = dict(model.named_buffers())
     assert all(torch.equal(after[name], buffer) for name, buffer in before.items()), after
+
+
+def test_a_resume_on_another_replica_count_keeps_the_replicas_mean_lr_at_the_range_tests_pick():
+    """The LR the range test picked holds at the replicas' mean (0.7 times the pick). On a log spread the mean
+    multiplier depends on the replica count: a resume from 2 replicas onto 4 kept the scale, and trained at 0.676
+    times the pick instead (the default, with the LR unspread, was unaffected)."""
+    import math
+
+    from hdet_scale import multipliers
+
+    def ensemble(replicas: int, range_test: int) -> HDETEnsemble:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        config = HDETConfig.from_dict({"alpha": 0.5, "spread": "log", "sync_interval": 10, "ranks_per_replica": 1,
+                                       "auto_lr": {"range_test": range_test}})
+        return HDETEnsemble(config, DDPAdapter(optimizer), total_steps=100,
+                            topology=ReplicaTopology(world_size=replicas, rank=0, ranks_per_replica=1))
+
+    two = ensemble(2, 0)  # a state as the range test left it: the scale that puts the mean LR at 0.7 x the pick
+    two._explored_named("lr/0").state.scale = 0.7 * 0.05 / (0.1 * math.fsum(multipliers(2, 0.5, "log")) / 2)
+    state = two.state_dict()
+    four = ensemble(4, 100)
+    four.load_state_dict(state)
+    mean_lr = math.fsum(four._explored_named("lr/0").replica_values()) / 4
+    assert mean_lr == pytest.approx(0.7 * 0.05)
+    same = ensemble(2, 100)
+    same.load_state_dict(state)  # the same layout: the scale as it was, to the bit
+    assert same._explored_named("lr/0").state.scale == two._explored_named("lr/0").state.scale
