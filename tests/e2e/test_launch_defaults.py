@@ -63,6 +63,8 @@ def test_a_job_started_afresh_continues_its_own_run_once_requeued(template):
 
 PROGRESSED = "step 30 of 100, from step 20"
 """What train.py leaves in OUT/stopped_early when a signal stopped it after it trained steps 21 to 30."""
+NO_PROGRESS = "step 20 of 100, from step 20"
+"""What it leaves when a signal stopped it before it trained a step (during the LR range test)."""
 
 
 def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = False, step: str | None = None,
@@ -97,18 +99,20 @@ def stand_in_slurm(bin_dir: Path, step_status: int, *, failing_once: bool = Fals
 
 
 @pytest.mark.parametrize("template", ["fsdp.sbatch", "deepspeed.sbatch"])
-def test_the_time_guard_requeues_a_start_that_trained_and_ends_one_that_did_not_or_finished(template, tmp_path):
+def test_the_time_guard_requeues_a_start_that_trained_and_ends_one_that_did_not(template, tmp_path):
     """The guard's signal requeued the job whatever the start did: one whose LR range test (which saves nothing)
-    outlasted the time a start has stopped there at every start, requeued without end; one that finished as the
-    guard fired was requeued to write its model again, delaying what waits for its success."""
-    cases = {  # name: (what the ranks leave, exit status, what the script says, requeued)
-        "trained": (PROGRESSED, 0, "requeueing job 12345", True),
-        "no_progress": ("step 20 of 100, from step 20", 1, "with no step trained in this start: requeued, it would "
-                        "stop there again, so the job ends FAILED", False),
-        "finished": (None, 0, "the training finished as the time guard fired; the job is not requeued", False),
+    outlasted the time a start has stopped there at every start, requeued without end. A requeue asked for by hand
+    (the guard's signal sent with scancel) goes ahead: the next start has its whole time."""
+    by_hand = 'kill -USR2 "$PPID"; for _ in $(seq 200); do sleep 0.1; done'
+    cases = {  # name: (what the ranks leave, the stand-in step, Slurm's time left, exit status, what the script
+        # says, requeued)
+        "trained": (PROGRESSED, None, "0:05", 0, "requeueing job 12345", True),
+        "no_progress": (NO_PROGRESS, None, "0:05", 1, "with no step trained in this start: requeued, it would stop "
+                        "there again, so the job ends FAILED", False),
+        "by_hand": (NO_PROGRESS, by_hand, "UNLIMITED", 0, "requeueing job 12345", True),
     }
-    for name, (stopped_early, status, said, requeued) in cases.items():
-        stand_in_slurm(tmp_path / name, 0, stopped_early=stopped_early)
+    for name, (stopped_early, step, time_left, status, said, requeued) in cases.items():
+        stand_in_slurm(tmp_path / name, 0, stopped_early=stopped_early, step=step, time_left=time_left)
         record = tmp_path / f"{name}.requeued"
         done = run_template(template, tmp_path, tmp_path / name, record, OUT_DIR=str(tmp_path / f"{name}.out"))
         assert done.returncode == status, (name, done.stderr)
