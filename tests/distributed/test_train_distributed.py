@@ -126,8 +126,9 @@ def test_logs_that_fail_to_start_on_rank_0_stop_every_rank_in_one_line(tmp_path)
                           "wandb.errors.UsageError: api_key not configured (no-tty) (rank 0)\n")
 
 
-def smoothing_evaluated_with(rank: int, world: int, directory: str) -> list[float]:
-    """The label smoothing each of train.py's evaluations scored with, on a run that explores it."""
+def attention_scales_evaluated_at(rank: int, world: int, directory: str) -> list[float]:
+    """The softmax scale (over its own) of the first attention module in each of train.py's evaluations, on a run
+    that explores it."""
     import json
 
     from hdet_scale.lm.backends import FSDPBackend
@@ -136,14 +137,15 @@ def smoothing_evaluated_with(rank: int, world: int, directory: str) -> list[floa
     loss, seen = FSDPBackend.loss, []
 
     def recording_loss(self, batch):
-        seen.append(self.label_smoothing())
+        attention = next(module for module in self.model.modules() if hasattr(module, "scaling"))
+        seen.append(attention.scaling * attention.head_dim ** 0.5)
         return loss(self, batch)
 
     FSDPBackend.loss = recording_loss
     settings = Path(directory) / "hdet.json"
     if rank == 0:
         settings.write_text(json.dumps({"gradient_mode": "local", "sync_interval": 5, "auto_lr": {"enabled": False},
-                                        "explore": {"label_smoothing": {"base": 0.1, "alpha": 0.5}}}))
+                                        "explore": {"attention_scale": {"alpha": 0.5}}}))
     dist.barrier()
     args = parse_args(["--preset", "tiny", "--steps", "10", "--seq_len", "16", "--micro_batch_size", "2",
                        "--max_data_mb", "1", "--warmup_steps", "2", "--no_progress", "--eval_batches", "1",
@@ -153,11 +155,11 @@ def smoothing_evaluated_with(rank: int, world: int, directory: str) -> list[floa
     return seen
 
 
-def test_the_held_out_loss_is_the_one_models_plain_loss(tmp_path):
-    """Each rank scored the held-out loss with its replica's label smoothing (0.1 x its multiplier): a smoothed loss,
-    of values no exported model has, and not comparable with a run that explores none."""
-    for seen in run_ranks(smoothing_evaluated_with, 2, str(tmp_path), timeout=300):
-        assert len(seen) >= 3 and set(seen) == {0.0}, seen
+def test_the_held_out_loss_is_the_exported_models(tmp_path):
+    """Each rank scored the held-out loss at its replica's attention scale (its multiplier times the base): the mean
+    of models none of which is the exported one, whose weights carry the base."""
+    for seen in run_ranks(attention_scales_evaluated_at, 2, str(tmp_path), timeout=300):
+        assert len(seen) >= 3 and seen == pytest.approx([1.0] * len(seen)), seen
 
 
 def signalled_while_building(rank: int, world: int, directory: str, where: str) -> dict:
