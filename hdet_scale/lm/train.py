@@ -549,8 +549,8 @@ class Run:
 
     def _evaluate(self, tokens: Any) -> float:
         """Mean loss over ``eval_batches`` fixed batches per rank, averaged over all ranks (at a sync point,
-        where the replicas are one model), at the explored values that model is exported with and without label
-        smoothing (``HDETEnsemble.one_model_values``)."""
+        where the replicas are one model), at the explored values that model is exported with
+        (``HDETEnsemble.one_model_values``)."""
         generator = torch.Generator().manual_seed(_mix(self.args.seed, -1, self.rank))
         self.backend.train(False)
         total = torch.zeros((), dtype=torch.float64, device=self.backend.device)
