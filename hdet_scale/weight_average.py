@@ -84,10 +84,11 @@ class WindowAverage:
             refresh()
 
     def _swap(self, tensors: Sequence[torch.Tensor], swapped: list[torch.Tensor] | None = None) -> None:
-        """Exchanges the values of ``tensors`` (the first of the mean's, in order) and the mean one tensor at a
-        time, so a swap needs memory for the largest tensor only, not a third copy of them all; appends each to
-        ``swapped`` once done."""
-        for tensor, mean in zip(tensors, self._mean[:len(tensors)], strict=True):
+        """Exchanges the values of ``tensors`` and the mean one tensor at a time, so a swap needs memory for the
+        largest tensor only, not a third copy of them all; appends each to ``swapped`` once done. Without
+        ``swapped``: those a swap that stopped part way exchanged, the first of the mean's."""
+        means = self._mean if swapped is not None else self._mean[:len(tensors)]
+        for tensor, mean in zip(tensors, means, strict=True):
             held = tensor.clone()
             tensor.copy_(mean)
             mean.copy_(held)

@@ -271,7 +271,8 @@ class HDETCallback(TrainerCallback, HDETHandle):
         (``HDETEnsemble.fold_found_attention_scale``), since the saved config rebuilds each module's own scale.
         A checkpoint keeps the weights as they are: its HDET state gives the scale back on resume."""
         ensemble = self._ensemble
-        if self._in_checkpoint or ensemble is None or not ensemble.explores("attention_scale"):
+        if (self._in_checkpoint or not self.trainer.args.should_save or ensemble is None
+                or not ensemble.explores("attention_scale")):  # a rank that writes nothing: nothing to fold
             return state
         folded = dict(self.trainer.model.state_dict() if state is None else state)
         ensemble.fold_found_attention_scale(self.trainer.model, folded)
