@@ -453,6 +453,8 @@ def scheduler_lr(ds_config: dict[str, Any]) -> tuple[float, str] | None:
         return None
     key, default = SCHEDULER_LR_KEYS[kind]
     value = (scheduler.get("params") or {}).get(key)
+    if isinstance(value, list) and value and isinstance(value[0], (int, float)):  # per param group: the first's
+        return float(value[0]), f"the DeepSpeed JSON's {key}[0]"
     if isinstance(value, (int, float)):
         return float(value), f"the DeepSpeed JSON's {key}"
     return None if default is None else (default, f"DeepSpeed's default {key} of {kind}")

@@ -477,6 +477,8 @@ def test_the_peak_lr_the_found_lr_is_said_against():
         0.001, "DeepSpeed's default warmup_max_lr of WarmupDecayLR")
     assert given_peak_lr(args, {"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.03}}}) == (
         0.03, "the DeepSpeed JSON's cycle_max_lr")
+    assert given_peak_lr(args, {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": [0.02, 0.01]}}}
+                         ) == (0.02, "the DeepSpeed JSON's warmup_max_lr[0]")  # per param group: the first's
 
 
 @pytest.mark.usefixtures("single_process")
