@@ -14,6 +14,9 @@ changes to that one Trainer:
 - ``trainer.train`` notes the checkpoint a run resumes from (HDET's state is read from it). Each ``train()``
   is a run of its own: with ``model_init`` (``hyperparameter_search``) HDET attaches to each run's new model and
   optimizer.
+- ``trainer._save_checkpoint`` writes HDET's state into each checkpoint (below), ``trainer.evaluate`` syncs first
+  during training, and ``trainer._save`` (what ``save_model`` and ``push_to_hub`` write) carries, outside a
+  checkpoint, the attention scale the run found in the query weights where it is explored.
 - DeepSpeed only: while ``trainer.train()`` runs, ``deepspeed.initialize`` called for this Trainer's model
   (accelerate calls it from ``accelerator.prepare``) is answered by ``hdet_scale.engines.deepspeed.initialize``,
   which builds the engine with HDET's replica groups, so ZeRO shards and reduces inside a replica. Every
@@ -36,7 +39,7 @@ Engines:
 
 LR range test (``auto_lr.range_test``, by default): the run starts with it, on the Trainer's first batches. Its steps
 are not the run's: the Trainer's ``global_step`` stays 0 through them (no log, evaluation or checkpoint is taken
-there), its ``lr_scheduler`` does not step (the schedule starts from its first step after the test), and the loop
+there; one a callback asks for is skipped, and rank 0 warns once a ``train()``), its ``lr_scheduler`` does not step (the schedule starts from its first step after the test), and the loop
 gets enough epochs for them on top of ``max_steps`` (or ``num_train_epochs``): the run trains its full length
 after the test, and ``for_run`` gets that length. The Trainer's first logged loss leaves the test's losses out
 (where the Trainer keeps their sum on itself, ``_tr_loss``, as transformers 5 does).
@@ -49,7 +52,7 @@ HDET's state (under DDP in ``hdet_state.pt``, and where the replicas' optimizer 
 restores; a checkpoint without it is refused. An evaluation during training between syncs (``eval_steps`` or
 epochs that are no multiple of ``sync_interval``, a callback's) gets a sync first too, so it scores the one model. At
 the end of training the replicas are averaged once more (``sync_at_end``) so ``trainer.save_model()`` writes the
-ensemble's model.
+ensemble's model, with the attention scale found folded in.
 """
 
 from __future__ import annotations

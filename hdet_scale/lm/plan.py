@@ -461,8 +461,8 @@ def scheduler_lr(ds_config: dict[str, Any]) -> tuple[float, str] | None:
 
 
 def given_peak_lr(args: argparse.Namespace, ds_config: dict[str, Any] | None) -> tuple[float, str]:
-    """The peak LR the run was given, and where: the DeepSpeed JSON's scheduler or optimizer where it sets one,
-    else ``--lr``. The LR HDET finds is said as a multiple of it."""
+    """The peak LR the run was given (LRRangeTest's: its first), and where: the DeepSpeed JSON's scheduler or
+    optimizer where it sets one, else ``--lr``. The LR HDET finds is said as a multiple of it."""
     config = ds_config or {}
     scheduled = scheduler_lr(config)
     if scheduled is not None:

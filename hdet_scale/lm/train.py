@@ -157,8 +157,8 @@ def _add_optimization(group: argparse._ArgumentGroup) -> None:
                        help="micro-batches per step (DeepSpeed: its JSON's gradient_accumulation_steps)")
     group.add_argument("--lr", type=float, default=defaults["lr"],
                        help="peak LR of the warm-up + cosine schedule: where HDET starts looking (the LR it finds is "
-                       "printed at the end as a multiple of it); DeepSpeed: its JSON's optimizer or scheduler where "
-                       "it has one")
+                       "printed at the end as a multiple of it); DeepSpeed: refused where its JSON's optimizer, or a "
+                       "scheduler that sets the LR itself, gives it")
     group.add_argument("--warmup_steps", type=int, default=defaults["warmup_steps"],
                        help="linear LR warm-up steps (DeepSpeed: its JSON's scheduler where it has one)")
     group.add_argument("--min_lr_ratio", type=float, default=defaults["min_lr_ratio"],
