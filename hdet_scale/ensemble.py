@@ -729,9 +729,9 @@ class HDETEnsemble:
     @contextlib.contextmanager
     def one_model_values(self) -> Iterator[None]:
         """Inside the block every replica holds the base value of each knob set outside the optimizer step
-        (``apply_base_values``) and ``value("label_smoothing")`` reads 0 (until ``close()``); after it, each replica its own values
-        again (unless they were at the base before). For an evaluation of the one model a sync point holds: scored
-        at the values an export carries, on the plain loss, not at each rank's replica's."""
+        (``apply_base_values``) and ``value("label_smoothing")`` reads 0 (until ``close()``); after it, each replica
+        its own values again (unless they were at the base before). For an evaluation of the one model a sync point
+        holds: scored at the values an export carries, on the plain loss, not at each rank's replica's."""
         was_at_base, self._probing = self._at_base, True
         self.apply_base_values()
         try:

@@ -39,9 +39,10 @@ Engines:
 
 LR range test (``auto_lr.range_test``, by default): the run starts with it, on the Trainer's first batches. Its steps
 are not the run's: the Trainer's ``global_step`` stays 0 through them (no log, evaluation or checkpoint is taken
-there; one a callback asks for is skipped, and rank 0 warns once a ``train()``), its ``lr_scheduler`` does not step (the schedule starts from its first step after the test), and the loop
-gets enough epochs for them on top of ``max_steps`` (or ``num_train_epochs``): the run trains its full length
-after the test, and ``for_run`` gets that length. The Trainer's first logged loss leaves the test's losses out
+there; one a callback asks for is skipped, and rank 0 warns once a ``train()``), its ``lr_scheduler`` does not
+step (the schedule starts from its first step after the test), and the loop gets enough epochs for them on top of
+``max_steps`` (or ``num_train_epochs``): the run trains its full length after the test, and ``for_run`` gets that
+length. The Trainer's first logged loss leaves the test's losses out
 (where the Trainer keeps their sum on itself, ``_tr_loss``, as transformers 5 does).
 
 Checkpoints: under DDP, Trainer checkpoints are taken at sync points (``save_steps`` a multiple of
