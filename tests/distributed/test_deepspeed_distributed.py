@@ -432,6 +432,18 @@ def test_a_load_follows_rank_0s_finding_that_there_is_no_checkpoint(tmp_path):
     assert run_ranks(latest_seen_by_one_rank, 2, str(tmp_path), timeout=120) == [[None, None]] * 2
 
 
+def load_outcome(load) -> str:
+    """How ``load()`` ended on this rank: "loaded", "PeerFailed: <its message>" (another rank failed), or "own: <the
+    type of the error it raised here>"."""
+    try:
+        load()
+    except PeerFailed as error:
+        return f"PeerFailed: {error}"
+    except Exception as error:
+        return f"own: {type(error).__name__}"
+    return "loaded"
+
+
 def checkpoint_unseen_by_one_rank(rank: int, world: int, directory: str) -> str:
     import shutil
 
@@ -446,13 +458,7 @@ def checkpoint_unseen_by_one_rank(rank: int, world: int, directory: str) -> str:
             path.unlink()
     dist.barrier()
     os.chdir(own.parent)
-    try:
-        engine.load_checkpoint("checkpoints", tag="saved")
-    except PeerFailed as error:
-        return f"PeerFailed: {error}"
-    except Exception as error:
-        return f"own: {type(error).__name__}"
-    return "loaded"
+    return load_outcome(lambda: engine.load_checkpoint("checkpoints", tag="saved"))
 
 
 def test_a_checkpoint_one_rank_does_not_see_stops_every_rank(tmp_path):
@@ -541,13 +547,7 @@ def load_with_one_replicas_file_broken(rank: int, world: int, directory: str) ->
         for path in own_files:
             path.write_bytes(path.read_bytes()[:100])
     dist.barrier()
-    try:
-        engine.load_checkpoint(directory, tag="saved")
-    except PeerFailed as error:
-        return f"PeerFailed: {error}"
-    except Exception as error:
-        return f"own: {type(error).__name__}"
-    return "loaded"
+    return load_outcome(lambda: engine.load_checkpoint(directory, tag="saved"))
 
 
 def test_a_load_failing_on_one_rank_stops_every_rank(tmp_path):

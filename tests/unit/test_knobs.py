@@ -98,15 +98,21 @@ def test_each_knob_changes_what_each_replica_computes():
     assert all(len(values) == REPLICAS for values in seen.values()), seen  # every replica its own value
 
 
-def test_after_training_every_replica_reads_and_holds_the_base_values():
-    """apply_base_values (an integration's end of training) put the base into the modules, but value() still said
-    the replica's own: a loss reading value("label_smoothing") evaluated each rank at its replica's."""
+def replica_1_exploring_everything() -> tuple[HDETEnsemble, nn.Module]:
+    """Replica 1 of ``REPLICAS`` on a tiny Llama exploring every knob (``EXPLORE``, alpha 0.3, the LR held), and the
+    model's first attention module."""
     model = tiny_llama()
     config = HDETConfig.from_dict({"alpha": 0.3, "gradient_mode": "local", "explore": EXPLORE,
                                    "auto_lr": LR_HELD_AT_GIVEN})
     hdet = HDETEnsemble(config, DDPAdapter(two_groups(model), model),
                         topology=ReplicaTopology(rank=1, world_size=REPLICAS, ranks_per_replica=1))
-    attention = next(module for module in model.modules() if type(module).__name__ == "LlamaAttention")
+    return hdet, next(module for module in model.modules() if type(module).__name__ == "LlamaAttention")
+
+
+def test_after_training_every_replica_reads_and_holds_the_base_values():
+    """apply_base_values (an integration's end of training) put the base into the modules, but value() still said
+    the replica's own: a loss reading value("label_smoothing") evaluated each rank at its replica's."""
+    hdet, attention = replica_1_exploring_everything()
     assert hdet.value("label_smoothing") != pytest.approx(0.1) and attention.scaling != pytest.approx(8 ** -0.5)
     hdet.apply_base_values()
     assert hdet.value("label_smoothing") == pytest.approx(hdet.base("label_smoothing")) == pytest.approx(0.1)
@@ -606,16 +612,10 @@ def test_an_explored_dropout_stops_where_its_highest_dropout_reaches_1():
 
 
 def test_an_evaluation_of_the_one_model_scores_it_at_the_base_values_on_the_plain_loss():
-    """train.py's held-out loss was scored with each rank's replica's attention scale and label smoothing (a loss
-    smoothed by a value that differs from rank to rank, of a model none of them exports): inside
-    ``one_model_values`` every replica holds the base and the loss reads no smoothing, and after it each replica its
-    own values again."""
-    model = tiny_llama()
-    config = HDETConfig.from_dict({"alpha": 0.3, "gradient_mode": "local", "explore": EXPLORE,
-                                   "auto_lr": LR_HELD_AT_GIVEN})
-    hdet = HDETEnsemble(config, DDPAdapter(two_groups(model), model),
-                        topology=ReplicaTopology(rank=1, world_size=REPLICAS, ranks_per_replica=1))
-    attention = next(module for module in model.modules() if type(module).__name__ == "LlamaAttention")
+    """train.py's held-out loss was scored at each rank's replica's attention scale (a model none of them exports):
+    inside ``one_model_values`` every replica holds the base and a loss that reads the label smoothing reads none,
+    and after it each replica its own values again."""
+    hdet, attention = replica_1_exploring_everything()
     own = (hdet.value("label_smoothing"), attention.scaling)
     assert own[0] != pytest.approx(0.1) and own[1] != pytest.approx(8 ** -0.5)
     with hdet.one_model_values():
