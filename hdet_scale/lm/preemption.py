@@ -48,13 +48,13 @@ class StopSignal:
         if self.received is not None:
             return
         self.received, self._first = number, time.monotonic()
-        again = " (Ctrl-C again: stop now, without them)" if number == signal.SIGINT else ""
+        name, ctrl_c = signal.Signals(number).name, number == signal.SIGINT
         if self.finishing:
-            print(f"rank {rank}: received {signal.Signals(number).name} while the run finishes; it writes its last "
-                  f"checkpoint and model first{again}", file=sys.stderr, flush=True)
+            print(f"rank {rank}: received {name} while the run finishes; it writes its last checkpoint and model first"
+                  + (" (Ctrl-C again: stop now, without them)" if ctrl_c else ""), file=sys.stderr, flush=True)
         else:
-            print(f"rank {rank}: received {signal.Signals(number).name}; stopping at the next safe point to "
-                  f"checkpoint{again.replace('them', 'one')}", file=sys.stderr, flush=True)
+            print(f"rank {rank}: received {name}; stopping at the next safe point to checkpoint"
+                  + (" (Ctrl-C again: stop now, without one)" if ctrl_c else ""), file=sys.stderr, flush=True)
 
     def poll(self) -> bool:
         """Call once per step on every rank: True when some rank had been signalled by the previous poll."""
