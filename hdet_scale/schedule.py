@@ -181,11 +181,13 @@ class HDETOneCycleLR(OneCycleLR, HDETHandle):
     def step(self, loss: LossLike | None = None) -> SyncReport | None:  # type: ignore[override]
         """Advances OneCycleLR, then HDET (which syncs every ``sync_interval`` calls); OneCycleLR holds while an
         LR range test runs (``auto_lr.range_test``)."""
-        if self.hdet is None or not self.hdet.ramping:
-            if self.hdet is not None:
-                self.hdet.record_step_bases()  # a step an AMP scaler skipped trained (would have) at the base before
+        if self.hdet is None:
             super().step()
-        return self.hdet.step(loss) if self.hdet is not None else None
+            return None
+        if not self.hdet.ramping:
+            self.hdet.record_step_bases()  # a step an AMP scaler skipped trained (would have) at the base before
+            super().step()
+        return self.hdet.step(loss)
 
     def state_dict(self) -> dict[str, Any]:
         state = {key: value for key, value in super().state_dict().items() if key != "hdet"}
