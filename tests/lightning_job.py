@@ -1,6 +1,10 @@
 """A Lightning run with HDETCallback for tests/e2e/test_lightning_e2e.py, launched under torchrun on CPU ranks.
 
     torchrun --nproc_per_node 4 tests/lightning_job.py --out DIR --mode global --ranks_per_replica 1 --epochs 2
+    torchrun --nproc_per_node 4 tests/lightning_job.py --jobs JOBS.json
+
+The second form runs each job of JOBS.json (a list of argument lists) in turn in one launch: importing Lightning costs
+each rank seconds, more than a job's fit. Each rank writes its output of a job to ``DIR/log.<rank>.txt``.
 
 A small regression model, AdamW, 10 batches per rank per epoch, HDET syncing every 5 optimizer steps. Rank 0
 writes ``DIR/record.pt``: every rank's flat parameters after each optimizer step (after HDET's step, so after a
@@ -12,7 +16,12 @@ and the final parameters. Checkpoints go to ``DIR/checkpoints`` (``epoch=E-step=
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import sys
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +151,39 @@ def rows(module: nn.Module) -> torch.Tensor:
     return torch.stack(gathered)
 
 
+@contextlib.contextmanager
+def output_into(path: Path) -> Iterator[None]:
+    """This process's stdout and stderr (its file descriptors: Lightning's logging and warnings too) go to
+    ``path`` inside the block."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in enumerate(saved, start=1):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+def run_each(parser: argparse.ArgumentParser, fit: Callable[[argparse.Namespace], None]) -> None:
+    """``fit`` for the command line's arguments, or for each job of ``--jobs FILE`` in turn, each rank's output of a
+    job in ``OUT/log.<rank>.txt``; then shuts the process group down."""
+    given = sys.argv[1:]
+    jobs = json.loads(Path(given[1]).read_text()) if given[:1] == ["--jobs"] and len(given) == 2 else [given]
+    for job in jobs:
+        args = parser.parse_args(job)
+        args.out.mkdir(parents=True, exist_ok=True)
+        with output_into(args.out / f"log.{os.environ['RANK']}.txt"):
+            fit(args)
+    shut_down_and_exit()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -156,9 +198,13 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="validate at every epoch end")
     parser.add_argument("--coupled_decay", action="store_true", help="Adam with weight decay instead of AdamW")
     parser.add_argument("--explore_scale", action="store_true", help="explore the output's scaling (local mode)")
-    args = parser.parse_args()
+    run_each(parser, fit)
+
+
+def fit(args: argparse.Namespace) -> None:
+    """One job: a fit of ``args``, its record written by rank 0."""
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    world = int(__import__("os").environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(world * BATCHES_PER_EPOCH * 4, 8, generator=generator)
     data = TensorDataset(inputs, inputs.sum(1).sin())
@@ -192,7 +238,6 @@ def main() -> None:
                     "validated": module.validated, "scalings": scalings,
                     "scale_found": hdet.ensemble.base("attention_scale") if args.explore_scale else None},
                    args.out / "record.pt")
-    shut_down_and_exit()
 
 
 if __name__ == "__main__":

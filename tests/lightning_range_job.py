@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/lightning_range_job.py --out DIR --epochs 2 --checkpoint_every 5
 
+or with ``--jobs JOBS.json``, several jobs in one launch, as lightning_job.py runs them.
 lightning_job.py's regression module and data (10 batches per rank per epoch, AdamW with a LambdaLR stepped every
 step), HDET with ``auto_lr.range_test`` and every rank a replica. Rank 0 writes ``DIR/record.pt``: for every
 optimizer step on every rank, whether it was the test's, the LR it trained with and the scheduler's LR; Lightning's
@@ -22,10 +23,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_job import BATCHES_PER_EPOCH, Regression, rows
+from lightning_job import BATCHES_PER_EPOCH, Regression, rows, run_each
 from torch.utils.data import DataLoader, TensorDataset
 
-from hdet_scale.comm import shut_down_and_exit
 from hdet_scale.integrations.lightning import HDETCallback
 
 SYNC_INTERVAL = 5
@@ -106,7 +106,11 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=-1)
     parser.add_argument("--checkpoint_every", type=int, default=None, help="ModelCheckpoint every n train steps")
     parser.add_argument("--ask_saves", action="store_true", help="ask for checkpoints in the test and between syncs")
-    args = parser.parse_args()
+    run_each(parser, fit)
+
+
+def fit(args: argparse.Namespace) -> None:
+    """One job: a fit of ``args``, its record written by rank 0."""
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     world = int(os.environ["WORLD_SIZE"])
     generator = torch.Generator().manual_seed(1)
@@ -139,7 +143,6 @@ def main() -> None:
                     "pick": hdet.ensemble.range_test_pick, "max_epochs": recorder.max_epochs_in_fit,
                     "max_epochs_after": trainer.max_epochs,
                     "asked_weights": asker.weights}, args.out / "record.pt")
-    shut_down_and_exit()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """HDETCallback in real multi-process Lightning runs (torchrun, 4 CPU ranks, DDPStrategy on gloo).
 
-Each launch is ``tests/lightning_job.py``; its record holds every rank's parameters after each optimizer step
-and just before each sync, so the checks compare with averages computed here.
+Each launch runs several jobs of ``tests/lightning_job.py`` in turn (Lightning's import costs each rank more than a
+job's fit); a job's record holds every rank's parameters after each optimizer step and just before each sync, so the
+checks compare with averages computed here.
 
 This file holds the tests that start a launcher or script as a subprocess; the tests that start no process are in
 tests/unit/test_lightning.py.
@@ -25,13 +26,20 @@ RANGE_JOB = JOB.parent / "lightning_range_job.py"
 SYNC = 5
 
 
-def run_job(out: Path, *args: str, nproc: int = 4, job: Path = JOB) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+def run_jobs(root: Path, jobs: dict[str, list[str]], *, nproc: int = 4, job: Path = JOB) -> dict[str, dict]:
+    """Runs ``jobs`` (name: arguments) in turn in one launch of ``job``, each into ``root/<name>``; gives each
+    job's record with ``stdout``, every rank's output of that job."""
+    outs = {name: root / name for name in jobs}
+    launch_dir = root / f"launch_{next(iter(jobs))}"
+    launch_dir.mkdir(parents=True)
+    listing = launch_dir / "jobs.json"
+    listing.write_text(json.dumps([["--out", str(outs[name]), *args] for name, args in jobs.items()]))
     command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(job), "--out", str(out), *args]
-    result = launch(command, cwd=out)
-    assert result.returncode == 0, result.stdout[-5000:]
-    return {**torch.load(out / "record.pt"), "stdout": result.stdout}
+               "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(job), "--jobs", str(listing)]
+    result = launch(command, cwd=launch_dir)
+    stdout = {name: "".join(log.read_text() for log in sorted(out.glob("log.*.txt"))) for name, out in outs.items()}
+    assert result.returncode == 0, (result.stdout[-5000:], {name: text[-3000:] for name, text in stdout.items()})
+    return {name: {**torch.load(out / "record.pt"), "stdout": stdout[name]} for name, out in outs.items()}
 
 
 def without_replica_optimizers(checkpoint: Path, copy: Path) -> Path:
@@ -50,27 +58,26 @@ def runs(tmp_path_factory) -> dict:
     fsdp2 = ["--strategy", "model_parallel", "--ranks_per_replica", "2"]
     first_epoch = "epoch=0-step=10.ckpt"  # each straight run's checkpoint after its first epoch
     local = ["--mode", "local", "--ranks_per_replica", "2", "--accumulate", "2"]
-    return {
-        "global": run_job(root / "global", "--epochs", "2"),
-        "local": run_job(root / "local", *local, "--probe"),
-        "local_resumed": run_job(root / "local_resumed", *local, "--probe", "--resume",
-                                 str(root / "local" / "checkpoints" / "epoch=0-step=5.ckpt")),
-        "local_resumed_bare": run_job(root / "local_resumed_bare", *local, "--probe", "--resume", str(
-            without_replica_optimizers(root / "local" / "checkpoints" / "epoch=0-step=5.ckpt", root / "bare.ckpt"))),
-        "resumed": run_job(root / "resumed", "--epochs", "2", "--resume",
-                           str(root / "global" / "checkpoints" / first_epoch)),
-        "coupled": run_job(root / "coupled", "--epochs", "2", "--coupled_decay"),
-        "coupled_resumed": run_job(root / "coupled_resumed", "--epochs", "2", "--coupled_decay", "--resume",
-                                   str(root / "coupled" / "checkpoints" / first_epoch)),
-        "fsdp2": run_job(root / "fsdp2", *fsdp2, "--epochs", "2"),
-        "fsdp2_local": run_job(root / "fsdp2_local", *fsdp2, "--mode", "local", "--epochs", "2"),
-        "fsdp2_resumed": run_job(root / "fsdp2_resumed", *fsdp2, "--epochs", "2", "--resume",
-                                 str(root / "fsdp2" / "checkpoints" / first_epoch)),
+    replicated = run_jobs(root, {  # in this order: a resumed job after the one it resumes
+        "global": ["--epochs", "2"],
+        "local": [*local, "--probe"],
+        "local_resumed": [*local, "--probe", "--resume", str(root / "local" / "checkpoints" / "epoch=0-step=5.ckpt")],
+        "resumed": ["--epochs", "2", "--resume", str(root / "global" / "checkpoints" / first_epoch)],
+        "coupled": ["--epochs", "2", "--coupled_decay"],
+        "coupled_resumed": ["--epochs", "2", "--coupled_decay", "--resume",
+                            str(root / "coupled" / "checkpoints" / first_epoch)],
         # epochs of 10 steps at T = 3: each epoch's validation falls between syncs
-        "validated": run_job(root / "validated", "--epochs", "2", "--sync_interval", "3", "--validate"),
-        "explored": run_job(root / "explored", "--epochs", "1", "--mode", "local", "--explore_scale"),
-        "root": root,
-    }
+        "validated": ["--epochs", "2", "--sync_interval", "3", "--validate"],
+        "explored": ["--epochs", "1", "--mode", "local", "--explore_scale"],
+    })
+    bare = without_replica_optimizers(root / "local" / "checkpoints" / "epoch=0-step=5.ckpt", root / "bare.ckpt")
+    sharded = run_jobs(root, {
+        "local_resumed_bare": [*local, "--probe", "--resume", str(bare)],
+        "fsdp2": [*fsdp2, "--epochs", "2"],
+        "fsdp2_local": [*fsdp2, "--mode", "local", "--epochs", "2"],
+        "fsdp2_resumed": [*fsdp2, "--epochs", "2", "--resume", str(root / "fsdp2" / "checkpoints" / first_epoch)],
+    })
+    return {**replicated, **sharded, "root": root}
 
 
 def assert_syncs_average(record: dict, replicas_of: list[int]) -> None:
@@ -223,9 +230,8 @@ def range_runs(tmp_path_factory) -> dict:
     """Two ranks, two replicas: a run of 2 epochs (20 steps, the test's batches on top) checkpointed every 5 steps,
     and a run of max_steps=12 that asks for a checkpoint during the test and at step 7, between syncs."""
     root = tmp_path_factory.mktemp("lightning_range")
-    return {"epochs": run_job(root / "epochs", "--epochs", "2", "--checkpoint_every", str(SYNC), nproc=2,
-                              job=RANGE_JOB),
-            "max_steps": run_job(root / "max_steps", "--max_steps", "12", "--ask_saves", nproc=2, job=RANGE_JOB),
+    return {**run_jobs(root, {"epochs": ["--epochs", "2", "--checkpoint_every", str(SYNC)],
+                              "max_steps": ["--max_steps", "12", "--ask_saves"]}, nproc=2, job=RANGE_JOB),
             "root": root}
 
 
