@@ -43,17 +43,26 @@ def averageable(buffer: torch.Tensor) -> bool:
 
 class AveragedBuffers:
     """A model's floating-point buffers the replicas average (BatchNorm's statistics), less the constants: those
-    that held a value they cannot average when HDET attached (``averageable``), such as an additive attention mask's
-    -inf or ``finfo.min`` (rebuilt or not), which an average would turn to -inf or NaN and which would mark every
-    replica as diverged at every sync. One that turns averageable on every rank (a quantization observer's +-inf
-    start, filled in by the forward) is averaged from the sync that finds it so on (``refresh``). Call it for the
-    buffers averaged now."""
+    that held a value they cannot average on some rank when HDET attached (``averageable``), such as an additive
+    attention mask's -inf or ``finfo.min`` (rebuilt or not), which an average would turn to -inf or NaN and which
+    would mark every replica as diverged at every sync. One that turns averageable on every rank (a quantization
+    observer's +-inf start, filled in by the forward) is averaged from the sync that finds it so on (``refresh``).
+    Call it for the buffers averaged now."""
 
     def __init__(self, module: nn.Module | None) -> None:
+        """Collective where the process group is up: every rank must average the same buffers, so a buffer that
+        cannot be averaged on any rank is a constant on all of them (a module not broadcast before HDET attached
+        may hold one on some ranks only)."""
         self._module = module
-        # the same names on every rank: read while the replicas are alike, then changed only by agreement
-        self._constants: list[str] = [] if module is None else [
-            name for name, buffer in module.named_buffers() if buffer.is_floating_point() and not averageable(buffer)]
+        self._constants: list[str] = []
+        if module is None:
+            return
+        floating = [(name, buffer) for name, buffer in module.named_buffers() if buffer.is_floating_point()]
+        constant = torch.tensor([not averageable(buffer) for _, buffer in floating], dtype=torch.int32,
+                                device=collective_device())
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(constant, op=dist.ReduceOp.MAX)
+        self._constants = [name for (name, _), flag in zip(floating, constant.tolist(), strict=True) if flag]
 
     def __call__(self) -> list[torch.Tensor]:
         if self._module is None:

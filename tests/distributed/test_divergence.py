@@ -350,6 +350,7 @@ class MaskedNet(nn.Module):
         self.register_buffer("floor_mask", torch.tensor([0.0, torch.finfo(torch.float32).min, 0.0, 0.0]))
         self.register_buffer("seen_min", torch.tensor(math.inf))
         self.register_buffer("rank_0_min", torch.tensor(math.inf))  # an observer only rank 0's forward reaches
+        self.register_buffer("rank_1_mask", torch.tensor(0.0))  # -inf on rank 1 alone when HDET attaches
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -368,6 +369,8 @@ def masked_run(rank: int, world: int) -> dict:
                              auto_lr=AutoLRConfig(mode="scale", start=0, range_test=0, average_window=0.5))
     topology = ReplicaTopology.build(hdet_config)
     model = wrap_model(MaskedNet(), hdet_config, topology, broadcast_buffers=False)  # each rank its own
+    if rank == 1:  # as in a model not broadcast before HDET attached (the wrap broadcasts rank 0's)
+        model.module.rank_1_mask.fill_(-math.inf)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     hdet = attach(model, optimizer, hdet_config, topology=topology)
     hdet.set_probe(batch_probe(model, torch.ones(4, 8), lambda m, x: m(x)[:, 0].mean()))
@@ -388,7 +391,8 @@ def masked_run(rank: int, world: int) -> dict:
             "mask": inner.mask.tolist(), "floor_mask": inner.floor_mask.tolist(),
             "running_mean": gather_rows(inner.norm.running_mean).tolist(),
             "seen_min": gather_rows(inner.seen_min.reshape(1)).reshape(-1).tolist(),
-            "rank_0_min": gather_rows(inner.rank_0_min.reshape(1)).reshape(-1).tolist()}
+            "rank_0_min": gather_rows(inner.rank_0_min.reshape(1)).reshape(-1).tolist(),
+            "rank_1_mask": gather_rows(inner.rank_1_mask.reshape(1)).reshape(-1).tolist()}
 
 
 def test_a_buffer_non_finite_from_the_start_is_a_constant_until_it_changes():
@@ -408,6 +412,8 @@ def test_a_buffer_non_finite_from_the_start_is_a_constant_until_it_changes():
     # finite on rank 0 alone: a constant still on both (rank 0 averaging it alone would misalign the buckets)
     low = first["rank_0_min"]
     assert math.isfinite(low[0]) and low[1] == math.inf
+    # -inf on rank 1 alone at the start: a constant on both too, left as each rank has it
+    assert first["rank_1_mask"] == [0.0, -math.inf]
 
 
 class DroppingNet(nn.Module):
