@@ -29,26 +29,43 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != BIN:
 
 def pytest_collection_modifyitems(items):
     """Every test in tests/e2e/ is marked ``e2e`` (whether or not its file says so), so ``-m "not e2e"`` still
-    selects everything but the e2e tier."""
+    selects everything but the e2e tier. The tiers run slowest first (e2e, distributed, the benchmarks' tests, unit):
+    with two files at a time (``-n 2``) the many short files at the end keep both workers busy, where a long file
+    started last would run on alone."""
     e2e = TESTS / "e2e"
     for item in items:
         if e2e in item.path.parents:
             item.add_marker(pytest.mark.e2e)
+    slowest_first = [TESTS / "e2e", TESTS / "distributed", TESTS.parent / "benchmarks"]
+    items.sort(key=lambda item: next((rank for rank, folder in enumerate(slowest_first) if folder in item.path.parents),
+                                     len(slowest_first)))
 
 
 SHARED_MEMORY = Path("/dev/shm")
 DEEPSPEED_BUFFERS = "deepspeed_allreduce_buffer_*"
 """DeepSpeed's CPU all-reduce maps a 66 MB buffer per rank here and never unlinks it: left behind by every run."""
+BUFFERS_BEFORE = pytest.StashKey[set]()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_deepspeed_buffers_left():
-    """Removes the shared-memory buffers the session's DeepSpeed runs left (once they have all ended): a few
-    sessions' worth fill a machine's memory, and Slurm's daemons were seen to stop answering under that."""
-    before = set(SHARED_MEMORY.glob(DEEPSPEED_BUFFERS))
-    yield
-    for path in set(SHARED_MEMORY.glob(DEEPSPEED_BUFFERS)) - before:
-        path.unlink(missing_ok=True)
+def controls_the_run() -> bool:
+    """Whether this process is the run's only one or, with ``-n``, the controller of its workers: it starts before
+    them and ends after them."""
+    return "PYTEST_XDIST_WORKER" not in os.environ
+
+
+def pytest_sessionstart(session):
+    if controls_the_run():
+        session.config.stash[BUFFERS_BEFORE] = set(SHARED_MEMORY.glob(DEEPSPEED_BUFFERS))
+
+
+def pytest_sessionfinish(session):
+    """Removes the shared-memory buffers the run's DeepSpeed runs left, once they have all ended (in the controller:
+    a worker ending first would remove those of the other's runs still going): a few sessions' worth fill a machine's
+    memory, and Slurm's daemons were seen to stop answering under that."""
+    before = session.config.stash.get(BUFFERS_BEFORE, None)
+    if before is not None:
+        for path in set(SHARED_MEMORY.glob(DEEPSPEED_BUFFERS)) - before:
+            path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
