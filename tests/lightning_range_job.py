@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 tests/lightning_range_job.py --out DIR --epochs 2 --checkpoint_every 5
 
 or with ``--jobs JOBS.json``, several jobs in one launch, as lightning_job.py runs them.
+
 lightning_job.py's regression module and data (10 batches per rank per epoch, AdamW with a LambdaLR stepped every
 step), HDET with ``auto_lr.range_test`` and every rank a replica. Rank 0 writes ``DIR/record.pt``: for every
 optimizer step on every rank, whether it was the test's, the LR it trained with and the scheduler's LR; Lightning's
