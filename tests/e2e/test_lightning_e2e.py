@@ -71,7 +71,7 @@ def runs(tmp_path_factory) -> dict:
         "explored": ["--epochs", "1", "--mode", "local", "--explore_scale"],
     })
     bare = without_replica_optimizers(root / "local" / "checkpoints" / "epoch=0-step=5.ckpt", root / "bare.ckpt")
-    sharded = run_jobs(root, {
+    sharded = run_jobs(root, {  # the bare resume here: its checkpoint is made from the first launch's
         "local_resumed_bare": [*local, "--probe", "--resume", str(bare)],
         "fsdp2": [*fsdp2, "--epochs", "2"],
         "fsdp2_local": [*fsdp2, "--mode", "local", "--epochs", "2"],
