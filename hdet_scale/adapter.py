@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +59,8 @@ class AveragedBuffers:
         if module is None:
             return
         floating = [(name, buffer) for name, buffer in module.named_buffers() if buffer.is_floating_point()]
-        constant = torch.tensor([not averageable(buffer) for _, buffer in floating], dtype=torch.int32,
-                                device=collective_device())
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(constant, op=dist.ReduceOp.MAX)
-        self._constants = [name for (name, _), flag in zip(floating, constant.tolist(), strict=True) if flag]
+        constant = _over_ranks([not averageable(buffer) for _, buffer in floating], dist.ReduceOp.MAX)
+        self._constants = [name for (name, _), flag in zip(floating, constant, strict=True) if flag]
 
     def __call__(self) -> list[torch.Tensor]:
         if self._module is None:
@@ -80,16 +78,22 @@ class AveragedBuffers:
             return []
         buffers = dict(self._module.named_buffers())
         # per constant: 0 gone, 1 not averageable, 2 averageable; the lowest and (negated) the highest over the ranks
-        states = torch.tensor([0 if name not in buffers else 1 + averageable(buffers[name])
-                               for name in self._constants], dtype=torch.int32, device=collective_device())
-        extremes = torch.cat([states, -states])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
-        lowest, highest = extremes[:len(states)].tolist(), (-extremes[len(states):]).tolist()
+        states = [0 if name not in buffers else 1 + averageable(buffers[name]) for name in self._constants]
+        extremes = _over_ranks([*states, *(-state for state in states)], dist.ReduceOp.MIN)
+        lowest, highest = extremes[:len(states)], [-state for state in extremes[len(states):]]
         turned = [name for name, low in zip(self._constants, lowest, strict=True) if low == 2]
         self._constants = [name for name, low, high in zip(self._constants, lowest, highest, strict=True)
                            if low < 2 and high > 0]  # gone from every rank: nothing left to keep apart
         return [buffers[name] for name in turned]
+
+
+def _over_ranks(values: Sequence[int], op: dist.ReduceOp) -> list[int]:
+    """Each of ``values`` reduced by ``op`` over every rank (collective where the process group is up; else
+    ``values``)."""
+    reduced = torch.tensor(values, dtype=torch.int32, device=collective_device())
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(reduced, op=op)
+    return reduced.tolist()
 
 
 @dataclass(frozen=True)
