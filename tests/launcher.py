@@ -73,10 +73,11 @@ def run_main_job(root: Path) -> MainJob:
     return MainJob(words, command, out, launch([*command, "--out", str(out)], cwd=out))
 
 
-def torchrun(nproc: int) -> list[str]:
-    """A torchrun launch of ``hdet_scale.lm.train`` with ``nproc`` ranks on a free port (append its arguments)."""
+def torchrun(nproc: int, script: tuple[str, ...] = ("-m", "hdet_scale.lm.train")) -> list[str]:
+    """A torchrun launch of ``script`` (``hdet_scale.lm.train`` unless given) with ``nproc`` ranks on a free port
+    (append its arguments)."""
     return [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "-m", "hdet_scale.lm.train"]
+            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", *script]
 
 
 def single_process() -> list[str]:

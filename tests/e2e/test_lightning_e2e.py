@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launcher import BIN, launch
-
-from distributed import free_port
+from launcher import launch, torchrun
 
 JOB = Path(__file__).resolve().parents[1] / "lightning_job.py"
 RANGE_JOB = JOB.parent / "lightning_range_job.py"
@@ -34,9 +32,7 @@ def run_jobs(root: Path, jobs: dict[str, list[str]], *, nproc: int = 4, job: Pat
     launch_dir.mkdir(parents=True)
     listing = launch_dir / "jobs.json"
     listing.write_text(json.dumps([["--out", str(outs[name]), *args] for name, args in jobs.items()]))
-    command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(job), "--jobs", str(listing)]
-    result = launch(command, cwd=launch_dir)
+    result = launch([*torchrun(nproc, (str(job),)), "--jobs", str(listing)], cwd=launch_dir)
     stdout = {name: "".join(log.read_text() for log in sorted(out.glob("log.*.txt"))) for name, out in outs.items()}
     assert result.returncode == 0, (result.stdout[-5000:], {name: text[-3000:] for name, text in stdout.items()})
     return {name: {**torch.load(out / "record.pt"), "stdout": stdout[name]} for name, out in outs.items()}
